@@ -1,0 +1,1 @@
+"""Model adapters: map a model family's parameter names to canonical names and parallel patterns."""

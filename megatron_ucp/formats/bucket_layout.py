@@ -1,0 +1,231 @@
+"""megatron-core's DDP param/grad buffer index map, reproduced as pure functions.
+
+Rules (megatron/core/distributed/param_and_grad_buffer.py and distributed_data_parallel.py,
+core_v0.16.1), all checked against the fixtures:
+- One DDP wrapper per model chunk (VPP chunk). Its parameters (`module.named_parameters()` with
+  requires_grad) are split into dense (`allreduce` True) and expert-parallel ones; each set is
+  grouped by (param dtype, grad dtype) in first-appearance order, grad dtype = fp32 with
+  --accumulate-allreduce-grads-in-fp32 else the param dtype. One buffer per group; dense buffers
+  of all chunks (chunk order) then come the distributed optimizer's gbuf indices.
+- Inside a buffer, parameters are laid out in REVERSE registration order.
+- With the distributed optimizer every parameter start is rounded up to a multiple of 64 elements,
+  and every bucket end is rounded up to a multiple of lcm(dp, 128) (lcm(dp, 128, 2**16) with
+  --ddp-pad-buckets-for-high-nccl-busbw). Without it there is no padding at all.
+- A bucket closes once it holds >= bucket_size elements. bucket_size = --ddp-bucket-size or
+  (--ddp-num-buckets: rank's total parameter count // num buckets) or max(4e7, 1e6 * dp); it is
+  None (one bucket) without --overlap-grad-reduce, on pipeline stages > 0 and for VPP chunks > 0.
+- A `shared_embedding` parameter (tied word embedding / output layer with PP > 1, see
+  LanguageModule.setup_embeddings_and_output_layer) always gets a bucket of its own.
+- `numel_unpadded` of a bucket = end of its last parameter - bucket start (inner alignment padding
+  counts, the bucket-end padding does not).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+PARAM_START_ALIGNMENT = 64  # elements: 128-byte aligned starts for >= 16-bit params
+BUCKET_END_ALIGNMENT = 128  # elements, combined with the DP size via lcm
+HIGH_NCCL_BUSBW_ALIGNMENT = 2 ** 16
+DEFAULT_BUCKET_SIZE = 40_000_000
+DEFAULT_BUCKET_SIZE_PER_DP_RANK = 1_000_000
+
+
+@dataclass(frozen=True)
+class BufferParam:
+    """One parameter as DDP sees it, in registration order."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    shared_embedding: bool = False
+    expert: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class DDPBucketConfig:
+    """The DDP settings that decide the buffer index map of one model chunk."""
+
+    dp_size: int  # size of the (intra) data-parallel x context-parallel group
+    use_distributed_optimizer: bool
+    bucket_size: Optional[int] = None  # None: one bucket per buffer
+    pad_buckets_for_high_nccl_busbw: bool = False
+    grad_reduce_in_fp32: bool = False
+
+    @classmethod
+    def from_megatron_args(cls, args: Mapping[str, Any], *, pp_rank: int, vpp_chunk: int,
+                           rank_num_parameters: int) -> "DDPBucketConfig":
+        """As megatron/training/training.py get_model + DistributedDataParallel.__init__ build it.
+        rank_num_parameters: all parameters of this (tp, pp) rank, all chunks (for --ddp-num-buckets)."""
+        tp = args.get("tensor_model_parallel_size") or 1
+        pp = args.get("pipeline_model_parallel_size") or 1
+        cp = args.get("context_parallel_size") or 1
+        world = args.get("world_size") or tp * pp
+        dp = args.get("data_parallel_size") or world // (tp * pp * cp)
+        dp_cp = dp * cp // (args.get("num_distributed_optimizer_instances") or 1)
+        bucket_size = None
+        if args.get("overlap_grad_reduce") and pp_rank == 0 and vpp_chunk == 0 \
+                and not args.get("overlap_param_gather_with_optimizer_step"):
+            if args.get("ddp_num_buckets"):
+                bucket_size = rank_num_parameters // args["ddp_num_buckets"]
+            elif args.get("ddp_bucket_size") is not None:
+                bucket_size = args["ddp_bucket_size"]
+            else:
+                bucket_size = max(DEFAULT_BUCKET_SIZE, DEFAULT_BUCKET_SIZE_PER_DP_RANK * dp * cp)
+        return cls(
+            dp_size=dp_cp,
+            use_distributed_optimizer=bool(args.get("use_distributed_optimizer")),
+            bucket_size=bucket_size,
+            pad_buckets_for_high_nccl_busbw=bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")),
+            grad_reduce_in_fp32=bool(args.get("accumulate_allreduce_grads_in_fp32")),
+        )
+
+
+@dataclass(frozen=True)
+class ParamSpan:
+    """Where one parameter lives in its buffer: [start, end) in buffer elements."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    bucket: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    start: int
+    end: int  # padded end
+    numel_unpadded: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """One DDP param/grad buffer: parameter spans (buffer order) and buckets."""
+
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    params: tuple[ParamSpan, ...]  # in buffer order (reverse registration order)
+    buckets: tuple[Bucket, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.buckets[-1].end if self.buckets else 0
+
+    @property
+    def numel_unpadded(self) -> int:
+        return sum(b.numel_unpadded for b in self.buckets)
+
+    def span(self, name: str) -> ParamSpan:
+        for s in self.params:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def coalesced_offset(self, span: ParamSpan) -> int:
+        """Offset of `span` in the buffer with bucket-end padding removed (legacy distrib_optim.pt)."""
+        removed = sum(b.numel - b.numel_unpadded for b in self.buckets[:span.bucket])
+        return span.start - removed
+
+    def offset_in_bucket(self, span: ParamSpan) -> int:
+        """Offset of `span` in its bucket's flat tensor (torch_dist dp_reshardable)."""
+        return span.start - self.buckets[span.bucket].start
+
+
+def _round_up(n: int, divisor: int) -> int:
+    return -(-n // divisor) * divisor
+
+
+def build_buffer_layout(params: Sequence[BufferParam], config: DDPBucketConfig,
+                        grad_dtype: Optional[torch.dtype] = None) -> BufferLayout:
+    """Index map of one buffer holding `params` (given in registration order, one dtype pair)."""
+    if not params:
+        raise ValueError("a DDP buffer needs at least one parameter")
+    param_dtype = params[0].dtype
+    grad_dtype = grad_dtype or (torch.float32 if config.grad_reduce_in_fp32 else param_dtype)
+    distopt = config.use_distributed_optimizer
+    if config.pad_buckets_for_high_nccl_busbw:
+        end_divisor = math.lcm(config.dp_size, BUCKET_END_ALIGNMENT, HIGH_NCCL_BUSBW_ALIGNMENT)
+    else:
+        end_divisor = math.lcm(config.dp_size, BUCKET_END_ALIGNMENT)
+
+    def pad_bucket_end(index: int) -> int:
+        return _round_up(index, end_divisor) if distopt else index
+
+    def pad_param_start(index: int) -> int:
+        return _round_up(index, PARAM_START_ALIGNMENT) if distopt else index
+
+    spans: list[ParamSpan] = []
+    buckets: list[Bucket] = []
+    bucket_start = 0
+    bucket_count = 0  # params in the open bucket
+    start = 0
+    end = 0
+
+    def close_bucket(last_param_end: int) -> int:
+        nonlocal bucket_start, bucket_count
+        bucket_end = pad_bucket_end(last_param_end)
+        buckets.append(Bucket(bucket_start, bucket_end, last_param_end - bucket_start))
+        bucket_start, bucket_count = bucket_end, 0
+        return bucket_end
+
+    for p in reversed(params):
+        start = pad_param_start(start)
+        own_bucket = p.shared_embedding and distopt
+        if own_bucket and bucket_count > 0:
+            start = close_bucket(start)
+        end = start + p.numel
+        spans.append(ParamSpan(p.name, tuple(p.shape), start, end, len(buckets)))
+        bucket_count += 1
+        if (config.bucket_size is not None and end - bucket_start >= config.bucket_size) or own_bucket:
+            start = close_bucket(end)
+        else:
+            start = end
+    if bucket_count > 0:
+        close_bucket(end)
+    layout = BufferLayout(param_dtype, grad_dtype, tuple(spans), tuple(buckets))
+    if distopt:
+        assert layout.numel % config.dp_size == 0
+    return layout
+
+
+def build_chunk_buffers(params: Sequence[BufferParam], config: DDPBucketConfig) -> list[BufferLayout]:
+    """All dense buffers of one model chunk, in DDP creation order (first appearance of each
+    (param dtype, grad dtype)). Expert-parallel parameters live in separate buffers (not returned)."""
+    groups: dict[tuple[torch.dtype, torch.dtype], list[BufferParam]] = {}
+    for p in params:
+        if p.expert:
+            continue
+        grad_dtype = torch.float32 if config.grad_reduce_in_fp32 else p.dtype
+        groups.setdefault((p.dtype, grad_dtype), []).append(p)
+    return [build_buffer_layout(ps, config, grad_dtype=g) for (_, g), ps in groups.items()]
+
+
+def shared_embedding_names(args: Mapping[str, Any], *, pp_rank: int, vpp_chunk: int,
+                           names: Sequence[str]) -> set[str]:
+    """Parameters that megatron-core marks `shared_embedding` (tied embeddings, PP > 1)."""
+    pp = args.get("pipeline_model_parallel_size") or 1
+    vpp = args.get("virtual_pipeline_model_parallel_size") or 1
+    tied = not args.get("untie_embeddings_and_output_weights", False)
+    if not tied or pp == 1:
+        return set()
+    pre = pp_rank == 0 and vpp_chunk == 0
+    post = pp_rank == pp - 1 and vpp_chunk == vpp - 1
+    out = set()
+    if pre and not post and "embedding.word_embeddings.weight" in names:
+        out.add("embedding.word_embeddings.weight")
+    if post and not pre and "output_layer.weight" in names:
+        out.add("output_layer.weight")
+    return out

@@ -1,0 +1,469 @@
+"""Reader for Megatron-LM's `torch_dist` checkpoint format (megatron-core dist_checkpointing on
+torch.distributed.checkpoint).
+
+Layout of iter_XXXXXXX/: metadata.json ({"sharded_backend": "torch_dist", ...}), common.pt (args,
+iteration, opt_param_scheduler, checkpoint_version, content_metadata with
+'distrib_optim_sharding_type'), .metadata + __<rank>_<n>.distcp (DCP). Bytes are read through
+torch's own FileSystemReader with a small LoadPlanner that asks only for the chunks one shard needs.
+
+Model keys hold GLOBAL tensors:
+- Transformer layers are stacked on a leading axis of size num_layers under 'decoder.layers.<suffix>'
+  (global layer index); we return stage-local names 'decoder.layers.<i>.<suffix>'.
+- The local (non-TE) spec saves its norms under TE names; we map them back:
+  'self_attention.linear_qkv.layer_norm_{weight,bias}' -> 'input_layernorm.{weight,bias}' and
+  'mlp.linear_fc1.layer_norm_{weight,bias}' -> 'pre_mlp_layernorm.{weight,bias}'
+  (sharded_state_dict_keys_map of get_gpt_layer_local_spec).
+- A TP rank's local tensor is the concatenation, along the split axis, of the saved chunks whose
+  index along that axis is congruent to tp_rank mod TP. That is plain TP slicing when there are
+  TP chunks, and SwiGLU fc1 ([gate_global; up_global] saved from local [gate_r; up_r]) when
+  there are 2*TP chunks.
+- With tied embeddings and PP > 1 the last stage's 'output_layer.weight' is saved under
+  'embedding.word_embeddings.weight' (same values).
+
+Distributed optimizer (content_metadata distrib_optim_sharding_type == 'dp_reshardable' only):
+'optimizer.distributed.dp_group_idx_<m>.gbuf_idx_<g>.dtype_(<param dtype>, <grad dtype>).bucket_idx_<b>.
+{param,exp_avg,exp_avg_sq}' is bucket b of DDP buffer g of model-parallel rank m = tp_rank + TP *
+pp_rank, global shape = the bucket's numel_unpadded (inner 64-element alignment padding included,
+bucket-end padding excluded), saved as DP shards; 'optimizer.distributed.dp_group_idx_<m>.optimizer'
+(a pickled object) holds the param groups with the Adam 'step'.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, create_read_items_for_chunk_list
+
+from megatron_ucp.formats.bucket_layout import (
+    BufferLayout, BufferParam, DDPBucketConfig, build_chunk_buffers, shared_embedding_names)
+from megatron_ucp.formats.common import (
+    CheckpointFormatError, ShardRef, args_to_dict, build_common_state, layout_from_args, load_pickled,
+    load_pickled_bytes)
+from megatron_ucp.model_config import GPTModelConfig
+
+LAYER_PREFIX = "decoder.layers."
+
+# local spec: module name -> name under which torch_dist saves it (prefix rename)
+LOCAL_SPEC_RENAMES = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+
+# Registration order of a local-spec GPT TransformerLayer's parameters (TransformerLayer.__init__:
+# input_layernorm, self_attention [Attention.__init__ builds linear_proj, then SelfAttention adds
+# linear_qkv, q_layernorm, k_layernorm], pre_mlp_layernorm, mlp [linear_fc1, linear_fc2]); checked
+# against the legacy fixtures' model state dicts and the torch_dist buffer chunk boundaries.
+LOCAL_LAYER_ORDER = (
+    "input_layernorm.weight", "input_layernorm.bias",
+    "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+    "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+    "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+    "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
+    "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+    "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+    "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
+)
+PRE_PROCESS_ORDER = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+POST_PROCESS_ORDER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+
+_BUCKET_KEY = re.compile(
+    r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+), (.+)\)\.bucket_idx_(\d+)\."
+    r"(param|exp_avg|exp_avg_sq)$")
+
+
+def local_suffix(saved_suffix: str) -> str:
+    """Saved (TE-style) layer key suffix -> local-spec module name."""
+    for local, saved in LOCAL_SPEC_RENAMES.items():
+        if saved_suffix.startswith(saved):
+            return local + saved_suffix[len(saved):]
+    return saved_suffix
+
+
+def saved_suffix(local: str) -> str:
+    for local_prefix, saved in LOCAL_SPEC_RENAMES.items():
+        if local.startswith(local_prefix):
+            return saved + local[len(local_prefix):]
+    return local
+
+
+def stage_layers(args: dict, pp_rank: int, vpp_chunk: int) -> list[int]:
+    """Global layer indices of one (pipeline stage, virtual chunk); even splits only."""
+    num_layers = args["num_layers"]
+    pp = args.get("pipeline_model_parallel_size") or 1
+    vpp = args.get("virtual_pipeline_model_parallel_size") or 1
+    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                 "pipeline_model_parallel_layout"):
+        if args.get(name):
+            raise CheckpointFormatError(f"args.{name}={args[name]!r}: uneven pipeline splits are not supported yet.")
+    if args.get("account_for_embedding_in_pipeline_split") or args.get("account_for_loss_in_pipeline_split"):
+        raise CheckpointFormatError("account_for_*_in_pipeline_split: uneven pipeline splits are not supported yet.")
+    if num_layers % (pp * vpp):
+        raise CheckpointFormatError(f"num_layers={num_layers} is not divisible by PP*VPP={pp * vpp}.")
+    per_chunk = num_layers // (pp * vpp)
+    first = vpp_chunk * (num_layers // vpp) + pp_rank * per_chunk
+    return list(range(first, first + per_chunk))
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Where a local tensor comes from: saved key, index on the stacked layer axis (or None), and the
+    global (offsets, sizes) regions to concatenate along `axis` (axis counts the stacked axis)."""
+
+    key: str
+    layer: Optional[int]
+    regions: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    axis: int
+
+
+@dataclass
+class _RankInfo:
+    params: list[list[BufferParam]]  # per chunk, registration order, local shapes
+    sources: dict = field(default_factory=dict)  # (chunk, local name) -> _Piece
+    buffers: list[list[BufferLayout]] = field(default_factory=list)
+    gbuf_base: list[int] = field(default_factory=list)
+    step: Optional[float] = None
+    param_groups: Optional[list] = None
+
+
+class _SliceLoadPlanner(LoadPlanner):
+    """Reads requested regions of saved tensors into fresh tensors, and pickled byte items."""
+
+    def __init__(self, metadata, tensor_requests: dict[str, list[ChunkStorageMetadata]], byte_keys: list[str]):
+        self.metadata = metadata
+        self.tensor_requests = tensor_requests
+        self.byte_keys = byte_keys
+        self.tensors: dict[str, list[torch.Tensor]] = {}
+        self.objects: dict[str, Any] = {}
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        pass
+
+    def create_local_plan(self) -> LoadPlan:
+        items: list[ReadItem] = []
+        for fqn, chunks in self.tensor_requests.items():
+            md = self.metadata.state_dict_metadata[fqn]
+            self.tensors[fqn] = [torch.empty(tuple(c.sizes), dtype=md.properties.dtype) for c in chunks]
+            items += create_read_items_for_chunk_list(fqn, md, chunks)
+        for fqn in self.byte_keys:
+            items.append(_create_read_item_for_byteio(MetadataIndex(fqn), 0, MetadataIndex(fqn), 0, 0))
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan):
+        return global_plan
+
+    def finish_plan(self, central_plan):
+        return central_plan
+
+    def load_bytes(self, read_item, value) -> None:
+        self.objects[read_item.dest_index.fqn] = load_pickled_bytes(value, what=read_item.dest_index.fqn)
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        dest = self.tensors[read_item.dest_index.fqn][read_item.dest_index.index]
+        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            dest = dest.narrow(dim, offset, length)
+        return dest
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass  # resolve_tensor handed out a view of the destination
+
+
+class TorchDistCheckpoint:
+    """A `torch_dist` format checkpoint; see the module docstring."""
+
+    format = "torch_dist"
+
+    def __init__(self, iter_dir: Path, iteration: int):
+        self.path = Path(iter_dir)
+        self.iteration = iteration
+        self._check_backend()
+        common_file = self.path / "common.pt"
+        common = load_pickled(common_file, what="the common state (args, iteration, scheduler)",
+                              fix="Every torch_dist checkpoint has one; re-copy the iteration folder.")
+        if not isinstance(common, dict) or "args" not in common:
+            raise CheckpointFormatError(f"{common_file}: has no 'args'; not written by Megatron-LM's save_checkpoint.")
+        if common.get("iteration") != iteration:
+            raise CheckpointFormatError(
+                f"{common_file}: holds iteration {common.get('iteration')} but lives in {self.path.name}; files of "
+                f"different iterations were mixed. Re-copy the iteration folder from one save.")
+        self.args = args_to_dict(common["args"], source=common_file)
+        self.layout = layout_from_args(self.args)
+        self.config = GPTModelConfig.from_megatron_args(self.args)
+        self._common = {k: v for k, v in common.items() if k not in ("args", "rng_state")}
+        del common
+        self._reader, self._metadata = self._open_dcp()
+        self._keys = self._metadata.state_dict_metadata
+        self.optimizer_kind = self._detect_optimizer()
+        self._buckets = self._index_buckets() if self.optimizer_kind == "distributed" else {}
+        self._ranks: dict[tuple[int, int], _RankInfo] = {}
+        for pp_rank in range(self.layout.pp):
+            for tp_rank in range(self.layout.tp):
+                self._ranks[(tp_rank, pp_rank)] = self._rank_info(tp_rank, pp_rank)
+
+    # -- opening ------------------------------------------------------------------------------
+
+    def _check_backend(self) -> None:
+        meta_json = self.path / "metadata.json"
+        if not meta_json.is_file():
+            raise CheckpointFormatError(f"{meta_json}: missing; re-copy the torch_dist iteration folder.")
+        try:
+            backend = json.loads(meta_json.read_text()).get("sharded_backend")
+        except ValueError as e:
+            raise CheckpointFormatError(f"{meta_json}: not valid JSON ({e}); re-copy it.") from e
+        if backend != "torch_dist":
+            raise CheckpointFormatError(f"{meta_json}: sharded_backend={backend!r}; only 'torch_dist' is supported "
+                                        f"(convert zarr checkpoints with Megatron-LM first).")
+
+    def _open_dcp(self):
+        meta_file = self.path / ".metadata"
+        if not meta_file.is_file():
+            raise CheckpointFormatError(f"{meta_file}: missing DCP metadata; re-copy the iteration folder.")
+        reader = FileSystemReader(str(self.path))
+        try:
+            metadata = reader.read_metadata()
+        except Exception as e:
+            raise CheckpointFormatError(f"{meta_file}: cannot read DCP metadata ({type(e).__name__}: {e}); the "
+                                        f"file is truncated or corrupt, re-copy it.") from e
+        reader.set_up_storage_reader(metadata, is_coordinator=True)
+        needed: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        for rel, size in sorted(needed.items()):
+            f = self.path / rel
+            if not f.is_file():
+                raise CheckpointFormatError(f"{f}: missing data file listed in {meta_file}; re-copy the iteration folder.")
+            if f.stat().st_size < size:
+                raise CheckpointFormatError(f"{f}: truncated ({f.stat().st_size} bytes, the metadata needs {size}); "
+                                            f"re-copy it.")
+        return reader, metadata
+
+    def _detect_optimizer(self) -> str:
+        opt_keys = [k for k in self._keys if k.startswith("optimizer.")]
+        if not opt_keys:
+            return "none"
+        sharding = (self._common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+        if not any(k.startswith("optimizer.distributed.") for k in opt_keys):
+            raise CheckpointFormatError(
+                f"{self.path / '.metadata'}: optimizer state without the distributed optimizer "
+                f"(keys like {opt_keys[0]!r}) is not supported yet; save with --use-distributed-optimizer "
+                f"or the legacy 'torch' format.")
+        if sharding != "dp_reshardable":
+            raise CheckpointFormatError(
+                f"{self.path / 'common.pt'}: distrib_optim_sharding_type={sharding!r}; only 'dp_reshardable' "
+                f"(Megatron-LM's default without --dist-ckpt-optim-fully-reshardable) is supported.")
+        if self.args.get("num_experts"):
+            raise CheckpointFormatError(f"{self.path}: MoE distributed-optimizer state is not supported yet.")
+        return "distributed"
+
+    def _index_buckets(self) -> dict:
+        """(mp rank, gbuf, (param dtype str, grad dtype str), bucket) -> {state key: saved key}."""
+        out: dict = {}
+        for key in self._keys:
+            m = _BUCKET_KEY.match(key)
+            if m:
+                mp, g, pd, gd, b, what = m.groups()
+                out.setdefault((int(mp), int(g), (pd, gd), int(b)), {})[what] = key
+        if not out:
+            raise CheckpointFormatError(f"{self.path / '.metadata'}: no optimizer.distributed.*bucket_idx_* tensors.")
+        return out
+
+    def _piece(self, key: str, layer: Optional[int], tp_rank: int) -> _Piece:
+        md = self._keys[key]
+        chunks = [c for c in md.chunks if layer is None or c.offsets[0] == layer]
+        if not chunks:
+            raise CheckpointFormatError(f"{self.path / '.metadata'}: {key} has no saved chunk for layer {layer}.")
+        first = 0 if layer is None else 1
+        split = [d for d in range(first, len(md.size)) if chunks[0].sizes[d] != md.size[d]]
+        if not split:
+            c = chunks[0]
+            return _Piece(key, layer, ((tuple(c.offsets), tuple(c.sizes)),), first)
+        if len(split) > 1:
+            raise CheckpointFormatError(f"{self.path / '.metadata'}: {key} is split on axes {split}; only one TP axis is supported.")
+        axis = split[0]
+        chunks = sorted(chunks, key=lambda c: c.offsets[axis])
+        tp = self.layout.tp
+        if len(chunks) % tp or len({c.sizes[axis] for c in chunks}) != 1:
+            raise CheckpointFormatError(
+                f"{self.path / '.metadata'}: {key} is saved in {len(chunks)} chunks of sizes "
+                f"{sorted({c.sizes[axis] for c in chunks})} on axis {axis}, which does not match TP={tp}.")
+        mine = [c for i, c in enumerate(chunks) if i % tp == tp_rank]
+        return _Piece(key, layer, tuple((tuple(c.offsets), tuple(c.sizes)) for c in mine), axis)
+
+    def _rank_info(self, tp_rank: int, pp_rank: int) -> _RankInfo:
+        pp, vpp = self.layout.pp, self.layout.num_chunks
+        model_keys = {k for k, v in self._keys.items() if isinstance(v, TensorStorageMetadata)
+                      and not k.startswith(("optimizer.", "rng_state")) and "_extra_state" not in k}
+        layer_suffixes = [local_suffix(k[len(LAYER_PREFIX):]) for k in model_keys if k.startswith(LAYER_PREFIX)]
+        unknown = sorted(set(layer_suffixes) - set(LOCAL_LAYER_ORDER))
+        if unknown and self.optimizer_kind == "distributed":
+            raise CheckpointFormatError(
+                f"{self.path / '.metadata'}: layer parameters {unknown} (transformer_impl="
+                f"{self.args.get('transformer_impl')!r}) have no known registration order, which the "
+                f"distributed optimizer's flat buffers need; only the local GPT spec is supported.")
+        order = [s for s in LOCAL_LAYER_ORDER if s in layer_suffixes] + unknown
+        info = _RankInfo(params=[])
+        tied = not self.args.get("untie_embeddings_and_output_weights", False)
+        for chunk in range(vpp):
+            names: list[str] = []
+            if pp_rank == 0 and chunk == 0:
+                names += [n for n in PRE_PROCESS_ORDER if n in model_keys]
+            for i, _ in enumerate(stage_layers(self.args, pp_rank, chunk)):
+                names += [f"{LAYER_PREFIX}{i}.{s}" for s in order]
+            if pp_rank == pp - 1 and chunk == vpp - 1:
+                names += [n for n in POST_PROCESS_ORDER if n in model_keys and n != "output_layer.weight"]
+                if "output_layer.weight" in model_keys:
+                    names.append("output_layer.weight")
+                elif tied and pp > 1 and not (pp_rank == 0 and chunk == 0):
+                    names.append("output_layer.weight")  # saved as the word embedding
+            params = []
+            layers = stage_layers(self.args, pp_rank, chunk)
+            for name in names:
+                if name.startswith(LAYER_PREFIX):
+                    local_idx, suffix = name[len(LAYER_PREFIX):].split(".", 1)
+                    key, layer = LAYER_PREFIX + saved_suffix(suffix), layers[int(local_idx)]
+                elif name == "output_layer.weight" and name not in model_keys:
+                    key, layer = "embedding.word_embeddings.weight", None
+                else:
+                    key, layer = name, None
+                piece = self._piece(key, layer, tp_rank)
+                shape = list(piece.regions[0][1])
+                shape[piece.axis] = sum(r[1][piece.axis] for r in piece.regions)
+                if layer is not None:
+                    shape = shape[1:]
+                dtype = self._keys[key].properties.dtype
+                params.append(BufferParam(name, tuple(shape), dtype))
+                info.sources[(chunk, name)] = piece
+            info.params.append(params)
+        if self.optimizer_kind == "distributed":
+            self._attach_buffers(info, tp_rank, pp_rank)
+        return info
+
+    def _attach_buffers(self, info: _RankInfo, tp_rank: int, pp_rank: int) -> None:
+        mp = tp_rank + self.layout.tp * pp_rank
+        num_params = sum(p.numel for chunk in info.params for p in chunk)
+        gbuf = 0
+        for chunk, params in enumerate(info.params):
+            config = DDPBucketConfig.from_megatron_args(self.args, pp_rank=pp_rank, vpp_chunk=chunk,
+                                                        rank_num_parameters=num_params)
+            shared = shared_embedding_names(self.args, pp_rank=pp_rank, vpp_chunk=chunk, names=[p.name for p in params])
+            params = [BufferParam(p.name, p.shape, p.dtype, shared_embedding=p.name in shared) for p in params]
+            buffers = build_chunk_buffers(params, config)
+            info.gbuf_base.append(gbuf)
+            info.buffers.append(buffers)
+            for buf in buffers:
+                dtypes = (str(buf.param_dtype), str(buf.grad_dtype))
+                for b, bucket in enumerate(buf.buckets):
+                    keys = self._buckets.get((mp, gbuf, dtypes, b))
+                    if keys is None or set(keys) != {"param", "exp_avg", "exp_avg_sq"}:
+                        raise CheckpointFormatError(
+                            f"{self.path / '.metadata'}: no complete optimizer bucket dp_group_idx_{mp}.gbuf_idx_{gbuf}"
+                            f".dtype_{dtypes}.bucket_idx_{b} for tp={tp_rank} pp={pp_rank}; the DDP settings in args "
+                            f"do not match the saved buffers.")
+                    md = self._keys[keys["param"]]
+                    starts = {c.offsets[0] for c in md.chunks}
+                    spans = [s for s in buf.params if s.bucket == b]
+                    if tuple(md.size) != (bucket.numel_unpadded,) or any(
+                            buf.offset_in_bucket(s) not in starts for s in spans):
+                        raise CheckpointFormatError(
+                            f"{self.path / '.metadata'}: {keys['param']} has shape {tuple(md.size)} and chunk starts "
+                            f"that do not match the 64-aligned layout of rank tp={tp_rank} pp={pp_rank} "
+                            f"(expected {bucket.numel_unpadded} elements); unsupported model or DDP layout.")
+                gbuf += 1
+        n_saved = len({k[1] for k in self._buckets if k[0] == mp})
+        if n_saved != gbuf:
+            raise CheckpointFormatError(f"{self.path / '.metadata'}: dp_group_idx_{mp} has {n_saved} buffers, the model "
+                                        f"needs {gbuf}.")
+
+    def _optimizer_groups(self, tp_rank: int, pp_rank: int) -> dict:
+        info = self._ranks[(tp_rank, pp_rank)]
+        if info.param_groups is None:
+            mp = tp_rank + self.layout.tp * pp_rank
+            prefix = f"optimizer.distributed.dp_group_idx_{mp}.optimizer/"
+            keys = [k for k, v in self._keys.items() if k.startswith(prefix) and isinstance(v, BytesStorageMetadata)]
+            if not keys:
+                raise CheckpointFormatError(f"{self.path / '.metadata'}: missing {prefix}* (optimizer param groups).")
+            obj = self._read({}, keys[:1]).objects[keys[0]]
+            obj = obj[0] if isinstance(obj, list) else obj
+            groups = obj.get("optimizer", obj).get("param_groups", [])
+            steps = {g.get("step") for g in groups if g.get("step") is not None}
+            if len(steps) > 1:
+                raise CheckpointFormatError(f"{keys[0]}: param groups disagree on the Adam step {sorted(steps)}.")
+            info.param_groups = groups
+            info.step = steps.pop() if steps else None
+        return info
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _read(self, tensor_requests: dict, byte_keys: list) -> _SliceLoadPlanner:
+        planner = _SliceLoadPlanner(self._metadata, tensor_requests, byte_keys)
+        plan = self._reader.prepare_local_plan(planner.create_local_plan())
+        plan = planner.finish_plan(self._reader.prepare_global_plan([plan])[0])
+        try:
+            self._reader.read_data(plan, planner).wait()
+        except CheckpointFormatError:
+            raise
+        except Exception as e:
+            raise CheckpointFormatError(f"{self.path}: reading {sorted(tensor_requests) + byte_keys} failed "
+                                        f"({type(e).__name__}: {e}); a .distcp file is corrupt, re-copy it.") from e
+        return planner
+
+    def shards(self) -> list[ShardRef]:
+        refs = []
+        for (t, p), info in sorted(self._ranks.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            for chunk, params in enumerate(info.params):
+                refs += [ShardRef(t, p, chunk, q.name, q.shape, q.dtype) for q in params]
+        return refs
+
+    def read(self, ref: ShardRef) -> dict[str, torch.Tensor]:
+        info = self._ranks.get((ref.tp_rank, ref.pp_rank))
+        piece = info.sources.get((ref.vpp_chunk, ref.local_name)) if info else None
+        if piece is None:
+            raise KeyError(f"{ref}: not in {self.path}")
+        requests = {piece.key: [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in piece.regions]}
+        flat = None
+        if self.optimizer_kind == "distributed":
+            flat = self._flat_request(info, ref)
+            for what, (key, start, numel) in flat.items():
+                requests[key] = [ChunkStorageMetadata(torch.Size([start]), torch.Size([numel]))]
+        got = self._read(requests, []).tensors
+        param = torch.cat(got[piece.key], dim=piece.axis) if len(got[piece.key]) > 1 else got[piece.key][0]
+        if piece.layer is not None:
+            param = param.squeeze(0)
+        out = {"param": param}
+        if flat is not None:
+            for what, (key, _, _) in flat.items():
+                out["fp32" if what == "param" else what] = got[key][0].view(ref.shape)
+            step = self._optimizer_groups(ref.tp_rank, ref.pp_rank).step
+            if step is not None:
+                out["step"] = torch.tensor(float(step), dtype=torch.float32)
+        return out
+
+    def _flat_request(self, info: _RankInfo, ref: ShardRef) -> dict:
+        mp = ref.tp_rank + self.layout.tp * ref.pp_rank
+        for i, buf in enumerate(info.buffers[ref.vpp_chunk]):
+            try:
+                span = buf.span(ref.local_name)
+            except KeyError:
+                continue
+            gbuf = info.gbuf_base[ref.vpp_chunk] + i
+            keys = self._buckets[(mp, gbuf, (str(buf.param_dtype), str(buf.grad_dtype)), span.bucket)]
+            start = buf.offset_in_bucket(span)
+            return {what: (keys[what], start, math.prod(span.shape)) for what in ("param", "exp_avg", "exp_avg_sq")}
+        raise KeyError(f"{ref.local_name} is in no DDP buffer of rank tp={ref.tp_rank} pp={ref.pp_rank}")
+
+    def common_state(self) -> dict:
+        groups = self._optimizer_groups(0, 0).param_groups if self.optimizer_kind == "distributed" else None
+        return build_common_state(iteration=self.iteration, args=self.args,
+                                  checkpoint_version=self._common.get("checkpoint_version"),
+                                  opt_param_scheduler=self._common.get("opt_param_scheduler"),
+                                  param_groups=groups,
+                                  num_flops=self._common.get("num_floating_point_operations_so_far"))

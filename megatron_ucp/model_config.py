@@ -1,0 +1,94 @@
+"""The GPT model hyper-parameters that decide parameter names, shapes and parallel layouts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping, Optional
+
+
+@dataclass(frozen=True)
+class GPTModelConfig:
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int  # == num_attention_heads without GQA
+    kv_channels: int  # head dim
+    vocab_size: int  # true vocabulary (tokenizer.vocab_size, e.g. NullTokenizer: --vocab-size + 1 for EOD)
+    padded_vocab_size: int  # rows of the embedding / output layer as trained
+    make_vocab_size_divisible_by: int = 128
+    max_position_embeddings: int = 0
+    swiglu: bool = False
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    position_embedding_type: str = "learned_absolute"  # or "rope"
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    num_experts: Optional[int] = None
+
+    @property
+    def tied(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    @property
+    def query_projection_size(self) -> int:
+        return self.kv_channels * self.num_attention_heads
+
+    @property
+    def kv_projection_size(self) -> int:
+        return self.kv_channels * self.num_query_groups
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "GPTModelConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def from_megatron_args(cls, args: Any) -> "GPTModelConfig":
+        """Build from Megatron-LM's argparse Namespace (or a dict of the same names)."""
+        get = (lambda k, default=None: args.get(k, default)) if isinstance(args, Mapping) else (
+            lambda k, default=None: getattr(args, k, default))
+        heads = get("num_attention_heads")
+        groups = get("num_query_groups") if get("group_query_attention") else heads
+        hidden = get("hidden_size")
+        swiglu = bool(get("swiglu"))
+        ffn = get("ffn_hidden_size")
+        if ffn is None:
+            # Megatron-LM's default: 4h, or 2/3 of it rounded down to a multiple of 64 with SwiGLU.
+            ffn = int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden
+        padded = get("padded_vocab_size")
+        vocab = get("vocab_size")
+        if get("tokenizer_type") == "NullTokenizer" and vocab is not None:
+            vocab = vocab + 1  # NullTokenizer appends EOD
+        divisible = get("make_vocab_size_divisible_by", 128) or 128
+        if padded is None and vocab is not None:
+            padded = pad_vocab_size(vocab, divisible, get("tensor_model_parallel_size", 1) or 1)
+        return cls(
+            num_layers=get("num_layers"),
+            hidden_size=hidden,
+            ffn_hidden_size=ffn,
+            num_attention_heads=heads,
+            num_query_groups=groups or heads,
+            kv_channels=get("kv_channels") or hidden // heads,
+            vocab_size=vocab if vocab is not None else padded,
+            padded_vocab_size=padded,
+            make_vocab_size_divisible_by=divisible,
+            max_position_embeddings=get("max_position_embeddings") or get("seq_length") or 0,
+            swiglu=swiglu,
+            normalization=get("normalization", "LayerNorm") or "LayerNorm",
+            position_embedding_type=get("position_embedding_type", "learned_absolute") or "learned_absolute",
+            untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights", False)),
+            add_bias_linear=bool(get("add_bias_linear", True)),
+            add_qkv_bias=bool(get("add_qkv_bias", False)),
+            num_experts=get("num_experts"),
+        )
+
+
+def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) -> int:
+    """Megatron-LM's rule: round up to a multiple of make_vocab_size_divisible_by * TP."""
+    multiple = make_vocab_size_divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)

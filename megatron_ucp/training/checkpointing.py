@@ -1,0 +1,214 @@
+"""Save and resume Megatron checkpoints in megatron-core's `torch_dist` format.
+
+The state dict has the structure Megatron-LM's checkpointing.generate_state_dict builds (args,
+checkpoint_version 3.0, iteration, model / model0..model{V-1}, optimizer with the distributed
+optimizer's `dp_reshardable` (default) or `fully_reshardable` sharding, opt_param_scheduler,
+rng_state), so Megatron-LM and this harness read each other's checkpoints.
+Layout: SAVE/iter_0000004/{.metadata, __*.distcp, common.pt, metadata.json},
+SAVE/latest_checkpointed_iteration.txt (written last, by rank 0, after every rank finished).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+
+from megatron_ucp import cpu_backend
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy, get_default_save_sharded_strategy)
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper)
+
+CHECKPOINT_VERSION = 3.0
+TRACKER = "latest_checkpointed_iteration.txt"
+
+# Args that must match between a checkpoint and the run that resumes it.
+MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+              "kv_channels", "swiglu", "normalization", "position_embedding_type",
+              "untie_embeddings_and_output_weights", "add_bias_linear", "padded_vocab_size")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def read_tracker(root: str | Path) -> int:
+    tracker = Path(root) / TRACKER
+    if not tracker.exists():
+        raise CheckpointError(f"{tracker} not found: {root} is not a Megatron checkpoint root "
+                              "(pass the directory that holds latest_checkpointed_iteration.txt)")
+    text = tracker.read_text().strip()
+    if text == "release":
+        raise CheckpointError(f"{tracker} says 'release': release checkpoints are not supported here")
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number") from None
+
+
+def _sharded_sd_metadata(args) -> dict:
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if args.use_distributed_optimizer:
+        metadata["distrib_optim_sharding_type"] = (
+            "fully_reshardable" if args.dist_ckpt_optim_fully_reshardable else "dp_reshardable")
+        if args.dist_ckpt_optim_fully_reshardable:
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+    return metadata
+
+
+def _rng_state() -> ShardedObject:
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    pp, tp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+    return ShardedObject(
+        "rng_state", [state],
+        (parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()),
+        (pp, tp), replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
+
+
+def _set_rng_state(states) -> None:
+    state = states[0] if isinstance(states, list) else states
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def unwrap(chunk):
+    """The GPTModel inside megatron-core's DDP wrapper (checkpoints hold unwrapped names)."""
+    return getattr(chunk, "module", chunk)
+
+
+def _model_keys(model) -> list:
+    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+
+
+def _state_dict(args, model, optimizer, scheduler, iteration, metadata, is_loading, with_optim, with_rng):
+    sd = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+    for key, chunk in zip(_model_keys(model), model):
+        sd[key] = unwrap(chunk).sharded_state_dict(metadata=metadata)
+    if with_optim:
+        sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=metadata)
+        sd["opt_param_scheduler"] = scheduler.state_dict()
+    if with_rng:
+        sd["rng_state"] = _rng_state()
+    sd["num_floating_point_operations_so_far"] = 0
+    return sd
+
+
+def saveable_args(args) -> argparse.Namespace:
+    """The args as stored in common.pt: plain values only, so any reader can unpickle them safely."""
+    plain = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None), list, tuple))}
+    return argparse.Namespace(**plain)
+
+
+def save_checkpoint(args, iteration: int, model, optimizer, scheduler) -> Path:
+    ckpt_dir = iteration_dir(args.save, iteration)
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    metadata = _sharded_sd_metadata(args)
+    metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    args.iteration = iteration
+    sd = _state_dict(saveable_args(args), model, optimizer, scheduler, iteration, metadata, is_loading=False,
+                     with_optim=not args.no_save_optim, with_rng=not args.no_save_rng)
+    strategy = FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy("torch_dist"),
+        parallel_state.get_data_parallel_group(with_context_parallel=True))
+    content_metadata = {k: v for k, v in metadata.items() if k != "dp_cp_group"}
+    dist_checkpointing.save(sd, str(ckpt_dir), strategy, validate_access_integrity=True,
+                            content_metadata=content_metadata)
+    torch.distributed.barrier()
+    if rank == 0:
+        tmp = Path(args.save) / f".{TRACKER}.tmp"
+        tmp.write_text(str(iteration))
+        os.replace(tmp, Path(args.save) / TRACKER)
+    torch.distributed.barrier()
+    return ckpt_dir
+
+
+def check_checkpoint_args(ckpt_args, args, ckpt_dir: Path) -> None:
+    for name in MODEL_ARGS:
+        theirs, ours = getattr(ckpt_args, name, None), getattr(args, name, None)
+        if theirs is not None and theirs != ours:
+            flag = "--" + name.replace("_", "-")
+            raise CheckpointError(f"{ckpt_dir}: checkpoint has {name}={theirs!r} but this run has {ours!r}; "
+                                  f"pass {flag} {theirs} (or load a matching checkpoint)")
+
+
+def load_checkpoint(args, model, optimizer, scheduler) -> Optional[int]:
+    """Resume from args.load at the same TP/PP (DP may change with dp_reshardable). Returns the iteration."""
+    root = Path(args.load)
+    if args.ckpt_step is not None:
+        iteration = args.ckpt_step
+    elif (root / TRACKER).exists():
+        iteration = read_tracker(root)
+    else:
+        if args.exit_on_missing_checkpoint:
+            raise CheckpointError(f"--load {root}: no {TRACKER} found and --exit-on-missing-checkpoint is set")
+        return None
+    ckpt_dir = iteration_dir(root, iteration)
+    if not (ckpt_dir / "metadata.json").exists():
+        raise CheckpointError(f"{ckpt_dir} is not a torch_dist checkpoint (no metadata.json); "
+                              "legacy `torch` checkpoints are read by `megatron-ucp to-universal`")
+
+    common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
+    ckpt_args = common["args"]
+    check_checkpoint_args(ckpt_args, args, ckpt_dir)
+    same_mp = (getattr(ckpt_args, "tensor_model_parallel_size", 1) == args.tensor_model_parallel_size
+               and getattr(ckpt_args, "pipeline_model_parallel_size", 1) == args.pipeline_model_parallel_size)
+    metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
+    load_optim = not args.no_load_optim and not args.finetune and not getattr(ckpt_args, "no_save_optim", False)
+    if load_optim and args.use_distributed_optimizer and not same_mp and \
+            metadata.get("distrib_optim_sharding_type") == "dp_reshardable":
+        raise CheckpointError(
+            f"{ckpt_dir}: saved at TP{ckpt_args.tensor_model_parallel_size}PP{ckpt_args.pipeline_model_parallel_size} "
+            f"with the dp_reshardable optimizer; to resume at TP{args.tensor_model_parallel_size}"
+            f"PP{args.pipeline_model_parallel_size} convert it: megatron-ucp to-universal {root} UCP_DIR, "
+            "then --load UCP_DIR --universal-checkpoint")
+    load_rng = same_mp and not args.no_load_rng and not args.finetune and not getattr(ckpt_args, "no_save_rng", False)
+    metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if load_optim:
+        cpu_backend.init_adam_state_for_loading(optimizer)
+    sd = _state_dict(args, model, optimizer, scheduler, iteration, metadata, is_loading=True,
+                     with_optim=load_optim, with_rng=load_rng)
+    strategy = FullyParallelLoadStrategyWrapper(
+        get_default_load_sharded_strategy(str(ckpt_dir)),
+        parallel_state.get_data_parallel_group(with_context_parallel=True))
+    with torch.no_grad():  # optimizer-state restore copies into leaf tensors
+        state = dist_checkpointing.load(sd, str(ckpt_dir), strategy)
+        for key, chunk in zip(_model_keys(model), model):
+            unwrap(chunk).load_state_dict(state[key], strict=True)
+        if load_optim:
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["opt_param_scheduler"])
+        if args.bf16 or args.fp16:
+            optimizer.reload_model_params()
+    if "rng_state" in state:
+        _set_rng_state(state["rng_state"])
+    if not args.finetune:
+        args.iteration = state["iteration"]
+        args.consumed_train_samples = getattr(ckpt_args, "consumed_train_samples", 0)
+    torch.distributed.barrier()
+    return args.iteration

@@ -1,0 +1,133 @@
+"""One training iteration and its log line, as Megatron-LM's pretrain_gpt.py / training.py do them."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from functools import partial
+from typing import Optional
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron-LM's GPT loss: masked token-sum, with the token count for global averaging."""
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    return loss, num_tokens, report
+
+
+def make_forward_step(device):
+    def forward_step(data_iterator, model):
+        vp_stage = getattr(model, "vp_stage", None)
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        tokens = labels = loss_mask = attention_mask = position_ids = None
+        if first or last:
+            batch = next(data_iterator)
+            batch = {k: v.to(device) for k, v in batch.items()}
+            tokens, position_ids = batch["tokens"], batch["position_ids"]
+            labels, loss_mask = batch["labels"], batch["loss_mask"]
+            attention_mask = batch.get("attention_mask")
+        output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+        return output_tensor, partial(loss_func, loss_mask)
+
+    return forward_step
+
+
+def train_step(args, forward_step, data_iterators, model, optimizer, scheduler):
+    """Forward/backward over the global batch, optimizer step, LR step. Returns (lm_loss, grad_norm, lr)."""
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    forward_backward = get_forward_backward_func()
+    losses = forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=data_iterators if len(model) > 1 else data_iterators[0],
+        model=model,
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+    )
+    lr = optimizer.param_groups[0]["lr"]
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+
+    # Token-averaged loss over the global batch (all micro-batches, all DP ranks), on the last stage;
+    # then shared with every rank so each can log it.
+    lm_loss = torch.zeros(2, dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        for report in losses:
+            lm_loss += report["lm loss"].view(-1).to(torch.float64).cpu()
+    lm_loss = lm_loss.to(_comm_device())
+    torch.distributed.all_reduce(lm_loss, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    # Move the value from the last stage to every rank of the pipeline.
+    torch.distributed.all_reduce(lm_loss, group=parallel_state.get_pipeline_model_parallel_group())
+    loss = (lm_loss[0] / lm_loss[1]).item() if lm_loss[1] > 0 else float("nan")
+    if grad_norm is None:
+        grad_norm = float("nan")
+    return loss, float(grad_norm), lr, bool(update_successful)
+
+
+def _comm_device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class TrainingLogger:
+    """Megatron-style console lines on the last rank, JSONL and TensorBoard on request."""
+
+    def __init__(self, args):
+        self.args = args
+        self.rank = torch.distributed.get_rank()
+        self.is_logging_rank = self.rank == torch.distributed.get_world_size() - 1
+        self.jsonl = open(args.log_jsonl, "a") if (args.log_jsonl and self.is_logging_rank) else None
+        self.tb = None
+        if args.tensorboard_dir and self.is_logging_rank:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(log_dir=args.tensorboard_dir)
+            except ImportError:
+                print("WARNING: --tensorboard-dir needs the `tensorboard` package; skipping TensorBoard logs",
+                      flush=True)
+        self.last_time = time.time()
+
+    def log(self, iteration: int, loss: float, grad_norm: float, lr: float, consumed_samples: int,
+            skipped: bool) -> None:
+        now = time.time()
+        elapsed_ms = (now - self.last_time) * 1000.0
+        self.last_time = now
+        if not self.is_logging_rank:
+            return
+        record = {"iteration": iteration, "lm_loss": loss, "grad_norm": grad_norm, "lr": lr,
+                  "consumed_samples": consumed_samples, "skipped": skipped,
+                  "elapsed_ms": round(elapsed_ms, 3)}
+        if self.jsonl:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        if self.tb:
+            self.tb.add_scalar("lm loss", loss, iteration)
+            self.tb.add_scalar("grad-norm", grad_norm, iteration)
+            self.tb.add_scalar("learning-rate", lr, iteration)
+        if iteration % self.args.log_interval == 0:
+            print(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{self.args.train_iters:8d} |"
+                  f" consumed samples: {consumed_samples:12d} |"
+                  f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+                  f" learning rate: {lr:.6E} | global batch size: {self.args.global_batch_size:5d} |"
+                  f" lm loss: {loss:.6E} | grad norm: {grad_norm:.3f} |"
+                  f" number of skipped iterations: {int(skipped):3d} | number of nan iterations: "
+                  f"{int(math.isnan(loss)):3d} |", flush=True)
+
+    def close(self):
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()

@@ -1,0 +1,186 @@
+"""Build the megatron-core GPT model chunks, DDP wrappers, optimizer and LR scheduler from args.
+
+Mirrors Megatron-LM's pretrain_gpt.py model_provider + training.setup_model_and_optimizer, with the
+fused CUDA kernels turned off when running on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import get_standard_config_overrides
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer import TransformerConfig
+
+from megatron_ucp import cpu_backend
+
+
+def transformer_impl(args) -> str:
+    if args.transformer_impl:
+        if args.transformer_impl == "transformer_engine" and not _have_te():
+            raise RuntimeError("--transformer-impl transformer_engine needs TransformerEngine "
+                               "(pip install 'megatron-ucp[te]' on a CUDA machine); use --transformer-impl local")
+        return args.transformer_impl
+    return "transformer_engine" if (torch.cuda.is_available() and _have_te()) else "local"
+
+
+def _have_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+def transformer_config_from_args(args) -> TransformerConfig:
+    on_gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    kwargs = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        bf16=args.bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        deallocate_pipeline_outputs=True,
+        # Fused kernels need CUDA (and Apex/TE); Megatron-LM's CPU fixtures ran with them off too.
+        masked_softmax_fusion=on_gpu,
+        bias_activation_fusion=on_gpu and args.add_bias_linear,
+        bias_dropout_fusion=on_gpu,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+    )
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(args):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+
+    if transformer_impl(args) == "transformer_engine":
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=None, moe_grouped_gemm=False,
+                                                          qk_layernorm=False)
+    return get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
+                                    normalization=args.normalization)
+
+
+def build_model(args, config: TransformerConfig) -> List[DistributedDataParallel]:
+    """GPT model chunks (one per virtual stage), wrapped in megatron-core's DDP."""
+    spec = layer_spec(args)
+    vpp = args.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent,
+            rotary_base=args.rotary_base,
+            vp_stage=vp_stage if vpp else None,
+        )
+        model.model_type = ModelType.encoder_or_decoder
+        for param in model.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        model.to(cpu_backend.device())
+        chunks.append(model)
+
+    if args.layout_invariant_init:
+        from megatron_ucp.training.init import layout_invariant_init
+        layout_invariant_init(chunks, args)
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+        bucket_size=args.ddp_bucket_size if args.overlap_grad_reduce else None,
+    )
+    return [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                disable_bucketing=(i > 0))
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def build_optimizer(args, model):
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, model, config_overrides=get_standard_config_overrides(config))
+
+
+def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
+    gbs = args.global_batch_size
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False,
+    )
+
+
+def finalize_config_for_training(config: TransformerConfig, model) -> None:
+    """Hooks the pipeline schedules need (Megatron-LM sets them in its train())."""
+    # Without this megatron-core never all-reduces DP/SP/tied-embedding grads.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [m.no_sync for m in model]
+    if len(model) == 1:
+        config.no_sync_func = config.no_sync_func[0]
+    config.grad_scale_func = None

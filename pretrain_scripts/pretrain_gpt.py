@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""GPT pretraining on megatron-core with Megatron-LM's flags, plus --universal-checkpoint.
+
+    torchrun --nproc-per-node 4 pretrain_scripts/pretrain_gpt.py \
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
+        --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
+        --micro-batch-size 2 --global-batch-size 8 --train-iters 20 --lr 1e-3 --save ckpt
+
+Runs on GPUs with NCCL, and on CPU with gloo (megatron_ucp.cpu_backend patches megatron-core).
+"""
+
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import random
+
+import numpy as np
+import torch
+
+from megatron_ucp import cpu_backend
+from megatron_ucp.training import arguments, checkpointing, data, loop
+
+
+def initialize(args):
+    """Process groups, parallel state and seeds (Megatron-LM's initialize_megatron)."""
+    on_cpu = cpu_backend.apply()
+    backend = args.distributed_backend or ("gloo" if on_cpu else "nccl")
+    if not on_cpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.distributed.init_process_group(backend=backend,
+                                         timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+    )
+    # Megatron-LM's _set_random_seed: a different seed per pipeline stage.
+    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return parallel_state
+
+
+def main(argv=None):
+    args = arguments.parse_args(argv)
+    mpu = initialize(args)
+    from megatron_ucp.training import model as model_lib
+
+    rank = torch.distributed.get_rank()
+    tokenizer = data.build_tokenizer(args)
+    args.padded_vocab_size = arguments.padded_vocab_size(tokenizer.vocab_size, args)
+    if rank == 0:
+        print(f"> megatron-ucp pretrain_gpt: TP{args.tensor_model_parallel_size} PP{args.pipeline_model_parallel_size} "
+              f"DP{args.data_parallel_size}" + (f" VPP{args.virtual_pipeline_model_parallel_size}"
+                                               if args.virtual_pipeline_model_parallel_size else "")
+              + (" SP" if args.sequence_parallel else "") + f", {model_lib.transformer_impl(args)} spec, "
+              f"{'CPU/gloo' if not torch.cuda.is_available() else 'GPU/nccl'}", flush=True)
+        print(f" > padded vocab (size: {tokenizer.vocab_size}) with "
+              f"{args.padded_vocab_size - tokenizer.vocab_size} dummy tokens (new size: {args.padded_vocab_size})",
+              flush=True)
+
+    # Model, optimizer, scheduler.
+    config = model_lib.transformer_config_from_args(args)
+    model = model_lib.build_model(args, config)
+    optimizer = model_lib.build_optimizer(args, model)
+    scheduler = model_lib.build_scheduler(args, optimizer)
+    model_lib.finalize_config_for_training(config, model)
+    config.grad_scale_func = optimizer.scale_loss
+
+    # Resume.
+    if args.load and args.universal_checkpoint:
+        from megatron_ucp.loader import load_universal_checkpoint
+        load_universal_checkpoint(args, model, optimizer, scheduler)
+    elif args.load:
+        checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+    start_iteration, consumed = args.iteration, args.consumed_train_samples
+    if rank == 0 and args.load:
+        print(f" > resuming at iteration {start_iteration}, consumed samples {consumed}", flush=True)
+
+    # Data: only the first and last pipeline stages read batches.
+    needs_data = mpu.is_pipeline_first_stage(ignore_virtual=True) or mpu.is_pipeline_last_stage(ignore_virtual=True)
+    if rank == 0:  # build (and cache) indices once before the other ranks read them
+        train_ds = data.build_train_dataset(args, tokenizer, build_on_this_rank=True)
+    torch.distributed.barrier()
+    if rank != 0:
+        train_ds = data.build_train_dataset(args, tokenizer, build_on_this_rank=needs_data)
+    device = cpu_backend.device()
+
+    def iterator():
+        sampler = data.PretrainingSampler(len(train_ds), consumed, args.micro_batch_size,
+                                          mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
+        return data.micro_batches(train_ds, sampler)
+
+    # With VPP each model chunk pulls its own micro-batches from its own iterator.
+    data_iterators = [iterator() if needs_data and start_iteration < args.train_iters else None
+                      for _ in model]
+    forward_step = loop.make_forward_step(device)
+    logger = loop.TrainingLogger(args)
+
+    iteration = start_iteration
+    while iteration < args.train_iters:
+        loss, grad_norm, lr, ok = loop.train_step(args, forward_step, data_iterators, model, optimizer, scheduler)
+        iteration += 1
+        args.consumed_train_samples += args.global_batch_size
+        logger.log(iteration, loss, grad_norm, lr, args.consumed_train_samples, skipped=not ok)
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler)
+            if rank == 0:
+                print(f" > saved checkpoint at iteration {iteration} to {args.save}", flush=True)
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            break
+    logger.close()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (arguments.ArgumentError, checkpointing.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)

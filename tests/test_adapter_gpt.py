@@ -1,0 +1,346 @@
+"""Spec of the megatron-core GPT adapter: names, layer offsets, shapes and order, checked against
+megatron-core 0.16.1 itself and against real Megatron-LM checkpoints' manifests."""
+
+import ast
+import re
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_ucp.adapters import gpt
+from megatron_ucp.layout import LayoutError, ParallelLayout
+from megatron_ucp.model_config import GPTModelConfig
+from megatron_ucp.patterns import FusedSubParams, GroupedQKV, PatternError, Replicated, Sharded, VocabSharded
+
+FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "megatron-lm"
+
+LLAMA = GPTModelConfig(num_layers=8, hidden_size=48, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                       kv_channels=12, vocab_size=1001, padded_vocab_size=1024, max_position_embeddings=32,
+                       swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
+                       untie_embeddings_and_output_weights=True, add_bias_linear=False)
+GPT2 = GPTModelConfig(num_layers=8, hidden_size=48, ffn_hidden_size=192, num_attention_heads=4, num_query_groups=4,
+                      kv_channels=12, vocab_size=1001, padded_vocab_size=1024, max_position_embeddings=32,
+                      add_bias_linear=True, add_qkv_bias=True)
+LAYOUTS = [ParallelLayout(tp=tp, pp=pp, vpp=vpp) for tp in (1, 2) for pp in (1, 2, 4) for vpp in (None, 2)
+           if not (pp == 1 and vpp)]  # VPP needs PP > 1
+
+
+def _chunks(layout):
+    return [(p, v) for p in range(layout.pp) for v in range(layout.num_chunks)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Layer placement
+
+
+def _mcore_config(num_layers, pp, vpp):
+    # Exactly the fields get_transformer_layer_offset / get_num_layers_to_build read for an even split.
+    return SimpleNamespace(num_layers=num_layers, pipeline_model_parallel_size=pp,
+                           virtual_pipeline_model_parallel_size=vpp, pipeline_model_parallel_layout=None,
+                           num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
+                           account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False)
+
+
+def test_layer_offset_matches_megatron_core():
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    checked = 0
+    for num_layers in range(1, 25):
+        for pp in (1, 2, 3, 4, 6, 8):
+            for vpp in (None, 1, 2, 3, 4):
+                layout = ParallelLayout(pp=pp, vpp=vpp)
+                if pp == 1 and (vpp or 1) > 1:
+                    with pytest.raises(LayoutError, match="needs PP > 1"):
+                        gpt.layers_per_chunk(num_layers, layout)
+                    continue
+                if num_layers % (pp * (vpp or 1)):
+                    with pytest.raises(LayoutError, match=f"num_layers={num_layers} is not divisible"):
+                        gpt.layers_per_chunk(num_layers, layout)
+                    continue
+                config = _mcore_config(num_layers, pp, vpp)
+                seen = []
+                for pp_rank, chunk in _chunks(layout):
+                    vp_stage = chunk if vpp is not None else None
+                    offset = gpt.layer_offset(num_layers, layout, pp_rank, vp_stage)
+                    assert offset == get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+                    per_chunk = gpt.layers_per_chunk(num_layers, layout)
+                    assert per_chunk == get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+                    for local in range(per_chunk):
+                        assert gpt.layer_location(offset + local, num_layers, layout) == (pp_rank, chunk, local)
+                    seen += range(offset, offset + per_chunk)
+                    checked += 1
+                assert sorted(seen) == list(range(num_layers))
+    assert checked > 200
+
+
+def test_layout_errors_name_cause_and_fix():
+    with pytest.raises(LayoutError, match=r"num_layers=6 is not divisible by PP x VPP = 2 x 2.*choose e\.g\."):
+        gpt.layers_per_chunk(6, ParallelLayout(pp=2, vpp=2))
+    with pytest.raises(LayoutError, match="pp_rank=2"):
+        gpt.layer_offset(8, ParallelLayout(pp=2), 2)
+    with pytest.raises(LayoutError, match="num_query_groups=2 not divisible by TP=4"):
+        gpt.expected_parameters(LLAMA, ParallelLayout(tp=4))
+    with pytest.raises(LayoutError, match="padded vocabulary of 1024 rows is not divisible by TP=3"):
+        gpt.expected_parameters(GPT2.__class__(**{**GPT2.to_dict(), "num_attention_heads": 6, "num_query_groups": 6,
+                                                  "kv_channels": 8}), ParallelLayout(tp=3))
+
+
+# ------------------------------------------------------------------------------------------------
+# Names
+
+
+@pytest.mark.parametrize("config", [LLAMA, GPT2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.describe())
+def test_names_round_trip_and_cover_the_model(config, layout):
+    placed = {}
+    for pp_rank, chunk in _chunks(layout):
+        vpp_chunk = chunk if layout.vpp else None
+        for local, local_shape, canonical in gpt.parameters_for_rank(config, layout, pp_rank, vpp_chunk):
+            assert gpt.canonical_name(local, layout, pp_rank, vpp_chunk, config.num_layers, tied=config.tied) == canonical
+            placed.setdefault(canonical, []).append((pp_rank, chunk, local))
+            # TE-spec spelling of the same parameter maps to the same canonical name
+            assert gpt.canonical_name(gpt.te_name(local), layout, pp_rank, vpp_chunk, config.num_layers,
+                                      tied=config.tied) == canonical
+    expected = gpt.expected_parameters(config, layout)
+    assert sorted(placed) == sorted(name for name, _ in expected)
+    for canonical, _ in expected:
+        assert gpt.local_name(canonical, layout, config.num_layers, tied=config.tied) == placed[canonical]
+    tied_places = placed[gpt.WORD_EMBEDDINGS]
+    if config.tied and (layout.pp, layout.num_chunks) != (1, 1):
+        assert tied_places == [(0, 0, gpt.WORD_EMBEDDINGS), (layout.pp - 1, layout.num_chunks - 1, gpt.OUTPUT_LAYER)]
+    else:
+        assert len(tied_places) == 1
+
+
+def test_te_names_and_ignorable_entries():
+    layout = ParallelLayout(pp=2)
+    assert gpt.canonical_name("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", layout, 1, None, 8) == \
+        "decoder.layers.5.input_layernorm.weight"
+    assert gpt.canonical_name("decoder.layers.0.mlp.linear_fc1.layer_norm_bias", layout, 0, None, 8) == \
+        "decoder.layers.0.pre_mlp_layernorm.bias"
+    assert gpt.te_name("decoder.layers.3.pre_mlp_layernorm.weight") == "decoder.layers.3.mlp.linear_fc1.layer_norm_weight"
+    for name in ("decoder.layers.0.self_attention.linear_qkv._extra_state", "output_layer._extra_state",
+                 "decoder.layers.mlp.linear_fc1._extra_state/shard_0_4"):
+        assert gpt.is_ignorable(name)
+        assert gpt.canonical_name(name, layout, 1, None, 8) is None
+    assert not gpt.is_ignorable("decoder.layers.0.mlp.linear_fc1.weight")
+    assert not gpt.is_ignorable("decoder.layers.0.mlp.linear_fc1._extra_state_x")
+
+
+def test_unknown_and_misplaced_names_raise():
+    layout = ParallelLayout(pp=2)
+    with pytest.raises(gpt.UnknownParameterError, match="q_layernorm"):
+        gpt.canonical_name("decoder.layers.0.self_attention.q_layernorm.weight", layout, 0, None, 8)
+    with pytest.raises(gpt.UnknownParameterError, match="unwrap DDP"):
+        gpt.canonical_name("module.embedding.word_embeddings.weight", layout, 0, None, 8)
+    with pytest.raises(gpt.UnknownParameterError, match="decoder.layers.0.mlp.linear_fc9.weight"):
+        gpt.pattern_for("decoder.layers.0.mlp.linear_fc9.weight", LLAMA)
+    with pytest.raises(gpt.UnknownParameterError, match="add_bias_linear=False"):
+        gpt.pattern_for("decoder.layers.0.mlp.linear_fc2.bias", LLAMA)  # the rule exists; this model has no bias
+    with pytest.raises(gpt.UnknownParameterError, match="not a parameter of this model"):
+        gpt.pattern_for("decoder.layers.8.mlp.linear_fc2.weight", LLAMA)
+    with pytest.raises(LayoutError, match="only pp_rank=0 vpp_chunk=0 holds the embedding"):
+        gpt.canonical_name(gpt.WORD_EMBEDDINGS, layout, 1, None, 8)
+    with pytest.raises(LayoutError, match="only the last chunk"):
+        gpt.canonical_name(gpt.OUTPUT_LAYER, layout, 0, None, 8)
+    with pytest.raises(LayoutError, match="local layer 4"):
+        gpt.canonical_name("decoder.layers.4.input_layernorm.weight", layout, 0, None, 8)
+    with pytest.raises(gpt.UnknownParameterError, match="not canonical in a tied model"):
+        gpt.local_name(gpt.OUTPUT_LAYER, layout, 8, tied=True)
+
+
+def test_torch_dist_keys():
+    assert gpt.torch_dist_key("decoder.layers.3.input_layernorm.weight") == \
+        ("decoder.layers.self_attention.linear_qkv.layer_norm_weight", 3)
+    assert gpt.torch_dist_key(gpt.WORD_EMBEDDINGS) == (gpt.WORD_EMBEDDINGS, None)
+    assert gpt.canonical_from_torch_dist("decoder.layers.mlp.linear_fc1.layer_norm_weight", 3) == [
+        f"decoder.layers.{i}.pre_mlp_layernorm.weight" for i in range(3)]
+    assert gpt.canonical_from_torch_dist("output_layer.weight", 4, tied=True) == [gpt.WORD_EMBEDDINGS]
+    assert gpt.canonical_from_torch_dist("decoder.layers.mlp.linear_fc1._extra_state/shard_0_4", 4) == []
+    with pytest.raises(gpt.UnknownParameterError):
+        gpt.canonical_from_torch_dist("decoder.layers.mlp.router.weight", 4)
+
+
+def test_patterns_per_parameter():
+    assert gpt.pattern_for("decoder.layers.2.self_attention.linear_qkv.weight", LLAMA) == GroupedQKV(2, 2, 12)
+    assert gpt.pattern_for("decoder.layers.2.self_attention.linear_qkv.bias", GPT2) == GroupedQKV(4, 1, 12)
+    assert gpt.pattern_for("decoder.layers.2.self_attention.linear_proj.weight", LLAMA) == Sharded(1)
+    assert gpt.pattern_for("decoder.layers.2.self_attention.linear_proj.bias", GPT2) == Replicated()
+    assert gpt.pattern_for("decoder.layers.2.mlp.linear_fc1.weight", LLAMA) == FusedSubParams(0, (1, 1))
+    assert gpt.pattern_for("decoder.layers.2.mlp.linear_fc1.bias", GPT2) == Sharded(0)
+    assert gpt.pattern_for("decoder.layers.2.mlp.linear_fc2.weight", GPT2) == Sharded(1)
+    assert gpt.pattern_for("decoder.layers.2.mlp.linear_fc2.bias", GPT2) == Replicated()
+    assert gpt.pattern_for("decoder.layers.2.input_layernorm.bias", GPT2) == Replicated()
+    assert gpt.pattern_for("decoder.final_layernorm.weight", LLAMA) == Replicated()
+    assert gpt.pattern_for(gpt.WORD_EMBEDDINGS, LLAMA) == VocabSharded()
+    assert gpt.pattern_for(gpt.OUTPUT_LAYER, LLAMA) == VocabSharded()
+    assert gpt.pattern_for(gpt.OUTPUT_LAYER, GPT2) == VocabSharded()  # the tied copy's local name
+    assert gpt.pattern_for(gpt.POSITION_EMBEDDINGS, GPT2) == Replicated()
+    with pytest.raises(gpt.UnknownParameterError):
+        gpt.pattern_for(gpt.POSITION_EMBEDDINGS, LLAMA)  # rope: no position embedding table
+
+
+def test_check_tied_copies():
+    emb = torch.randn(8, 4)
+    gpt.check_tied_copies(emb, emb.clone())
+    other = emb.clone()
+    other[0, 0] = 0.5
+    with pytest.raises(PatternError, match="output_layer"):
+        gpt.check_tied_copies(emb, other)
+
+
+# ------------------------------------------------------------------------------------------------
+# Real Megatron-LM checkpoints (manifests of the fixtures)
+
+
+def _manifest(folder):
+    path = FIXTURES / folder / "manifest.txt"
+    if not path.exists():
+        pytest.skip(f"fixture manifest not found at {path}")
+    return path.read_text()
+
+
+def _parse_args(text):
+    args = {}
+    block = text.split("[args]:", 1)[1].split("\n[", 1)[0]
+    for key, value in re.findall(r"^    (\w+) = (.+)$", block, flags=re.M):
+        try:
+            args[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            args[key] = value
+    return args
+
+
+def _parse_legacy_models(text):
+    """{(tp, pp): [(name, shape or None)]} from the iteration-4 section of a legacy manifest."""
+    models = {}
+    for tp, pp, body in re.findall(r"^---- ckpt/iter_0000004/mp_rank_(\d\d)_(\d\d\d) ----\n(.*?)(?=^\[args\])",
+                                   text, flags=re.M | re.S):
+        entries = re.findall(r"^  ([\w.]+): (\(.*?\)|NoneType)", body.split("state_dict", 1)[1], flags=re.M)
+        models[(int(tp), int(pp))] = [(n, None if s == "NoneType" else tuple(ast.literal_eval(s)))
+                                      for n, s in entries]
+    return models
+
+
+@pytest.mark.parametrize("folder", ["A_llama_tp2pp2dp2_distopt_sp_torch", "C_gpt2_tp2pp2dp1_adam_torch"])
+def test_shapes_and_order_match_legacy_fixture(folder):
+    text = _manifest(folder)
+    args = _parse_args(text)
+    config = GPTModelConfig.from_megatron_args(args)
+    assert (config.vocab_size, config.padded_vocab_size, config.num_layers) == (1001, 1024, 4)
+    layout = ParallelLayout(tp=args["tensor_model_parallel_size"], pp=args["pipeline_model_parallel_size"])
+    models = _parse_legacy_models(text)
+    assert len(models) == 4
+    for (tp_rank, pp_rank), entries in models.items():
+        params = [(n, s) for n, s in entries if not gpt.is_ignorable(n)]
+        ours = gpt.parameters_for_rank(config, layout, pp_rank)
+        assert [(n, s) for n, s, _ in ours] == params
+        for name, _ in entries:  # every non-parameter entry is an explicit ignorable one
+            assert gpt.is_ignorable(name) or name in dict(params)
+
+
+def test_global_shapes_and_fused_chunks_match_torch_dist_fixture():
+    text = _manifest("B_llama_tp2pp2dp2_distopt_sp_torch_dist")
+    config = GPTModelConfig.from_megatron_args(_parse_args(_manifest("A_llama_tp2pp2dp2_distopt_sp_torch")))
+    block = text.split(".metadata:", 1)[1].split("\n\n", 1)[0]
+    expected = dict(gpt.expected_parameters(config))
+    seen = set()
+    for key, shape, chunks in re.findall(r"^  (\S+): global (\(.*?\)) \S+ chunks\(offsets,sizes\)=(.*)$", block, re.M):
+        if key.startswith("optimizer."):
+            continue
+        shape, chunks = ast.literal_eval(shape), ast.literal_eval(chunks)
+        names = gpt.canonical_from_torch_dist(key, config.num_layers, tied=config.tied)
+        stacked = gpt.torch_dist_key(names[0])[1] is not None
+        for name in names:
+            assert expected[name] == (shape[1:] if stacked else shape), key
+            seen.add(name)
+        # The saved TP chunks of layer 0 are exactly our slice ranges for TP=2.
+        pattern = gpt.pattern_for(names[0], config)
+        global_shape = expected[names[0]]
+        ours = sorted((tuple(r.start for r in rng), tuple(r.stop - r.start for r in rng))
+                      for tp_rank in range(2) for rng in pattern.slice_ranges(global_shape, tp_rank, 2))
+        theirs = sorted((offsets[1:], sizes[1:]) if stacked else (offsets, sizes)
+                        for offsets, sizes in chunks if not stacked or offsets[0] == 0)
+        if not isinstance(pattern, Replicated):
+            assert ours == theirs, key
+    assert seen == set(expected)
+
+
+# ------------------------------------------------------------------------------------------------
+# A real megatron-core GPTModel built on CPU
+
+
+@pytest.fixture(scope="module")
+def mcore():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    yield
+    if created:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _build(config: GPTModelConfig, layout: ParallelLayout, pre_process=True, post_process=True, vp_stage=None):
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    tc = TransformerConfig(
+        num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
+        num_attention_heads=config.num_attention_heads, num_query_groups=config.num_query_groups,
+        kv_channels=config.kv_channels, gated_linear_unit=config.swiglu,
+        activation_func=F.silu if config.swiglu else F.gelu, normalization=config.normalization,
+        add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
+        use_cpu_initialization=True, perform_initialization=True,
+        pipeline_model_parallel_size=layout.pp, virtual_pipeline_model_parallel_size=layout.vpp,
+        pipeline_dtype=torch.float32 if layout.pp > 1 else None)
+    return GPTModel(config=tc, transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
+                    vocab_size=config.padded_vocab_size, max_sequence_length=config.max_position_embeddings,
+                    position_embedding_type=config.position_embedding_type,
+                    share_embeddings_and_output_weights=config.tied,
+                    pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+
+
+@pytest.mark.parametrize("config", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_order_and_shapes_match_real_gpt_model_tp1pp1(mcore, config):
+    config = GPTModelConfig(**{**config.to_dict(), "num_layers": 2})
+    model = _build(config, ParallelLayout())
+    real = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    ours = gpt.parameters_for_rank(config, ParallelLayout(), 0)
+    assert [(n, s) for n, s, _ in ours] == real
+    assert [(n, s) for n, s in gpt.expected_parameters(config)] == real
+    assert all(gpt.is_ignorable(k) for k in model.state_dict() if k not in dict(real))
+
+
+def test_stage_local_layer_names_match_real_vpp_chunks(mcore, monkeypatch):
+    """PP2 x VPP2, 8 layers, tied: build each chunk as megatron-core does on that pipeline rank."""
+    import megatron.core.transformer.transformer_block as transformer_block
+    import megatron.core.transformer.transformer_layer as transformer_layer
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    # The tied-copy all-reduce needs a real embedding group (and CUDA); names and shapes do not.
+    monkeypatch.setattr(LanguageModule, "_is_in_embd_group", lambda self: False)
+    layout = ParallelLayout(pp=2, vpp=2)
+    for pp_rank, vp_stage in _chunks(layout):
+        # World size 1 cannot hold PP=2: pretend to be pipeline rank pp_rank where megatron-core asks.
+        monkeypatch.setattr(transformer_block, "get_pg_rank", lambda group, r=pp_rank: r)
+        monkeypatch.setattr(transformer_layer, "get_pg_rank", lambda group, r=pp_rank: r)
+        model = _build(GPT2, layout, pre_process=gpt.is_first_chunk(layout, pp_rank, vp_stage),
+                       post_process=gpt.is_last_chunk(layout, pp_rank, vp_stage), vp_stage=vp_stage)
+        real = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        ours = gpt.parameters_for_rank(GPT2, layout, pp_rank, vp_stage)
+        assert [(n, s) for n, s, _ in ours] == real
+        # megatron-core's own global layer numbers (1-based) agree with our canonical names
+        offset = gpt.layer_offset(GPT2.num_layers, layout, pp_rank, vp_stage)
+        assert [layer.layer_number - 1 for layer in model.decoder.layers] == [offset, offset + 1]

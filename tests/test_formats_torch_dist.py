@@ -1,0 +1,125 @@
+"""torch_dist checkpoint reader on Megatron-LM's own fixtures.
+
+B is the same TP2 PP2 DP2 + SP run as A, saved as torch_dist with the distributed optimizer in
+'dp_reshardable' form: every shard's weight and optimizer state must equal A's bitwise
+(torch.equal), which checks local-name mapping, SwiGLU fc1 reassembly, layer unstacking and
+the flat-buffer offsets at once.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ucp.formats import CheckpointFormatError, open_checkpoint
+from megatron_ucp.formats.torch_dist import TorchDistCheckpoint, local_suffix, saved_suffix, stage_layers
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = REPO_ROOT.parent / "shared" / "fixtures" / "megatron-lm"
+A = FIXTURES / "A_llama_tp2pp2dp2_distopt_sp_torch" / "ckpt"
+B = FIXTURES / "B_llama_tp2pp2dp2_distopt_sp_torch_dist" / "ckpt"
+
+pytestmark = pytest.mark.skipif(not B.is_dir(), reason=f"fixtures not found at {FIXTURES}")
+
+
+def test_name_mapping_and_stage_layers():
+    assert local_suffix("self_attention.linear_qkv.layer_norm_weight") == "input_layernorm.weight"
+    assert local_suffix("mlp.linear_fc1.layer_norm_bias") == "pre_mlp_layernorm.bias"
+    assert local_suffix("mlp.linear_fc1.weight") == "mlp.linear_fc1.weight"
+    for s in ("input_layernorm.weight", "pre_mlp_layernorm.bias", "self_attention.linear_qkv.weight"):
+        assert local_suffix(saved_suffix(s)) == s
+    args = {"num_layers": 8, "pipeline_model_parallel_size": 2}
+    assert stage_layers(args, 1, 0) == [4, 5, 6, 7]
+    vpp = {**args, "virtual_pipeline_model_parallel_size": 2}
+    assert [stage_layers(vpp, p, v) for v in range(2) for p in range(2)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+@pytest.mark.parametrize("iteration", [4, 8])
+def test_B_equals_A_bitwise(iteration):
+    a, b = open_checkpoint(A, iteration), open_checkpoint(B, iteration)
+    assert isinstance(b, TorchDistCheckpoint) and b.format == "torch_dist" and b.optimizer_kind == "distributed"
+    assert b.layout == a.layout and b.config == a.config and b.iteration == iteration
+    assert b.shards() == a.shards()  # names (local spec, stage-local), local shapes, order
+    for ref in b.shards():
+        da, db = a.read(ref), b.read(ref)
+        assert set(db) == {"param", "fp32", "exp_avg", "exp_avg_sq", "step"}
+        for key in db:
+            assert torch.equal(da[key], db[key]), (ref, key)
+        assert torch.equal(db["fp32"], db["param"]) and (db["exp_avg_sq"] >= 0).all()
+        assert db["step"].item() == iteration
+    ca, cb = a.common_state(), b.common_state()
+    assert cb == ca and cb["consumed_train_samples"] == 8 * iteration
+
+
+def test_B_swiglu_fc1_is_local_gate_up():
+    """fc1 of TP rank r is [gate_r; up_r] while the global tensor is [gate; up]."""
+    b = open_checkpoint(B, 4)
+    fc1 = [r for r in b.shards() if r.pp_rank == 0 and r.local_name == "decoder.layers.1.mlp.linear_fc1.weight"]
+    assert [r.shape for r in fc1] == [(128, 48), (128, 48)]
+    local = [b.read(r)["param"] for r in sorted(fc1, key=lambda r: r.tp_rank)]
+    gate = torch.cat([t[:64] for t in local])
+    up = torch.cat([t[64:] for t in local])
+    assert not torch.equal(torch.cat(local), torch.cat([gate, up]))
+
+
+def test_B_iterations_differ():
+    b4, b8 = open_checkpoint(B, 4), open_checkpoint(B)
+    assert b8.iteration == 8
+    ref = b4.shards()[-1]
+    assert not torch.equal(b4.read(ref)["exp_avg"], b8.read(ref)["exp_avg"])
+
+
+# ---------------------------------------------------------------------------------------------
+# broken checkpoints
+
+def _save_replacing(obj, path):
+    """Write a new file and rename it over `path`: `obj` may still view the old file's mmap,
+    which truncating it in place would invalidate (SIGBUS)."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+@pytest.fixture
+def b_copy(tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(B / "iter_0000004", root / "iter_0000004")
+    (root / "latest_checkpointed_iteration.txt").write_text("4")
+    return root
+
+
+def _raises(path, match):
+    with pytest.raises(CheckpointFormatError, match=match) as e:
+        open_checkpoint(path)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("name", ["__3_1.distcp", ".metadata", "common.pt"])
+def test_error_truncated(b_copy, name):
+    f = b_copy / "iter_0000004" / name
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    assert str(f) in _raises(b_copy, "truncated")
+
+
+def test_error_missing_data_file(b_copy):
+    f = b_copy / "iter_0000004" / "__5_0.distcp"
+    f.unlink()
+    assert str(f) in _raises(b_copy, "missing")
+
+
+def test_error_mixed_iterations(b_copy):
+    f = b_copy / "iter_0000004" / "common.pt"
+    shutil.copy(B / "iter_0000008" / "common.pt", f)
+    assert str(f) in _raises(b_copy, "iteration 8")
+
+
+def test_error_unsupported_optimizer_sharding(b_copy):
+    f = b_copy / "iter_0000004" / "common.pt"
+    from megatron_ucp.formats.common import load_pickled
+    common = load_pickled(f, what="test")
+    common["content_metadata"]["distrib_optim_sharding_type"] = "fully_reshardable"
+    _save_replacing(common, f)
+    assert str(f) in _raises(b_copy, "fully_reshardable")
