@@ -49,6 +49,8 @@ def cuda_available() -> bool:
 def apply() -> bool:
     """Install the CPU patches if CUDA is absent. Returns True when running on CPU."""
     global _applied
+    if not cuda_available():
+        _import_mcore_without_torch_compile()
     check_mcore_version()
     fix_shared_adam_step()
     if cuda_available():
@@ -60,6 +62,7 @@ def apply() -> bool:
     _cuda_type_names()
     _cpu_rng_tracker()
     _torch_norm_under_sequence_parallel()
+    _fork_checkpoint_results_queue()
     _applied = True
     return True
 
@@ -69,6 +72,52 @@ def device() -> torch.device:
 
 
 # --- CUDA absent ------------------------------------------------------------------------------
+
+def import_megatron_core() -> None:
+    """Import megatron-core; on CPU without its torch.compile'd kernels. Call before any megatron import."""
+    if not cuda_available():
+        _import_mcore_without_torch_compile()
+
+
+def _import_mcore_without_torch_compile() -> None:
+    # megatron-core wraps its fused kernels in torch.compile at import time (megatron.core.jit),
+    # which imports TorchDynamo: ~10 s per process. The fused paths are off on CPU (as with
+    # Megatron-LM's --disable-jit-fuser), so import megatron-core with a no-op decorator.
+    import sys
+    import warnings
+
+    # Expected on CPU (no TransformerEngine/Apex): megatron-core warns once per process and module.
+    for message in ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                    "Transformer Engine is not installed"):
+        warnings.filterwarnings("ignore", message=f".*{message}.*")
+    if "megatron.core" in sys.modules:
+        return
+    original = torch.compile
+
+    def no_compile(model=None, **kwargs):
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = no_compile
+    try:
+        import megatron.core  # noqa: F401
+        from megatron.core import jit
+
+        jit.disable_jit_fuser()
+    finally:
+        torch.compile = original
+
+
+def _fork_checkpoint_results_queue() -> None:
+    # dist_checkpointing's writer reports through a multiprocessing Manager started with "spawn",
+    # which re-imports the training script in a fresh interpreter: ~6 s on the first save of every
+    # process. "spawn" guards against forking a CUDA context; without CUDA a fork is safe and instant.
+    import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+
 
 def _is_cuda(device) -> bool:
     if isinstance(device, torch.device):
@@ -246,6 +295,22 @@ def fix_shared_adam_step() -> None:
         return result
 
     DistributedOptimizer.load_state_dict = load_state_dict
+
+    # The legacy distrib_optim.pt holds no `step` (it lives in the param groups), but
+    # _set_main_param_and_optimizer_states copies every key of the torch-Adam state from it.
+    original_set = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    @functools.wraps(original_set)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = dict(tensors, step=step)
+        return original_set(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
     _adam_fix_applied = True
 
 

@@ -64,6 +64,8 @@ class GPTModelConfig:
         vocab = get("vocab_size")
         if get("tokenizer_type") == "NullTokenizer" and vocab is not None:
             vocab = vocab + 1  # NullTokenizer appends EOD
+        elif get("tokenizer_type") == "ByteLevelTokenizer":
+            vocab = 257  # megatron-ucp's byte-level tokenizer: 256 bytes + EOD
         divisible = get("make_vocab_size_divisible_by", 128) or 128
         if padded is None and vocab is not None:
             padded = pad_vocab_size(vocab, divisible, get("tensor_model_parallel_size", 1) or 1)

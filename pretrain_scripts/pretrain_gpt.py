@@ -22,7 +22,10 @@ import numpy as np
 import torch
 
 from megatron_ucp import cpu_backend
-from megatron_ucp.training import arguments, checkpointing, data, loop
+
+cpu_backend.import_megatron_core()  # first: on CPU, megatron-core without torch.compile (saves ~10 s)
+
+from megatron_ucp.training import arguments, checkpointing, data, loop  # noqa: E402
 
 
 def initialize(args):
@@ -58,6 +61,10 @@ def main(argv=None):
     rank = torch.distributed.get_rank()
     tokenizer = data.build_tokenizer(args)
     args.padded_vocab_size = arguments.padded_vocab_size(tokenizer.vocab_size, args)
+    ucp = None
+    if args.load and args.universal_checkpoint:
+        from megatron_ucp import loader
+        ucp = loader.open_for_run(args)  # keeps the checkpoint's padded vocab size when TP allows
     if rank == 0:
         print(f"> megatron-ucp pretrain_gpt: TP{args.tensor_model_parallel_size} PP{args.pipeline_model_parallel_size} "
               f"DP{args.data_parallel_size}" + (f" VPP{args.virtual_pipeline_model_parallel_size}"
@@ -77,9 +84,8 @@ def main(argv=None):
     config.grad_scale_func = optimizer.scale_loss
 
     # Resume.
-    if args.load and args.universal_checkpoint:
-        from megatron_ucp.loader import load_universal_checkpoint
-        load_universal_checkpoint(args, model, optimizer, scheduler)
+    if ucp is not None:
+        loader.load_universal_checkpoint(args, model, optimizer, scheduler, ucp)
     elif args.load:
         checkpointing.load_checkpoint(args, model, optimizer, scheduler)
     start_iteration, consumed = args.iteration, args.consumed_train_samples
@@ -107,6 +113,7 @@ def main(argv=None):
     logger = loop.TrainingLogger(args)
 
     iteration = start_iteration
+    saved_at = None
     while iteration < args.train_iters:
         loss, grad_norm, lr, ok = loop.train_step(args, forward_step, data_iterators, model, optimizer, scheduler)
         iteration += 1
@@ -114,18 +121,39 @@ def main(argv=None):
         logger.log(iteration, loss, grad_norm, lr, args.consumed_train_samples, skipped=not ok)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler)
+            saved_at = iteration
             if rank == 0:
                 print(f" > saved checkpoint at iteration {iteration} to {args.save}", flush=True)
         if args.exit_interval and iteration % args.exit_interval == 0:
             break
+    # As Megatron-LM: the final state is saved even off the interval (and right after a load
+    # with nothing left to train, which re-saves a checkpoint at this run's layout).
+    if args.save and saved_at != iteration:
+        checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler)
+        if rank == 0:
+            print(f" > saved checkpoint at iteration {iteration} to {args.save}", flush=True)
     logger.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
+def _user_facing_errors():
+    errors = []
+    try:
+        from megatron_ucp.loader import UniversalLoadError
+        from megatron_ucp.universal import UniversalFormatError
+        errors += [UniversalLoadError, UniversalFormatError]
+    except ImportError:
+        pass
+    from megatron_ucp.layout import LayoutError
+    return tuple(errors) + (LayoutError,)
+
+
+UserFacingErrors = _user_facing_errors()
+
 if __name__ == "__main__":
     try:
         main()
-    except (arguments.ArgumentError, checkpointing.CheckpointError) as e:
+    except (arguments.ArgumentError, checkpointing.CheckpointError) + UserFacingErrors as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from megatron_ucp.formats import CheckpointFormatError, open_checkpoint
-from megatron_ucp.formats.torch_dist import TorchDistCheckpoint, local_suffix, saved_suffix, stage_layers
+from megatron_ucp.formats.torch_dist import (
+    _MODEL_SPACE_KEY, TorchDistCheckpoint, local_suffix, saved_suffix, stage_layers)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT.parent / "shared" / "fixtures" / "megatron-lm"
@@ -34,6 +35,22 @@ def test_name_mapping_and_stage_layers():
     assert stage_layers(args, 1, 0) == [4, 5, 6, 7]
     vpp = {**args, "virtual_pipeline_model_parallel_size": 2}
     assert [stage_layers(vpp, p, v) for v in range(2) for p in range(2)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_model_space_optimizer_keys():
+    """'optimizer.state.<state>.<model key>' (optim_state_to_sharding_state, fully_reshardable), optionally
+    'chained_<i>.'-prefixed by a ChainedOptimizer."""
+    cases = {
+        "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight": ("exp_avg", "decoder.layers.mlp.linear_fc1.weight"),
+        "optimizer.state.exp_avg_sq.output_layer.weight": ("exp_avg_sq", "output_layer.weight"),
+        "optimizer.state.fp32_param.embedding.word_embeddings.weight": ("fp32_param", "embedding.word_embeddings.weight"),
+        "chained_1.optimizer.state.param.decoder.final_layernorm.bias": ("param", "decoder.final_layernorm.bias"),
+    }
+    for key, groups in cases.items():
+        assert _MODEL_SPACE_KEY.match(key).groups() == groups
+    for key in ("optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0.param",
+                "optimizer.state.step.x", "decoder.final_layernorm.weight"):
+        assert _MODEL_SPACE_KEY.match(key) is None
 
 
 @pytest.mark.parametrize("iteration", [4, 8])
@@ -116,10 +133,17 @@ def test_error_mixed_iterations(b_copy):
     assert str(f) in _raises(b_copy, "iteration 8")
 
 
-def test_error_unsupported_optimizer_sharding(b_copy):
+@pytest.mark.parametrize("sharding", ["fully_sharded_model_space", "fully_reshardable", None])
+def test_error_unsupported_optimizer_sharding(b_copy, sharding):
+    """Flat-bucket keys are only read as 'dp_reshardable'; any other declared sharding is refused."""
     f = b_copy / "iter_0000004" / "common.pt"
     from megatron_ucp.formats.common import load_pickled
     common = load_pickled(f, what="test")
-    common["content_metadata"]["distrib_optim_sharding_type"] = "fully_reshardable"
+    if sharding is None:
+        del common["content_metadata"]["distrib_optim_sharding_type"]
+    else:
+        common["content_metadata"]["distrib_optim_sharding_type"] = sharding
     _save_replacing(common, f)
-    assert str(f) in _raises(b_copy, "fully_reshardable")
+    message = _raises(b_copy, "distrib_optim_sharding_type")
+    assert str(f) in message and repr(sharding) in message and "dp_reshardable" in message
+

@@ -20,12 +20,29 @@ Model keys hold GLOBAL tensors:
 - With tied embeddings and PP > 1 the last stage's 'output_layer.weight' is saved under
   'embedding.word_embeddings.weight' (same values).
 
-Distributed optimizer (content_metadata distrib_optim_sharding_type == 'dp_reshardable' only):
+Optimizer state, by megatron-core optimizer and content_metadata 'distrib_optim_sharding_type':
+
+- Distributed optimizer, 'dp_reshardable' (flat buckets):
 'optimizer.distributed.dp_group_idx_<m>.gbuf_idx_<g>.dtype_(<param dtype>, <grad dtype>).bucket_idx_<b>.
 {param,exp_avg,exp_avg_sq}' is bucket b of DDP buffer g of model-parallel rank m = tp_rank + TP *
 pp_rank, global shape = the bucket's numel_unpadded (inner 64-element alignment padding included,
 bucket-end padding excluded), saved as DP shards; 'optimizer.distributed.dp_group_idx_<m>.optimizer'
 (a pickled object) holds the param groups with the Adam 'step'.
+- Distributed optimizer, 'fully_reshardable' (model space, DistributedOptimizer.
+  sharded_param_state_fully_reshardable): 'optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>',
+  each with the model key's global shape and chunks (so it is sliced exactly like the weight);
+  'param' is the fp32 main weight. common.pt['optimizer'] = {'optimizer': {'param_groups': [... 'step']},
+  'param_state_sharding_type': 'fully_reshardable'}.
+- No distributed optimizer (FP32Optimizer / Float16OptimizerWithFloat16Params.sharded_state_dict via
+  dist_checkpointing.optimizer.optim_state_to_sharding_state): 'optimizer.state.{exp_avg,exp_avg_sq}.
+  <model key>' and, with --bf16/--fp16, the fp32 main weights 'optimizer.state.fp32_param.<model key>'.
+  The per-parameter Adam step is saved once as common.pt['optimizer']['state']['common_step']
+  (FP32Optimizer) or common.pt['optimizer']['optimizer']['state']['common_step'] (Float16), next to
+  'param_groups' (without 'params'). FP32Optimizer steps the model weight itself, so 'fp32' is the weight.
+With tied embeddings and PP > 1 the last stage's output-layer state is saved once, under the word
+embedding's key (its gradient is all-reduced over the embedding group, so both copies are equal).
+A ChainedOptimizer of several optimizers saves common.pt['optimizer'] = {0: ..., 1: ...} and may
+prefix tensor keys with 'chained_<i>.'; both are accepted.
 """
 
 from __future__ import annotations
@@ -75,6 +92,9 @@ LOCAL_LAYER_ORDER = (
 )
 PRE_PROCESS_ORDER = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 POST_PROCESS_ORDER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+
+# optimizer state in model space: fully_reshardable distributed optimizer, FP32 / Float16 optimizers
+_MODEL_SPACE_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
 
 _BUCKET_KEY = re.compile(
     r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+), (.+)\)\.bucket_idx_(\d+)\."
@@ -202,8 +222,14 @@ class TorchDistCheckpoint:
         del common
         self._reader, self._metadata = self._open_dcp()
         self._keys = self._metadata.state_dict_metadata
+        # 'dp_reshardable' | 'fully_reshardable' with the distributed optimizer, else None
+        self.distrib_optim_sharding: Optional[str] = None
         self.optimizer_kind = self._detect_optimizer()
-        self._buckets = self._index_buckets() if self.optimizer_kind == "distributed" else {}
+        self._flat_buckets = self.distrib_optim_sharding == "dp_reshardable"
+        self._buckets = self._index_buckets() if self._flat_buckets else {}
+        self._state_keys = self._index_model_space_state() if self._model_space else {}
+        self._model_space_groups, self._model_space_step = (
+            self._model_space_common() if self._model_space else (None, None))
         self._ranks: dict[tuple[int, int], _RankInfo] = {}
         for pp_rank in range(self.layout.pp):
             for tp_rank in range(self.layout.tp):
@@ -246,23 +272,102 @@ class TorchDistCheckpoint:
                                             f"re-copy it.")
         return reader, metadata
 
+    @property
+    def _model_space(self) -> bool:
+        """Optimizer state saved per parameter, with the model key's shape and chunks."""
+        return self.optimizer_kind in ("adam", "mixed_precision") or self.distrib_optim_sharding == "fully_reshardable"
+
     def _detect_optimizer(self) -> str:
-        opt_keys = [k for k in self._keys if k.startswith("optimizer.")]
-        if not opt_keys:
+        opt_keys = [k for k in self._keys if k.startswith(("optimizer.", "chained_"))]
+        opt_common = self._common.get("optimizer")
+        if not opt_keys and opt_common is None:
             return "none"
-        sharding = (self._common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
-        if not any(k.startswith("optimizer.distributed.") for k in opt_keys):
-            raise CheckpointFormatError(
-                f"{self.path / '.metadata'}: optimizer state without the distributed optimizer "
-                f"(keys like {opt_keys[0]!r}) is not supported yet; save with --use-distributed-optimizer "
-                f"or the legacy 'torch' format.")
-        if sharding != "dp_reshardable":
-            raise CheckpointFormatError(
-                f"{self.path / 'common.pt'}: distrib_optim_sharding_type={sharding!r}; only 'dp_reshardable' "
-                f"(Megatron-LM's default without --dist-ckpt-optim-fully-reshardable) is supported.")
+        content = self._common.get("content_metadata") or {}
+        sharding = content.get("distrib_optim_sharding_type")
+        common_file = self.path / "common.pt"
         if self.args.get("num_experts"):
-            raise CheckpointFormatError(f"{self.path}: MoE distributed-optimizer state is not supported yet.")
-        return "distributed"
+            raise CheckpointFormatError(f"{self.path}: MoE optimizer state is not supported yet.")
+        if self.args.get("optimizer", "adam") != "adam":
+            raise CheckpointFormatError(f"{common_file}: args.optimizer={self.args.get('optimizer')!r}; only Adam "
+                                        f"state (exp_avg, exp_avg_sq) can be read.")
+        if any(k.startswith("optimizer.distributed.") for k in opt_keys) or sharding == "dp_reshardable":
+            if sharding != "dp_reshardable":
+                raise CheckpointFormatError(
+                    f"{common_file}: distrib_optim_sharding_type={sharding!r} with flat-bucket optimizer keys; "
+                    f"only 'dp_reshardable' (Megatron-LM's default) and 'fully_reshardable' "
+                    f"(--dist-ckpt-optim-fully-reshardable) are supported.")
+            self.distrib_optim_sharding = sharding
+            return "distributed"
+        if sharding == "fully_reshardable":
+            self.distrib_optim_sharding = sharding
+            return "distributed"
+        if sharding is not None or self.args.get("use_distributed_optimizer"):
+            raise CheckpointFormatError(
+                f"{common_file}: distributed-optimizer state with distrib_optim_sharding_type={sharding!r}; only "
+                f"'dp_reshardable' (Megatron-LM's default) and 'fully_reshardable' (--dist-ckpt-optim-fully-"
+                f"reshardable) are supported. Re-save it with a recent Megatron-LM, or use the legacy 'torch' format.")
+        subs = self._optimizer_common_parts()
+        # Float16OptimizerWithFloat16Params nests the torch state under 'optimizer'; FP32Optimizer does not
+        if any("optimizer" in sub or "fp32_from_fp16_params" in sub for sub in subs) or any(
+                _MODEL_SPACE_KEY.match(k) and _MODEL_SPACE_KEY.match(k).group(1) == "fp32_param" for k in opt_keys):
+            return "mixed_precision"
+        return "adam"
+
+    def _optimizer_common_parts(self) -> list[dict]:
+        """common.pt['optimizer'] as a list of single-optimizer states (a ChainedOptimizer saves {i: state})."""
+        opt = self._common.get("optimizer")
+        if opt is None:
+            return []
+        if not isinstance(opt, dict):
+            raise CheckpointFormatError(f"{self.path / 'common.pt'}: 'optimizer' is a {type(opt).__name__}, "
+                                        f"expected the dict megatron-core's optimizer.sharded_state_dict leaves.")
+        return [opt[k] for k in sorted(opt)] if opt and all(isinstance(k, int) for k in opt) else [opt]
+
+    def _index_model_space_state(self) -> dict[str, dict[str, str]]:
+        """model key -> {'param' | 'fp32_param' | 'exp_avg' | 'exp_avg_sq': saved key}."""
+        out: dict[str, dict[str, str]] = {}
+        for key, md in self._keys.items():
+            m = _MODEL_SPACE_KEY.match(key)
+            if not m or not isinstance(md, TensorStorageMetadata):
+                continue
+            what, model_key = m.groups()
+            if model_key not in self._keys:
+                raise CheckpointFormatError(f"{self.path / '.metadata'}: optimizer state {key} belongs to no saved "
+                                            f"model tensor {model_key!r}.")
+            if tuple(md.size) != tuple(self._keys[model_key].size):
+                raise CheckpointFormatError(
+                    f"{self.path / '.metadata'}: {key} has global shape {tuple(md.size)} but the model tensor "
+                    f"{model_key} has {tuple(self._keys[model_key].size)}; the checkpoint is inconsistent.")
+            if what in out.setdefault(model_key, {}):
+                raise CheckpointFormatError(f"{self.path / '.metadata'}: {what} state of {model_key} is saved "
+                                            f"twice ({out[model_key][what]}, {key}).")
+            out[model_key][what] = key
+        expected = {"param", "exp_avg", "exp_avg_sq"} if self.distrib_optim_sharding else {"exp_avg", "exp_avg_sq"}
+        for model_key, found in out.items():
+            if not expected <= set(found):
+                raise CheckpointFormatError(
+                    f"{self.path / '.metadata'}: optimizer state of {model_key} has {sorted(found)}, expected "
+                    f"{sorted(expected)}; the checkpoint is incomplete or not an Adam checkpoint.")
+        if not out and self.distrib_optim_sharding:
+            raise CheckpointFormatError(f"{self.path / '.metadata'}: distrib_optim_sharding_type='fully_reshardable' "
+                                        f"but no optimizer.state.param.* tensors are saved.")
+        return out
+
+    def _model_space_common(self) -> tuple[list, Optional[float]]:
+        """(param groups, Adam step) from common.pt for model-space optimizer state."""
+        groups: list = []
+        steps: set = set()
+        for sub in self._optimizer_common_parts():
+            inner = sub.get("optimizer", sub)  # Float16 optimizer and distributed optimizer nest it
+            groups += list(inner.get("param_groups") or [])
+            steps |= {float(g["step"]) for g in inner.get("param_groups") or [] if g.get("step") is not None}
+            common_step = (inner.get("state") or {}).get("common_step")
+            if common_step is not None:
+                steps.add(float(common_step))
+        if len(steps) > 1:
+            raise CheckpointFormatError(f"{self.path / 'common.pt'}: the optimizer state disagrees on the Adam step "
+                                        f"{sorted(steps)}.")
+        return groups, (steps.pop() if steps else None)
 
     def _index_buckets(self) -> dict:
         """(mp rank, gbuf, (param dtype str, grad dtype str), bucket) -> {state key: saved key}."""
@@ -304,7 +409,7 @@ class TorchDistCheckpoint:
                       and not k.startswith(("optimizer.", "rng_state")) and "_extra_state" not in k}
         layer_suffixes = [local_suffix(k[len(LAYER_PREFIX):]) for k in model_keys if k.startswith(LAYER_PREFIX)]
         unknown = sorted(set(layer_suffixes) - set(LOCAL_LAYER_ORDER))
-        if unknown and self.optimizer_kind == "distributed":
+        if unknown and self._flat_buckets:
             raise CheckpointFormatError(
                 f"{self.path / '.metadata'}: layer parameters {unknown} (transformer_impl="
                 f"{self.args.get('transformer_impl')!r}) have no known registration order, which the "
@@ -343,8 +448,10 @@ class TorchDistCheckpoint:
                 params.append(BufferParam(name, tuple(shape), dtype))
                 info.sources[(chunk, name)] = piece
             info.params.append(params)
-        if self.optimizer_kind == "distributed":
+        if self._flat_buckets:
             self._attach_buffers(info, tp_rank, pp_rank)
+        elif self._model_space:
+            self._check_model_space_state(info, tp_rank, pp_rank)
         return info
 
     def _attach_buffers(self, info: _RankInfo, tp_rank: int, pp_rank: int) -> None:
@@ -382,6 +489,24 @@ class TorchDistCheckpoint:
         if n_saved != gbuf:
             raise CheckpointFormatError(f"{self.path / '.metadata'}: dp_group_idx_{mp} has {n_saved} buffers, the model "
                                         f"needs {gbuf}.")
+
+    def _check_model_space_state(self, info: _RankInfo, tp_rank: int, pp_rank: int) -> None:
+        """Every parameter has Adam state (or none has: saved before the first step), and 16-bit ones
+        their fp32 main weight."""
+        for (chunk, name), piece in info.sources.items():
+            found = self._state_keys.get(piece.key, {})
+            if not found and not self._state_keys:
+                continue
+            need = {"exp_avg", "exp_avg_sq"}
+            if self.distrib_optim_sharding == "fully_reshardable":
+                need.add("param")
+            elif self._keys[piece.key].properties.dtype in (torch.float16, torch.bfloat16):
+                need.add("fp32_param")
+            if not need <= set(found):
+                raise CheckpointFormatError(
+                    f"{self.path / '.metadata'}: {name} (tp={tp_rank} pp={pp_rank} chunk={chunk}, saved as "
+                    f"{piece.key}) has optimizer state {sorted(found)}, expected {sorted(need)}; the checkpoint is "
+                    f"incomplete.")
 
     def _optimizer_groups(self, tp_rank: int, pp_rank: int) -> dict:
         info = self._ranks[(tp_rank, pp_rank)]
@@ -428,24 +553,40 @@ class TorchDistCheckpoint:
         piece = info.sources.get((ref.vpp_chunk, ref.local_name)) if info else None
         if piece is None:
             raise KeyError(f"{ref}: not in {self.path}")
-        requests = {piece.key: [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in piece.regions]}
+        regions = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in piece.regions]
+        requests = {piece.key: regions}
         flat = None
-        if self.optimizer_kind == "distributed":
+        state_keys = self._state_keys.get(piece.key, {}) if self._model_space else {}
+        if self._flat_buckets:
             flat = self._flat_request(info, ref)
             for what, (key, start, numel) in flat.items():
                 requests[key] = [ChunkStorageMetadata(torch.Size([start]), torch.Size([numel]))]
+        for key in state_keys.values():
+            requests[key] = regions  # model-space state is sharded exactly like the weight
         got = self._read(requests, []).tensors
-        param = torch.cat(got[piece.key], dim=piece.axis) if len(got[piece.key]) > 1 else got[piece.key][0]
-        if piece.layer is not None:
-            param = param.squeeze(0)
-        out = {"param": param}
+        out = {"param": self._assemble(got[piece.key], piece)}
         if flat is not None:
             for what, (key, _, _) in flat.items():
                 out["fp32" if what == "param" else what] = got[key][0].view(ref.shape)
             step = self._optimizer_groups(ref.tp_rank, ref.pp_rank).step
             if step is not None:
                 out["step"] = torch.tensor(float(step), dtype=torch.float32)
+        elif self._model_space:
+            states = {what: self._assemble(got[key], piece) for what, key in state_keys.items()}
+            main = states.pop("param", None)  # fully_reshardable distributed optimizer
+            if main is None:
+                main = states.pop("fp32_param", None)  # Float16 optimizer
+            # FP32Optimizer (and fp32 params of the Float16 optimizer) step the model weight itself
+            out["fp32"] = main if main is not None else out["param"].clone()
+            out.update(states)
+            if "exp_avg" in states and self._model_space_step is not None:
+                out["step"] = torch.tensor(self._model_space_step, dtype=torch.float32)
         return out
+
+    @staticmethod
+    def _assemble(parts: list[torch.Tensor], piece: _Piece) -> torch.Tensor:
+        tensor = torch.cat(parts, dim=piece.axis) if len(parts) > 1 else parts[0]
+        return tensor.squeeze(0) if piece.layer is not None else tensor
 
     def _flat_request(self, info: _RankInfo, ref: ShardRef) -> dict:
         mp = ref.tp_rank + self.layout.tp * ref.pp_rank
@@ -461,7 +602,10 @@ class TorchDistCheckpoint:
         raise KeyError(f"{ref.local_name} is in no DDP buffer of rank tp={ref.tp_rank} pp={ref.pp_rank}")
 
     def common_state(self) -> dict:
-        groups = self._optimizer_groups(0, 0).param_groups if self.optimizer_kind == "distributed" else None
+        if self._flat_buckets:
+            groups = self._optimizer_groups(0, 0).param_groups
+        else:
+            groups = self._model_space_groups
         return build_common_state(iteration=self.iteration, args=self.args,
                                   checkpoint_version=self._common.get("checkpoint_version"),
                                   opt_param_scheduler=self._common.get("opt_param_scheduler"),

@@ -95,8 +95,9 @@ def _set_rng_state(states) -> None:
 
 
 def unwrap(chunk):
-    """The GPTModel inside megatron-core's DDP wrapper (checkpoints hold unwrapped names)."""
-    return getattr(chunk, "module", chunk)
+    """The GPTModel inside megatron-core's DDP / Float16Module wrappers (checkpoints hold its names)."""
+    from megatron_ucp.training.model import unwrap_model
+    return unwrap_model(chunk)
 
 
 def _model_keys(model) -> list:
@@ -169,9 +170,13 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Optional[int]:
             raise CheckpointError(f"--load {root}: no {TRACKER} found and --exit-on-missing-checkpoint is set")
         return None
     ckpt_dir = iteration_dir(root, iteration)
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"{ckpt_dir} does not exist: no iteration {iteration} under --load {root}")
     if not (ckpt_dir / "metadata.json").exists():
-        raise CheckpointError(f"{ckpt_dir} is not a torch_dist checkpoint (no metadata.json); "
-                              "legacy `torch` checkpoints are read by `megatron-ucp to-universal`")
+        if any(ckpt_dir.glob("mp_rank_*")):
+            return load_legacy_checkpoint(args, model, optimizer, scheduler, ckpt_dir)
+        raise CheckpointError(f"{ckpt_dir} is neither a torch_dist checkpoint (no metadata.json) nor a legacy "
+                              "torch one (no mp_rank_* folders)")
 
     common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
     ckpt_args = common["args"]
@@ -206,6 +211,53 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Optional[int]:
         if args.bf16 or args.fp16:
             optimizer.reload_model_params()
     if "rng_state" in state:
+        _set_rng_state(state["rng_state"])
+    if not args.finetune:
+        args.iteration = state["iteration"]
+        args.consumed_train_samples = getattr(ckpt_args, "consumed_train_samples", 0)
+    torch.distributed.barrier()
+    return args.iteration
+
+
+def legacy_rank_dir(ckpt_dir: Path, tp_rank: int, pp_rank: int, pp_size: int) -> Path:
+    return ckpt_dir / (f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
+
+
+def load_legacy_checkpoint(args, model, optimizer, scheduler, ckpt_dir: Path) -> int:
+    """Resume from Megatron-LM's legacy `torch` format (model_optim_rng.pt [+ distrib_optim.pt]) at
+    its own TP/PP, as Megatron-LM's load_checkpoint does."""
+    from megatron_ucp.formats.common import load_pickled
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    rank_dir = legacy_rank_dir(ckpt_dir, tp_rank, pp_rank, args.pipeline_model_parallel_size)
+    state = load_pickled(rank_dir / "model_optim_rng.pt", what="legacy model checkpoint",
+                         fix="was the checkpoint saved at this TP/PP? otherwise convert it with megatron-ucp to-universal")
+    ckpt_args = state["args"]
+    check_checkpoint_args(ckpt_args, args, ckpt_dir)
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(ckpt_args, name, 1) != getattr(args, name):
+            raise CheckpointError(
+                f"{ckpt_dir}: legacy checkpoint saved with {name}={getattr(ckpt_args, name)}, this run uses "
+                f"{getattr(args, name)}; convert it: megatron-ucp to-universal {ckpt_dir.parent} UCP_DIR, then "
+                "--load UCP_DIR --universal-checkpoint")
+    load_optim = not args.no_load_optim and not args.finetune and "optimizer" in state
+    with torch.no_grad():
+        for key, chunk in zip(_model_keys(model), model):
+            unwrap(chunk).load_state_dict(state[key], strict=False)
+        if load_optim:
+            cpu_backend.init_adam_state_for_loading(optimizer)
+            optimizer.load_state_dict(state["optimizer"])
+            if args.use_distributed_optimizer:
+                distrib = rank_dir / "distrib_optim.pt"
+                if not distrib.exists():
+                    raise CheckpointError(f"{distrib} missing: the checkpoint was saved without "
+                                          "--use-distributed-optimizer; drop the flag to resume it")
+                optimizer.load_parameter_state(str(distrib))
+            scheduler.load_state_dict(state["opt_param_scheduler"])
+        if args.bf16 or args.fp16:
+            optimizer.reload_model_params()
+    if not args.no_load_rng and not args.finetune and "rng_state" in state:
         _set_rng_state(state["rng_state"])
     if not args.finetune:
         args.iteration = state["iteration"]

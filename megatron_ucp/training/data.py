@@ -142,7 +142,9 @@ def build_train_dataset(args, tokenizer, build_on_this_rank: bool):
     if not args.mock_data:
         prefixes = args.data_path or [embedded_corpus_prefix(default_cache_dir(args))]
         blend = (prefixes, None) if len(prefixes) == 1 or not _is_weighted(prefixes) else _parse_weighted(prefixes)
-        split = split or "969, 30, 1"
+        # Embedded corpus: all train. Its ~140 documents leave "969, 30, 1"'s test split empty, and
+        # megatron-core's GPTDataset loops forever on an empty split (_get_num_epochs).
+        split = split or ("969, 30, 1" if args.data_path else "100, 0, 0")
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,

@@ -13,6 +13,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_ucp.training.model import unwrap_model
+
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Megatron-LM's GPT loss: masked token-sum, with the token count for global averaging."""
@@ -26,7 +28,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def make_forward_step(device):
     def forward_step(data_iterator, model):
-        vp_stage = getattr(model, "vp_stage", None)
+        vp_stage = getattr(unwrap_model(model), "vp_stage", None)  # set by GPTModel under VPP
         first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         tokens = labels = loss_mask = attention_mask = position_ids = None

@@ -68,6 +68,10 @@ def transformer_config_from_args(args) -> TransformerConfig:
         params_dtype=dtype,
         pipeline_dtype=dtype,
         deallocate_pipeline_outputs=True,
+        # gloo matches point-to-point messages by order per peer; batched p2p posts sends to the
+        # previous and next stage in an order that swaps same-shaped tensors when prev == next
+        # (PP=2 with virtual stages). The unbatched even/odd ordering is correct on gloo.
+        batch_p2p_comm=on_gpu,
         # Fused kernels need CUDA (and Apex/TE); Megatron-LM's CPU fixtures ran with them off too.
         masked_softmax_fusion=on_gpu,
         bias_activation_fusion=on_gpu and args.add_bias_linear,
@@ -122,6 +126,10 @@ def build_model(args, config: TransformerConfig) -> List[DistributedDataParallel
     if args.layout_invariant_init:
         from megatron_ucp.training.init import layout_invariant_init
         layout_invariant_init(chunks, args)
+    if args.bf16:
+        # As Megatron-LM's get_model: casts the remaining fp32 params (norms) and the forward's inputs/outputs.
+        from megatron.core.transformer.module import Float16Module
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
@@ -136,6 +144,15 @@ def build_model(args, config: TransformerConfig) -> List[DistributedDataParallel
                                 disable_bucketing=(i > 0))
         for i, chunk in enumerate(chunks)
     ]
+
+
+def unwrap_model(chunk):
+    """The GPTModel inside megatron-core's DDP and Float16Module wrappers (checkpoints hold its names)."""
+    from megatron.core.transformer.module import Float16Module
+
+    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+        chunk = chunk.module
+    return chunk
 
 
 def build_optimizer(args, model):

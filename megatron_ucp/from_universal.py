@@ -1,0 +1,343 @@
+"""Universal checkpoint -> Megatron checkpoint at any layout (the `from-universal` command).
+
+    megatron-ucp from-universal UCP DST --tensor-model-parallel-size T --pipeline-model-parallel-size P
+        --data-parallel-size D [--num-layers-per-virtual-pipeline-stage V] [--use-distributed-optimizer]
+        [--sequence-parallel] --ckpt-format {torch,torch_dist} [--dry-run] [--overwrite]
+
+The target layout is validated against the model before anything is written. The vocabulary keeps its
+stored padded size when Megatron-LM would compute the same one at TP=T (it recomputes
+padded_vocab_size from its args and never reads it from a checkpoint); otherwise it is re-padded
+(padding rows only) with a warning.
+
+Output is built in `DST.partial-<pid>` (tracker file last) and renamed to DST at the end, so DST is
+either absent or complete; the universal checkpoint is only read.
+- `torch`: writers/legacy.py, offline, one (tp, pp) rank in memory at a time;
+- `torch_dist`: writers/torch_dist.py, the training harness launched with T*P*D CPU processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional, Union
+
+from tqdm import tqdm
+
+from megatron_ucp.adapters.gpt import expected_parameters
+from megatron_ucp.formats.common import TRACKER_FILENAME
+from megatron_ucp.layout import LayoutError, ParallelLayout
+from megatron_ucp.patterns import PatternError, target_padded_vocab
+from megatron_ucp.universal import UniversalCheckpoint
+from megatron_ucp.writers import legacy as legacy_writer
+from megatron_ucp.writers import torch_dist as torch_dist_writer
+
+PathLike = Union[str, os.PathLike]
+CKPT_FORMATS = ("torch_dist", "torch")
+
+
+class FromUniversalError(ValueError):
+    """The universal checkpoint cannot be written as asked; the message names the cause and the fix."""
+
+
+@dataclass(frozen=True)
+class TargetPlan:
+    """Everything decided before writing: layout, vocabulary, args, files."""
+
+    layout: ParallelLayout
+    vpp_layers: Optional[int]
+    ckpt_format: str
+    use_distributed_optimizer: bool
+    padded_vocab_size: int
+    warnings: tuple[str, ...]
+    files: tuple[tuple[str, int], ...]  # (path relative to DST, tensor bytes); torch_dist: estimate
+    harness_flags: tuple[str, ...] = ()
+
+
+def target_layout(ucp: UniversalCheckpoint, tp: int, pp: int, dp: int, vpp_layers: Optional[int],
+                  sequence_parallel: bool) -> ParallelLayout:
+    """The layout Megatron-LM would run with these flags (VPP from layers per virtual stage)."""
+    num_layers = ucp.config.num_layers
+    vpp = None
+    if vpp_layers is not None:
+        if pp == 1:
+            raise FromUniversalError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size "
+                                     "> 1 (Megatron-LM's interleaved schedule); drop it or raise PP")
+        if vpp_layers < 1 or num_layers % pp or (num_layers // pp) % vpp_layers:
+            raise FromUniversalError(
+                f"num_layers={num_layers} over PP={pp} gives {num_layers / pp:g} layers per stage, not divisible "
+                f"by --num-layers-per-virtual-pipeline-stage {vpp_layers}; choose V dividing {num_layers // pp}"
+                if num_layers % pp == 0 else
+                f"num_layers={num_layers} is not divisible by PP={pp}; choose PP dividing {num_layers}")
+        vpp = (num_layers // pp) // vpp_layers
+        if vpp == 1:
+            vpp = None
+    try:
+        return ParallelLayout(tp=tp, pp=pp, dp=dp, vpp=vpp, sp=sequence_parallel)
+    except LayoutError as e:
+        raise FromUniversalError(str(e)) from e
+
+
+def plan_target(ucp: UniversalCheckpoint, layout: ParallelLayout, *, vpp_layers: Optional[int], ckpt_format: str,
+                use_distributed_optimizer: bool, rng_state: str = "cuda") -> TargetPlan:
+    """Validate the target against the model and decide every file; no I/O besides reading metadata."""
+    if ckpt_format not in CKPT_FORMATS:
+        raise FromUniversalError(f"--ckpt-format {ckpt_format!r}: choose one of {', '.join(CKPT_FORMATS)}")
+    config = ucp.config
+    where = f"{ucp.path}: cannot write {layout.describe()}"
+    warnings = []
+    padded = legacy_writer.megatron_padded_vocab_size(config, layout.tp)
+    if padded != config.padded_vocab_size:
+        if ckpt_format == "torch_dist":
+            harness_padded = target_padded_vocab(config.padded_vocab_size, config.vocab_size,
+                                                 config.make_vocab_size_divisible_by, layout.tp)
+            if harness_padded != padded:
+                raise FromUniversalError(
+                    f"{where}: the stored padded vocabulary ({config.padded_vocab_size} rows) is divisible by TP="
+                    f"{layout.tp}, so the harness keeps it, but Megatron-LM computes {padded} rows at TP={layout.tp}; "
+                    f"write --ckpt-format torch (it re-pads) or choose another TP")
+        warnings.append(f"padded vocabulary changes from {config.padded_vocab_size} to {padded} rows (Megatron-LM "
+                        f"computes ceil({config.vocab_size}/({config.make_vocab_size_divisible_by}*{layout.tp}))*"
+                        f"{config.make_vocab_size_divisible_by * layout.tp} at TP={layout.tp}); padding rows "
+                        f"enter the softmax, so the loss shifts slightly after this conversion")
+    target_config = replace(config, padded_vocab_size=padded)
+    try:
+        expected_parameters(target_config, layout)
+    except (LayoutError, PatternError) as e:
+        raise FromUniversalError(f"{where}: {e}") from e
+    if config.num_attention_heads % layout.tp:
+        raise FromUniversalError(f"{where}: num_attention_heads={config.num_attention_heads} is not divisible by "
+                                 f"TP={layout.tp}; choose a TP that divides it")
+    args = ucp.args
+    mbs, gbs = args.get("micro_batch_size"), args.get("global_batch_size")
+    if mbs and gbs and gbs % (mbs * layout.dp):
+        raise FromUniversalError(
+            f"{where}: global batch {gbs} is not divisible by micro-batch {mbs} x DP={layout.dp}; choose a DP "
+            f"dividing {gbs // mbs} (the global batch must stay {gbs} to continue the same run)")
+    if layout.vpp and mbs and gbs and (gbs // (mbs * layout.dp)) % layout.pp:
+        raise FromUniversalError(f"{where}: the interleaved schedule needs the number of micro-batches "
+                                 f"({gbs // (mbs * layout.dp)}) divisible by PP={layout.pp}; change DP or drop VPP")
+    if use_distributed_optimizer:
+        steps = {info.step for info in ucp.parameters.values()}
+        if len(steps) > 1:
+            raise FromUniversalError(
+                f"{where}: parameters have different Adam steps {sorted(s for s in steps if s is not None)}, but "
+                f"the distributed optimizer keeps one per rank; drop --use-distributed-optimizer")
+    has_moments = all("exp_avg" in info.tensors for info in ucp.parameters.values())
+    if not has_moments:
+        warnings.append("the universal checkpoint holds no optimizer state: only model weights are written; resume "
+                        "with --no-load-optim (or --finetune)")
+
+    full_args = legacy_writer.target_args(ucp.metadata, layout, use_distributed_optimizer=use_distributed_optimizer,
+                                          padded_vocab_size=padded, ckpt_format=ckpt_format, vpp_layers=vpp_layers)
+    if ckpt_format == "torch":
+        target = legacy_writer.LegacyTarget(layout, use_distributed_optimizer, padded, full_args, rng_state)
+        files = tuple((f.path, f.nbytes) for f in legacy_writer.plan(ucp, config, target))
+        return TargetPlan(layout, vpp_layers, ckpt_format, use_distributed_optimizer, padded, tuple(warnings), files)
+
+    notes: list[str] = []
+    try:
+        flags = torch_dist_writer.harness_flags_from_universal(
+            ucp.metadata, layout, vpp_layers=vpp_layers, use_distributed_optimizer=use_distributed_optimizer,
+            notes=notes)
+    except ValueError as e:
+        raise FromUniversalError(f"{where} as torch_dist: {e}") from e
+    warnings += notes
+    state_bytes = sum(4 * (len(info.tensors)) * _numel(info.shape) for info in ucp.parameters.values())
+    files = ((f"iter_{ucp.iteration:07d}/ (torch_dist, {layout.world_size} writer processes)", state_bytes),
+             (TRACKER_FILENAME, 0))
+    return TargetPlan(layout, vpp_layers, ckpt_format, use_distributed_optimizer, padded, tuple(warnings), files,
+                      tuple(flags))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# --------------------------------------------------------------------------------------------------
+# Destination handling
+
+
+def _is_megatron_root(path: Path) -> bool:
+    return (path / TRACKER_FILENAME).is_file() or any(p.name.startswith("iter_") for p in path.iterdir())
+
+
+def check_destination(dst: Path, ucp_path: Path, overwrite: bool) -> None:
+    dst_r, src_r = dst.resolve(), ucp_path.resolve()
+    if dst_r == src_r or src_r in dst_r.parents or dst_r in src_r.parents:
+        raise FromUniversalError(f"{dst}: overlaps the universal checkpoint {ucp_path}; write outside it "
+                                 f"(the input is never modified)")
+    if not dst.exists():
+        return
+    if not overwrite:
+        raise FromUniversalError(f"{dst}: already exists; choose another destination or pass --overwrite to "
+                                 f"replace it")
+    if not dst.is_dir():
+        raise FromUniversalError(f"{dst}: exists and is a file; choose another destination")
+    if any(dst.iterdir()) and not _is_megatron_root(dst):
+        raise FromUniversalError(f"{dst}: exists and is not a Megatron checkpoint; refusing to overwrite it, "
+                                 f"delete it yourself or choose another destination")
+
+
+def _move_into_place(staging: Path, dst: Path) -> None:
+    old = None
+    if dst.exists():
+        old = dst.parent / f"{dst.name}.old-{os.getpid()}"
+        os.rename(dst, old)
+    os.rename(staging, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point
+
+
+@dataclass(frozen=True)
+class FromUniversalSummary:
+    path: Path
+    plan: TargetPlan
+    iteration: int
+    bytes_written: int
+    seconds: float
+    dry_run: bool
+
+    def to_dict(self) -> dict:
+        return {"path": str(self.path), "ckpt_format": self.plan.ckpt_format, "layout": self.plan.layout.to_dict(),
+                "use_distributed_optimizer": self.plan.use_distributed_optimizer, "iteration": self.iteration,
+                "padded_vocab_size": self.plan.padded_vocab_size, "warnings": list(self.plan.warnings),
+                "files": [{"path": p, "bytes": b} for p, b in self.plan.files],
+                "bytes_written": self.bytes_written, "seconds": round(self.seconds, 3), "dry_run": self.dry_run}
+
+
+def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_size: int = 1,
+                   pipeline_model_parallel_size: int = 1, data_parallel_size: int = 1,
+                   num_layers_per_virtual_pipeline_stage: Optional[int] = None,
+                   use_distributed_optimizer: bool = False, sequence_parallel: bool = False,
+                   ckpt_format: str = "torch_dist", dry_run: bool = False, overwrite: bool = False,
+                   rng_state: str = "cuda", timeout_s: int = torch_dist_writer.DEFAULT_TIMEOUT_S,
+                   progress: bool = True, warn=None) -> FromUniversalSummary:
+    """Write the universal checkpoint at `ucp_path` as a Megatron checkpoint root `dst` at the given layout.
+
+    Validation (layout, vocabulary, batch, destination) happens before any file is created; on any error
+    nothing is left at `dst` (nor its staging directory)."""
+    start = time.perf_counter()
+    ucp_path, dst = Path(ucp_path), Path(dst).absolute()
+    if rng_state not in legacy_writer.RNG_STATE_KINDS:
+        raise FromUniversalError(f"rng_state={rng_state!r}: choose one of {', '.join(legacy_writer.RNG_STATE_KINDS)}")
+    ucp = UniversalCheckpoint.open(ucp_path)
+    layout = target_layout(ucp, tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size,
+                           num_layers_per_virtual_pipeline_stage, sequence_parallel)
+    plan = plan_target(ucp, layout, vpp_layers=num_layers_per_virtual_pipeline_stage, ckpt_format=ckpt_format,
+                       use_distributed_optimizer=use_distributed_optimizer, rng_state=rng_state)
+    check_destination(dst, ucp_path, overwrite)
+    emit = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
+    for message in plan.warnings:
+        emit(message)
+    if dry_run:
+        return FromUniversalSummary(dst, plan, ucp.iteration, 0, time.perf_counter() - start, True)
+
+    staging = dst.parent / f"{dst.name}.partial-{os.getpid()}"
+    if staging.exists():  # left by a killed run that had our pid
+        shutil.rmtree(staging)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    written = 0
+    try:
+        if ckpt_format == "torch":
+            staging.mkdir()
+            target = legacy_writer.LegacyTarget(
+                layout, use_distributed_optimizer, plan.padded_vocab_size,
+                legacy_writer.target_args(ucp.metadata, layout, use_distributed_optimizer=use_distributed_optimizer,
+                                          padded_vocab_size=plan.padded_vocab_size, ckpt_format=ckpt_format,
+                                          vpp_layers=num_layers_per_virtual_pipeline_stage),
+                rng_state)
+            bar = tqdm(total=sum(1 for p, _ in plan.files if p != TRACKER_FILENAME), unit="file",
+                       desc="from-universal", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+
+            def on_file(path: Path, size: int) -> None:
+                nonlocal written
+                written += size
+                bar.update(1)
+
+            try:
+                legacy_writer.write(ucp, ucp.config, target, staging, on_file=on_file)
+            finally:
+                bar.close()
+        else:
+            log = dst.parent / f"{dst.name}.partial-{os.getpid()}.log"
+            try:
+                torch_dist_writer.write(ucp_path.absolute(), staging, ucp.iteration, layout, plan.harness_flags,
+                                        timeout_s=timeout_s, log_path=log)
+            except torch_dist_writer.HarnessRunError as e:
+                raise FromUniversalError(f"{e} (log: {log})") from e
+            log.unlink(missing_ok=True)
+            if not (staging / TRACKER_FILENAME).is_file():
+                raise FromUniversalError(f"{staging}: the harness finished without writing {TRACKER_FILENAME}")
+            written = sum(f.stat().st_size for f in staging.rglob("*") if f.is_file())
+        _move_into_place(staging, dst)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return FromUniversalSummary(dst, plan, ucp.iteration, written, time.perf_counter() - start, False)
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI: `megatron-ucp from-universal`
+
+
+def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "from-universal", parents=[common],
+        help="write a universal checkpoint as a Megatron checkpoint at any layout",
+        description="Write a universal checkpoint as a Megatron-LM checkpoint (torch_dist or legacy torch) at "
+                    "the given TP x PP x DP (x VPP) layout, with the full optimizer state.")
+    p.add_argument("ucp", help="universal checkpoint directory")
+    p.add_argument("dst", help="Megatron checkpoint root to create (must not exist unless --overwrite)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--ckpt-format", choices=CKPT_FORMATS, required=True,
+                   help="torch: legacy model_optim_rng.pt (+ distrib_optim.pt), written offline; torch_dist: "
+                        "written by the training harness with T*P*D CPU processes")
+    p.add_argument("--rng-state", choices=legacy_writer.RNG_STATE_KINDS, default="cuda",
+                   help="torch format: write a fresh deterministic RNG state for CUDA (default; Megatron-LM on "
+                        "GPUs) or CPU generators (the CPU harness), or none (then resume with --no-load-rng)")
+    p.add_argument("--timeout", type=int, default=torch_dist_writer.DEFAULT_TIMEOUT_S,
+                   help="torch_dist: seconds the harness run may take")
+    p.add_argument("--dry-run", action="store_true", help="print the files that would be written; write nothing")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing Megatron checkpoint at DST")
+    p.set_defaults(handler=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> dict:
+    summary = from_universal(
+        args.ucp, args.dst, tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, data_parallel_size=args.data_parallel_size,
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+        use_distributed_optimizer=args.use_distributed_optimizer, sequence_parallel=args.sequence_parallel,
+        ckpt_format=args.ckpt_format, dry_run=args.dry_run, overwrite=args.overwrite, rng_state=args.rng_state,
+        timeout_s=args.timeout, progress=not args.quiet)
+    result = summary.to_dict()
+    plan = summary.plan
+    what = f"{plan.ckpt_format} at {plan.layout.describe()}" + (" with the distributed optimizer"
+                                                                if plan.use_distributed_optimizer else "")
+    if summary.dry_run:
+        lines = [f"dry run: would write {summary.path} ({what}, iteration {summary.iteration}):"]
+        lines += [f"  {p}  {b / 2 ** 20:.2f} MiB" for p, b in plan.files]
+        if plan.harness_flags:
+            lines.append("  harness flags: " + " ".join(plan.harness_flags))
+        result["message"] = "\n".join(lines)
+    else:
+        result["message"] = (f"wrote {summary.path}: {what}, iteration {summary.iteration}, "
+                             f"{summary.bytes_written / 2 ** 20:.1f} MiB, {summary.seconds:.1f} s")
+    return result

@@ -1,0 +1,276 @@
+"""`megatron-ucp export-hf`: a Hugging Face transformers model directory from a universal checkpoint.
+
+Writes `config.json` and `model.safetensors` (HF parameter names) for two families:
+- llama: SwiGLU, RMSNorm, RoPE; Megatron's per-query-group fused QKV is split into q/k/v_proj
+  (GroupedQKV.split_qkv gives HF's head order), fc1 `[gate; up]` into gate_proj / up_proj;
+- gpt2: LayerNorm, learned positions, GELU, tied embeddings, biases; HF's Conv1D stores weights
+  transposed ([in, out]) and c_attn is [q; k; v] concatenated on the output axis.
+Vocabulary padding rows are dropped (HF vocab_size = the true vocabulary). Only weights are exported
+(the fp32 master weights, cast to --dtype); the universal checkpoint itself is never modified.
+Needs only torch and safetensors; transformers is needed to load the result, not to write it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import torch
+
+from megatron_ucp.model_config import GPTModelConfig
+
+PathLike = Union[str, os.PathLike]
+MODEL_TYPES = ("llama", "gpt2")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ExportError(ValueError):
+    """The checkpoint cannot be exported as asked; the message names the cause and the fix."""
+
+
+def _need(condition: bool, model_type: str, what: str, fix: str) -> None:
+    if not condition:
+        raise ExportError(f"cannot export as --model-type {model_type}: {what}; {fix}")
+
+
+def check_exportable(config: GPTModelConfig, args: dict, model_type: str) -> None:
+    """Raise ExportError unless the HF architecture computes exactly what the Megatron model computes."""
+    if model_type not in MODEL_TYPES:
+        raise ExportError(f"--model-type {model_type!r} is not supported; choose one of {', '.join(MODEL_TYPES)}")
+    _need(not config.num_experts, model_type, f"num_experts={config.num_experts} (MoE)", "MoE export is not supported")
+    other = "gpt2" if model_type == "llama" else "llama"
+    if model_type == "llama":
+        _need(config.swiglu, model_type, "the MLP is GELU, Llama's is SwiGLU", f"use --model-type {other}")
+        _need(config.normalization == "RMSNorm", model_type, f"normalization is {config.normalization}, Llama's is "
+              f"RMSNorm", f"use --model-type {other}")
+        _need(config.position_embedding_type == "rope", model_type, f"position embeddings are "
+              f"{config.position_embedding_type}, Llama uses RoPE", f"use --model-type {other}")
+        _need(float(args.get("rotary_percent", 1.0) or 1.0) == 1.0, model_type,
+              f"rotary_percent={args.get('rotary_percent')} (partial rotary)", "HF Llama rotates the whole head")
+        _need(not args.get("rotary_interleaved"), model_type, "rotary_interleaved=True",
+              "HF Llama uses the rotate-half convention")
+    else:
+        _need(not config.swiglu, model_type, "the MLP is SwiGLU, GPT-2's is GELU", f"use --model-type {other}")
+        _need(config.normalization == "LayerNorm", model_type, f"normalization is {config.normalization}, GPT-2's is "
+              f"LayerNorm", f"use --model-type {other}")
+        _need(config.position_embedding_type == "learned_absolute", model_type, f"position embeddings are "
+              f"{config.position_embedding_type}, GPT-2 learns absolute positions", f"use --model-type {other}")
+        _need(config.tied, model_type, "input and output embeddings are untied, GPT-2 ties them",
+              f"use --model-type {other} or train with tied embeddings")
+        _need(config.num_query_groups == config.num_attention_heads, model_type,
+              f"grouped-query attention ({config.num_query_groups} groups for {config.num_attention_heads} heads)",
+              "GPT-2 has multi-head attention only")
+        _need(config.kv_channels * config.num_attention_heads == config.hidden_size, model_type,
+              f"kv_channels={config.kv_channels} x {config.num_attention_heads} heads != hidden {config.hidden_size}",
+              "GPT-2's head dim is hidden / heads")
+        _need(not config.add_qkv_bias or config.add_bias_linear, model_type, "QKV bias without other biases",
+              "GPT-2 has all biases or none")
+
+
+def _hf_config(config: GPTModelConfig, args: dict, model_type: str, dtype: str) -> dict:
+    eps = float(args.get("norm_epsilon", 1e-5) or 1e-5)
+    # NullTokenizer and the byte-level tokenizer append EOD as the last token of the true vocabulary.
+    eod = config.vocab_size - 1 if args.get("tokenizer_type") in ("NullTokenizer", "ByteLevelTokenizer") else None
+    common = {"vocab_size": config.vocab_size, "torch_dtype": dtype, "dtype": dtype,
+              "bos_token_id": eod, "eos_token_id": eod, "tie_word_embeddings": config.tied}
+    if model_type == "llama":
+        theta = float(args.get("rotary_base", 10000) or 10000)
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+            "hidden_size": config.hidden_size, "intermediate_size": config.ffn_hidden_size,
+            "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_query_groups, "head_dim": config.kv_channels,
+            "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings or
+            int(args.get("seq_length") or 2048),
+            "rms_norm_eps": eps,
+            "rope_theta": theta,  # transformers 4.x
+            "rope_parameters": {"rope_type": "default", "rope_theta": theta},  # transformers 5.x
+            "rope_scaling": None,
+            "attention_bias": bool(config.add_qkv_bias or config.add_bias_linear),
+            "mlp_bias": bool(config.add_bias_linear), "attention_dropout": 0.0, "initializer_range": 0.02,
+            "pretraining_tp": 1, "use_cache": True,
+        }
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
+        "n_positions": config.max_position_embeddings, "n_embd": config.hidden_size, "n_layer": config.num_layers,
+        "n_head": config.num_attention_heads, "n_inner": config.ffn_hidden_size,
+        "activation_function": "gelu",  # Megatron uses exact GELU (F.gelu); HF's default gelu_new is the tanh form
+        "layer_norm_epsilon": eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        "initializer_range": 0.02, "use_cache": True,
+    }
+
+
+def hf_state_dict(read: Callable[[str], torch.Tensor], config: GPTModelConfig, model_type: str,
+                  has: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """HF tensors from canonical fp32 tensors (`read(name)`), vocabulary padding dropped."""
+    from megatron_ucp.adapters.gpt import OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS, pattern_for
+
+    vocab = config.vocab_size
+    out: dict[str, torch.Tensor] = {}
+    qkv = None
+    for i in range(config.num_layers):
+        prefix = f"decoder.layers.{i}."
+        if qkv is None:
+            qkv = pattern_for(prefix + "self_attention.linear_qkv.weight", config)
+        q, k, v = qkv.split_qkv(read(prefix + "self_attention.linear_qkv.weight"))
+        qkv_bias = (qkv.split_qkv(read(prefix + "self_attention.linear_qkv.bias"))
+                    if has(prefix + "self_attention.linear_qkv.bias") else None)
+        proj = read(prefix + "self_attention.linear_proj.weight")
+        fc1, fc2 = read(prefix + "mlp.linear_fc1.weight"), read(prefix + "mlp.linear_fc2.weight")
+        bias = {s: read(prefix + s) for s in ("self_attention.linear_proj.bias", "mlp.linear_fc1.bias",
+                                              "mlp.linear_fc2.bias") if has(prefix + s)}
+        if model_type == "llama":
+            h = f"model.layers.{i}."
+            out[h + "input_layernorm.weight"] = read(prefix + "input_layernorm.weight")
+            out[h + "self_attn.q_proj.weight"], out[h + "self_attn.k_proj.weight"] = q, k
+            out[h + "self_attn.v_proj.weight"] = v
+            out[h + "self_attn.o_proj.weight"] = proj
+            if qkv_bias is not None:
+                for name, b in zip(("q_proj", "k_proj", "v_proj"), qkv_bias):
+                    out[h + f"self_attn.{name}.bias"] = b
+                # HF's attention_bias also gives o_proj a bias: zero when Megatron has none
+                out[h + "self_attn.o_proj.bias"] = bias.get("self_attention.linear_proj.bias",
+                                                            torch.zeros(config.hidden_size))
+            out[h + "post_attention_layernorm.weight"] = read(prefix + "pre_mlp_layernorm.weight")
+            ffn = config.ffn_hidden_size
+            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = fc1[:ffn], fc1[ffn:]
+            out[h + "mlp.down_proj.weight"] = fc2
+            if "mlp.linear_fc1.bias" in bias:
+                fc1_bias = bias["mlp.linear_fc1.bias"]
+                out[h + "mlp.gate_proj.bias"], out[h + "mlp.up_proj.bias"] = fc1_bias[:ffn], fc1_bias[ffn:]
+                out[h + "mlp.down_proj.bias"] = bias["mlp.linear_fc2.bias"]
+        else:
+            h = f"transformer.h.{i}."
+            zeros = torch.zeros(config.hidden_size)
+            out[h + "ln_1.weight"] = read(prefix + "input_layernorm.weight")
+            out[h + "ln_1.bias"] = read(prefix + "input_layernorm.bias")
+            # Conv1D: y = x @ W + b with W [in, out]; Megatron's Linear stores [out, in].
+            out[h + "attn.c_attn.weight"] = torch.cat([q, k, v], dim=0).t()
+            out[h + "attn.c_attn.bias"] = (torch.cat(qkv_bias) if qkv_bias is not None
+                                           else torch.zeros(3 * config.hidden_size))
+            out[h + "attn.c_proj.weight"] = proj.t()
+            out[h + "attn.c_proj.bias"] = bias.get("self_attention.linear_proj.bias", zeros)
+            out[h + "ln_2.weight"] = read(prefix + "pre_mlp_layernorm.weight")
+            out[h + "ln_2.bias"] = read(prefix + "pre_mlp_layernorm.bias")
+            out[h + "mlp.c_fc.weight"] = fc1.t()
+            out[h + "mlp.c_fc.bias"] = bias.get("mlp.linear_fc1.bias", torch.zeros(config.ffn_hidden_size))
+            out[h + "mlp.c_proj.weight"] = fc2.t()
+            out[h + "mlp.c_proj.bias"] = bias.get("mlp.linear_fc2.bias", zeros)
+    embeddings = read(WORD_EMBEDDINGS)[:vocab]
+    if model_type == "llama":
+        out["model.embed_tokens.weight"] = embeddings
+        out["model.norm.weight"] = read("decoder.final_layernorm.weight")
+        if not config.tied:
+            out["lm_head.weight"] = read(OUTPUT_LAYER)[:vocab]
+    else:
+        out["transformer.wte.weight"] = embeddings
+        out["transformer.wpe.weight"] = read(POSITION_EMBEDDINGS)
+        out["transformer.ln_f.weight"] = read("decoder.final_layernorm.weight")
+        out["transformer.ln_f.bias"] = read("decoder.final_layernorm.bias")
+    return out
+
+
+def _check_destination(dst: Path, overwrite: bool) -> None:
+    if not dst.exists():
+        return
+    if not overwrite:
+        raise ExportError(f"{dst}: already exists; choose another destination or pass --overwrite")
+    if not dst.is_dir():
+        raise ExportError(f"{dst}: exists and is a file; choose another destination")
+    known = {"config.json", "model.safetensors", "generation_config.json"}
+    if any(p.name not in known for p in dst.iterdir()):
+        raise ExportError(f"{dst}: exists and holds files other than an export ({sorted(p.name for p in dst.iterdir())[:5]}); "
+                          f"refusing to overwrite it, delete it yourself or choose another destination")
+
+
+def export_hf(src: PathLike, dst: PathLike, model_type: str, *, dtype: Optional[str] = None,
+              overwrite: bool = False, progress: bool = True) -> dict:
+    """Write the HF model directory `dst` from the universal checkpoint `src`; returns a summary."""
+    import sys
+
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from megatron_ucp.inspect_cmd import is_universal, open_any
+
+    src, dst = Path(src), Path(dst)
+    _check_destination(dst, overwrite)
+    ucp = open_any(src)
+    if not is_universal(ucp):
+        raise ExportError(f"{src}: is a Megatron-LM {ucp.format} checkpoint; convert it first "
+                          f"(megatron-ucp to-universal {src} UCP_DIR) and export UCP_DIR")
+    config = ucp.config
+    check_exportable(config, ucp.args, model_type)
+    if dtype in (None, "auto"):
+        dtypes = {p.model_dtype for p in ucp.parameters.values()}
+        dtype = dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes), None) in DTYPES else "float32"
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r}: choose one of auto, {', '.join(DTYPES)}")
+    resolved_src, resolved_dst = src.resolve(), dst.resolve()
+    if resolved_dst == resolved_src or resolved_src in resolved_dst.parents:
+        raise ExportError(f"{dst}: is inside the universal checkpoint {src}; write the export elsewhere "
+                          f"(the input is never modified)")
+    bar = tqdm(total=sum(math.prod(p.shape) * 4 for p in ucp.parameters.values()), unit="B",
+               unit_scale=True, unit_divisor=1024, desc="export-hf", disable=not progress, file=sys.stderr,
+               dynamic_ncols=True)
+
+    def read(name: str) -> torch.Tensor:
+        tensor = ucp.read(name, "fp32")
+        bar.update(tensor.numel() * 4)
+        return tensor
+
+    try:
+        tensors = hf_state_dict(read, config, model_type, has=lambda n: n in ucp.parameters)
+    finally:
+        bar.close()
+    torch_dtype = DTYPES[dtype]
+    tensors = {k: v.to(torch_dtype).contiguous() for k, v in tensors.items()}
+    hf_config = _hf_config(config, ucp.args, model_type, dtype)
+    staging = dst.parent / f"{dst.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.rename(staging, dst)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return {"path": str(dst), "source": str(src.resolve()), "model_type": model_type, "dtype": dtype,
+            "iteration": ucp.iteration, "vocab_size": config.vocab_size,
+            "dropped_padding_rows": config.padded_vocab_size - config.vocab_size,
+            "num_tensors": len(tensors), "bytes_written": nbytes}
+
+
+def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "export-hf", parents=[common], help="write a Hugging Face transformers model from a universal checkpoint",
+        description="Export the weights of a universal checkpoint as a Hugging Face transformers model directory "
+                    "(config.json + model.safetensors): --model-type llama (SwiGLU, RMSNorm, RoPE) or gpt2 "
+                    "(GELU, LayerNorm, learned positions, tied). Vocabulary padding rows are dropped.")
+    p.add_argument("src", help="universal checkpoint directory (megatron-ucp to-universal's DST)")
+    p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
+    p.add_argument("--model-type", required=True, choices=MODEL_TYPES)
+    p.add_argument("--dtype", default="auto", choices=("auto",) + tuple(DTYPES),
+                   help="dtype of the exported weights (default: the model's training dtype)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing export at DST")
+    p.set_defaults(handler=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> dict:
+    result = export_hf(args.src, args.dst, args.model_type, dtype=args.dtype, overwrite=args.overwrite,
+                       progress=not args.quiet)
+    result["message"] = (f"wrote {result['path']}: {args.model_type} ({result['num_tensors']} tensors, "
+                         f"{result['bytes_written'] / 2 ** 20:.1f} MiB, {result['dtype']}), iteration "
+                         f"{result['iteration']}, vocab {result['vocab_size']} ({result['dropped_padding_rows']} "
+                         f"padding rows dropped); no tokenizer files are written")
+    return result

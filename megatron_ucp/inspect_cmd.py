@@ -1,0 +1,256 @@
+"""`megatron-ucp inspect`: what a checkpoint holds, from metadata only (no tensor is read).
+
+Owns `open_any`, which opens any checkpoint this project reads (universal, Megatron-LM `torch` or
+`torch_dist`, as a root or an iteration folder) and is shared with `verify` and `plan`. For Megatron
+checkpoints the global shapes come from the GPT adapter (model config + layout), not from tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+from megatron_ucp.formats.common import TRACKER_FILENAME, CheckpointFormatError
+
+PathLike = Union[str, os.PathLike]
+UNIVERSAL = "universal"
+
+
+class NotACheckpointError(ValueError):
+    """A path that is no checkpoint this tool reads; the message names the path and the fix."""
+
+
+def _looks_universal(path: Path) -> bool:
+    from megatron_ucp.universal import COMPLETE_FILENAME, FORMAT_NAME, METADATA_FILENAME, TENSORS_DIRNAME
+
+    if (path / COMPLETE_FILENAME).is_file() or (path / TENSORS_DIRNAME).is_dir():
+        return True
+    meta = path / METADATA_FILENAME
+    if meta.is_file():  # torch_dist iteration folders have a metadata.json too: look at its format
+        try:
+            return json.loads(meta.read_text()).get("format") == FORMAT_NAME
+        except (ValueError, AttributeError, OSError):
+            return False
+    return False
+
+
+def open_any(path: PathLike, iteration: Optional[int] = None):
+    """A UniversalCheckpoint or a MegatronCheckpoint for `path` (see the module docstring)."""
+    path = Path(path)
+    if not path.exists():
+        raise NotACheckpointError(f"{path}: no such file or directory; pass a universal checkpoint directory, a "
+                                  f"Megatron-LM --save directory or one of its iter_XXXXXXX folders")
+    if not path.is_dir():
+        raise NotACheckpointError(f"{path}: is a file, not a checkpoint directory; pass the directory that holds "
+                                  f"it (a universal checkpoint, a Megatron-LM --save root or an iter_XXXXXXX folder)")
+    if _looks_universal(path):
+        from megatron_ucp.universal import UniversalCheckpoint
+
+        ucp = UniversalCheckpoint.open(path)
+        if iteration is not None and iteration != ucp.iteration:
+            raise NotACheckpointError(f"{path}: a universal checkpoint holds one iteration ({ucp.iteration}), not "
+                                      f"the requested --iteration {iteration}; drop --iteration")
+        return ucp
+    megatron_like = ((path / TRACKER_FILENAME).exists() or path.name.startswith("iter_")
+                     or any(p.is_dir() and p.name.startswith("iter_") for p in path.iterdir()))
+    if not megatron_like:
+        raise NotACheckpointError(
+            f"{path}: not a checkpoint: no COMPLETE/metadata.json (universal), no {TRACKER_FILENAME} or "
+            f"iter_XXXXXXX folders (Megatron-LM); pass the DST of `megatron-ucp to-universal` or a Megatron-LM "
+            f"--save directory")
+    from megatron_ucp.formats import open_checkpoint
+
+    return open_checkpoint(path, iteration)
+
+
+def is_universal(ckpt) -> bool:
+    from megatron_ucp.universal import UniversalCheckpoint
+
+    return isinstance(ckpt, UniversalCheckpoint)
+
+
+def checkpoint_format(ckpt) -> str:
+    return UNIVERSAL if is_universal(ckpt) else ckpt.format
+
+
+def disk_bytes(path: Path) -> int:
+    """Bytes of all files under `path` (what the checkpoint occupies)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += (Path(root) / f).stat().st_size
+            except OSError:
+                pass
+    return total
+
+
+def pattern_label(pattern_json: dict) -> str:
+    """'grouped_qkv(groups=2, heads/group=2, head_dim=12)' and the like, for tables."""
+    kind = pattern_json["kind"]
+    if kind == "sharded":
+        return f"sharded(dim={pattern_json['dim']})"
+    if kind == "fused_sub_params":
+        return f"fused(dim={pattern_json['dim']}, parts={list(pattern_json['parts'])})"
+    if kind == "grouped_qkv":
+        return (f"grouped_qkv(groups={pattern_json['num_query_groups']}, "
+                f"heads/group={pattern_json['heads_per_group']}, head_dim={pattern_json['head_dim']})")
+    return kind
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class ParameterRow:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # the model parameter's dtype during training
+    pattern: dict
+    tensors: tuple[str, ...]  # consolidated fp32 tensors it has: fp32 [, exp_avg, exp_avg_sq]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "pattern": self.pattern,
+                "tensors": list(self.tensors), "numel": self.numel}
+
+
+def parameter_rows(ckpt) -> list[ParameterRow]:
+    """The canonical parameters with global shape, model dtype and pattern, from metadata only."""
+    if is_universal(ckpt):
+        return [ParameterRow(p.name, p.shape, p.model_dtype, p.pattern.to_json(), p.tensors)
+                for p in ckpt.parameters.values()]
+    from megatron_ucp.adapters.gpt import canonical_name, expected_parameters, pattern_for
+    from megatron_ucp.layout import LayoutError
+    from megatron_ucp.universal import dtype_name
+
+    config, layout = ckpt.config, ckpt.layout
+    try:
+        expected = expected_parameters(config, layout)
+    except (LayoutError, NotImplementedError, ValueError) as e:
+        raise CheckpointFormatError(f"{ckpt.path}: {e}") from e
+    dtypes = {}
+    for ref in ckpt.shards():  # shard metadata only (names, shapes, dtypes)
+        name = canonical_name(ref.local_name, layout, ref.pp_rank, ref.vpp_chunk, config.num_layers,
+                              tied=config.tied)
+        if name is not None:
+            dtypes.setdefault(name, dtype_name(ref.dtype))
+    missing = [n for n, _ in expected if n not in dtypes]
+    if missing:
+        raise CheckpointFormatError(f"{ckpt.path}: missing parameters {missing[:5]}; the checkpoint is incomplete "
+                                    f"or does not match its args")
+    tensors = ("fp32",) if ckpt.optimizer_kind == "none" else ("fp32", "exp_avg", "exp_avg_sq")
+    return [ParameterRow(n, tuple(s), dtypes[n], pattern_for(n, config).to_json(), tensors) for n, s in expected]
+
+
+def describe(ckpt) -> dict:
+    """Everything `inspect` reports, as a JSON-safe dict."""
+    rows = parameter_rows(ckpt)
+    universal = is_universal(ckpt)
+    if universal:
+        meta = ckpt.metadata
+        layout = ckpt.source_layout.to_dict()
+        consumed = ckpt.consumed_train_samples
+        optimizer_kind = (meta.get("source") or {}).get("optimizer_kind")
+        extra = {"format_version": meta.get("version"), "source": meta.get("source"),
+                 "optimizer_type": (meta.get("optimizer") or {}).get("type")}
+    else:
+        common = ckpt.common_state()
+        layout = ckpt.layout.to_dict()
+        consumed = int(common.get("consumed_train_samples") or 0)
+        optimizer_kind = ckpt.optimizer_kind
+        extra = {"checkpoint_version": _json_scalar(common.get("checkpoint_version"))}
+    numel = sum(r.numel for r in rows)
+    return {
+        "path": str(Path(ckpt.path).resolve()),
+        "format": checkpoint_format(ckpt),
+        **extra,
+        "iteration": int(ckpt.iteration),
+        "consumed_train_samples": int(consumed),
+        "layout": layout,  # for a universal checkpoint: the layout it was trained with (informational)
+        "model_config": ckpt.config.to_dict(),
+        "optimizer_kind": optimizer_kind,
+        "has_optimizer_state": all(len(r.tensors) == 3 for r in rows),
+        "num_parameters": len(rows),
+        "num_elements": numel,
+        "model_bytes": sum(r.numel * _DTYPE_BYTES.get(r.dtype, 4) for r in rows),
+        "consolidated_bytes": sum(r.numel * 4 * len(r.tensors) for r in rows),
+        "total_bytes": disk_bytes(Path(ckpt.path)),
+        "parameters": [r.to_dict() for r in rows],
+    }
+
+
+def _json_scalar(value):
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+
+
+def _layout_text(layout: dict) -> str:
+    parts = [f"TP={layout['tp']}", f"PP={layout['pp']}", f"DP={layout['dp']}",
+             f"VPP={layout.get('vpp') or '-'}", f"SP={'on' if layout.get('sp') else 'off'}", f"EP={layout.get('ep', 1)}"]
+    return " ".join(parts)
+
+
+def format_report(info: dict) -> str:
+    c = info["model_config"]
+    lines = [
+        f"{info['path']}",
+        f"  format        {info['format']}" + (f" (version {info['format_version']})" if "format_version" in info else ""),
+        f"  iteration     {info['iteration']}   consumed samples {info['consumed_train_samples']}",
+        f"  layout        {_layout_text(info['layout'])}" + ("   (as trained)" if info["format"] == UNIVERSAL else ""),
+        f"  model         {c['num_layers']} layers, hidden {c['hidden_size']}, ffn {c['ffn_hidden_size']}, "
+        f"{c['num_attention_heads']} heads / {c['num_query_groups']} query groups (head dim {c['kv_channels']}), "
+        f"vocab {c['vocab_size']} padded to {c['padded_vocab_size']}",
+        f"                {c['normalization']}, {'SwiGLU' if c['swiglu'] else 'GELU'}, {c['position_embedding_type']}, "
+        f"{'untied' if c['untie_embeddings_and_output_weights'] else 'tied'} embeddings, "
+        f"{'biases' if c['add_bias_linear'] else 'no biases'}{', QKV bias' if c['add_qkv_bias'] else ''}",
+        f"  optimizer     {info['optimizer_kind']}" + ("" if info["has_optimizer_state"] else " (no Adam state)"),
+        "",
+    ]
+    rows = [(p["name"], "x".join(map(str, p["shape"])), p["dtype"], pattern_label(p["pattern"]))
+            for p in info["parameters"]]
+    header = ("parameter", "global shape", "dtype", "pattern")
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines.append(fmt.format(*header).rstrip())
+    lines += [fmt.format(*r).rstrip() for r in rows]
+    lines += ["", f"{info['num_parameters']} parameters, {info['num_elements']:,} elements; "
+                  f"weights {human_bytes(info['model_bytes'])}, consolidated fp32 state "
+                  f"{human_bytes(info['consolidated_bytes'])}, on disk {human_bytes(info['total_bytes'])}"]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "inspect", parents=[common], help="show what a checkpoint holds (format, layout, config, parameters)",
+        description="Describe a universal, legacy torch or torch_dist checkpoint from its metadata: format, "
+                    "layout, iteration, consumed samples, model config, optimizer, and every parameter's global "
+                    "shape, dtype and pattern. No tensor is read.")
+    p.add_argument("path", help="universal checkpoint, Megatron-LM checkpoint root or iter_XXXXXXX folder")
+    p.add_argument("--iteration", type=int, default=None, help="iteration of a Megatron-LM root (default: the tracker's)")
+    p.set_defaults(handler=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> dict:
+    info = describe(open_any(args.path, args.iteration))
+    info["message"] = format_report(info)
+    return info

@@ -1,0 +1,270 @@
+"""Fill a live megatron-core GPT model and its optimizer from a universal checkpoint, at any layout.
+
+Every rank walks its own model chunks' parameters, maps each to its canonical name and UCP pattern
+(adapters.gpt), and reads from the universal checkpoint only what it holds:
+- the model weight: its tensor-parallel slice (pieces given by `pattern.slice_ranges`);
+- with the distributed optimizer, the fp32 master weight and Adam moments of the flat range its
+  data-parallel rank owns: only the rows covering that range are read;
+- without it, the whole tensor-parallel slice of each.
+Each parameter gets its own Adam `step`. Then the LR scheduler, iteration and consumed samples.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from megatron_ucp import cpu_backend
+from megatron_ucp.adapters import gpt as gpt_adapter
+from megatron_ucp.layout import ParallelLayout
+from megatron_ucp.model_config import GPTModelConfig
+from megatron_ucp.patterns import Pattern, Replicated, resize_vocab, target_padded_vocab
+
+# Model-config fields that must match between the universal checkpoint and the run.
+MUST_MATCH = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+              "kv_channels", "vocab_size", "swiglu", "normalization", "position_embedding_type",
+              "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias")
+FLAGS = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
+    "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
+    "kv_channels": "--kv-channels", "vocab_size": "--vocab-size / --tokenizer-type", "swiglu": "--swiglu",
+    "normalization": "--normalization", "position_embedding_type": "--position-embedding-type",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+    "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias",
+}
+
+
+class UniversalLoadError(RuntimeError):
+    pass
+
+
+def open_for_run(args):
+    """Open args.load as a universal checkpoint and fix the run's padded vocab size before the model is built."""
+    from megatron_ucp.universal import UniversalCheckpoint
+
+    ucp = UniversalCheckpoint.open(args.load)
+    stored = ucp.config.padded_vocab_size
+    target = target_padded_vocab(stored, ucp.config.vocab_size, args.make_vocab_size_divisible_by,
+                                 args.tensor_model_parallel_size)
+    if target != stored and torch.distributed.get_rank() == 0:
+        print(f"WARNING: the universal checkpoint's padded vocabulary ({stored} rows) is not divisible by "
+              f"TP={args.tensor_model_parallel_size}; re-padding to {target} rows. Padding rows enter the "
+              "softmax, so the loss shifts slightly after this resume.", flush=True)
+    args.padded_vocab_size = target
+    return ucp
+
+
+def check_compatible(ucp, args) -> None:
+    ours = GPTModelConfig.from_megatron_args(args)
+    theirs = ucp.config
+    problems = []
+    for name in MUST_MATCH:
+        a, b = getattr(theirs, name), getattr(ours, name)
+        if a != b:
+            problems.append(f"{name}: checkpoint {a!r}, this run {b!r} (set {FLAGS.get(name, name)})")
+    if problems:
+        raise UniversalLoadError(f"{ucp.path}: the model config differs from this run's: " + "; ".join(problems))
+    ckpt_gbs = ucp.args.get("global_batch_size")
+    if ckpt_gbs is not None and ckpt_gbs != args.global_batch_size and not args.universal_allow_batch_change:
+        raise UniversalLoadError(
+            f"{ucp.path}: trained with --global-batch-size {ckpt_gbs}, this run uses {args.global_batch_size}; "
+            f"pass --global-batch-size {ckpt_gbs} to continue the same curve, or --universal-allow-batch-change")
+    if ucp.iteration > args.train_iters:
+        raise UniversalLoadError(f"{ucp.path}: checkpoint is at iteration {ucp.iteration} but --train-iters is "
+                                 f"{args.train_iters}; raise --train-iters")
+
+
+# --- reading slices ---------------------------------------------------------------------------
+
+def _local_pieces(pattern: Pattern, shape, tp_rank: int, tp: int):
+    return pattern.slice_ranges(tuple(shape), tp_rank, tp)
+
+
+def _cat_dim(pattern: Pattern) -> int:
+    return 0 if pattern.dim is None else pattern.dim
+
+
+def read_local(ucp, name: str, key: str, pattern: Pattern, shape, tp_rank: int, tp: int) -> torch.Tensor:
+    """The whole tensor-parallel slice of `name` (what a TP rank holds), read piece by piece."""
+    pieces = [ucp.read(name, key, idx) for idx in _local_pieces(pattern, shape, tp_rank, tp)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=_cat_dim(pattern))
+
+
+def read_local_flat_range(ucp, name: str, key: str, pattern: Pattern, shape, tp_rank: int, tp: int,
+                          start: int, end: int) -> torch.Tensor:
+    """Elements [start, end) of the flattened TP slice, reading only the rows that cover them."""
+    pieces = _local_pieces(pattern, shape, tp_rank, tp)
+    local_shape = pattern.local_shape(tuple(shape), tp)
+    row = int(np.prod(local_shape[1:])) if len(local_shape) > 1 else 1
+    r0, r1 = start // row, math.ceil(end / row)
+    dim = _cat_dim(pattern)
+    parts = []
+    if dim == 0 or len(pieces) == 1:
+        offset = 0  # local row where the current piece starts
+        for idx in pieces:
+            rows_here = idx[0].stop - idx[0].start
+            if dim != 0:
+                rows_here = local_shape[0]
+            lo, hi = max(r0, offset), min(r1, offset + rows_here)
+            if lo < hi:
+                sub = (slice(idx[0].start + lo - offset, idx[0].start + hi - offset),) + tuple(idx[1:])
+                parts.append(ucp.read(name, key, sub))
+            offset += rows_here
+            if dim != 0:
+                break
+    else:
+        raise UniversalLoadError(f"{name}: pattern {pattern} fuses pieces along dim {dim}; no row reader for it")
+    rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    flat = rows.reshape(-1)
+    return flat[start - r0 * row: end - r0 * row]
+
+
+# --- optimizer plumbing -----------------------------------------------------------------------
+
+@dataclass
+class _MainParam:
+    main: torch.Tensor  # the tensor the torch optimizer steps (a shard with the distributed optimizer)
+    state: dict
+    flat_range: Optional[Tuple[int, int]]  # range of the flattened model param it covers (None: whole)
+
+
+def _sub_optimizers(optimizer):
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _main_params(optimizer) -> Dict[int, _MainParam]:
+    """id(model param) -> the optimizer's main parameter for it on this rank."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    found: Dict[int, _MainParam] = {}
+    for opt in _sub_optimizers(optimizer):
+        inner = opt.optimizer
+        if isinstance(opt, DistributedOptimizer):
+            for model_param, (gi, go) in opt.model_param_group_index_map.items():
+                main = inner.param_groups[gi]["params"][go]
+                r = opt._get_model_param_range_map(model_param)["param"]
+                found[id(model_param)] = _MainParam(main, inner.state[main], (r.start, r.end))
+        elif hasattr(opt, "float16_groups"):  # Float16OptimizerWithFloat16Params
+            for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+                for model_param, main in zip(model_group, main_group):
+                    found[id(model_param)] = _MainParam(main, inner.state[main], None)
+            for group in opt.fp32_from_fp32_groups:
+                for p in group:
+                    found[id(p)] = _MainParam(p, inner.state[p], None)
+        else:  # FP32Optimizer: the model params are the optimizer's params
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    found[id(p)] = _MainParam(p, inner.state[p], None)
+    return found
+
+
+# --- the load ---------------------------------------------------------------------------------
+
+@torch.no_grad()
+def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> int:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if ucp is None:
+        ucp = open_for_run(args)
+    check_compatible(ucp, args)
+    config = ucp.config
+    layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                            dp=args.data_parallel_size, vpp=args.virtual_pipeline_model_parallel_size,
+                            sp=bool(args.sequence_parallel))
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    target_padded = args.padded_vocab_size
+
+    load_optim = not args.no_load_optim and not args.finetune
+    has_moments = all("exp_avg" in info.tensors for info in ucp.parameters.values())
+    if load_optim and not has_moments:
+        if torch.distributed.get_rank() == 0:
+            print("WARNING: the universal checkpoint holds no optimizer state; starting Adam from zero", flush=True)
+        load_optim = False
+    if load_optim:
+        cpu_backend.init_adam_state_for_loading(optimizer)
+    mains = _main_params(optimizer) if load_optim else {}
+
+    seen = set()
+    for vpp_chunk, chunk in enumerate(model):
+        from megatron_ucp.training.model import unwrap_model
+        module = unwrap_model(chunk)
+        for local, param in module.named_parameters():
+            name = gpt_adapter.canonical_name(local, layout, pp_rank, vpp_chunk if layout.vpp else None,
+                                              config.num_layers, tied=config.tied)
+            if name is None:
+                continue
+            if name not in ucp.parameters:
+                raise UniversalLoadError(f"{ucp.path}: no tensor for parameter {name} (this rank's {local})")
+            seen.add(name)
+            info = ucp.parameters[name]
+            pattern = gpt_adapter.pattern_for(name, config)
+            resize = name in (gpt_adapter.WORD_EMBEDDINGS, gpt_adapter.OUTPUT_LAYER) and info.shape[0] != target_padded
+            main = mains.get(id(param))
+
+            if resize:
+                local_tensors = _resized_local(ucp, name, info, pattern, target_padded, config.vocab_size,
+                                               tp_rank, layout.tp, with_moments=main is not None)
+                weight = local_tensors["fp32"]
+            else:
+                weight = read_local(ucp, name, "fp32", pattern, info.shape, tp_rank, layout.tp)
+            if tuple(weight.shape) != tuple(param.shape):
+                raise UniversalLoadError(f"{name}: universal slice for TP rank {tp_rank} has shape "
+                                         f"{tuple(weight.shape)}, the model expects {tuple(param.shape)}")
+            param.copy_(weight.to(param.dtype))
+
+            if main is None:
+                continue
+            start, end = main.flat_range if main.flat_range else (0, param.numel())
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                if resize:
+                    values = local_tensors[key].reshape(-1)[start:end]
+                elif key == "fp32":
+                    values = weight.reshape(-1)[start:end]
+                else:
+                    values = read_local_flat_range(ucp, name, key, pattern, info.shape, tp_rank, layout.tp,
+                                                   start, end)
+                target = main.main if key == "fp32" else main.state[key]
+                target.copy_(values.view_as(target).to(target.dtype))
+            main.state["step"] = torch.tensor(float(info.step or 0), dtype=torch.float32)
+
+    expected = {n for n, _ in gpt_adapter.expected_parameters(config)}
+    missing_here = [n for n in seen if n not in expected]
+    if missing_here:
+        raise UniversalLoadError(f"unexpected parameters {missing_here}")
+
+    if load_optim:
+        scheduler.load_state_dict(dict(ucp.scheduler_state))
+    args.iteration = ucp.iteration
+    args.consumed_train_samples = ucp.consumed_train_samples
+    # The RNG streams of another layout mean nothing here: re-seed deterministically from the
+    # iteration so a resume at a given layout is reproducible.
+    seed = args.seed + 100 * pp_rank + 7919 * ucp.iteration
+    random.seed(seed)
+    np.random.seed(seed % (2 ** 32))
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        print(f" > loaded universal checkpoint {ucp.path} (iteration {ucp.iteration}, from "
+              f"{ucp.source_layout.describe()}) at {layout.describe()}"
+              + ("" if load_optim else " without optimizer state"), flush=True)
+    return ucp.iteration
+
+
+def _resized_local(ucp, name, info, pattern, target_padded, true_vocab, tp_rank, tp, with_moments):
+    """Vocab re-padding: read the global tensor, re-pad rows deterministically, take this rank's slice."""
+    out = {}
+    keys = ("fp32", "exp_avg", "exp_avg_sq") if with_moments else ("fp32",)
+    for key in keys:
+        full = ucp.read(name, key)
+        fill = "mean_padding" if key == "fp32" else "zeros"
+        resized, _ = resize_vocab(full, target_padded, true_vocab, fill=fill)
+        out[key] = pattern.slice_for_rank(resized, tp_rank, tp)
+    return out

@@ -1,0 +1,313 @@
+"""`megatron-ucp plan`: what loading a checkpoint at a target layout would read, before any data moves.
+
+From metadata only: checks that the target TP x PP (x VPP) x DP layout can hold the model (heads, query
+groups, ffn and layers divisible; vocabulary re-padding; batch divisible by DP) and lists, per target
+rank, the parameters it loads and the bytes it reads from the universal checkpoint, as
+`megatron_ucp.loader` reads them: the TP slice of each fp32 weight, and the Adam moments of the TP slice
+(without the distributed optimizer) or only of the rows covering the rank's DP shard of megatron-core's
+DDP buffer (with it). For a Megatron-LM source the plan is conversion (to-universal) and then that load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_ucp.adapters.gpt import OUTPUT_LAYER, WORD_EMBEDDINGS, expected_parameters, parameters_for_rank
+from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
+                                                shared_embedding_names)
+from megatron_ucp.inspect_cmd import human_bytes, is_universal, open_any
+from megatron_ucp.layout import LayoutError, ParallelLayout
+from megatron_ucp.model_config import GPTModelConfig
+from megatron_ucp.patterns import target_padded_vocab
+
+
+def _divisors(n: int, upto: int = 64) -> list[int]:
+    return [d for d in range(1, min(n, upto) + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Target:
+    tp: int
+    pp: int
+    dp: int
+    layers_per_virtual_stage: Optional[int] = None
+    use_distributed_optimizer: bool = False
+    sequence_parallel: bool = False
+
+    def describe(self) -> str:
+        s = f"TP{self.tp} PP{self.pp} DP{self.dp}"
+        if self.layers_per_virtual_stage:
+            s += f" ({self.layers_per_virtual_stage} layers per virtual stage)"
+        if self.sequence_parallel and self.tp > 1:
+            s += " +SP"
+        return s + (" with the distributed optimizer" if self.use_distributed_optimizer else "")
+
+
+@dataclass(frozen=True)
+class Source:
+    """What the plan needs of the checkpoint: config, global shapes, model dtypes, optimizer state, args."""
+
+    path: str
+    format: str
+    iteration: int
+    config: GPTModelConfig
+    shapes: dict
+    model_dtypes: dict
+    has_moments: bool
+    args: dict
+
+
+def read_source(path, iteration: Optional[int] = None) -> Source:
+    ckpt = open_any(path, iteration)
+    if is_universal(ckpt):
+        params = ckpt.parameters
+        return Source(str(ckpt.path), "universal", ckpt.iteration, ckpt.config,
+                      {n: p.shape for n, p in params.items()}, {n: p.model_dtype for n, p in params.items()},
+                      all("exp_avg" in p.tensors for p in params.values()), dict(ckpt.args))
+    from megatron_ucp.convert import plan_parameters
+    from megatron_ucp.universal import dtype_name
+
+    tasks = plan_parameters(ckpt)  # the conversion would fail here if the source is not convertible
+    return Source(str(ckpt.path), ckpt.format, ckpt.iteration, ckpt.config, {t.name: t.shape for t in tasks},
+                  {t.name: dtype_name(t.places[0][0].dtype) for t in tasks}, ckpt.optimizer_kind != "none",
+                  dict(ckpt.args))
+
+
+def check_target(source: Source, target: Target) -> tuple[list[str], list[str], Optional[ParallelLayout], int]:
+    """(problems, warnings, layout or None, padded vocab at the target); a problem makes the load impossible."""
+    c = source.config
+    problems, warnings = [], []
+    for name, value in (("--tensor-model-parallel-size", target.tp), ("--pipeline-model-parallel-size", target.pp),
+                        ("--data-parallel-size", target.dp)):
+        if value < 1:
+            problems.append(f"{name} {value}: must be >= 1")
+    if problems:
+        return problems, warnings, None, c.padded_vocab_size
+    t = target.tp
+    if c.num_attention_heads % t:
+        problems.append(f"num_attention_heads={c.num_attention_heads} is not divisible by TP={t}; "
+                        f"choose TP in {_divisors(c.num_attention_heads)}")
+    if c.num_query_groups % t:
+        problems.append(f"num_query_groups={c.num_query_groups} is not divisible by TP={t} (each TP rank holds whole "
+                        f"query groups of the fused QKV); choose TP in {_divisors(c.num_query_groups)}")
+    if c.ffn_hidden_size % t:
+        problems.append(f"ffn_hidden_size={c.ffn_hidden_size} is not divisible by TP={t}; "
+                        f"choose TP in {_divisors(c.ffn_hidden_size)}")
+    vpp = None
+    if c.num_layers % target.pp:
+        problems.append(f"num_layers={c.num_layers} is not divisible by PP={target.pp}; "
+                        f"choose PP in {_divisors(c.num_layers)}")
+    elif target.layers_per_virtual_stage:
+        v = target.layers_per_virtual_stage
+        per_stage = c.num_layers // target.pp
+        if target.pp == 1:
+            problems.append("--num-layers-per-virtual-pipeline-stage needs PP > 1; drop it or raise PP")
+        elif v < 1 or per_stage % v:
+            problems.append(f"num_layers={c.num_layers} is not divisible by PP x VPP: {per_stage} layers per stage "
+                            f"cannot be split into virtual stages of {v} layers; choose "
+                            f"--num-layers-per-virtual-pipeline-stage in {_divisors(per_stage)}")
+        else:
+            vpp = per_stage // v if per_stage // v > 1 else None
+    padded = target_padded_vocab(c.padded_vocab_size, c.vocab_size, c.make_vocab_size_divisible_by, t)
+    if padded != c.padded_vocab_size:
+        warnings.append(f"vocabulary padding changes: the stored {c.padded_vocab_size} rows are not divisible by "
+                        f"TP={t}, the loader re-pads to {padded} rows (padding rows enter the softmax: the loss "
+                        f"shifts slightly); keep it with TP in {_divisors(c.padded_vocab_size)}")
+    gbs, mbs = source.args.get("global_batch_size"), source.args.get("micro_batch_size")
+    if gbs and mbs:
+        if gbs % (mbs * target.dp):
+            fits = _divisors(gbs // mbs) if gbs % mbs == 0 else []
+            problems.append(f"global batch {gbs} is not divisible by micro-batch {mbs} x DP={target.dp}; choose DP in "
+                            f"{fits} or another --micro-batch-size (changing --global-batch-size needs "
+                            f"--universal-allow-batch-change)")
+        elif vpp and (gbs // (mbs * target.dp)) % target.pp:
+            problems.append(f"the interleaved schedule needs the number of micro-batches ({gbs // (mbs * target.dp)}) "
+                            f"divisible by PP={target.pp}; lower --micro-batch-size or DP, or drop VPP")
+    if problems:
+        return problems, warnings, None, padded
+    layout = ParallelLayout(tp=t, pp=target.pp, dp=target.dp, vpp=vpp, sp=target.sequence_parallel)
+    try:  # anything the explicit checks above missed
+        expected_parameters(dataclasses.replace(c, padded_vocab_size=padded), layout)
+    except (LayoutError, ValueError, NotImplementedError) as e:
+        problems.append(str(e))
+        return problems, warnings, None, padded
+    return problems, warnings, layout, padded
+
+
+def _rows_bytes(local_shape, start: int, end: int) -> int:
+    """Bytes of the fp32 rows of a TP slice covering flat elements [start, end) (what the loader reads)."""
+    row = math.prod(local_shape[1:]) if len(local_shape) > 1 else 1
+    first, last = start // row, -(-end // row)
+    return (last - first) * row * 4
+
+
+def rank_reads(source: Source, layout: ParallelLayout, padded: int, use_distributed_optimizer: bool) -> tuple[list, list]:
+    """(stages, ranks): per (pp, tp) stage its parameters; per rank the bytes it reads."""
+    c = dataclasses.replace(source.config, padded_vocab_size=padded)
+    stored_rows = source.config.padded_vocab_size
+    moments = 2 if source.has_moments else 0
+    stages, ranks = [], []
+    for pp_rank in range(layout.pp):
+        for tp_rank in range(layout.tp):
+            names, weight_bytes = [], 0
+            opt_bytes = [0] * layout.dp  # per DP rank
+            for chunk in range(layout.num_chunks):
+                entries = parameters_for_rank(c, layout, pp_rank, chunk if layout.vpp else None)
+                resized = {}
+                for local, local_shape, canonical in entries:
+                    names.append(canonical)
+                    repad = canonical in (WORD_EMBEDDINGS, OUTPUT_LAYER) and padded != stored_rows
+                    full = math.prod(source.shapes[canonical]) * 4
+                    # re-padding reads the whole stored tensor (each key) to re-pad it, then slices
+                    weight_bytes += full if repad else math.prod(local_shape) * 4
+                    resized[local] = repad
+                    if moments and not use_distributed_optimizer:
+                        for d in range(layout.dp):
+                            opt_bytes[d] += moments * (full if repad else math.prod(local_shape) * 4)
+                if moments and use_distributed_optimizer:
+                    _add_distopt_reads(source, layout, entries, pp_rank, chunk, resized, opt_bytes, moments)
+            stages.append({"pp_rank": pp_rank, "tp_rank": tp_rank, "num_parameters": len(names),
+                           "weight_bytes": weight_bytes, "parameters": names})
+            for dp_rank in range(layout.dp):
+                ranks.append({"rank": tp_rank + layout.tp * (dp_rank + layout.dp * pp_rank), "tp_rank": tp_rank,
+                              "pp_rank": pp_rank, "dp_rank": dp_rank, "num_parameters": len(names),
+                              "weight_bytes": weight_bytes, "optimizer_bytes": opt_bytes[dp_rank],
+                              "read_bytes": weight_bytes + opt_bytes[dp_rank]})
+    ranks.sort(key=lambda r: r["rank"])
+    return stages, ranks
+
+
+def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, pp_rank: int, chunk: int, resized: dict,
+                       opt_bytes: list, moments: int) -> None:
+    """Moments read per DP rank: megatron-core's DistributedOptimizer gives DP rank r the r-th equal part of
+    every bucket of the chunk's DDP buffer (bucket_layout reproduces the buffer's index map)."""
+    args = {**source.args, "pipeline_model_parallel_size": layout.pp,
+            "virtual_pipeline_model_parallel_size": layout.vpp}
+    local_names = [local for local, _, _ in entries]
+    shared = shared_embedding_names(args, pp_rank=pp_rank, vpp_chunk=chunk, names=local_names)
+    params = [BufferParam(local, tuple(shape), _torch_dtype(source.model_dtypes[canonical]), local in shared)
+              for local, shape, canonical in entries]
+    shapes = {local: shape for local, shape, _ in entries}
+    full_bytes = {local: math.prod(source.shapes[canonical]) * 4 for local, _, canonical in entries}
+    config = DDPBucketConfig(dp_size=layout.dp, use_distributed_optimizer=True, bucket_size=None)
+    for buffer in build_chunk_buffers(params, config):
+        for bucket_index, bucket in enumerate(buffer.buckets):
+            part = bucket.numel // layout.dp
+            for dp_rank in range(layout.dp):
+                lo, hi = bucket.start + dp_rank * part, bucket.start + (dp_rank + 1) * part
+                for span in buffer.params:
+                    if span.bucket != bucket_index:
+                        continue
+                    start, end = max(span.start, lo), min(span.end, hi)
+                    if start >= end:
+                        continue
+                    if resized[span.name]:
+                        opt_bytes[dp_rank] += moments * full_bytes[span.name]
+                    else:
+                        opt_bytes[dp_rank] += moments * _rows_bytes(shapes[span.name], start - span.start,
+                                                                    end - span.start)
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name, torch.float32)
+
+
+def make_plan(src, target: Target, iteration: Optional[int] = None) -> dict:
+    source = read_source(src, iteration)
+    problems, warnings, layout, padded = check_target(source, target)
+    stored_bytes = sum(math.prod(s) * 4 * (3 if source.has_moments else 1) for s in source.shapes.values())
+    plan = {
+        "source": {"path": source.path, "format": source.format, "iteration": source.iteration,
+                   "optimizer_state": source.has_moments, "universal_bytes": stored_bytes},
+        "conversion": None if source.format == "universal" else {
+            "command": f"megatron-ucp to-universal {source.path} UCP_DIR", "parameters": len(source.shapes),
+            "writes_bytes": stored_bytes},
+        "target": {**dataclasses.asdict(target), "world_size": target.tp * target.pp * target.dp,
+                   "layout": layout.to_dict() if layout else None, "padded_vocab_size": padded},
+        "compatible": not problems,
+        "problems": problems,
+        "warnings": warnings,
+        "exit_code": 1 if problems else 0,
+    }
+    if layout is not None:
+        stages, ranks = rank_reads(source, layout, padded, target.use_distributed_optimizer)
+        reads = [r["read_bytes"] for r in ranks]
+        plan.update(stages=stages, ranks=ranks, totals={
+            "read_bytes": sum(reads), "max_rank_read_bytes": max(reads), "min_rank_read_bytes": min(reads),
+            "parameters": len(source.shapes)})
+    return plan
+
+
+def format_report(plan: dict) -> str:
+    src, tgt = plan["source"], plan["target"]
+    lines = [f"source: {src['path']} ({src['format']}, iteration {src['iteration']}"
+             + ("" if src["optimizer_state"] else ", no optimizer state") + ")"]
+    if plan["conversion"]:
+        conv = plan["conversion"]
+        lines.append(f"step 1: convert ({conv['command']}): writes {conv['parameters']} parameters, "
+                     f"{human_bytes(conv['writes_bytes'])}")
+        lines.append("step 2: load at the target layout from the universal checkpoint")
+    lines.append(f"target: {Target(**{k: tgt[k] for k in Target.__dataclass_fields__}).describe()} = "
+                 f"{tgt['world_size']} ranks")
+    for w in plan["warnings"]:
+        lines.append(f"warning: {w}")
+    if not plan["compatible"]:
+        lines += [f"incompatible: {p}" for p in plan["problems"]]
+        return "\n".join(lines)
+    dp = tgt["dp"]
+    by_stage: dict = {}
+    for r in plan["ranks"]:
+        by_stage.setdefault((r["pp_rank"], r["tp_rank"]), []).append(r)
+    rows = []
+    for stage in plan["stages"]:
+        rs = by_stage[(stage["pp_rank"], stage["tp_rank"])]
+        opt = [r["optimizer_bytes"] for r in rs]
+        opt_text = human_bytes(opt[0]) if min(opt) == max(opt) else f"{human_bytes(min(opt))} - {human_bytes(max(opt))}"
+        rows.append((f"pp={stage['pp_rank']} tp={stage['tp_rank']}", str(stage["num_parameters"]),
+                     human_bytes(stage["weight_bytes"]), opt_text, human_bytes(max(r["read_bytes"] for r in rs))))
+    header = ("stage", "params", "weights/rank", "optimizer/rank" + (f" (over {dp} DP ranks)" if dp > 1 else ""),
+              "max read/rank")
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    shown = rows[:32]
+    lines += ["", fmt.format(*header).rstrip()] + [fmt.format(*r).rstrip() for r in shown]
+    if len(rows) > len(shown):
+        lines.append(f"... {len(rows) - len(shown)} more stages (--json lists all)")
+    t = plan["totals"]
+    lines += ["", f"compatible: {tgt['world_size']} ranks read {human_bytes(t['read_bytes'])} in total "
+                  f"(at most {human_bytes(t['max_rank_read_bytes'])} per rank) of a "
+                  f"{human_bytes(src['universal_bytes'])} universal checkpoint"]
+    return "\n".join(lines)
+
+
+def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "plan", parents=[common], help="check a target layout and show what each rank would read",
+        description="Before any data moves: check that a checkpoint can be loaded at a target TP x PP x DP "
+                    "(x VPP) layout and list what each target rank reads (parameters, bytes). Exit status 1 "
+                    "when the layout is incompatible.")
+    p.add_argument("src", help="universal checkpoint (or a Megatron-LM checkpoint: conversion + load)")
+    p.add_argument("--iteration", type=int, default=None, help="iteration of a Megatron-LM root")
+    p.add_argument("--tensor-model-parallel-size", type=int, required=True)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.set_defaults(handler=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> dict:
+    target = Target(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                    dp=args.data_parallel_size, layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
+                    use_distributed_optimizer=args.use_distributed_optimizer,
+                    sequence_parallel=args.sequence_parallel)
+    plan = make_plan(args.src, target, args.iteration)
+    plan["message"] = format_report(plan)
+    return plan

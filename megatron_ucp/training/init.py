@@ -1,0 +1,62 @@
+"""Layout-invariant initialisation: the same initial model at every TP/PP/DP layout.
+
+Megatron seeds each pipeline stage and tensor-parallel rank differently, so two layouts start from
+different weights. With --layout-invariant-init every parameter is drawn from a generator seeded by
+(seed, its canonical global name), as one global tensor, then sliced for this rank with its UCP
+pattern. Runs at different layouts then start from bitwise-identical models, which is what makes
+loss curves comparable across layouts. Each rank materialises the global tensor of the parameters it
+holds, so this is meant for experiments and tests, not 100B models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+from megatron.core import parallel_state
+
+from megatron_ucp.adapters import gpt as gpt_adapter
+from megatron_ucp.layout import ParallelLayout
+from megatron_ucp.model_config import GPTModelConfig
+
+
+def layout_from_args(args) -> ParallelLayout:
+    return ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                          dp=args.data_parallel_size, vpp=args.virtual_pipeline_model_parallel_size,
+                          sp=bool(args.sequence_parallel))
+
+
+def _seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (2 ** 63 - 1)
+
+
+def initial_value(name: str, shape, config: GPTModelConfig, std: float, seed: int) -> torch.Tensor:
+    """The global initial tensor of canonical parameter `name` (Megatron's init rules)."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if "layernorm" in name or name.endswith("final_layernorm.weight"):
+        return torch.ones(shape)
+    if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
+        std = std / math.sqrt(2.0 * config.num_layers)  # Megatron's scaled init for output layers
+    generator = torch.Generator().manual_seed(_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
+@torch.no_grad()
+def layout_invariant_init(chunks, args) -> None:
+    config = GPTModelConfig.from_megatron_args(args)
+    layout = layout_from_args(args)
+    shapes = dict(gpt_adapter.expected_parameters(config))
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    for vpp_chunk, chunk in enumerate(chunks):
+        for local, param in chunk.named_parameters():
+            name = gpt_adapter.canonical_name(local, layout, pp_rank, vpp_chunk if layout.vpp else None,
+                                              config.num_layers, tied=config.tied)
+            if name is None:
+                continue
+            pattern = gpt_adapter.pattern_for(name, config)
+            full = initial_value(name, shapes[name], config, args.init_method_std, args.seed)
+            param.copy_(pattern.slice_for_rank(full, tp_rank, layout.tp).to(param.dtype))

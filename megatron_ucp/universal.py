@@ -1,0 +1,425 @@
+"""The universal checkpoint on disk: its writer (staged, marker-last) and its lazy, slice-reading reader.
+
+A universal checkpoint is one directory: `metadata.json` (iteration, model config, optimizer
+hyper-parameters, scheduler, and one entry per canonical parameter with its pattern), one
+safetensors file per parameter under `tensors/` holding fp32 consolidated tensors (`fp32`,
+`exp_avg`, `exp_avg_sq`), and a `COMPLETE` marker written last. docs/FORMAT.md is the specification;
+this module is one implementation of it. Nothing here is pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatron_ucp.layout import ParallelLayout
+from megatron_ucp.model_config import GPTModelConfig
+from megatron_ucp.patterns import Pattern, PatternError, pattern_from_json
+
+FORMAT_NAME = "megatron-ucp-universal"
+FORMAT_VERSION = 1
+
+METADATA_FILENAME = "metadata.json"
+COMPLETE_FILENAME = "COMPLETE"
+TENSORS_DIRNAME = "tensors"
+TENSOR_KEYS = ("fp32", "exp_avg", "exp_avg_sq")  # file order; `fp32` is always present
+REQUIRED_METADATA = ("iteration", "consumed_train_samples", "source", "model_config", "args", "optimizer",
+                     "scheduler")
+
+# Canonical names are dotted module paths; anything else could escape tensors/ or clash on disk.
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+
+PathLike = Union[str, os.PathLike]
+
+
+class UniversalFormatError(Exception):
+    """A universal checkpoint that cannot be written or read; the message names the path and the fix."""
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter's entry in metadata.json (see docs/FORMAT.md, "parameters")."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # stored dtype, always "float32" in version 1
+    model_dtype: str  # dtype of the model parameter during training ("float32", "bfloat16", "float16")
+    pattern: Pattern
+    file: str  # relative to the checkpoint directory
+    tensors: tuple[str, ...]
+    step: Optional[int]  # Adam step of this parameter; None without optimizer state
+    param_group: dict
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32 (the spelling used in metadata.json)."""
+    return str(dtype).replace("torch.", "")
+
+
+def tensor_file(name: str) -> str:
+    """Relative path of a parameter's safetensors file."""
+    return f"{TENSORS_DIRNAME}/{name}.safetensors"
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise UniversalFormatError(f"parameter name {name!r} is not a dotted canonical name "
+                                   "(letters, digits, '_' and '.'); it cannot name a file under tensors/")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, doc: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=False, allow_nan=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_tensor_file(staging_dir: PathLike, name: str, tensors: Mapping[str, torch.Tensor],
+                      info: Mapping[str, Any]) -> dict:
+    """Write one parameter's safetensors file into `staging_dir` and return its metadata entry.
+
+    Process-safe: it touches only `tensors/<name>.safetensors`, so worker processes call it directly and
+    send the returned entry to the parent, which records it with UniversalWriter.record_parameter.
+    `info` holds "model_dtype" (str or torch.dtype), "pattern" (Pattern or its JSON), "step" (int or
+    None) and "param_group" (dict).
+    """
+    _check_name(name)
+    unknown = sorted(set(tensors) - set(TENSOR_KEYS))
+    if unknown or "fp32" not in tensors:
+        raise UniversalFormatError(f"{name}: tensors {sorted(tensors)}; a parameter needs 'fp32' and may add "
+                                   f"'exp_avg', 'exp_avg_sq' (unknown: {unknown})")
+    if ("exp_avg" in tensors) != ("exp_avg_sq" in tensors):
+        raise UniversalFormatError(f"{name}: has only one of exp_avg / exp_avg_sq; Adam needs both")
+    shape = tuple(tensors["fp32"].shape)
+    ordered = {}
+    for key in TENSOR_KEYS:
+        if key not in tensors:
+            continue
+        t = tensors[key]
+        if t.dtype != torch.float32 or tuple(t.shape) != shape:
+            raise UniversalFormatError(f"{name}: '{key}' is {tuple(t.shape)} {t.dtype}; every tensor of a "
+                                       f"parameter must be float32 of shape {shape}")
+        ordered[key] = t.detach().to("cpu").contiguous()
+    pattern = info["pattern"]
+    pattern_json = pattern.to_json() if isinstance(pattern, Pattern) else dict(pattern)
+    pattern_from_json(pattern_json)  # refuse what a reader could not parse
+    model_dtype = info.get("model_dtype", "float32")
+    step = info.get("step")
+    if step is not None:
+        step = int(step)
+    rel = tensor_file(name)
+    target = Path(staging_dir) / rel
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_file(ordered, str(target), metadata={"format": FORMAT_NAME, "version": str(FORMAT_VERSION),
+                                              "name": name})
+    return {
+        "shape": list(shape),
+        "dtype": "float32",
+        "model_dtype": dtype_name(model_dtype) if isinstance(model_dtype, torch.dtype) else str(model_dtype),
+        "pattern": pattern_json,
+        "file": rel,
+        "tensors": list(ordered),
+        "step": step,
+        "param_group": info.get("param_group", {}),
+    }
+
+
+def check_destination(dst: PathLike, overwrite: bool = False) -> None:
+    """Raise UniversalFormatError unless `dst` may be written: absent, or (with overwrite) an existing
+    universal checkpoint or empty directory. Converters call it before any work."""
+    dst = Path(dst)
+    if not dst.exists():
+        return
+    if not overwrite:
+        raise UniversalFormatError(f"{dst}: already exists; choose another destination or pass "
+                                   f"--overwrite (overwrite=True) to replace it")
+    if not dst.is_dir():
+        raise UniversalFormatError(f"{dst}: exists and is a file; choose another destination")
+    if any(dst.iterdir()) and not ((dst / COMPLETE_FILENAME).is_file() or (dst / METADATA_FILENAME).is_file()):
+        raise UniversalFormatError(f"{dst}: exists and is not a universal checkpoint; refusing to overwrite "
+                                   f"it, delete it yourself or choose another destination")
+
+
+class UniversalWriter:
+    """Builds a universal checkpoint in a sibling staging directory `DST.partial-<pid>` and moves it to
+    DST only after metadata.json and the COMPLETE marker are written, so DST is either absent or complete.
+
+    Use as a context manager (an exception inside removes the staging directory) or call abort().
+    write_parameter is for one process; worker processes call write_tensor_file(writer.staging_dir, ...)
+    and the parent passes the returned entries to record_parameter.
+    """
+
+    def __init__(self, dst: PathLike, overwrite: bool = False):
+        self.dst = Path(dst).absolute()
+        self.overwrite = overwrite
+        check_destination(self.dst, overwrite)
+        self.staging_dir = self.dst.parent / f"{self.dst.name}.partial-{os.getpid()}"
+        if self.staging_dir.exists():  # left by a killed run that had our pid
+            shutil.rmtree(self.staging_dir)
+        self.dst.parent.mkdir(parents=True, exist_ok=True)
+        self.staging_dir.mkdir()
+        (self.staging_dir / TENSORS_DIRNAME).mkdir()
+        self.parameters: dict[str, dict] = {}
+        self._done = False
+
+    def __enter__(self) -> "UniversalWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+    def abort(self) -> None:
+        """Remove the staging directory (DST itself is never touched before finish)."""
+        self._done = True
+        shutil.rmtree(self.staging_dir, ignore_errors=True)
+
+    def record_parameter(self, name: str, entry: dict) -> None:
+        if name in self.parameters:
+            self.abort()
+            raise UniversalFormatError(f"{name}: written twice; each canonical parameter appears once")
+        self.parameters[name] = entry
+
+    def write_parameter(self, name: str, tensors: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> dict:
+        """Write one parameter (see write_tensor_file) and record its metadata entry."""
+        try:
+            entry = write_tensor_file(self.staging_dir, name, tensors, info)
+            self.record_parameter(name, entry)
+        except BaseException:
+            self.abort()
+            raise
+        return entry
+
+    def finish(self, metadata: Mapping[str, Any]) -> Path:
+        """Write metadata.json (format, version and the recorded parameters added), then COMPLETE, then move
+        the directory into place. `metadata` holds the other top-level keys of docs/FORMAT.md."""
+        if self._done:
+            raise UniversalFormatError(f"{self.dst}: writer already finished or aborted")
+        try:
+            missing = [k for k in REQUIRED_METADATA if k not in metadata]
+            if missing:
+                raise UniversalFormatError(f"{self.dst}: metadata lacks {missing}")
+            self._check_complete(metadata["model_config"])
+            doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION}
+            doc.update({k: v for k, v in metadata.items() if k not in ("format", "version", "parameters")})
+            doc["parameters"] = self.parameters
+            meta_path = self.staging_dir / METADATA_FILENAME
+            try:
+                _write_json(meta_path, doc)
+            except ValueError as e:  # NaN/inf or a non-JSON value slipped in
+                raise UniversalFormatError(f"{self.dst}: metadata is not plain JSON ({e})") from e
+            _write_json(self.staging_dir / COMPLETE_FILENAME, {
+                "format": FORMAT_NAME, "version": FORMAT_VERSION,
+                "metadata_sha256": _sha256(meta_path)})
+            _fsync_dir(self.staging_dir)
+            self._move_into_place()
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        return self.dst
+
+    def _check_complete(self, model_config: Mapping[str, Any]) -> None:
+        # Imported here: the adapter is the GPT model's rulebook, the writer only checks against it.
+        from megatron_ucp.adapters.gpt import expected_parameters
+
+        expected = dict(expected_parameters(GPTModelConfig.from_dict(model_config)))
+        missing = [n for n in expected if n not in self.parameters]
+        extra = sorted(set(self.parameters) - set(expected))
+        if missing or extra:
+            raise UniversalFormatError(
+                f"{self.dst}: parameters do not match the model config: missing {missing[:5]}"
+                f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}; a universal checkpoint holds "
+                f"every parameter of the model exactly once")
+        for name, shape in expected.items():
+            if tuple(self.parameters[name]["shape"]) != tuple(shape):
+                raise UniversalFormatError(f"{name}: shape {tuple(self.parameters[name]['shape'])} but the model "
+                                           f"config gives {tuple(shape)}")
+        # metadata.json lists parameters in registration order, whatever order workers finished in
+        self.parameters = {name: self.parameters[name] for name in expected}
+
+    def _move_into_place(self) -> None:
+        old = None
+        if self.dst.exists():  # overwrite=True, checked in __init__
+            old = self.dst.parent / f"{self.dst.name}.old-{os.getpid()}"
+            os.rename(self.dst, old)
+        os.rename(self.staging_dir, self.dst)
+        _fsync_dir(self.dst.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+
+
+def _incomplete(path: Path) -> UniversalFormatError:
+    return UniversalFormatError(f"{path}: incomplete universal checkpoint: conversion did not finish; "
+                                f"delete {path} and rerun the conversion")
+
+
+def _param_info(name: str, d: Mapping[str, Any], meta_path: Path) -> ParamInfo:
+    try:
+        _check_name(name)
+        pattern = pattern_from_json(d["pattern"])
+        tensors = tuple(d["tensors"])
+        if "fp32" not in tensors or set(tensors) - set(TENSOR_KEYS):
+            raise UniversalFormatError(f"tensors {list(tensors)} must include 'fp32' and only {TENSOR_KEYS}")
+        if d["file"] != tensor_file(name):
+            raise UniversalFormatError(f"file {d['file']!r} is not {tensor_file(name)!r}")
+        return ParamInfo(name=name, shape=tuple(int(s) for s in d["shape"]), dtype=d["dtype"],
+                         model_dtype=d.get("model_dtype", d["dtype"]), pattern=pattern, file=d["file"],
+                         tensors=tensors, step=None if d.get("step") is None else int(d["step"]),
+                         param_group=dict(d.get("param_group") or {}))
+    except (KeyError, TypeError, ValueError, PatternError, UniversalFormatError) as e:
+        raise UniversalFormatError(f"{meta_path}: parameter {name!r} has a malformed entry ({type(e).__name__}: "
+                                   f"{e}); the file was edited or is corrupt, reconvert") from None
+
+
+class UniversalCheckpoint:
+    """A complete universal checkpoint opened for lazy reading (open() verifies the marker and metadata)."""
+
+    def __init__(self, path: Path, metadata: dict):
+        self.path = path
+        self.metadata = metadata
+        self.iteration: int = int(metadata["iteration"])
+        self.consumed_train_samples: int = int(metadata["consumed_train_samples"])
+        self.config = GPTModelConfig.from_dict(metadata["model_config"])
+        self.source_layout = ParallelLayout.from_dict(metadata["source"]["layout"])
+        self.args: dict = metadata.get("args", {})
+        self.scheduler_state: dict = metadata.get("scheduler") or {}
+        self.param_groups: list[dict] = list((metadata.get("optimizer") or {}).get("param_groups", []))
+        meta_path = path / METADATA_FILENAME
+        self.parameters: dict[str, ParamInfo] = {
+            name: _param_info(name, d, meta_path) for name, d in metadata["parameters"].items()}
+        self.bytes_read = 0
+
+    @classmethod
+    def open(cls, path: PathLike) -> "UniversalCheckpoint":
+        path = Path(path)
+        if not path.is_dir():
+            raise UniversalFormatError(f"{path}: no such universal checkpoint directory; pass the DST of "
+                                       f"`megatron-ucp to-universal`")
+        marker = path / COMPLETE_FILENAME
+        meta_path = path / METADATA_FILENAME
+        if not marker.is_file():
+            raise _incomplete(path)
+        try:
+            complete = json.loads(marker.read_text())
+        except ValueError:
+            raise _incomplete(path) from None
+        if not isinstance(complete, dict) or complete.get("format") != FORMAT_NAME:
+            raise UniversalFormatError(f"{marker}: not a {FORMAT_NAME} marker; {path} is not a universal checkpoint")
+        if not meta_path.is_file():
+            raise UniversalFormatError(f"{meta_path}: missing although {marker} exists; the checkpoint was "
+                                       f"damaged after conversion, reconvert it")
+        if complete.get("metadata_sha256") != _sha256(meta_path):
+            raise UniversalFormatError(f"{meta_path}: its sha256 differs from the one in {marker}; the metadata "
+                                       f"was edited or damaged after conversion, reconvert it")
+        try:
+            metadata = json.loads(meta_path.read_text())
+        except ValueError as e:
+            raise UniversalFormatError(f"{meta_path}: not valid JSON ({e}); reconvert") from None
+        if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
+            raise UniversalFormatError(f"{meta_path}: format is {metadata.get('format') if isinstance(metadata, dict) else None!r}, "
+                                       f"expected {FORMAT_NAME!r}; not a universal checkpoint")
+        version = metadata.get("version")
+        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+            raise UniversalFormatError(f"{meta_path}: format version {version!r}, this megatron-ucp reads version "
+                                       f"{FORMAT_VERSION}; upgrade megatron-ucp or reconvert with this one")
+        missing = [k for k in REQUIRED_METADATA + ("parameters",) if k not in metadata]
+        if missing:
+            raise UniversalFormatError(f"{meta_path}: lacks {missing}; reconvert")
+        return cls(path, metadata)
+
+    def _file(self, name: str) -> Path:
+        info = self.parameters.get(name)
+        if info is None:
+            raise UniversalFormatError(f"{self.path}: no parameter {name!r} (it has {len(self.parameters)}, e.g. "
+                                       f"{next(iter(self.parameters), None)!r}); names are canonical with global "
+                                       f"layer indices")
+        return self.path / info.file
+
+    def read(self, name: str, key: str = "fp32", index: Optional[tuple[slice, ...]] = None) -> torch.Tensor:
+        """One stored tensor of a parameter, or only the region `index` of it (read through mmap: just
+        those bytes). `index` is a tuple of step-1 slices, one per leading dimension."""
+        file = self._file(name)
+        info = self.parameters[name]
+        if key not in info.tensors:
+            raise UniversalFormatError(f"{file}: {name} has no {key!r} (it has {list(info.tensors)}); the source "
+                                       f"checkpoint had no optimizer state")
+        if index is not None:
+            index = tuple(index)
+            if len(index) > len(info.shape) or any(
+                    not isinstance(s, slice) or s.step not in (None, 1) for s in index):
+                raise UniversalFormatError(f"{name}: index {index} must be at most {len(info.shape)} step-1 slices")
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                if index is None:
+                    tensor = f.get_tensor(key)
+                else:
+                    region = f.get_slice(key)
+                    if tuple(region.get_shape()) != info.shape:
+                        raise UniversalFormatError(f"{file}: '{key}' has shape {tuple(region.get_shape())}, "
+                                                   f"metadata says {info.shape}; reconvert")
+                    tensor = region[index]
+        except UniversalFormatError:
+            raise
+        except Exception as e:  # missing, truncated or foreign file
+            raise UniversalFormatError(f"{file}: cannot read '{key}' of {name} ({type(e).__name__}: {e}); the file is "
+                                       f"missing or damaged, reconvert") from e
+        if index is None and tuple(tensor.shape) != info.shape:
+            raise UniversalFormatError(f"{file}: '{key}' has shape {tuple(tensor.shape)}, metadata says "
+                                       f"{info.shape}; reconvert")
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def read_for_rank(self, name: str, tp_rank: int, tp_size: int, key: str = "fp32") -> torch.Tensor:
+        """The TP rank's shard of a parameter, reading only its regions (pattern.slice_ranges)."""
+        info = self.parameters.get(name)
+        if info is None:
+            self._file(name)
+        ranges = info.pattern.slice_ranges(info.shape, tp_rank, tp_size, name=name)
+        pieces = [self.read(name, key, r) for r in ranges]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=info.pattern.dim)
+
+    def total_bytes(self) -> int:
+        """Bytes of all stored tensors (fp32)."""
+        return sum(math.prod(p.shape) * 4 * len(p.tensors) for p in self.parameters.values())

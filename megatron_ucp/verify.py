@@ -1,0 +1,277 @@
+"""`megatron-ucp verify`: are two checkpoints the same training state, whatever their formats and layouts?
+
+Both sides are reduced to consolidated tensors (the TP1 global tensor of each canonical parameter, with
+its fp32 master weight, Adam moments and step when present) and compared one parameter at a time, so
+memory stays bounded by two parameters. A universal checkpoint is read as stored; a Megatron-LM one is
+consolidated with the converter's own `plan_parameters` / `consolidate_parameter`.
+
+Vocabulary rows: two layouts may pad the vocabulary differently; the first min(rows) rows are compared
+and the difference in padding is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+from megatron_ucp.inspect_cmd import checkpoint_format, is_universal, open_any
+from megatron_ucp.patterns import VocabSharded
+
+TENSOR_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+KEY_LABELS = {"fp32": "weight", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "step": "step"}
+
+
+class ConsolidatedSource:
+    """One checkpoint's consolidated tensors, one parameter at a time (nothing is read up front)."""
+
+    def __init__(self, ckpt):
+        self.ckpt = ckpt
+        self.format = checkpoint_format(ckpt)
+        self.config = ckpt.config
+        if is_universal(ckpt):
+            self.shapes = {n: p.shape for n, p in ckpt.parameters.items()}
+            self.patterns = {n: p.pattern for n, p in ckpt.parameters.items()}
+            self.keys = {n: tuple(p.tensors) for n, p in ckpt.parameters.items()}
+            self._tasks = None
+        else:
+            from megatron_ucp.convert import plan_parameters
+
+            self._tasks = {t.name: t for t in plan_parameters(ckpt)}  # checks completeness, reads no tensor
+            self.shapes = {n: t.shape for n, t in self._tasks.items()}
+            self.patterns = {n: t.pattern for n, t in self._tasks.items()}
+            keys = ("fp32",) if ckpt.optimizer_kind == "none" else TENSOR_KEYS
+            self.keys = {n: keys for n in self._tasks}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.shapes)
+
+    @property
+    def has_moments(self) -> bool:
+        return all("exp_avg" in k for k in self.keys.values())
+
+    def read(self, name: str, keys) -> tuple[dict[str, torch.Tensor], Optional[int]]:
+        """({key: global fp32 tensor}, Adam step or None) of one parameter."""
+        if self._tasks is None:
+            info = self.ckpt.parameters[name]
+            return {k: self.ckpt.read(name, k) for k in keys}, info.step
+        from megatron_ucp.convert import consolidate_parameter
+
+        tensors, info = consolidate_parameter(self.ckpt, self._tasks[name])
+        return {k: tensors[k] for k in keys if k in tensors}, info["step"]
+
+    def describe(self) -> dict:
+        return {"path": str(Path(self.ckpt.path).resolve()), "format": self.format,
+                "iteration": int(self.ckpt.iteration), "optimizer_state": self.has_moments}
+
+
+@dataclass
+class TensorDiff:
+    name: str
+    key: str  # fp32 | exp_avg | exp_avg_sq | step | shape | missing
+    equal: bool
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    num_differing: int = 0
+    numel: int = 0
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        def safe(x: float):
+            return x if math.isfinite(x) else str(x)
+
+        return {"name": self.name, "key": self.key, "equal": self.equal, "max_abs_diff": safe(self.max_abs),
+                "max_rel_diff": safe(self.max_rel), "num_differing": self.num_differing, "numel": self.numel,
+                "note": self.note}
+
+
+def compare_tensors(name: str, key: str, a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> TensorDiff:
+    """Elementwise |a - b| <= atol + rtol * |b| (NaN equals NaN); max abs and relative (to |b|) differences."""
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    diff = (a64 - b64).abs()
+    both_nan = a64.isnan() & b64.isnan()
+    diff = torch.where(both_nan, torch.zeros_like(diff), diff.nan_to_num(nan=math.inf))
+    bad = diff > atol + rtol * b64.abs().nan_to_num(nan=0.0)
+    rel = torch.where(diff == 0, torch.zeros_like(diff), diff / b64.abs().nan_to_num(nan=0.0))
+    numel = diff.numel()
+    return TensorDiff(name, key, equal=not bool(bad.any()),
+                      max_abs=float(diff.max()) if numel else 0.0, max_rel=float(rel.max()) if numel else 0.0,
+                      num_differing=int(bad.sum()), numel=numel)
+
+
+def _compare_steps(name: str, step_a: Optional[int], step_b: Optional[int]) -> TensorDiff:
+    same = step_a == step_b
+    if same or step_a is None or step_b is None:
+        gap = 0.0 if same else math.inf
+        return TensorDiff(name, "step", same, gap, gap, int(not same), 1, "" if same else f"step {step_a} vs {step_b}")
+    gap = float(abs(step_a - step_b))
+    return TensorDiff(name, "step", False, gap, gap / abs(step_b) if step_b else math.inf, 1, 1,
+                      f"step {step_a} vs {step_b}")
+
+
+@dataclass
+class VerifyResult:
+    a: dict
+    b: dict
+    atol: float
+    rtol: float
+    diffs: list[TensorDiff] = field(default_factory=list)
+    compared_keys: tuple[str, ...] = ()
+    vocab_padding: Optional[dict] = None
+    config_differences: list[str] = field(default_factory=list)
+
+    @property
+    def equal(self) -> bool:
+        return all(d.equal for d in self.diffs)
+
+    def worst(self, top: int) -> list[TensorDiff]:
+        """Differing tensors first, tensors before steps, then by max |diff|."""
+        return sorted(self.diffs, key=lambda d: (d.equal, d.key == "step", -d.max_abs, -d.max_rel))[:top]
+
+
+def verify(path_a, path_b, *, atol: float = 0.0, rtol: float = 0.0, iteration_a: Optional[int] = None,
+           iteration_b: Optional[int] = None, progress: bool = True) -> VerifyResult:
+    """Compare two checkpoints (any supported formats and layouts) by their consolidated tensors."""
+    if atol < 0 or rtol < 0:
+        raise ValueError(f"--atol {atol} / --rtol {rtol}: tolerances must be >= 0")
+    a, b = ConsolidatedSource(open_any(path_a, iteration_a)), ConsolidatedSource(open_any(path_b, iteration_b))
+    keys = ("fp32", "exp_avg", "exp_avg_sq") if a.has_moments and b.has_moments else ("fp32",)
+    result = VerifyResult(a.describe(), b.describe(), atol, rtol,
+                          compared_keys=keys + (("step",) if "exp_avg" in keys else ()))
+    ca, cb = a.config.to_dict(), b.config.to_dict()
+    result.config_differences = [f"{k}: {ca[k]!r} vs {cb[k]!r}" for k in ca
+                                 if ca[k] != cb.get(k) and k not in ("padded_vocab_size", "make_vocab_size_divisible_by")]
+    for name in a.names:
+        if name not in b.shapes:
+            result.diffs.append(TensorDiff(name, "missing", False, math.inf, math.inf, note="only in A"))
+    for name in b.names:
+        if name not in a.shapes:
+            result.diffs.append(TensorDiff(name, "missing", False, math.inf, math.inf, note="only in B"))
+    common = [n for n in a.names if n in b.shapes]
+
+    def cost(n: str) -> int:  # bytes read from both sides for parameter n
+        return (math.prod(a.shapes[n]) + math.prod(b.shapes[n])) * 4 * len(keys)
+
+    total = sum(cost(n) for n in common)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+    try:
+        for name in common:
+            shape_a, shape_b = a.shapes[name], b.shapes[name]
+            rows = None
+            if shape_a != shape_b:
+                vocab = isinstance(a.patterns[name], VocabSharded) and shape_a[1:] == shape_b[1:]
+                if not vocab:
+                    result.diffs.append(TensorDiff(name, "shape", False, math.inf, math.inf,
+                                                   note=f"shape {list(shape_a)} vs {list(shape_b)}"))
+                    bar.update(cost(name))
+                    continue
+                rows = min(shape_a[0], shape_b[0])
+                result.vocab_padding = {"a_rows": shape_a[0], "b_rows": shape_b[0], "compared_rows": rows,
+                                        "true_vocab_size": a.config.vocab_size}
+            tensors_a, step_a = a.read(name, keys)
+            tensors_b, step_b = b.read(name, keys)
+            for key in keys:
+                ta, tb = tensors_a[key], tensors_b[key]
+                if rows is not None:
+                    ta, tb = ta[:rows], tb[:rows]
+                result.diffs.append(compare_tensors(name, key, ta, tb, atol, rtol))
+            if "exp_avg" in keys:
+                result.diffs.append(_compare_steps(name, step_a, step_b))
+            del tensors_a, tensors_b
+            bar.update(cost(name))
+    finally:
+        bar.close()
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}" if math.isfinite(x) else str(x)
+
+
+def format_report(result: VerifyResult, top: int) -> str:
+    a, b = result.a, result.b
+    lines = [f"A: {a['path']} ({a['format']}, iteration {a['iteration']})",
+             f"B: {b['path']} ({b['format']}, iteration {b['iteration']})",
+             f"compared: {', '.join(KEY_LABELS[k] for k in result.compared_keys)}"
+             + ("" if "exp_avg" in result.compared_keys else
+                " (optimizer state not compared: " + ("neither has it" if not (a["optimizer_state"] or
+                                                                              b["optimizer_state"])
+                                                      else ("B" if a["optimizer_state"] else "A") + " has none") + ")")]
+    if result.config_differences:
+        lines.append("model config differs: " + "; ".join(result.config_differences))
+    if result.vocab_padding:
+        vp = result.vocab_padding
+        lines.append(f"vocabulary padding differs: A has {vp['a_rows']} rows, B has {vp['b_rows']} (true vocabulary "
+                     f"{vp['true_vocab_size']}); compared the first {vp['compared_rows']} rows")
+    worst = [d for d in result.worst(top) if not d.equal] or [d for d in result.worst(min(top, 5)) if d.max_abs > 0]
+    steps = sorted({d.note for d in result.diffs if d.key == "step" and not d.equal})
+    if steps:
+        lines.append(f"Adam steps differ: {', '.join(steps[:3])}{' ...' if len(steps) > 3 else ''}")
+    if worst:
+        rows = [(f"{d.name} [{KEY_LABELS.get(d.key, d.key)}]", _fmt(d.max_abs), _fmt(d.max_rel),
+                 f"{d.num_differing}/{d.numel}" if d.numel else "-", d.note) for d in worst]
+        header = ("tensor", "max|diff|", "max rel", "differing", "")
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        lines += ["", ("worst tensors:" if not result.equal else "largest differences:"), fmt.format(*header).rstrip()]
+        lines += [fmt.format(*r).rstrip() for r in rows]
+        lines.append("")
+    bad = [d for d in result.diffs if not d.equal]
+    tol = f"atol={result.atol:g} rtol={result.rtol:g}"
+    if bad:
+        w = result.worst(1)[0]
+        lines.append(f"differ: {len(bad)} of {len(result.diffs)} tensors differ beyond {tol}; worst "
+                     f"{w.name} [{KEY_LABELS.get(w.key, w.key)}] max |diff| = {_fmt(w.max_abs)}")
+    else:
+        params = len({d.name for d in result.diffs})
+        lines.append(f"equal: {len(result.diffs)} tensors of {params} parameters agree within {tol}")
+    return "\n".join(lines)
+
+
+def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "verify", parents=[common], help="compare two checkpoints of any formats and layouts",
+        description="Compare two checkpoints (universal, legacy torch or torch_dist, any TP/PP/DP) by their "
+                    "consolidated tensors: weights, and Adam exp_avg / exp_avg_sq / step when both have them. "
+                    "Exit status 0 when equal within tolerance, 1 when they differ.")
+    p.add_argument("a", help="first checkpoint")
+    p.add_argument("b", help="second checkpoint")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bitwise equal values)")
+    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance, times |B| (default 0)")
+    p.add_argument("--iteration-a", type=int, default=None, help="iteration of A when it is a Megatron-LM root")
+    p.add_argument("--iteration-b", type=int, default=None, help="iteration of B when it is a Megatron-LM root")
+    p.add_argument("--top", type=int, default=10, help="how many of the worst tensors to list (default 10)")
+    p.set_defaults(handler=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> dict:
+    result = verify(args.a, args.b, atol=args.atol, rtol=args.rtol, iteration_a=args.iteration_a,
+                    iteration_b=args.iteration_b, progress=not args.quiet)
+    differing = [d for d in result.diffs if not d.equal]
+    return {
+        "equal": result.equal,
+        "exit_code": 0 if result.equal else 1,
+        "a": result.a,
+        "b": result.b,
+        "atol": result.atol,
+        "rtol": result.rtol,
+        "compared": list(result.compared_keys),
+        "num_tensors": len(result.diffs),
+        "num_differing": len(differing),
+        "vocab_padding": result.vocab_padding,
+        "config_differences": result.config_differences,
+        "worst": [d.to_dict() for d in result.worst(args.top)],
+        "message": format_report(result, args.top),
+    }

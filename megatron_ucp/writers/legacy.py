@@ -1,0 +1,469 @@
+"""Universal checkpoint -> Megatron-LM legacy `torch` checkpoint at any TP x PP x DP (x VPP) layout.
+
+Writes what Megatron-LM's save_checkpoint writes with `--ckpt-format torch` (core_v0.16.1), DP rank 0
+only, one folder per (tp, pp) rank:
+
+    iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt   args, checkpoint_version 3.0, iteration,
+        model | model0..model{V-1} (local names, stage-local layers, registration order, `_extra_state`
+        None entries after every linear as megatron-core's local spec has them), optimizer,
+        opt_param_scheduler, rng_state, num_floating_point_operations_so_far
+    iter_XXXXXXX/mp_rank_TT[_PPP]/distrib_optim.pt     (--use-distributed-optimizer) {'buckets_coalesced': True,
+        gbuf_idx: {(param dtype, grad dtype): {'param', 'exp_avg', 'exp_avg_sq': flat fp32 in DDP buffer order
+        (bucket_layout.py: reverse registration order, 64-element aligned starts, padding zero, bucket-end
+        padding removed), 'numel_unpadded': int}}}: what DistributedOptimizer.load_parameter_state reads.
+
+`optimizer` is, with the distributed optimizer, {'optimizer': {'param_groups': [..., 'step': float]}}
+(one Adam step per rank, as DistributedOptimizer.state_dict keeps it); otherwise torch Adam's
+state dict indexed group by group (FP32Optimizer), wrapped as {'optimizer': ..., 'fp32_from_fp16_params':
+...} for bf16/fp16 models (Float16OptimizerWithFloat16Params), each parameter with its own `step`.
+
+RNG: a universal checkpoint holds no RNG state (it means nothing at another layout). Megatron-LM's
+load_checkpoint exits ("Unable to load rng state") when `rng_state` is missing unless --no-load-rng,
+so by default a fresh deterministic state is written: Megatron's own seeding (_set_random_seed +
+model_parallel_cuda_manual_seed) with seed = args.seed + 7919 * iteration (+ 100 * pp_rank), in the
+CUDA generator format (16 bytes: seed, Philox offset) or, with rng_state="cpu", the CPU generator's
+(the CPU training harness). rng_state="none" omits it (then resume with --no-load-rng).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import importlib
+import math
+import random
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import numpy as np
+import torch
+
+from megatron_ucp.adapters.gpt import OUTPUT_LAYER, WORD_EMBEDDINGS, is_last_chunk, parameters_for_rank
+from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
+                                                shared_embedding_names)
+from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
+from megatron_ucp.formats.legacy import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, megatron_param_groups, rank_dir_name
+from megatron_ucp.layout import ParallelLayout
+from megatron_ucp.model_config import GPTModelConfig
+from megatron_ucp.patterns import resize_vocab
+
+CHECKPOINT_VERSION = 3.0
+RNG_STATE_KINDS = ("cuda", "cpu", "none")
+# Local-spec linear modules: megatron-core's Column/RowParallelLinear save an `_extra_state` (None).
+_LINEAR_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2",
+                   "output_layer")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LegacyWriteError(ValueError):
+    """The universal checkpoint cannot be written as a legacy checkpoint at this layout (cause + fix)."""
+
+
+@dataclass(frozen=True)
+class LegacyTarget:
+    """What to write: the layout, the optimizer kind and the padded vocabulary at that layout."""
+
+    layout: ParallelLayout
+    use_distributed_optimizer: bool
+    padded_vocab_size: int
+    args: Mapping[str, Any]  # Megatron-LM args (JSON values) with the target layout values filled in
+    rng_state: str = "cuda"
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    """One file of the output: path relative to the checkpoint root, tensor bytes it will hold."""
+
+    path: str
+    nbytes: int
+    tp_rank: int
+    pp_rank: int
+
+
+# --------------------------------------------------------------------------------------------------
+# Args
+
+
+def _restore_json_value(key: str, value: Any) -> Any:
+    """Undo convert.json_safe where Megatron needs the real type: dtypes, enums, non-finite floats."""
+    if isinstance(value, str):
+        if value.startswith("torch.") and isinstance(getattr(torch, value[len("torch."):], None), torch.dtype):
+            return getattr(torch, value[len("torch."):])
+        if value in ("nan", "inf", "-inf"):
+            return float(value)
+        return value
+    if isinstance(value, dict) and set(value) == {"enum", "value"}:
+        module, _, cls = value["enum"].rpartition(".")
+        try:
+            enum_cls = getattr(importlib.import_module(module), cls)
+            if isinstance(enum_cls, type) and issubclass(enum_cls, enum.Enum):
+                return enum_cls(value["value"])
+        except Exception:  # megatron not importable here: the enum cannot be pickled faithfully
+            pass
+        return _DROP
+    return value
+
+
+_DROP = object()
+
+
+def args_namespace(args: Mapping[str, Any]) -> argparse.Namespace:
+    """argparse.Namespace for model_optim_rng.pt: only plain values, torch dtypes and importable
+    megatron enums (a Megatron-LM without megatron-ucp must be able to unpickle it)."""
+    plain = {}
+    for key, value in args.items():
+        restored = _restore_json_value(key, value)
+        if restored is not _DROP:
+            plain[key] = restored
+    return argparse.Namespace(**plain)
+
+
+def target_args(metadata: Mapping[str, Any], layout: ParallelLayout, *, use_distributed_optimizer: bool,
+                padded_vocab_size: int, ckpt_format: str, vpp_layers: Optional[int]) -> dict:
+    """The universal checkpoint's Megatron args with the target layout's values (JSON values)."""
+    args = dict(metadata.get("args") or {})
+    args.update(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        num_layers_per_virtual_pipeline_stage=vpp_layers if layout.vpp else None,
+        data_parallel_size=layout.dp,
+        context_parallel_size=1,
+        world_size=layout.world_size,
+        sequence_parallel=bool(layout.sp),
+        use_distributed_optimizer=bool(use_distributed_optimizer),
+        padded_vocab_size=int(padded_vocab_size),
+        ckpt_format=ckpt_format,
+        use_dist_ckpt=ckpt_format != "torch",
+        consumed_train_samples=int(metadata.get("consumed_train_samples") or 0),
+        consumed_valid_samples=int(metadata.get("consumed_valid_samples") or 0),
+    )
+    return args
+
+
+# --------------------------------------------------------------------------------------------------
+# Plan (pure)
+
+
+def _chunks(config: GPTModelConfig, layout: ParallelLayout, pp_rank: int) -> list[list[tuple[str, tuple, str]]]:
+    return [parameters_for_rank(config, layout, pp_rank, chunk if layout.vpp else None)
+            for chunk in range(layout.num_chunks)]
+
+
+def _model_dtype(ucp, canonical: str) -> torch.dtype:
+    return _DTYPES[ucp.parameters[canonical].model_dtype]
+
+
+def _rank_buffer_params(ucp, config, layout, pp_rank) -> list[list[BufferParam]]:
+    return [[BufferParam(local, tuple(shape), _model_dtype(ucp, canonical)) for local, shape, canonical in chunk]
+            for chunk in _chunks(config, layout, pp_rank)]
+
+
+def _chunk_buffers(target: LegacyTarget, pp_rank: int, chunks: list[list[BufferParam]]):
+    """Per chunk: the DDP buffer layouts megatron-core builds at the target layout."""
+    num_params = sum(p.numel for chunk in chunks for p in chunk)
+    out = []
+    for chunk_index, params in enumerate(chunks):
+        config = DDPBucketConfig.from_megatron_args(target.args, pp_rank=pp_rank, vpp_chunk=chunk_index,
+                                                    rank_num_parameters=num_params)
+        shared = shared_embedding_names(target.args, pp_rank=pp_rank, vpp_chunk=chunk_index,
+                                        names=[p.name for p in params])
+        params = [replace(p, shared_embedding=p.name in shared) for p in params]
+        out.append(build_chunk_buffers(params, config))
+    return out
+
+
+def param_groups_by_rank(ucp, config: GPTModelConfig, target: LegacyTarget) -> dict:
+    """(tp, pp) -> Megatron's optimizer param groups as [(vpp chunk, local name)] lists, checked against
+    the groups the universal checkpoint records for each parameter."""
+    layout = target.layout
+    rank_chunks = {(t, p): _rank_buffer_params(ucp, config, layout, p) for p in range(layout.pp) for t in range(layout.tp)}
+    groups = megatron_param_groups(rank_chunks, target.args)
+    saved = ucp.param_groups
+    any_groups = next(iter(groups.values()))
+    if saved and len(any_groups) != len(saved):
+        raise LegacyWriteError(f"{ucp.path}: the universal checkpoint has {len(saved)} optimizer param groups but "
+                               f"Megatron's grouping rule gives {len(any_groups)} at {layout.describe()}; custom "
+                               f"param-group overrides are not supported")
+    for pp_rank in range(layout.pp):
+        names = {(c, local): canonical for c, chunk in enumerate(_chunks(config, layout, pp_rank))
+                 for local, _, canonical in chunk}
+        for index, members in enumerate(groups[(0, pp_rank)]):
+            for ref in members:
+                stored = ucp.parameters[names[ref]].param_group.get("index")
+                if stored is not None and stored != index:
+                    raise LegacyWriteError(
+                        f"{ucp.path}: {names[ref]} is in optimizer param group {stored} but Megatron's grouping "
+                        f"rule puts it in group {index}; custom param-group overrides are not supported")
+    return groups
+
+
+def plan(ucp, config: GPTModelConfig, target: LegacyTarget) -> list[PlannedFile]:
+    """Every file the writer will produce, with the tensor bytes in it (no I/O)."""
+    layout = target.layout
+    config = replace(config, padded_vocab_size=target.padded_vocab_size)
+    has_moments = _has_moments(ucp)
+    files = []
+    it = iteration_dir_name(ucp.iteration)
+    for pp_rank in range(layout.pp):
+        chunks = _rank_buffer_params(ucp, config, layout, pp_rank)
+        model_bytes = sum(p.numel * torch.empty((), dtype=p.dtype).element_size() for c in chunks for p in c)
+        fp32_elems = sum(p.numel for c in chunks for p in c)
+        half = sum(p.numel for c in chunks for p in c if p.dtype != torch.float32)
+        opt_bytes = 0
+        distrib_bytes = 0
+        if has_moments and target.use_distributed_optimizer:
+            buffers = _chunk_buffers(target, pp_rank, chunks)
+            distrib_bytes = sum(3 * 4 * b.numel_unpadded for bufs in buffers for b in bufs)
+        elif has_moments:
+            opt_bytes = 4 * (2 * fp32_elems + half)
+        for tp_rank in range(layout.tp):
+            rank_dir = f"{it}/{rank_dir_name(tp_rank, pp_rank, layout.pp)}"
+            files.append(PlannedFile(f"{rank_dir}/{MODEL_FILENAME}", model_bytes + opt_bytes, tp_rank, pp_rank))
+            if distrib_bytes:
+                files.append(PlannedFile(f"{rank_dir}/{DISTRIB_OPTIM_FILENAME}", distrib_bytes, tp_rank, pp_rank))
+    files.append(PlannedFile(TRACKER_FILENAME, 0, -1, -1))
+    return files
+
+
+def _has_moments(ucp) -> bool:
+    return all("exp_avg" in info.tensors for info in ucp.parameters.values())
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading one rank's tensors
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor with its own storage (torch.save writes a view's whole storage)."""
+    t = t.contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
+        t = t.clone()
+    return t
+
+
+class _RankReader:
+    """Reads one TP rank's slices from the universal checkpoint, re-padding the vocabulary if needed."""
+
+    def __init__(self, ucp, config: GPTModelConfig, padded_vocab_size: int, tp_rank: int, tp: int):
+        self.ucp, self.config, self.padded, self.tp_rank, self.tp = ucp, config, padded_vocab_size, tp_rank, tp
+
+    def read(self, canonical: str, key: str) -> torch.Tensor:
+        info = self.ucp.parameters[canonical]
+        if canonical in (WORD_EMBEDDINGS, OUTPUT_LAYER) and info.shape[0] != self.padded:
+            full = self.ucp.read(canonical, key)
+            resized, _ = resize_vocab(full, self.padded, self.config.vocab_size,
+                                      fill="mean_padding" if key == "fp32" else "zeros")
+            return info.pattern.slice_for_rank(resized, self.tp_rank, self.tp, name=canonical)
+        return _owned(self.ucp.read_for_rank(canonical, self.tp_rank, self.tp, key))
+
+
+# --------------------------------------------------------------------------------------------------
+# Building one rank's state
+
+
+def _model_state(chunk: list[tuple[str, tuple, str]], tensors: dict, *, last: bool) -> "OrderedDict[str, Any]":
+    """Local-spec state dict: parameters in registration order, `_extra_state` after each linear."""
+    sd: "OrderedDict[str, Any]" = OrderedDict()
+    modules = [local.rsplit(".", 1)[0] for local, _, _ in chunk]
+    for i, (local, _, _) in enumerate(chunk):
+        sd[local] = tensors[local]
+        module = modules[i]
+        is_linear = any(module == m or module.endswith("." + m) for m in _LINEAR_MODULES)
+        if is_linear and (i + 1 == len(chunk) or modules[i + 1] != module):
+            sd[f"{module}._extra_state"] = None
+    if last and "output_layer._extra_state" not in sd:  # tied on one chunk: the module has no weight
+        sd["output_layer._extra_state"] = None
+    return sd
+
+
+def _group_hyper(ucp, index: int) -> dict:
+    group = dict(ucp.param_groups[index]) if ucp.param_groups else {}
+    if isinstance(group.get("betas"), list):
+        group["betas"] = tuple(group["betas"])  # torch keeps a tuple
+    return group
+
+
+def _rank_step(ucp, canonicals: list[str], where: str) -> Optional[int]:
+    steps = {ucp.parameters[c].step for c in canonicals}
+    if len(steps) > 1:
+        raise LegacyWriteError(
+            f"{ucp.path}: parameters of {where} have different Adam steps {sorted(s for s in steps if s is not None)}"
+            f"; the distributed optimizer keeps one step per rank. Write without --use-distributed-optimizer "
+            f"(torch Adam keeps a step per parameter)")
+    return steps.pop()
+
+
+def _rng_state(args: Mapping[str, Any], iteration: int, tp_rank: int, pp_rank: int, dp: int, kind: str) -> list:
+    """Megatron's get_rng_state() as freshly seeded by _set_random_seed/model_parallel_cuda_manual_seed."""
+    per_dp = dp if args.get("data_parallel_random_init") else 1
+    states = []
+    for dp_rank in range(per_dp):
+        seed = int(args.get("seed") or 1234) + 7919 * int(iteration) + 100 * pp_rank + 10 * dp_rank * (per_dp > 1)
+
+        def generator_state(s: int) -> torch.Tensor:
+            if kind == "cuda":  # CUDAGeneratorImpl::get_state: uint64 seed, int64 Philox offset
+                return torch.tensor(list(struct.pack("<Qq", s, 0)), dtype=torch.uint8)
+            return torch.Generator().manual_seed(s).get_state()
+
+        states.append({
+            "random_rng_state": random.Random(seed).getstate(),
+            "np_rng_state": np.random.RandomState(seed % 2 ** 32).get_state(),
+            "torch_rng_state": torch.Generator().manual_seed(seed).get_state(),
+            "cuda_rng_state": generator_state(seed),
+            "rng_tracker_states": {
+                "data-parallel-rng": generator_state(seed),
+                "model-parallel-rng": generator_state(seed + 2718 + tp_rank),
+                "expert-parallel-rng": generator_state(seed + 1024 + tp_rank),
+            },
+        })
+    return states
+
+
+def build_rank_state(ucp, config: GPTModelConfig, target: LegacyTarget, groups: dict, tp_rank: int,
+                     pp_rank: int) -> tuple[dict, Optional[dict]]:
+    """(model_optim_rng.pt, distrib_optim.pt or None) of one (tp, pp) rank; reads only its slices."""
+    layout = target.layout
+    reader = _RankReader(ucp, config, target.padded_vocab_size, tp_rank, layout.tp)
+    chunks = _chunks(config, layout, pp_rank)
+    with_optim = _has_moments(ucp)
+    where = f"rank tp={tp_rank} pp={pp_rank}"
+
+    # Model (and, for the optimizer, each parameter's fp32 master and moments).
+    masters: list[dict] = []  # per chunk: local -> {'fp32', 'exp_avg', 'exp_avg_sq'}
+    model_chunks = []
+    for chunk_index, chunk in enumerate(chunks):
+        weights, state = {}, {}
+        for local, shape, canonical in chunk:
+            fp32 = reader.read(canonical, "fp32")
+            if tuple(fp32.shape) != tuple(shape):
+                raise LegacyWriteError(f"{canonical}: slice for {where} has shape {tuple(fp32.shape)}, expected {shape}")
+            dtype = _model_dtype(ucp, canonical)
+            weights[local] = fp32 if dtype == torch.float32 else fp32.to(dtype)
+            entry = {"fp32": fp32}
+            if with_optim:
+                entry["exp_avg"] = reader.read(canonical, "exp_avg")
+                entry["exp_avg_sq"] = reader.read(canonical, "exp_avg_sq")
+            state[local] = entry
+        last = is_last_chunk(layout, pp_rank, chunk_index if layout.vpp else None)
+        model_chunks.append(_model_state(chunk, weights, last=last))
+        masters.append(state)
+
+    args = dict(target.args)
+    args["rank"] = args["local_rank"] = tp_rank + layout.tp * layout.dp * pp_rank  # its DP rank 0
+    sd: dict = {"args": args_namespace(args), "checkpoint_version": CHECKPOINT_VERSION, "iteration": ucp.iteration}
+    if len(model_chunks) == 1:
+        sd["model"] = model_chunks[0]
+    else:
+        for i, chunk_sd in enumerate(model_chunks):
+            sd[f"model{i}"] = chunk_sd
+
+    distrib = None
+    if with_optim:
+        rank_groups = groups[(tp_rank, pp_rank)]
+        canonicals = {(c, local): canonical for c, chunk in enumerate(chunks) for local, _, canonical in chunk}
+        if target.use_distributed_optimizer:
+            step = _rank_step(ucp, list(canonicals.values()), where)
+            param_groups = [{**_group_hyper(ucp, g), "step": float(step or 0)} for g in range(len(rank_groups))]
+            sd["optimizer"] = {"optimizer": {"param_groups": param_groups}}
+            distrib = _distrib_optim(target, pp_rank, chunks, masters, ucp)
+        else:
+            sd["optimizer"] = _torch_adam_state(ucp, rank_groups, canonicals, masters, chunks)
+        if ucp.scheduler_state:
+            sd["opt_param_scheduler"] = dict(ucp.scheduler_state)
+    if target.rng_state != "none":
+        sd["rng_state"] = _rng_state(target.args, ucp.iteration, tp_rank, pp_rank, layout.dp, target.rng_state)
+    flops = ucp.metadata.get("num_floating_point_operations_so_far")
+    sd["num_floating_point_operations_so_far"] = flops if flops is not None else 0
+    return sd, distrib
+
+
+def _torch_adam_state(ucp, rank_groups, canonicals, masters, chunks) -> dict:
+    """torch Adam state_dict (FP32Optimizer), or Float16OptimizerWithFloat16Params' wrapper for 16-bit
+    models; state indices run group by group, every parameter with its own step."""
+    dtypes = {(c, local): _model_dtype(ucp, canonical) for (c, local), canonical in canonicals.items()}
+    mixed = any(d != torch.float32 for d in dtypes.values())
+    state, param_groups, fp32_from_16 = {}, [], []
+    index = 0
+    for g, members in enumerate(rank_groups):
+        ids, halves = [], []
+        for ref in members:
+            chunk, local = ref
+            entry = masters[chunk][local]
+            info = ucp.parameters[canonicals[ref]]
+            if info.step is not None:
+                state[index] = {"step": torch.tensor(float(info.step), dtype=torch.float32),
+                                "exp_avg": entry["exp_avg"], "exp_avg_sq": entry["exp_avg_sq"]}
+            if dtypes[ref] != torch.float32:
+                halves.append(entry["fp32"])
+            ids.append(index)
+            index += 1
+        param_groups.append({**_group_hyper(ucp, g), "params": ids})
+        fp32_from_16.append(halves)
+    inner = {"state": state, "param_groups": param_groups}
+    if not mixed:
+        return inner
+    return {"optimizer": inner, "fp32_from_fp16_params": fp32_from_16}
+
+
+def _distrib_optim(target: LegacyTarget, pp_rank: int, chunks, masters, ucp) -> dict:
+    """distrib_optim.pt: each DDP buffer's fp32 master and moments, coalesced over buckets."""
+    params = [[BufferParam(local, tuple(shape), _model_dtype(ucp, canonical)) for local, shape, canonical in chunk]
+              for chunk in chunks]
+    out: dict = {"buckets_coalesced": True}
+    gbuf = 0
+    for chunk_index, buffers in enumerate(_chunk_buffers(target, pp_rank, params)):
+        for buf in buffers:
+            world = {key: torch.zeros(buf.numel_unpadded, dtype=torch.float32) for key in ("param", "exp_avg", "exp_avg_sq")}
+            for span in buf.params:
+                entry = masters[chunk_index][span.name]
+                start = buf.coalesced_offset(span)
+                numel = span.end - span.start
+                for key, source in (("param", "fp32"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+                    world[key][start:start + numel].copy_(entry[source].reshape(-1))
+            world["numel_unpadded"] = buf.numel_unpadded
+            out[gbuf] = {(buf.param_dtype, buf.grad_dtype): world}
+            gbuf += 1
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Write
+
+
+def write(ucp, config: GPTModelConfig, target: LegacyTarget, root: Path,
+          on_file: Optional[Callable[[Path, int], None]] = None) -> list[Path]:
+    """Write the legacy checkpoint under `root` (a staging directory): every rank's files, then the
+    tracker file last. Memory: one (tp, pp) rank's weights and optimizer state at a time."""
+    layout = target.layout
+    config = replace(config, padded_vocab_size=target.padded_vocab_size)
+    groups = param_groups_by_rank(ucp, config, target) if _has_moments(ucp) else {}
+    iter_dir = Path(root) / iteration_dir_name(ucp.iteration)
+    written = []
+    for pp_rank in range(layout.pp):
+        for tp_rank in range(layout.tp):
+            rank_dir = iter_dir / rank_dir_name(tp_rank, pp_rank, layout.pp)
+            rank_dir.mkdir(parents=True, exist_ok=True)
+            state, distrib = build_rank_state(ucp, config, target, groups, tp_rank, pp_rank)
+            for filename, obj in ((MODEL_FILENAME, state), (DISTRIB_OPTIM_FILENAME, distrib)):
+                if obj is None:
+                    continue
+                path = rank_dir / filename
+                torch.save(obj, path)
+                written.append(path)
+                if on_file:
+                    on_file(path, path.stat().st_size)
+            del state, distrib
+    tracker = Path(root) / TRACKER_FILENAME
+    tracker.write_text(str(ucp.iteration))
+    written.append(tracker)
+    return written
+
+
+def megatron_padded_vocab_size(config: GPTModelConfig, tp: int) -> int:
+    """What Megatron-LM computes from its args at TP=`tp` (it never reads it from the checkpoint)."""
+    multiple = config.make_vocab_size_divisible_by * tp
+    return int(math.ceil(config.vocab_size / multiple) * multiple)

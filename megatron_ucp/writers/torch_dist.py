@@ -1,0 +1,208 @@
+"""Universal checkpoint -> megatron-core `torch_dist` checkpoint at any layout, via the training harness.
+
+The faithful route: launch `pretrain_scripts/pretrain_gpt.py` at the target layout with
+`--load UCP --universal-checkpoint --train-iters <iteration> --save DST`. It builds the megatron-core
+model and optimizer exactly as Megatron-LM does, fills them from the universal checkpoint (each rank
+reading only its slices), trains nothing and saves once, with Megatron-LM's state-dict structure
+(tests/test_harness.py proves both read each other's checkpoints).
+
+Cost: T*P*D processes on this machine (CPU, gloo: CUDA is hidden from them), and memory about the
+model's weights plus optimizer state in total (each rank holds its shard, as in training).
+
+The hard part is rebuilding the harness flags from the Megatron args stored in the universal
+metadata: `harness_flags_from_universal`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from megatron_ucp.layout import ParallelLayout
+
+REPO = Path(__file__).resolve().parents[2]
+PRETRAIN_SCRIPT = REPO / "pretrain_scripts" / "pretrain_gpt.py"
+DEFAULT_TIMEOUT_S = 3600
+
+
+class HarnessRunError(RuntimeError):
+    """The harness run that writes the torch_dist checkpoint failed; the message has its log tail."""
+
+
+# Megatron arg -> harness flag for values passed through as they are (None: left at the harness default).
+_VALUE_FLAGS = (
+    ("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"), ("ffn_hidden_size", "--ffn-hidden-size"),
+    ("num_attention_heads", "--num-attention-heads"), ("kv_channels", "--kv-channels"),
+    ("normalization", "--normalization"), ("norm_epsilon", "--norm-epsilon"),
+    ("position_embedding_type", "--position-embedding-type"), ("rotary_base", "--rotary-base"),
+    ("rotary_percent", "--rotary-percent"), ("make_vocab_size_divisible_by", "--make-vocab-size-divisible-by"),
+    ("seq_length", "--seq-length"), ("max_position_embeddings", "--max-position-embeddings"),
+    ("init_method_std", "--init-method-std"), ("attention_dropout", "--attention-dropout"),
+    ("hidden_dropout", "--hidden-dropout"), ("micro_batch_size", "--micro-batch-size"),
+    ("global_batch_size", "--global-batch-size"), ("seed", "--seed"),
+    ("lr", "--lr"), ("min_lr", "--min-lr"), ("lr_decay_style", "--lr-decay-style"),
+    ("weight_decay", "--weight-decay"), ("clip_grad", "--clip-grad"), ("adam_beta1", "--adam-beta1"),
+    ("adam_beta2", "--adam-beta2"), ("adam_eps", "--adam-eps"), ("loss_scale", "--loss-scale"),
+    ("initial_loss_scale", "--initial-loss-scale"), ("ddp_bucket_size", "--ddp-bucket-size"),
+)
+# Megatron arg -> harness flag for booleans passed when true.
+_TRUE_FLAGS = (
+    ("swiglu", "--swiglu"), ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+    ("add_qkv_bias", "--add-qkv-bias"), ("bf16", "--bf16"), ("overlap_grad_reduce", "--overlap-grad-reduce"),
+    ("accumulate_allreduce_grads_in_fp32", "--accumulate-allreduce-grads-in-fp32"),
+    ("dist_ckpt_optim_fully_reshardable", "--dist-ckpt-optim-fully-reshardable"),
+)
+_HARNESS_CHOICES = {
+    "normalization": ("LayerNorm", "RMSNorm"),
+    "position_embedding_type": ("learned_absolute", "rope"),
+    "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+}
+_BYTE_LEVEL_VOCAB = 257  # the harness's ByteLevelTokenizer: 256 bytes + EOD
+
+
+def _flag_value(value: Any) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def _data_flags(args: Mapping[str, Any], true_vocab: int, notes: list) -> list[str]:
+    """Tokenizer and data flags. No step is trained, so the data only has to exist and the tokenizer only
+    has to give the model's true vocabulary: tokenizers the harness lacks become NullTokenizer of that size."""
+    tokenizer = args.get("tokenizer_type")
+    if tokenizer == "ByteLevelTokenizer" and true_vocab == _BYTE_LEVEL_VOCAB:
+        flags = ["--tokenizer-type", "ByteLevelTokenizer"]
+        data_path = args.get("data_path")
+        if args.get("mock_data"):
+            return flags + ["--mock-data"]
+        if data_path and all(Path(f"{p}.bin").exists() and Path(f"{p}.idx").exists()
+                             for p in data_path if not _is_number(p)):
+            return flags + ["--data-path", *map(str, data_path)]
+        if data_path:
+            notes.append(f"data path {data_path} not found here; the conversion run uses --mock-data (no step "
+                         f"is trained)")
+            return flags + ["--mock-data"]
+        return flags  # the embedded corpus
+    if tokenizer != "NullTokenizer":
+        notes.append(f"tokenizer {tokenizer!r} is not in the harness; the conversion run uses NullTokenizer with "
+                     f"the same vocabulary ({true_vocab}) and --mock-data (no step is trained)")
+    return ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(true_vocab - 1), "--mock-data"]
+
+
+def _is_number(text: Any) -> bool:
+    try:
+        float(text)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def layout_flags(layout: ParallelLayout, vpp_layers: Optional[int], use_distributed_optimizer: bool) -> list[str]:
+    flags = ["--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", str(layout.pp)]
+    if layout.vpp and vpp_layers:
+        flags += ["--num-layers-per-virtual-pipeline-stage", str(vpp_layers)]
+    if layout.sp:
+        flags.append("--sequence-parallel")
+    if use_distributed_optimizer:
+        flags.append("--use-distributed-optimizer")
+    return flags
+
+
+def harness_flags_from_universal(metadata: Mapping[str, Any], layout: ParallelLayout, *,
+                                 vpp_layers: Optional[int] = None, use_distributed_optimizer: bool = False,
+                                 notes: Optional[list] = None) -> list[str]:
+    """pretrain_gpt.py flags that rebuild the universal checkpoint's model, optimizer and LR schedule at
+    `layout` (without --load/--save/--train-iters). `notes` collects substitutions made on the way.
+
+    The model shape comes from `model_config` (authoritative), the rest from Megatron's `args`.
+    Schedule lengths: --lr-decay-iters and --lr-warmup-iters are given explicitly because the harness
+    would otherwise derive them from --train-iters, which here is the checkpoint's iteration.
+    """
+    notes = notes if notes is not None else []
+    args = dict(metadata.get("args") or {})
+    config = dict(metadata["model_config"])
+    # Model shape from model_config, so args from any source (or none) give the same model.
+    args.update({k: config[k] for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                                        "kv_channels", "swiglu", "normalization", "position_embedding_type",
+                                        "untie_embeddings_and_output_weights", "add_qkv_bias",
+                                        "make_vocab_size_divisible_by") if k in config})
+    if config.get("max_position_embeddings"):
+        args["max_position_embeddings"] = config["max_position_embeddings"]
+    if config.get("num_experts"):
+        raise ValueError("mixture-of-experts models are not supported by the harness")
+    if args.get("fp16"):
+        raise ValueError("the checkpoint was trained with --fp16, which the harness does not support; "
+                         "use --ckpt-format torch")
+    if not args.get("seq_length"):
+        args["seq_length"] = args.get("max_position_embeddings") or config.get("max_position_embeddings")
+    if not args.get("micro_batch_size"):
+        raise ValueError("the universal checkpoint's args lack micro_batch_size; it was not written from a "
+                         "Megatron-LM or harness run")
+
+    flags = layout_flags(layout, vpp_layers, use_distributed_optimizer)
+    for name, flag in _VALUE_FLAGS:
+        value = args.get(name)
+        if value is None:
+            continue
+        if name in _HARNESS_CHOICES and value not in _HARNESS_CHOICES[name]:
+            raise ValueError(f"{name}={value!r} is not supported by the harness (it supports "
+                             f"{', '.join(_HARNESS_CHOICES[name])}); use --ckpt-format torch")
+        flags += [flag, _flag_value(value)]
+    for name, flag in _TRUE_FLAGS:
+        if args.get(name):
+            flags.append(flag)
+    if config.get("num_query_groups") != config.get("num_attention_heads"):
+        flags += ["--group-query-attention", "--num-query-groups", str(config["num_query_groups"])]
+    if not config.get("add_bias_linear", True):
+        flags.append("--disable-bias-linear")
+
+    # LR schedule lengths, in iterations, as the source run had them.
+    train_iters = args.get("train_iters")
+    decay = args.get("lr_decay_iters") or train_iters
+    if decay:
+        flags += ["--lr-decay-iters", str(int(decay))]
+    warmup = args.get("lr_warmup_iters") or 0
+    if not warmup and args.get("lr_warmup_fraction") and decay:
+        warmup = int(float(args["lr_warmup_fraction"]) * int(decay))
+    if args.get("lr_warmup_samples") and args.get("global_batch_size"):
+        warmup = int(args["lr_warmup_samples"]) // int(args["global_batch_size"])
+    if warmup:
+        flags += ["--lr-warmup-iters", str(int(warmup))]
+    if args.get("optimizer") not in (None, "adam"):
+        raise ValueError(f"optimizer={args['optimizer']!r}: only Adam state is supported")
+
+    flags += _data_flags(args, int(config["vocab_size"]), notes)
+    return flags
+
+
+def harness_command(ucp_path: Path, save_dir: Path, iteration: int, nproc: int, flags: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            str(PRETRAIN_SCRIPT), *flags, "--load", str(ucp_path), "--universal-checkpoint",
+            "--train-iters", str(iteration), "--save", str(save_dir)]
+
+
+def write(ucp_path: Path, save_dir: Path, iteration: int, layout: ParallelLayout, flags: Sequence[str], *,
+          timeout_s: int = DEFAULT_TIMEOUT_S, log_path: Optional[Path] = None) -> Path:
+    """Run the harness so that it saves iteration `iteration` under `save_dir` (tracker included)."""
+    cmd = harness_command(ucp_path, save_dir, iteration, layout.world_size, flags)
+    # CPU + gloo whatever the host has: the conversion needs no accelerator and T*P*D need not fit on GPUs.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
+               CUDA_VISIBLE_DEVICES="")
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        if log_path:
+            log_path.write_text(out)
+        raise HarnessRunError(f"the harness run writing the torch_dist checkpoint timed out after {timeout_s} s "
+                              f"({layout.world_size} processes); raise --timeout") from None
+    if log_path:
+        log_path.write_text(proc.stdout)
+    if proc.returncode != 0:
+        errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+        tail = errors[-1] if errors else "\n".join(proc.stdout.splitlines()[-25:])
+        raise HarnessRunError(f"the harness run writing the torch_dist checkpoint failed (exit {proc.returncode}): "
+                              f"{tail}\ncommand: {' '.join(cmd)}")
+    return save_dir
