@@ -1,4 +1,5 @@
-"""The inspection and planning subcommands, run as a user runs them (`python -m megatron_ucp.cli ...`).
+"""The inspection and planning subcommands, run as a user runs them: `python -m megatron_ucp.cli ...` in a
+subprocess for one case of each, `cli.main(argv)` (the same parser, handlers and exit codes) for the rest.
 
 Inputs are Megatron-LM's own fixture checkpoints (read-only) and their universal conversions in tmp dirs:
 A (legacy torch, TP2 PP2 DP2 SP, distributed optimizer, llama-like with 2 query groups), B (the same run
@@ -40,6 +41,13 @@ def run_json(*args, expect=0) -> dict:
     return json.loads(out)
 
 
+def main_json(capsys, *args, expect=0) -> dict:
+    """cli.main in this process, --json output parsed."""
+    capsys.readouterr()
+    assert cli.main([*map(str, args), "--json", "--quiet"]) == expect
+    return json.loads(capsys.readouterr().out)
+
+
 def snapshot(path: Path) -> dict:
     return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()}
 
@@ -56,10 +64,10 @@ def ucp(tmp_path_factory):
 # inspect
 
 
-def test_inspect_json_for_all_three_formats(ucp):
+def test_inspect_json_for_all_three_formats(ucp, capsys):
     universal = run_json("inspect", ucp["A8"])
-    legacy = run_json("inspect", A)  # root: the tracker's iteration (8)
-    dist = run_json("inspect", B, "--iteration", 4)
+    legacy = main_json(capsys, "inspect", A)  # root: the tracker's iteration (8)
+    dist = main_json(capsys, "inspect", B, "--iteration", 4)
     assert (universal["format"], legacy["format"], dist["format"]) == ("universal", "torch", "torch_dist")
     assert universal["format_version"] == 1
     assert (universal["iteration"], legacy["iteration"], dist["iteration"]) == (8, 8, 4)
@@ -120,24 +128,24 @@ def test_verify_same_run_in_two_formats_is_equal(ucp):
     assert snapshot(ucp["A8"]) == before  # input never modified
 
 
-def test_verify_iterations_4_and_8_differ(ucp):
+def test_verify_iterations_4_and_8_differ(ucp, capsys):
     """Megatron checkpoints directly (legacy torch, consolidated on the fly), iteration 4 vs 8: exit 1."""
     out, _ = run_cli("verify", A / "iter_0000004", A, "--top", "3", expect=1)
     last = out.strip().splitlines()[-1]
     assert last.startswith("differ: 108 of 108 tensors differ beyond atol=0 rtol=0; worst decoder.layers.")
     assert "worst tensors:" in out and "Adam steps differ: step 4 vs 8" in out
-    table = out.split("worst tensors:")[1].strip().splitlines()
+    table = [line for line in out.split("worst tensors:")[1].strip().splitlines() if line]
     assert len(table) == 1 + 3 + 1  # header, --top 3 rows, the summary line
-    # a loose tolerance does not hide a training step (moments change by orders of magnitude; steps differ)
-    result = run_json("verify", ucp["A4"], ucp["A8"], "--atol", "0.01", expect=1)
-    assert result["equal"] is False and result["exit_code"] == 1
-    assert result["worst"][0]["key"] != "step" and not result["worst"][0]["equal"]
+    # four steps move no value by 0.01 (lr 1e-3), but a tolerance never hides the Adam steps: still differ
+    result = main_json(capsys, "verify", ucp["A4"], ucp["A8"], "--atol", "0.01", expect=1)
+    assert result["equal"] is False and result["exit_code"] == 1 and result["num_differing"] == 27
+    assert result["worst"][0]["key"] == "step" and result["worst"][0]["note"] == "step 4 vs 8"
 
 
-def test_verify_legacy_against_its_own_conversion(ucp):
-    out, _ = run_cli("verify", A, ucp["A8"], "--quiet")
-    assert out == ""
-    result = run_json("verify", A, ucp["A8"])
+def test_verify_legacy_against_its_own_conversion(ucp, capsys):
+    assert cli.main(["verify", str(A), str(ucp["A8"]), "--quiet"]) == 0
+    assert capsys.readouterr().out == ""
+    result = main_json(capsys, "verify", A, ucp["A8"])
     assert result["equal"] and result["num_differing"] == 0 and result["compared"] == [
         "fp32", "exp_avg", "exp_avg_sq", "step"]
     assert (result["a"]["format"], result["b"]["format"]) == ("torch", "universal")
