@@ -2,10 +2,13 @@
 
 Every rank walks its own model chunks' parameters, maps each to its canonical name and UCP pattern
 (adapters.gpt), and reads from the universal checkpoint only what it holds:
-- the model weight: its tensor-parallel slice (pieces given by `pattern.slice_ranges`);
 - with the distributed optimizer, the fp32 master weight and Adam moments of the flat range its
-  data-parallel rank owns: only the rows covering that range are read;
-- without it, the whole tensor-parallel slice of each.
+  data-parallel rank owns (only the rows covering that range are read); the model weight is that
+  range cast to the model dtype, and one all-gather of the DDP parameter buffers over the
+  data-parallel group (megatron-core's own param sync) completes it, so DP ranks never read the same
+  bytes twice;
+- otherwise the whole tensor-parallel slice of the weight (pieces given by `pattern.slice_ranges`)
+  and of each Adam moment.
 Each parameter gets its own Adam `step`. Then the LR scheduler, iteration and consumed samples.
 """
 
@@ -137,6 +140,13 @@ def _sub_optimizers(optimizer):
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def _is_distributed(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    subs = _sub_optimizers(optimizer)
+    return bool(subs) and all(isinstance(opt, DistributedOptimizer) for opt in subs)
+
+
 def _main_params(optimizer) -> Dict[int, _MainParam]:
     """id(model param) -> the optimizer's main parameter for it on this rank."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -190,6 +200,9 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
     if load_optim:
         cpu_backend.init_adam_state_for_loading(optimizer)
     mains = _main_params(optimizer) if load_optim else {}
+    # With the distributed optimizer each DP rank reads only its own range; the param all-gather
+    # below fills in the rest of every model weight.
+    gather_params = load_optim and _is_distributed(optimizer)
 
     seen = set()
     for vpp_chunk, chunk in enumerate(model):
@@ -208,6 +221,23 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
             resize = name in (gpt_adapter.WORD_EMBEDDINGS, gpt_adapter.OUTPUT_LAYER) and info.shape[0] != target_padded
             main = mains.get(id(param))
 
+            if gather_params and not resize:
+                local_shape = pattern.local_shape(info.shape, layout.tp, name=name)
+                if tuple(local_shape) != tuple(param.shape):
+                    raise UniversalLoadError(f"{name}: universal slice for TP rank {tp_rank} has shape "
+                                             f"{tuple(local_shape)}, the model expects {tuple(param.shape)}")
+                if main is None:
+                    continue  # no element of it in this DP rank's shard: the all-gather brings it
+                start, end = main.flat_range
+                for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                    values = read_local_flat_range(ucp, name, key, pattern, info.shape, tp_rank, layout.tp,
+                                                   start, end)
+                    if key == "fp32":
+                        param.view(-1)[start:end].copy_(values.to(param.dtype))
+                    target = main.main if key == "fp32" else main.state[key]
+                    target.copy_(values.view_as(target).to(target.dtype))
+                main.state["step"] = torch.tensor(float(info.step or 0), dtype=torch.float32)
+                continue
             if resize:
                 local_tensors = _resized_local(ucp, name, info, pattern, target_padded, config.vocab_size,
                                                tp_rank, layout.tp, with_moments=main is not None)
@@ -234,6 +264,10 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
                 target.copy_(values.view_as(target).to(target.dtype))
             main.state["step"] = torch.tensor(float(info.step or 0), dtype=torch.float32)
 
+    if gather_params:
+        for chunk in model:  # megatron-core DDP: all-gather each bucket's param shards over DP
+            chunk.start_param_sync(force_sync=True)
+
     expected = {n for n, _ in gpt_adapter.expected_parameters(config)}
     missing_here = [n for n in seen if n not in expected]
     if missing_here:
@@ -250,11 +284,14 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
     np.random.seed(seed % (2 ** 32))
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    torch.distributed.barrier()
+    # Bytes read by all ranks together (benchmarks and tests check that no byte is read twice).
+    bytes_read = torch.tensor([float(ucp.bytes_read)], dtype=torch.float64, device=cpu_backend.device())
+    torch.distributed.all_reduce(bytes_read)
     if torch.distributed.get_rank() == 0:
         print(f" > loaded universal checkpoint {ucp.path} (iteration {ucp.iteration}, from "
               f"{ucp.source_layout.describe()}) at {layout.describe()}"
-              + ("" if load_optim else " without optimizer state"), flush=True)
+              + ("" if load_optim else " without optimizer state")
+              + f"; all ranks read {int(bytes_read.item())} bytes of tensors", flush=True)
     return ucp.iteration
 
 

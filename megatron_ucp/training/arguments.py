@@ -207,9 +207,6 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by PP={pp}")
     args.virtual_pipeline_model_parallel_size = None
     if vpp_layers is not None:
-        if pp <= 2:
-            # megatron-core's interleaved schedule needs more than 2 stages... in 0.16 PP=2 works; keep the check honest.
-            pass
         if pp == 1:
             raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
         layers_per_stage = args.num_layers // pp

@@ -1,0 +1,150 @@
+"""export-hf: Hugging Face transformers computes the same logits as megatron-core on the same checkpoint.
+
+Fixtures A (llama-like: GQA 2 groups of 2 heads, SwiGLU, RMSNorm, RoPE, untied, no biases) and C (gpt2-like:
+LayerNorm, GELU, learned positions, tied, biases), both at iteration 8, converted to universal checkpoints
+and exported with `megatron-ucp export-hf`. The megatron-core side is a TP1 PP1 GPTModel (local spec, CPU
+backend) built from the checkpoint's own flags and filled with the universal tensors (which are the TP1
+tensors); it runs in a child process so the CPU patches and process group stay out of the test process.
+Tolerance: max |logit difference| <= 1e-4 (fp32, CPU) over the true vocabulary.
+
+Run as a script (`python tests/test_hf_export.py UCP OUT.pt`) it is that child process.
+"""
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = REPO_ROOT.parent / "shared" / "fixtures" / "megatron-lm"
+SOURCES = {"llama": FIXTURES / "A_llama_tp2pp2dp2_distopt_sp_torch" / "ckpt",
+           "gpt2": FIXTURES / "C_gpt2_tp2pp2dp1_adam_torch" / "ckpt"}
+SEQ, BATCH = 32, 2
+
+
+def tokens_for(vocab_size: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def megatron_flags(ucp) -> list[str]:
+    """pretrain_gpt.py flags that rebuild the checkpoint's model at TP1 PP1 (from its metadata)."""
+    c, a = ucp.config, ucp.args
+    flags = ["--num-layers", c.num_layers, "--hidden-size", c.hidden_size, "--ffn-hidden-size", c.ffn_hidden_size,
+             "--num-attention-heads", c.num_attention_heads, "--kv-channels", c.kv_channels,
+             "--seq-length", a["seq_length"], "--max-position-embeddings", c.max_position_embeddings,
+             "--micro-batch-size", 1, "--train-iters", 1, "--lr", 1e-3, "--mock-data",
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", c.vocab_size - 1,  # + EOD
+             "--transformer-impl", "local", "--attention-dropout", 0, "--hidden-dropout", 0,
+             "--normalization", c.normalization, "--position-embedding-type", c.position_embedding_type,
+             "--norm-epsilon", a.get("norm_epsilon", 1e-5), "--rotary-base", a.get("rotary_base", 10000)]
+    if c.num_query_groups != c.num_attention_heads:
+        flags += ["--group-query-attention", "--num-query-groups", c.num_query_groups]
+    flags += ["--swiglu"] * c.swiglu + ["--untie-embeddings-and-output-weights"] * (not c.tied)
+    flags += ["--disable-bias-linear"] * (not c.add_bias_linear) + ["--add-qkv-bias"] * c.add_qkv_bias
+    return [str(f) for f in flags]
+
+
+def megatron_logits(ucp_paths: list[str]) -> list[torch.Tensor]:
+    """Child process: megatron-core forwards of universal checkpoints at TP1 PP1, logits [b, s, padded]."""
+    from megatron_ucp import cpu_backend
+
+    cpu_backend.apply()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_ucp.adapters.gpt import canonical_name
+    from megatron_ucp.layout import ParallelLayout
+    from megatron_ucp.training.arguments import parse_args
+    from megatron_ucp.training.model import build_model, transformer_config_from_args
+    from megatron_ucp.universal import UniversalCheckpoint
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+        for path in ucp_paths:
+            ucp = UniversalCheckpoint.open(path)
+            model_parallel_cuda_manual_seed(1)
+            args = parse_args(megatron_flags(ucp))
+            args.padded_vocab_size = ucp.config.padded_vocab_size
+            model = build_model(args, transformer_config_from_args(args))[0].module
+            with torch.no_grad():
+                for local, param in model.named_parameters():
+                    name = canonical_name(local, ParallelLayout(), 0, None, ucp.config.num_layers,
+                                          tied=ucp.config.tied)
+                    param.copy_(ucp.read(name))  # universal tensors are the TP1 tensors
+            model.eval()
+            tokens = tokens_for(ucp.config.vocab_size)
+            positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+            causal_mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).view(1, 1, SEQ, SEQ)  # True = masked
+            with torch.no_grad():
+                results.append(model(tokens, positions, causal_mask))
+        torch.distributed.destroy_process_group()
+    return results
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """{model_type: (universal dir, HF dir, megatron-core logits)}."""
+    pytest.importorskip("transformers")
+    if not SOURCES["llama"].is_dir():
+        pytest.skip(f"fixtures not found at {FIXTURES}")
+    from megatron_ucp import cli
+    from megatron_ucp.convert import to_universal
+
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for model_type, src in SOURCES.items():
+        ucp = to_universal(src, root / f"ucp_{model_type}", iteration=8, progress=False)
+        hf = root / f"hf_{model_type}"
+        assert cli.main(["export-hf", str(ucp), str(hf), "--model-type", model_type, "--quiet"]) == 0
+        out[model_type] = [ucp, hf]
+    # one child process computes the megatron-core logits of both checkpoints
+    proc = subprocess.run([sys.executable, __file__, str(root), *(str(out[m][0]) for m in SOURCES)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for model_type in SOURCES:
+        out[model_type].append(torch.load(root / f"{Path(out[model_type][0]).name}.logits.pt"))
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_hf_logits_match_megatron_core(exported, model_type):
+    from transformers import AutoModelForCausalLM
+
+    ucp, hf_dir, reference = exported[model_type]
+    config = json.loads((hf_dir / "config.json").read_text())
+    vocab = config["vocab_size"]
+    assert vocab == 1001 and reference.shape == (BATCH, SEQ, 1024)  # padding rows dropped
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    assert type(model).__name__ == {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[model_type]
+    with torch.no_grad():
+        logits = model(tokens_for(vocab)).logits
+    assert logits.shape == (BATCH, SEQ, vocab)
+    assert reference.std() > 0.1  # a trained model's logits, not zeros
+    torch.testing.assert_close(logits, reference[..., :vocab], atol=1e-4, rtol=0)
+
+
+def test_export_refuses_wrong_family_and_existing_output(exported, capsys):
+    from megatron_ucp import cli
+
+    ucp_gpt2, hf_gpt2, _ = exported["gpt2"]
+    assert cli.main(["export-hf", str(ucp_gpt2), str(hf_gpt2.parent / "x"), "--model-type", "llama"]) == 1
+    assert "the MLP is GELU, Llama's is SwiGLU; use --model-type gpt2" in capsys.readouterr().err
+    assert cli.main(["export-hf", str(ucp_gpt2), str(hf_gpt2), "--model-type", "gpt2"]) == 1
+    assert "already exists; choose another destination or pass --overwrite" in capsys.readouterr().err
+    assert cli.main(["export-hf", str(SOURCES["gpt2"]), str(hf_gpt2.parent / "y"), "--model-type", "gpt2"]) == 1
+    assert "convert it first" in capsys.readouterr().err
+    assert not (hf_gpt2.parent / "x").exists() and not (hf_gpt2.parent / "y").exists()
+    config = json.loads((hf_gpt2 / "config.json").read_text())
+    assert config["activation_function"] == "gelu" and config["tie_word_embeddings"] is True
+
+
+if __name__ == "__main__":
+    out_dir, paths = Path(sys.argv[1]), sys.argv[2:]
+    for path, logits in zip(paths, megatron_logits(paths)):
+        torch.save(logits, out_dir / f"{Path(path).name}.logits.pt")

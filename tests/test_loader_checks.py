@@ -1,0 +1,57 @@
+"""The universal loader's refusals: a model config or global batch size that differs from the checkpoint."""
+
+import pytest
+
+from pretrain_runs import FIXTURES
+
+from megatron_ucp.convert import to_universal
+from megatron_ucp.loader import UniversalLoadError, check_compatible
+from megatron_ucp.training.arguments import build_parser, validate_args
+from megatron_ucp.universal import UniversalCheckpoint
+
+LLAMA = ["--num-layers", "4", "--hidden-size", "48", "--num-attention-heads", "4", "--seq-length", "32",
+         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--train-iters", "8", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+         "--vocab-size", "1000", "--group-query-attention", "--num-query-groups", "2", "--swiglu",
+         "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+
+
+@pytest.fixture(scope="module")
+def ucp(tmp_path_factory):
+    dst = tmp_path_factory.mktemp("ucp") / "a"
+    to_universal(FIXTURES / "A_llama_tp2pp2dp2_distopt_sp_torch" / "ckpt", dst, iteration=4, progress=False)
+    return UniversalCheckpoint.open(dst)
+
+
+def args_for(*extra, world_size=1):
+    args = validate_args(build_parser().parse_args([*LLAMA, *extra]), world_size=world_size)
+    args.padded_vocab_size = 1024
+    return args
+
+
+def test_matching_run_is_accepted(ucp):
+    check_compatible(ucp, args_for())
+    check_compatible(ucp, args_for("--tensor-model-parallel-size", "2", world_size=2))
+
+
+def test_model_config_mismatch_names_field_and_flag(ucp):
+    args = args_for()
+    args.hidden_size = 64
+    with pytest.raises(UniversalLoadError, match=r"hidden_size: checkpoint 48, this run 64 \(set --hidden-size\)"):
+        check_compatible(ucp, args)
+    with pytest.raises(UniversalLoadError, match="swiglu"):
+        check_compatible(ucp, validate_args(build_parser().parse_args([a for a in LLAMA if a != "--swiglu"]
+                                                                       + ["--ffn-hidden-size", "128"]), world_size=1))
+
+
+def test_global_batch_change_needs_the_flag(ucp):
+    args = args_for("--global-batch-size", "16")
+    with pytest.raises(UniversalLoadError, match="--global-batch-size 8"):
+        check_compatible(ucp, args)
+    check_compatible(ucp, args_for("--global-batch-size", "16", "--universal-allow-batch-change"))
+
+
+def test_train_iters_before_checkpoint_is_refused(ucp):
+    with pytest.raises(UniversalLoadError, match="raise --train-iters"):
+        check_compatible(ucp, args_for("--train-iters", "2"))
