@@ -175,7 +175,7 @@ class Bench:
         self.measure("cp -r", ["cp", "-r", str(src), str(self.work / "ckpt_copy")])
         shutil.rmtree(self.work / "ckpt_copy")
         self.measure("to-universal", [sys.executable, "-m", "megatron_ucp.cli", "to-universal", str(src), str(ucp),
-                                      "--workers", str(a.workers), "--quiet"])
+                                      "--workers", str(a.workers), "--quiet", "--json"])
         for layout in a.layouts:
             load = [*flags, "--train-iters", str(iters + 1)]
             self.measure(f"ucp@{layout}", torchrun(layout, [*load, "--load", str(ucp), "--universal-checkpoint"]))
@@ -206,7 +206,12 @@ class Bench:
 
         cp = r["cp -r"].wall_s
         row("cp -r (dp_reshardable ckpt)", r["cp -r"], cp, None, "")
-        row("to-universal", r["to-universal"], r["to-universal"].wall_s, cp, "cp -r", f"--workers {a.workers}")
+        summary = {}
+        for line in (self.work / "logs" / "to-universal.log").read_text().splitlines():
+            if line.startswith("{"):
+                summary = json.loads(line)
+        row("to-universal", r["to-universal"], r["to-universal"].wall_s, cp, "cp -r",
+            f"--workers {a.workers}; conversion itself {summary.get('seconds')} s (rest: interpreter start)")
         for layout in a.layouts:
             u, m = r[f"ucp@{layout}"], r[f"mcore@{layout}"]
             u_first, m_first = u.marks["first_step"] or u.wall_s, m.marks["first_step"] or m.wall_s
@@ -246,6 +251,9 @@ def print_table(report: dict) -> None:
         print(f"{row['step']:58s} {sec:>8s} {ratio:>12s} {row['peak_pss_mib']:>7d}M {row['peak_rss_mib']:>7d}M "
               f"{row['read_mib']:>7.1f}M {row['written_mib']:>7.1f}M {row['rchar_mib']:>7.1f}M"
               + (f"   vs {row['ratio_to']}" if row["ratio_to"] else ""))
+    for row in report["rows"]:
+        if row.get("note"):
+            print(f"  note, {row['step']}: {row['note']}")
     print("read/written: storage bytes (/proc/<pid>/io read_bytes/write_bytes of the reaped tree); rchar: read() "
           "bytes incl. page-cache hits and pipes, excl. mmap.")
 
@@ -265,7 +273,12 @@ def main(argv=None) -> dict:
     p.add_argument("--timeout", type=float, default=3600, help="seconds per step")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints in --workdir")
     p.add_argument("--force", action="store_true", help="run even if the memory estimate exceeds what is free")
+    p.add_argument("--print", metavar="JSON", help="only print the table of an earlier --output file")
     args = p.parse_args(argv)
+    if args.print:
+        report = json.loads(Path(args.print).read_text())
+        print_table(report)
+        return report
     report = Bench(args).run()
     print_table(report)
     if args.output:

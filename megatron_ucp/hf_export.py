@@ -185,8 +185,9 @@ def _check_destination(dst: Path, overwrite: bool) -> None:
         raise ExportError(f"{dst}: exists and is a file; choose another destination")
     known = {"config.json", "model.safetensors", "generation_config.json"}
     if any(p.name not in known for p in dst.iterdir()):
-        raise ExportError(f"{dst}: exists and holds files other than an export ({sorted(p.name for p in dst.iterdir())[:5]}); "
-                          f"refusing to overwrite it, delete it yourself or choose another destination")
+        found = sorted(p.name for p in dst.iterdir())[:5]
+        raise ExportError(f"{dst}: exists and holds files other than an export ({found}); refusing to overwrite "
+                          f"it, delete it yourself or choose another destination")
 
 
 def export_hf(src: PathLike, dst: PathLike, model_type: str, *, dtype: Optional[str] = None,

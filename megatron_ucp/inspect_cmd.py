@@ -202,7 +202,8 @@ def _json_scalar(value):
 
 def _layout_text(layout: dict) -> str:
     parts = [f"TP={layout['tp']}", f"PP={layout['pp']}", f"DP={layout['dp']}",
-             f"VPP={layout.get('vpp') or '-'}", f"SP={'on' if layout.get('sp') else 'off'}", f"EP={layout.get('ep', 1)}"]
+             f"VPP={layout.get('vpp') or '-'}", f"SP={'on' if layout.get('sp') else 'off'}",
+             f"EP={layout.get('ep', 1)}"]
     return " ".join(parts)
 
 
@@ -210,7 +211,8 @@ def format_report(info: dict) -> str:
     c = info["model_config"]
     lines = [
         f"{info['path']}",
-        f"  format        {info['format']}" + (f" (version {info['format_version']})" if "format_version" in info else ""),
+        f"  format        {info['format']}"
+        + (f" (version {info['format_version']})" if "format_version" in info else ""),
         f"  iteration     {info['iteration']}   consumed samples {info['consumed_train_samples']}",
         f"  layout        {_layout_text(info['layout'])}" + ("   (as trained)" if info["format"] == UNIVERSAL else ""),
         f"  model         {c['num_layers']} layers, hidden {c['hidden_size']}, ffn {c['ffn_hidden_size']}, "
@@ -246,7 +248,8 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
                     "layout, iteration, consumed samples, model config, optimizer, and every parameter's global "
                     "shape, dtype and pattern. No tensor is read.")
     p.add_argument("path", help="universal checkpoint, Megatron-LM checkpoint root or iter_XXXXXXX folder")
-    p.add_argument("--iteration", type=int, default=None, help="iteration of a Megatron-LM root (default: the tracker's)")
+    p.add_argument("--iteration", type=int, default=None,
+                   help="iteration of a Megatron-LM root (default: the tracker's)")
     p.set_defaults(handler=run_cli)
 
 

@@ -145,7 +145,8 @@ def _rows_bytes(local_shape, start: int, end: int) -> int:
     return (last - first) * row * 4
 
 
-def rank_reads(source: Source, layout: ParallelLayout, padded: int, use_distributed_optimizer: bool) -> tuple[list, list]:
+def rank_reads(source: Source, layout: ParallelLayout, padded: int,
+               use_distributed_optimizer: bool) -> tuple[list, list]:
     """(stages, ranks): per (pp, tp) stage its parameters; per rank the bytes it reads."""
     c = dataclasses.replace(source.config, padded_vocab_size=padded)
     stored_rows = source.config.padded_vocab_size

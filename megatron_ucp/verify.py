@@ -146,8 +146,9 @@ def verify(path_a, path_b, *, atol: float = 0.0, rtol: float = 0.0, iteration_a:
     result = VerifyResult(a.describe(), b.describe(), atol, rtol,
                           compared_keys=keys + (("step",) if "exp_avg" in keys else ()))
     ca, cb = a.config.to_dict(), b.config.to_dict()
+    padding_only = ("padded_vocab_size", "make_vocab_size_divisible_by")
     result.config_differences = [f"{k}: {ca[k]!r} vs {cb[k]!r}" for k in ca
-                                 if ca[k] != cb.get(k) and k not in ("padded_vocab_size", "make_vocab_size_divisible_by")]
+                                 if ca[k] != cb.get(k) and k not in padding_only]
     for name in a.names:
         if name not in b.shapes:
             result.diffs.append(TensorDiff(name, "missing", False, math.inf, math.inf, note="only in A"))

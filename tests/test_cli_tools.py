@@ -155,7 +155,6 @@ def test_verify_reports_vocab_padding_and_missing_state(ucp, tmp_path, capsys):
     """A copy of C8 re-padded to 1152 rows (as a TP3 load would) and without Adam state: the first 1024 rows and
     the weights are compared; the padding difference is reported."""
     import torch
-    from safetensors.torch import load_file, save_file
 
     from megatron_ucp.universal import UniversalCheckpoint, UniversalWriter
 

@@ -2,10 +2,13 @@
 
 Fixtures A (llama-like: GQA 2 groups of 2 heads, SwiGLU, RMSNorm, RoPE, untied, no biases) and C (gpt2-like:
 LayerNorm, GELU, learned positions, tied, biases), both at iteration 8, converted to universal checkpoints
-and exported with `megatron-ucp export-hf`. The megatron-core side is a TP1 PP1 GPTModel (local spec, CPU
-backend) built from the checkpoint's own flags and filled with the universal tensors (which are the TP1
-tensors); it runs in a child process so the CPU patches and process group stay out of the test process.
-Tolerance: max |logit difference| <= 1e-4 (fp32, CPU) over the true vocabulary.
+and exported with `megatron-ucp export-hf`; plus an "amplified" copy of each (QKV weights x6, fc1 x10) whose
+attention is sharp and whose activations reach GELU's curved range, so conventions that barely matter at
+init scale (exact vs tanh GELU: 5e-6 on the fixture, 1e-4 amplified) cannot pass unnoticed.
+The megatron-core side is a TP1 PP1 GPTModel (local spec, CPU backend) built from the checkpoint's own
+flags and filled with the universal tensors (which are the TP1 tensors); it runs in a child process so
+the CPU patches and process group stay out of the test process.
+Tolerance: max |logit difference| <= 1e-5 (fp32, CPU; observed <= 6e-7) over the true vocabulary.
 
 Run as a script (`python tests/test_hf_export.py UCP OUT.pt`) it is that child process.
 """
@@ -24,10 +27,25 @@ FIXTURES = REPO_ROOT.parent / "shared" / "fixtures" / "megatron-lm"
 SOURCES = {"llama": FIXTURES / "A_llama_tp2pp2dp2_distopt_sp_torch" / "ckpt",
            "gpt2": FIXTURES / "C_gpt2_tp2pp2dp1_adam_torch" / "ckpt"}
 SEQ, BATCH = 32, 2
+AMPLIFY = {"self_attention.linear_qkv.weight": 6.0, "mlp.linear_fc1.": 10.0}
+VARIANTS = [(m, v) for m in SOURCES for v in ("fixture", "amplified")]
 
 
 def tokens_for(vocab_size: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def amplified_copy(src: Path, dst: Path) -> Path:
+    """A universal checkpoint with AMPLIFY's weights scaled (weights only)."""
+    from megatron_ucp.universal import UniversalCheckpoint, UniversalWriter
+
+    ucp = UniversalCheckpoint.open(src)
+    with UniversalWriter(dst) as writer:
+        for name, info in ucp.parameters.items():
+            scale = next((s for key, s in AMPLIFY.items() if key in name), 1.0)
+            writer.write_parameter(name, {"fp32": ucp.read(name) * scale},
+                                   {"pattern": info.pattern, "step": None, "model_dtype": info.model_dtype})
+        return writer.finish({k: v for k, v in ucp.metadata.items() if k not in ("parameters", "format", "version")})
 
 
 def megatron_flags(ucp) -> list[str]:
@@ -89,7 +107,7 @@ def megatron_logits(ucp_paths: list[str]) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """{model_type: (universal dir, HF dir, megatron-core logits)}."""
+    """{(model_type, variant): (universal dir, HF dir, megatron-core logits)}."""
     pytest.importorskip("transformers")
     if not SOURCES["llama"].is_dir():
         pytest.skip(f"fixtures not found at {FIXTURES}")
@@ -99,24 +117,27 @@ def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     out = {}
     for model_type, src in SOURCES.items():
-        ucp = to_universal(src, root / f"ucp_{model_type}", iteration=8, progress=False)
-        hf = root / f"hf_{model_type}"
-        assert cli.main(["export-hf", str(ucp), str(hf), "--model-type", model_type, "--quiet"]) == 0
-        out[model_type] = [ucp, hf]
-    # one child process computes the megatron-core logits of both checkpoints
-    proc = subprocess.run([sys.executable, __file__, str(root), *(str(out[m][0]) for m in SOURCES)],
+        ucp = to_universal(src, root / f"ucp_{model_type}_fixture", iteration=8, progress=False)
+        for variant in ("fixture", "amplified"):
+            if variant == "amplified":
+                ucp = amplified_copy(ucp, root / f"ucp_{model_type}_amplified")
+            hf = root / f"hf_{model_type}_{variant}"
+            assert cli.main(["export-hf", str(ucp), str(hf), "--model-type", model_type, "--quiet"]) == 0
+            out[(model_type, variant)] = [ucp, hf]
+    # one child process computes the megatron-core logits of all checkpoints
+    proc = subprocess.run([sys.executable, __file__, str(root), *(str(out[k][0]) for k in VARIANTS)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for model_type in SOURCES:
-        out[model_type].append(torch.load(root / f"{Path(out[model_type][0]).name}.logits.pt"))
+    for key in VARIANTS:
+        out[key].append(torch.load(root / f"{Path(out[key][0]).name}.logits.pt"))
     return out
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
-def test_hf_logits_match_megatron_core(exported, model_type):
+@pytest.mark.parametrize("model_type,variant", VARIANTS)
+def test_hf_logits_match_megatron_core(exported, model_type, variant):
     from transformers import AutoModelForCausalLM
 
-    ucp, hf_dir, reference = exported[model_type]
+    ucp, hf_dir, reference = exported[(model_type, variant)]
     config = json.loads((hf_dir / "config.json").read_text())
     vocab = config["vocab_size"]
     assert vocab == 1001 and reference.shape == (BATCH, SEQ, 1024)  # padding rows dropped
@@ -126,13 +147,13 @@ def test_hf_logits_match_megatron_core(exported, model_type):
         logits = model(tokens_for(vocab)).logits
     assert logits.shape == (BATCH, SEQ, vocab)
     assert reference.std() > 0.1  # a trained model's logits, not zeros
-    torch.testing.assert_close(logits, reference[..., :vocab], atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits, reference[..., :vocab], atol=1e-5, rtol=0)
 
 
 def test_export_refuses_wrong_family_and_existing_output(exported, capsys):
     from megatron_ucp import cli
 
-    ucp_gpt2, hf_gpt2, _ = exported["gpt2"]
+    ucp_gpt2, hf_gpt2, _ = exported[("gpt2", "fixture")]
     assert cli.main(["export-hf", str(ucp_gpt2), str(hf_gpt2.parent / "x"), "--model-type", "llama"]) == 1
     assert "the MLP is GELU, Llama's is SwiGLU; use --model-type gpt2" in capsys.readouterr().err
     assert cli.main(["export-hf", str(ucp_gpt2), str(hf_gpt2), "--model-type", "gpt2"]) == 1
