@@ -128,13 +128,15 @@ def run_measured(name: str, cmd: Sequence[str], *, log_path: Path, cwd: Optional
     log_path.parent.mkdir(parents=True, exist_ok=True)
     io_before = self_io()
     start = time.perf_counter()
+    # Its own process group: when the command exits (or times out), leftovers (e.g. a torchrun worker
+    # orphaned by an OOM kill, which would hold the output pipe open) are killed with it.
     proc = subprocess.Popen(list(cmd), cwd=cwd, env=dict(env) if env is not None else None,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=True)
     sampler = TreeMemorySampler(proc.pid, interval_s)
     sampler.start()
-    timer = threading.Timer(timeout_s, proc.kill)
-    timer.start()
-    try:
+
+    def read_output():
         with open(log_path, "w") as log:
             for line in proc.stdout:
                 now = time.perf_counter() - start
@@ -142,9 +144,18 @@ def run_measured(name: str, cmd: Sequence[str], *, log_path: Path, cwd: Optional
                 for key, pattern in patterns.items():
                     if found[key] is None and pattern.search(line):
                         found[key] = round(now, 3)
-        returncode = proc.wait()
+
+    reader = threading.Thread(target=read_output, daemon=True)
+    reader.start()
+    try:
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            returncode = -9
     finally:
-        timer.cancel()
+        _kill_group(proc.pid)
+        proc.wait()
+        reader.join(timeout=30)
         sampler.stop()
     wall = time.perf_counter() - start
     io_after = self_io()
@@ -156,6 +167,13 @@ def run_measured(name: str, cmd: Sequence[str], *, log_path: Path, cwd: Optional
         tail = "\n".join(log_path.read_text().splitlines()[-30:])
         raise CommandFailed(f"{name}: {' '.join(cmd)} exited {returncode}; log {log_path}:\n{tail}")
     return stats
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, 9)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def drop_page_cache() -> bool:

@@ -275,6 +275,8 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
 
     if load_optim:
         scheduler.load_state_dict(dict(ucp.scheduler_state))
+    elif args.bf16 or args.fp16:
+        optimizer.reload_model_params()  # fp32 main params start from the loaded weights
     args.iteration = ucp.iteration
     args.consumed_train_samples = ucp.consumed_train_samples
     # The RNG streams of another layout mean nothing here: re-seed deterministically from the

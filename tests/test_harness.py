@@ -71,6 +71,16 @@ def test_gpt2_plain_adam_resume_is_exact(tmp_path):
     assert max_rel_diff(resumed, full, range(5, 9)) < 1e-6, (resumed, full)
 
 
+def test_bf16_resume_keeps_fp32_master_weights(tmp_path):
+    """bf16 params with fp32 main params in the distributed optimizer: the resume restores the fp32
+    masters from the checkpoint (not from the rounded bf16 weights), so the curve is unchanged."""
+    layout = Layout(tp=2)
+    flags = ["--bf16", "--use-distributed-optimizer"]
+    full = train("gpt2", layout, tmp_path, "train", 6, [*flags, "--save", str(tmp_path / "ckpt"), "--save-interval", "3"])
+    resumed = train("gpt2", layout, tmp_path, "resume", 6, [*flags, "--load", str(tmp_path / "ckpt"), "--ckpt-step", "3"])
+    assert max_rel_diff(resumed, full, range(4, 7)) < 1e-6, (resumed, full)
+
+
 LAYOUTS = [
     Layout(),                                   # TP1PP1
     Layout(tp=2, pp=2, sp=True),                # TP2PP2 + SP

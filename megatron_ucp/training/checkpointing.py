@@ -208,9 +208,15 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Optional[int]:
         if load_optim:
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["opt_param_scheduler"])
-        if args.bf16 or args.fp16:
-            optimizer.reload_model_params()
-    if "rng_state" in state:
+    return _finish_load(args, optimizer, state, ckpt_args, load_optim, load_rng=True)
+
+
+def _finish_load(args, optimizer, state, ckpt_args, load_optim: bool, load_rng: bool) -> int:
+    """What every resume does after the tensors are in: fp32 masters, RNG, iteration, consumed samples."""
+    if (args.bf16 or args.fp16) and not load_optim:
+        # As Megatron-LM: without optimizer state the fp32 main params start from the loaded weights.
+        optimizer.reload_model_params()
+    if load_rng and "rng_state" in state:
         _set_rng_state(state["rng_state"])
     if not args.finetune:
         args.iteration = state["iteration"]
@@ -255,12 +261,5 @@ def load_legacy_checkpoint(args, model, optimizer, scheduler, ckpt_dir: Path) ->
                                           "--use-distributed-optimizer; drop the flag to resume it")
                 optimizer.load_parameter_state(str(distrib))
             scheduler.load_state_dict(state["opt_param_scheduler"])
-        if args.bf16 or args.fp16:
-            optimizer.reload_model_params()
-    if not args.no_load_rng and not args.finetune and "rng_state" in state:
-        _set_rng_state(state["rng_state"])
-    if not args.finetune:
-        args.iteration = state["iteration"]
-        args.consumed_train_samples = getattr(ckpt_args, "consumed_train_samples", 0)
-    torch.distributed.barrier()
-    return args.iteration
+    return _finish_load(args, optimizer, state, ckpt_args, load_optim,
+                        load_rng=not args.no_load_rng and not args.finetune)
