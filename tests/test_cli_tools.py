@@ -25,7 +25,6 @@ A = FIXTURES / "A_llama_tp2pp2dp2_distopt_sp_torch" / "ckpt"
 B = FIXTURES / "B_llama_tp2pp2dp2_distopt_sp_torch_dist" / "ckpt"
 C = FIXTURES / "C_gpt2_tp2pp2dp1_adam_torch" / "ckpt"
 
-pytestmark = pytest.mark.skipif(not A.is_dir(), reason=f"fixtures not found at {FIXTURES}")
 
 
 def run_cli(*args, expect=0):

@@ -35,7 +35,6 @@ SOURCES = {
 }
 KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 
-pytestmark = pytest.mark.skipif(not SOURCES["A"].is_dir(), reason=f"fixtures not found at {FIXTURES}")
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ FIXTURES = REPO_ROOT.parent / "shared" / "fixtures" / "megatron-lm"
 A = FIXTURES / "A_llama_tp2pp2dp2_distopt_sp_torch" / "ckpt"
 C = FIXTURES / "C_gpt2_tp2pp2dp1_adam_torch" / "ckpt"
 
-pytestmark = pytest.mark.skipif(not A.is_dir(), reason=f"fixtures not found at {FIXTURES}")
 
 
 def by_rank(refs):

@@ -40,13 +40,6 @@ VPP = Layout(tp=1, pp=2, vpp_layers=1)
 TP2 = Layout(tp=2)
 
 # Harness limitations (megatron_ucp/training, not the reader) that make a run fail before it saves.
-KNOWN_HARNESS_FAILURES = {
-    "expected m1 and m2 to have the same dtype": "the harness does not wrap --bf16 models in Float16Module",
-    "does not match any model sharded param": "the harness does not wrap --bf16 models in Float16Module, so "
-                                              "fp32 norm parameters reach the Float16 optimizer",
-    "vp_stage must be passed if virtual pipeline is enabled": "the harness's forward_step does not find the "
-                                                              "chunk's vp_stage through the DDP wrapper",
-}
 
 
 @pytest.fixture(scope="session")
@@ -65,10 +58,6 @@ def harness_run(tmp_path_factory):
                 done[name] = e
         result = done[name]
         if isinstance(result, RunFailed):
-            known = next((why for sig, why in KNOWN_HARNESS_FAILURES.items() if sig in str(result)
-                          or sig in (workdir / f"{name}.log").read_text()), None)
-            if known:
-                pytest.xfail(f"{name} at {layout}: {known}")
             raise result
         return result
 
