@@ -3,9 +3,11 @@
 Planning and I/O are separate: `plan_parameters` groups the source's shards by canonical parameter
 and checks completeness before any tensor is read; `consolidate_parameter` then reads one
 parameter's shards, consolidates them over TP with its pattern, checks replicas, tied copies and
-Adam steps, and the result is written as one safetensors file. Parameters are independent, so a
-process pool converts them in parallel (each worker opens the checkpoint itself) and memory stays
-bounded by a few parameters per worker.
+Adam steps, and the result is written as one safetensors file. Parameters are independent, so they
+are converted in parallel, by threads sharing the opened checkpoint when its reader allows
+(`thread_safe_reads`: torch_dist), else by a process pool (each worker opens the checkpoint itself);
+memory stays bounded by a few parameters per worker. Only the bytes the universal checkpoint stores
+are read: with optimizer state the fp32 master weight and moments, not the model weight.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import enum
+import functools
+import inspect
 import math
 import multiprocessing
 import os
@@ -45,8 +49,8 @@ class ConversionError(ValueError):
     """The source cannot be converted as asked; the message names the checkpoint, the parameter and the fix."""
 
 
-# Below this many bytes of output the default is to convert inline: starting a worker (importing torch,
-# opening the checkpoint) costs more than it saves.
+# Below this many bytes of output the default is to convert inline: starting a worker process (importing
+# torch, opening the checkpoint) costs more than it saves. Readers with thread_safe_reads use threads.
 POOL_MIN_BYTES = 256 * 2 ** 20
 
 
@@ -211,13 +215,27 @@ def _step(task: ParamTask, states: list[dict], where: str) -> Optional[int]:
     return int(step)
 
 
+def _read_shard(ckpt: MegatronCheckpoint, ref: ShardRef) -> dict[str, torch.Tensor]:
+    """ckpt.read(ref), asking a reader that can skip tensors (one with a `keys` argument) only for what the
+    universal checkpoint stores: with optimizer state its fp32 master weight (which is the weight itself
+    in fp32 training) and moments, not the model weight; without, the model weight."""
+    if not _reads_keys(type(ckpt)):
+        return ckpt.read(ref)
+    return ckpt.read(ref, keys=("param",) if ckpt.optimizer_kind == "none" else OPTIMIZER_KEYS)
+
+
+@functools.lru_cache(maxsize=None)
+def _reads_keys(reader: type) -> bool:
+    return "keys" in inspect.signature(reader.read).parameters
+
+
 def consolidate_parameter(ckpt: MegatronCheckpoint, task: ParamTask, *, average_replicas: bool = False
                           ) -> tuple[dict[str, torch.Tensor], dict]:
     """Read the parameter's shards and return ({'fp32', 'exp_avg', 'exp_avg_sq'} global fp32 tensors, info)."""
     copies: list[dict[str, torch.Tensor]] = []
     steps: list[Optional[int]] = []
     for place in task.places:
-        states = [ckpt.read(ref) for ref in place]
+        states = [_read_shard(ckpt, ref) for ref in place]
         where = f"TP ranks of {place[0].local_name} on pp={place[0].pp_rank}"
         keys = [tuple(sorted(k for k in s if k in OPTIMIZER_KEYS)) for s in states]
         if len(set(keys)) != 1:
@@ -409,8 +427,9 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
     tasks = plan_parameters(ckpt)
     metadata = build_metadata(ckpt, average_replicas=average_replicas)
     total = sum(t.nbytes * (3 if ckpt.optimizer_kind != "none" else 1) for t in tasks)
-    if workers is None:
-        workers = default_workers() if total >= POOL_MIN_BYTES else 1
+    threads = bool(getattr(ckpt, "thread_safe_reads", False))
+    if workers is None:  # threads start at no cost; worker processes only pay off for large checkpoints
+        workers = default_workers() if threads or total >= POOL_MIN_BYTES else 1
     workers = max(1, min(int(workers), len(tasks)))
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="to-universal",
                disable=not progress, file=sys.stderr, dynamic_ncols=True)
@@ -430,6 +449,8 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
                 for task in tasks:
                     record(task.name, convert_parameter(ckpt, task, writer.staging_dir,
                                                         average_replicas=average_replicas))
+            elif threads:
+                _convert_in_threads(ckpt, tasks, writer.staging_dir, workers, average_replicas, record)
             else:
                 _convert_in_pool(Path(ckpt.path), ckpt.iteration, tasks, writer.staging_dir, workers,
                                  average_replicas, record)
@@ -439,6 +460,33 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
     return ConversionSummary(path=path, source=str(Path(ckpt.path).resolve()), source_format=ckpt.format,
                              iteration=ckpt.iteration, num_parameters=len(tasks), bytes_written=written,
                              seconds=time.perf_counter() - start, workers=workers)
+
+
+def _convert_in_threads(ckpt: MegatronCheckpoint, tasks: list[ParamTask], staging_dir: Path, workers: int,
+                        average_replicas: bool, record) -> None:
+    """Threads sharing the opened checkpoint, for readers whose reads are independent (thread_safe_reads):
+    no worker start-up (a spawned worker re-imports torch and re-opens the checkpoint, seconds), and the
+    bulk of the work (file reads, tensor copies, safetensors writes) runs without the GIL. Largest
+    parameters first, so the last ones to finish are small; at most 2 tasks per thread in flight keeps
+    memory bounded by a few parameters."""
+    pending = iter(sorted(tasks, key=lambda t: t.nbytes, reverse=True))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="to-universal") as pool:
+        running: dict = {}  # future -> parameter name
+        try:
+            while True:
+                for task in pending:
+                    running[pool.submit(convert_parameter, ckpt, task, staging_dir,
+                                        average_replicas=average_replicas)] = task.name
+                    if len(running) >= 2 * workers:
+                        break
+                if not running:
+                    break
+                done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in done:
+                    record(running.pop(future), future.result())
+        finally:
+            for future in running:
+                future.cancel()
 
 
 def _convert_in_pool(iter_dir: Path, iteration: int, tasks: list[ParamTask], staging_dir: Path, workers: int,

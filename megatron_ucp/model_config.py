@@ -27,6 +27,11 @@ class GPTModelConfig:
     add_qkv_bias: bool = False
     num_experts: Optional[int] = None
 
+    def __post_init__(self):
+        if self.add_bias_linear and not self.add_qkv_bias:
+            # The QKV bias exists with either flag; Megatron-LM keeps the two in sync.
+            object.__setattr__(self, "add_qkv_bias", True)
+
     @property
     def tied(self) -> bool:
         return not self.untie_embeddings_and_output_weights
@@ -85,7 +90,8 @@ class GPTModelConfig:
             position_embedding_type=get("position_embedding_type", "learned_absolute") or "learned_absolute",
             untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights", False)),
             add_bias_linear=bool(get("add_bias_linear", True)),
-            add_qkv_bias=bool(get("add_qkv_bias", False)),
+            # The QKV bias exists with either flag (Megatron-LM keeps them in sync).
+            add_qkv_bias=bool(get("add_qkv_bias", False)) or bool(get("add_bias_linear", True)),
             num_experts=get("num_experts"),
         )
 

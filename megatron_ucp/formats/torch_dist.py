@@ -52,7 +52,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -69,6 +69,8 @@ from megatron_ucp.formats.common import (
 from megatron_ucp.model_config import GPTModelConfig
 
 LAYER_PREFIX = "decoder.layers."
+# tensors read() can return, besides the Adam 'step'
+READ_KEYS = ("param", "fp32", "exp_avg", "exp_avg_sq")
 
 # local spec: module name -> name under which torch_dist saves it (prefix rename)
 LOCAL_SPEC_RENAMES = {
@@ -201,6 +203,8 @@ class TorchDistCheckpoint:
     """A `torch_dist` format checkpoint; see the module docstring."""
 
     format = "torch_dist"
+    # read() keeps no per-call state (each call plans and opens its own streams): threads may share one
+    thread_safe_reads = True
 
     def __init__(self, iter_dir: Path, iteration: int):
         self.path = Path(iter_dir)
@@ -522,8 +526,8 @@ class TorchDistCheckpoint:
             steps = {g.get("step") for g in groups if g.get("step") is not None}
             if len(steps) > 1:
                 raise CheckpointFormatError(f"{keys[0]}: param groups disagree on the Adam step {sorted(steps)}.")
-            info.param_groups = groups
             info.step = steps.pop() if steps else None
+            info.param_groups = groups  # set last: other threads take a set param_groups as done
         return info
 
     # -- reading ------------------------------------------------------------------------------
@@ -548,38 +552,57 @@ class TorchDistCheckpoint:
                 refs += [ShardRef(t, p, chunk, q.name, q.shape, q.dtype) for q in params]
         return refs
 
-    def read(self, ref: ShardRef) -> dict[str, torch.Tensor]:
+    def read(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> dict[str, torch.Tensor]:
+        """The shard's tensors: 'param' (model weight), and with optimizer state 'fp32' (main weight),
+        'exp_avg', 'exp_avg_sq', 'step'. `keys` (a subset of READ_KEYS, default all) names the tensors
+        wanted; only their bytes are read ('step' comes along whenever Adam state exists)."""
+        want = set(READ_KEYS if keys is None else keys)
+        if not want <= set(READ_KEYS):
+            raise ValueError(f"keys={sorted(keys)}: choose from {READ_KEYS}")
         info = self._ranks.get((ref.tp_rank, ref.pp_rank))
         piece = info.sources.get((ref.vpp_chunk, ref.local_name)) if info else None
         if piece is None:
             raise KeyError(f"{ref}: not in {self.path}")
         regions = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in piece.regions]
-        requests = {piece.key: regions}
-        flat = None
-        state_keys = self._state_keys.get(piece.key, {}) if self._model_space else {}
+        requests: dict[str, list[ChunkStorageMetadata]] = {}
+        flat: dict = {}
+        states: dict[str, str] = {}  # out name -> saved key, model-space state
+        weight_is_main = False
         if self._flat_buckets:
-            flat = self._flat_request(info, ref)
-            for what, (key, start, numel) in flat.items():
-                requests[key] = [ChunkStorageMetadata(torch.Size([start]), torch.Size([numel]))]
-        for key in state_keys.values():
-            requests[key] = regions  # model-space state is sharded exactly like the weight
-        got = self._read(requests, []).tensors
-        out = {"param": self._assemble(got[piece.key], piece)}
-        if flat is not None:
-            for what, (key, _, _) in flat.items():
-                out["fp32" if what == "param" else what] = got[key][0].view(ref.shape)
+            for what, (key, start, numel) in self._flat_request(info, ref).items():
+                name = "fp32" if what == "param" else what
+                if name in want:
+                    flat[name] = key
+                    requests[key] = [ChunkStorageMetadata(torch.Size([start]), torch.Size([numel]))]
+        elif self._model_space:
+            saved = dict(self._state_keys.get(piece.key, {}))
+            # fully_reshardable saves the main weight as 'param', the Float16 optimizer as 'fp32_param'
+            main = saved.pop("param", None) or saved.pop("fp32_param", None)
+            # FP32Optimizer (and fp32 params of the Float16 optimizer) step the model weight itself
+            weight_is_main = main is None
+            if main is not None:
+                saved = {"fp32": main, **saved}
+            for name, key in saved.items():
+                if name in want or keys is None:
+                    states[name] = key
+                    requests[key] = regions  # model-space state is sharded exactly like the weight
+        if "param" in want or weight_is_main and "fp32" in want:
+            requests[piece.key] = regions
+        got = self._read(requests, []).tensors if requests else {}
+        out: dict[str, torch.Tensor] = {}
+        if piece.key in got and "param" in want:
+            out["param"] = self._assemble(got[piece.key], piece)
+        if self._flat_buckets:
+            for name, key in flat.items():
+                out[name] = got[key][0].view(ref.shape)
             step = self._optimizer_groups(ref.tp_rank, ref.pp_rank).step
             if step is not None:
                 out["step"] = torch.tensor(float(step), dtype=torch.float32)
         elif self._model_space:
-            states = {what: self._assemble(got[key], piece) for what, key in state_keys.items()}
-            main = states.pop("param", None)  # fully_reshardable distributed optimizer
-            if main is None:
-                main = states.pop("fp32_param", None)  # Float16 optimizer
-            # FP32Optimizer (and fp32 params of the Float16 optimizer) step the model weight itself
-            out["fp32"] = main if main is not None else out["param"].clone()
-            out.update(states)
-            if "exp_avg" in states and self._model_space_step is not None:
+            if weight_is_main and "fp32" in want:
+                out["fp32"] = out["param"].clone() if "param" in out else self._assemble(got[piece.key], piece)
+            out.update({name: self._assemble(got[key], piece) for name, key in states.items()})
+            if "exp_avg" in self._state_keys.get(piece.key, {}) and self._model_space_step is not None:
                 out["step"] = torch.tensor(self._model_space_step, dtype=torch.float32)
         return out
 

@@ -196,6 +196,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
                                 else 4 * args.hidden_size)
     if args.ffn_hidden_size % tp != 0:
         raise ArgumentError(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by TP={tp}")
+    if args.add_bias_linear:
+        args.add_qkv_bias = True  # as Megatron-LM: the 'add bias' args stay in sync
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:

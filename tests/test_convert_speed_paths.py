@@ -1,0 +1,101 @@
+"""The converter's narrow read paths return exactly what the full reads return.
+
+to-universal asks a reader that can skip tensors (torch_dist's read(ref, keys=...)) only for the fp32
+master weight and the Adam moments, never the model weight. Checked on Megatron-LM's own fixtures:
+B (torch_dist, dp_reshardable distributed optimizer, TP2 PP2 DP2) for every shard and every subset of
+keys, and A / C (legacy torch: distributed optimizer / plain fp32 Adam), which read everything; all
+comparisons bitwise (torch.equal, same dtype and shape).
+"""
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ucp.convert import OPTIMIZER_KEYS, _read_shard
+from megatron_ucp.formats import open_checkpoint
+from megatron_ucp.formats.torch_dist import READ_KEYS, TorchDistCheckpoint
+
+FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "megatron-lm"
+SOURCES = {
+    "A": FIXTURES / "A_llama_tp2pp2dp2_distopt_sp_torch" / "ckpt",
+    "B": FIXTURES / "B_llama_tp2pp2dp2_distopt_sp_torch_dist" / "ckpt",
+    "C": FIXTURES / "C_gpt2_tp2pp2dp1_adam_torch" / "ckpt",
+}
+
+
+def _assert_same(got: dict, full: dict, keys, where: str) -> None:
+    for key in keys:
+        assert key in got, f"{where}: {key} missing"
+        a, b = got[key], full[key]
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{where}: {key} differs"
+
+
+@pytest.fixture(scope="module")
+def b_ckpt():
+    return open_checkpoint(SOURCES["B"], iteration=4)
+
+
+def test_torch_dist_read_keys_equal_full_read(b_ckpt):
+    """Every non-empty subset of READ_KEYS, on every shard of B: exactly those tensors (plus 'step'),
+    bitwise equal to the full read."""
+    subsets = [s for n in range(1, len(READ_KEYS) + 1) for s in itertools.combinations(READ_KEYS, n)]
+    for ref in b_ckpt.shards():
+        full = b_ckpt.read(ref)
+        assert set(full) == {"param", "fp32", "exp_avg", "exp_avg_sq", "step"}
+        for keys in subsets:
+            got = b_ckpt.read(ref, keys=keys)
+            assert set(got) == set(keys) | {"step"}, (ref, keys)
+            _assert_same(got, full, list(keys) + ["step"], f"{ref.local_name} tp={ref.tp_rank} pp={ref.pp_rank}")
+
+
+def test_torch_dist_read_keys_rejects_unknown(b_ckpt):
+    with pytest.raises(ValueError, match="choose from"):
+        b_ckpt.read(b_ckpt.shards()[0], keys=("fp32", "master"))
+
+
+def test_converter_does_not_read_the_model_weight(b_ckpt, monkeypatch):
+    """With optimizer state the converter requests only the optimizer buckets' bytes."""
+    requested: list[str] = []
+    real = TorchDistCheckpoint._read
+
+    def spy(self, tensor_requests, byte_keys):
+        requested.extend(tensor_requests)
+        return real(self, tensor_requests, byte_keys)
+
+    monkeypatch.setattr(TorchDistCheckpoint, "_read", spy)
+    for ref in b_ckpt.shards():
+        got = _read_shard(b_ckpt, ref)
+        assert set(got) == set(OPTIMIZER_KEYS) | {"step"}
+    assert requested and all(k.startswith("optimizer.distributed.") for k in requested), sorted(set(requested))
+
+
+@pytest.mark.parametrize("label", ["A", "C"])
+def test_legacy_read_path_equals_full_read(label):
+    ckpt = open_checkpoint(SOURCES[label], iteration=4)
+    for ref in ckpt.shards():
+        full = ckpt.read(ref)
+        got = _read_shard(ckpt, ref)
+        _assert_same(got, full, list(full), f"{label} {ref.local_name} tp={ref.tp_rank} pp={ref.pp_rank}")
+
+
+def test_thread_pool_failure_stops_and_cleans_up(tmp_path, monkeypatch):
+    """B converts with threads (thread_safe_reads); a failing parameter aborts the conversion and leaves
+    neither the destination nor its staging directory."""
+    import megatron_ucp.convert as convert_module
+
+    real = convert_module.convert_parameter
+    done: list[str] = []
+
+    def failing(ckpt, task, staging_dir, **kwargs):
+        if task.name == "decoder.final_layernorm.weight":
+            raise convert_module.ConversionError(f"{task.name}: injected failure")
+        done.append(task.name)
+        return real(ckpt, task, staging_dir, **kwargs)
+
+    monkeypatch.setattr(convert_module, "convert_parameter", failing)
+    with pytest.raises(convert_module.ConversionError, match="injected failure"):
+        convert_module.convert(SOURCES["B"], tmp_path / "out", iteration=4, workers=2, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert len(done) < 52  # stopped early: at most the tasks already in flight ran
