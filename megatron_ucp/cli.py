@@ -11,6 +11,7 @@ module in SUBCOMMAND_MODULES.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import sys
@@ -50,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_line(error: BaseException) -> str:
+    cause = error
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" while writing {cause.filename}" if cause.filename else ""
+        return (f"no space left on the device{where}; free space or choose a destination on another disk "
+                "and rerun (the partial output was removed; the input is untouched)")
     text = " ".join(str(error).split()) or type(error).__name__
     return text if not isinstance(error, KeyError) else text.strip("'\"")
 

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,3 +197,29 @@ def test_edited_metadata_or_newer_version_is_refused(written, tmp_path):
 def test_open_on_a_non_directory(tmp_path):
     with pytest.raises(UniversalFormatError, match="no such universal checkpoint"):
         UniversalCheckpoint.open(tmp_path / "nope")
+
+
+def test_disk_full_gives_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """ENOSPC in the middle of a conversion: one actionable line, no DST, no DST.partial-*."""
+    import errno as errno_
+
+    from megatron_ucp import cli, universal
+
+    calls = {"n": 0}
+    real_save = universal.save_file
+
+    def save_file(tensors, path, metadata=None):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno_.ENOSPC, "No space left on device", path)
+        return real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(universal, "save_file", save_file)
+    fixture = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "megatron-lm"
+    dst = tmp_path / "ucp"
+    code = cli.main(["to-universal", str(fixture / "C_gpt2_tp2pp2dp1_adam_torch" / "ckpt"), str(dst),
+                     "--iteration", "4", "--workers", "1", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert len(err) == 1 and err[0].startswith("error: no space left on the device while writing"), err
+    assert not dst.exists() and not list(tmp_path.glob("ucp.partial-*"))
