@@ -462,6 +462,97 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
                              seconds=time.perf_counter() - start, workers=workers)
 
 
+def in_torchrun() -> bool:
+    """Launched by torchrun with more than one process (WORLD_SIZE/RANK set)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def convert_distributed(src: PathLike, dst: PathLike, iteration: Optional[int] = None,
+                        average_replicas: bool = False, progress: bool = True,
+                        overwrite: bool = False) -> ConversionSummary:
+    """to_universal across the processes of a torchrun job (e.g. one per node on a shared filesystem).
+
+    Rank 0 owns the destination: it checks it, creates the staging directory and, once every rank is
+    done, records the parameters and writes metadata.json and COMPLETE. Every rank opens the source,
+    plans the same parameter list and converts its share (largest parameters dealt round-robin, so
+    shares are balanced), writing tensor files straight into the shared staging directory. An error on
+    any rank stops every rank and removes the staging directory.
+    """
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def agree(error: Optional[str]) -> None:
+        """Raise on every rank if any rank failed (the first error, with its rank)."""
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            r, e = failed[0]
+            raise ConversionError(e if r == rank else f"rank {r}: {e}")
+
+    writer = None
+    try:
+        error = None
+        try:
+            if rank == 0:
+                check_destination(dst, overwrite)
+            ckpt = open_checkpoint(src, iteration)
+            _check_not_nested(Path(src), Path(ckpt.path), Path(dst))
+            tasks = plan_parameters(ckpt)
+            if rank == 0:
+                writer = UniversalWriter(dst, overwrite=overwrite)
+        except Exception as e:  # noqa: BLE001 - reported on every rank by agree()
+            error = f"{type(e).__name__}: {e}" if not isinstance(e, (ConversionError, ValueError)) else str(e)
+        agree(error)
+        staging = [str(writer.staging_dir) if writer else None]
+        dist.broadcast_object_list(staging, src=0)
+        staging_dir = Path(staging[0])
+
+        ordered = sorted(tasks, key=lambda t: t.nbytes, reverse=True)
+        mine = ordered[rank::world]
+        entries, error = [], None
+        bar = tqdm(total=sum(t.nbytes for t in mine), unit="B", unit_scale=True, unit_divisor=1024,
+                   desc=f"to-universal rank {rank}", disable=not progress or rank != 0, file=sys.stderr,
+                   dynamic_ncols=True)
+        try:
+            for task in mine:
+                entries.append((task.name, convert_parameter(ckpt, task, staging_dir,
+                                                             average_replicas=average_replicas)))
+                bar.update(task.nbytes)
+        except Exception as e:  # noqa: BLE001
+            error = str(e) or type(e).__name__
+        finally:
+            bar.close()
+        agree(error)
+        gathered = [None] * world
+        dist.gather_object(entries, gathered if rank == 0 else None, dst=0)
+        path, error = None, None
+        if rank == 0:
+            try:
+                for rank_entries in gathered:
+                    for name, entry in rank_entries:
+                        writer.record_parameter(name, entry)
+                path = writer.finish(build_metadata(ckpt, average_replicas=average_replicas))
+                writer = None
+            except Exception as e:  # noqa: BLE001
+                error = str(e) or type(e).__name__
+        agree(error)
+        result = [str(path) if path else None]
+        dist.broadcast_object_list(result, src=0)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    written = sum(math.prod(e["shape"]) * 4 * len(e["tensors"]) for _, e in entries)
+    return ConversionSummary(path=Path(result[0]), source=str(Path(ckpt.path).resolve()), source_format=ckpt.format,
+                             iteration=ckpt.iteration, num_parameters=len(tasks), bytes_written=written,
+                             seconds=time.perf_counter() - start, workers=world)
+
+
 def _convert_in_threads(ckpt: MegatronCheckpoint, tasks: list[ParamTask], staging_dir: Path, workers: int,
                         average_replicas: bool, record) -> None:
     """Threads sharing the opened checkpoint, for readers whose reads are independent (thread_safe_reads):
@@ -548,9 +639,17 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> dict:
-    summary = convert(args.src, args.dst, iteration=args.iteration, workers=args.workers,
-                      average_replicas=args.average_replicas, progress=not args.quiet, overwrite=args.overwrite)
+    if in_torchrun():  # one process per node (or per core) of a torchrun job, sharing the filesystem
+        summary = convert_distributed(args.src, args.dst, iteration=args.iteration,
+                                      average_replicas=args.average_replicas, progress=not args.quiet,
+                                      overwrite=args.overwrite)
+    else:
+        summary = convert(args.src, args.dst, iteration=args.iteration, workers=args.workers,
+                          average_replicas=args.average_replicas, progress=not args.quiet,
+                          overwrite=args.overwrite)
     result = summary.to_dict()
+    if in_torchrun() and int(os.environ["RANK"]) != 0:
+        return result  # rank 0 reports
     result["message"] = (f"wrote {summary.path}: {summary.num_parameters} parameters, "
                          f"{summary.bytes_written / 2 ** 20:.1f} MiB, iteration {summary.iteration} "
                          f"({summary.source_format}), {summary.seconds:.1f} s")
