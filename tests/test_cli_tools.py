@@ -1,5 +1,5 @@
 """The inspection and planning subcommands, run as a user runs them: `python -m megatron_ucp.cli ...` in a
-subprocess for one case of each, `cli.main(argv)` (the same parser, handlers and exit codes) for the rest.
+subprocess, for every case including the errors (CLI below runs the command and keeps its output).
 
 Inputs are Megatron-LM's own fixture checkpoints (read-only) and their universal conversions in tmp dirs:
 A (legacy torch, TP2 PP2 DP2 SP, distributed optimizer, llama-like with 2 query groups), B (the same run
@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ucp import cli
 from megatron_ucp.convert import to_universal
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -40,11 +39,31 @@ def run_json(*args, expect=0) -> dict:
     return json.loads(out)
 
 
+class _UserCLI:
+    """`megatron-ucp ARGS` in a subprocess, as a user runs it: main() returns the exit code and
+    readouterr() the (stdout, stderr) of the last run."""
+
+    def __init__(self):
+        self._last = ("", "")
+
+    def main(self, argv) -> int:
+        proc = subprocess.run([sys.executable, "-m", "megatron_ucp.cli", *map(str, argv)], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=300)
+        self._last = (proc.stdout, proc.stderr)
+        return proc.returncode
+
+    def readouterr(self):
+        out, self._last = self._last, ("", "")
+        return type("Captured", (), {"out": out[0], "err": out[1]})()
+
+
+CLI = _UserCLI()
+
+
 def main_json(capsys, *args, expect=0) -> dict:
-    """cli.main in this process, --json output parsed."""
-    capsys.readouterr()
-    assert cli.main([*map(str, args), "--json", "--quiet"]) == expect
-    return json.loads(capsys.readouterr().out)
+    """The command in a subprocess, --json output parsed."""
+    assert CLI.main([*map(str, args), "--json", "--quiet"]) == expect
+    return json.loads(CLI.readouterr().out)
 
 
 def snapshot(path: Path) -> dict:
@@ -87,18 +106,18 @@ def test_inspect_json_for_all_three_formats(ucp, capsys):
 
 
 def test_inspect_table_and_errors(ucp, tmp_path, capsys):
-    assert cli.main(["inspect", str(C / "iter_0000004")]) == 0
-    out = capsys.readouterr().out
+    assert CLI.main(["inspect", str(C / "iter_0000004")]) == 0
+    out = CLI.readouterr().out
     assert "format        torch" in out and "embedding.position_embeddings.weight" in out
     assert "output_layer.weight" not in out  # tied: one canonical tensor
     # errors: one line on stderr naming the cause and the fix, exit 1, no traceback
     _, err = run_cli("inspect", tmp_path / "nope", expect=1)
     assert err.startswith("error: ") and err.count("\n") == 1 and "no such file or directory" in err
     (tmp_path / "empty").mkdir()
-    assert cli.main(["inspect", str(tmp_path / "empty")]) == 1
-    assert "not a checkpoint" in capsys.readouterr().err
-    assert cli.main(["inspect", str(A), "--iteration", "5"]) == 1
-    assert "iter_0000005: missing" in capsys.readouterr().err
+    assert CLI.main(["inspect", str(tmp_path / "empty")]) == 1
+    assert "not a checkpoint" in CLI.readouterr().err
+    assert CLI.main(["inspect", str(A), "--iteration", "5"]) == 1
+    assert "iter_0000005: missing" in CLI.readouterr().err
     # a universal checkpoint from a newer megatron-ucp (version 2, consistent marker)
     newer = tmp_path / "newer"
     shutil.copytree(ucp["C8"], newer)
@@ -109,8 +128,8 @@ def test_inspect_table_and_errors(ucp, tmp_path, capsys):
     marker = json.loads((newer / "COMPLETE").read_text())
     marker["metadata_sha256"] = hashlib.sha256((newer / "metadata.json").read_bytes()).hexdigest()
     (newer / "COMPLETE").write_text(json.dumps(marker))
-    assert cli.main(["inspect", str(newer), "--json"]) == 1
-    captured = capsys.readouterr()
+    assert CLI.main(["inspect", str(newer), "--json"]) == 1
+    captured = CLI.readouterr()
     assert "format version 2" in captured.err and "upgrade megatron-ucp" in captured.err
     assert json.loads(captured.out)["ok"] is False
 
@@ -142,8 +161,8 @@ def test_verify_iterations_4_and_8_differ(ucp, capsys):
 
 
 def test_verify_legacy_against_its_own_conversion(ucp, capsys):
-    assert cli.main(["verify", str(A), str(ucp["A8"]), "--quiet"]) == 0
-    assert capsys.readouterr().out == ""
+    assert CLI.main(["verify", str(A), str(ucp["A8"]), "--quiet"]) == 0
+    assert CLI.readouterr().out == ""
     result = main_json(capsys, "verify", A, ucp["A8"])
     assert result["equal"] and result["num_differing"] == 0 and result["compared"] == [
         "fp32", "exp_avg", "exp_avg_sq", "step"]
@@ -169,16 +188,16 @@ def test_verify_reports_vocab_padding_and_missing_state(ucp, tmp_path, capsys):
         meta = {k: v for k, v in src.metadata.items() if k not in ("parameters", "format", "version")}
         meta["model_config"] = {**meta["model_config"], "padded_vocab_size": 1152}
         writer.finish(meta)
-    assert cli.main(["verify", str(ucp["C8"]), str(dst), "--quiet", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
+    assert CLI.main(["verify", str(ucp["C8"]), str(dst), "--quiet", "--json"]) == 0
+    result = json.loads(CLI.readouterr().out)
     assert result["vocab_padding"] == {"a_rows": 1024, "b_rows": 1152, "compared_rows": 1024, "true_vocab_size": 1001}
     assert result["compared"] == ["fp32"]
-    assert cli.main(["verify", str(ucp["C8"]), str(dst)]) == 0
-    out = capsys.readouterr().out
+    assert CLI.main(["verify", str(ucp["C8"]), str(dst)]) == 0
+    out = CLI.readouterr().out
     assert "vocabulary padding differs: A has 1024 rows, B has 1152" in out
     assert "optimizer state not compared: B has none" in out
     # different models: parameters only on one side are reported, exit 1
-    assert cli.main(["verify", str(ucp["C8"]), str(ucp["A8"]), "--quiet"]) == 1
+    assert CLI.main(["verify", str(ucp["C8"]), str(ucp["A8"]), "--quiet"]) == 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -195,8 +214,8 @@ def test_plan_reads_per_rank(ucp, capsys):
     stage together read each Adam moment about once (bucket shards plus at most a boundary row each)."""
     argv = ["plan", str(ucp["A8"]), "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--data-parallel-size", "2", "--use-distributed-optimizer", "--json"]
-    assert cli.main(argv) == 0
-    plan = json.loads(capsys.readouterr().out)
+    assert CLI.main(argv) == 0
+    plan = json.loads(CLI.readouterr().out)
     assert plan["compatible"] and plan["problems"] == [] and plan["warnings"] == []
     assert len(plan["ranks"]) == 8 and [r["rank"] for r in plan["ranks"]] == list(range(8))
     params = json.loads((ucp["A8"] / "metadata.json").read_text())["parameters"]
@@ -210,13 +229,13 @@ def test_plan_reads_per_rank(ucp, capsys):
     assert sorted(names) == sorted(params)
     # without the distributed optimizer each DP rank reads its stage's full moments; a Megatron source adds
     # the conversion step; TP 3 changes the vocabulary padding (a warning) and is refused for the heads
-    assert cli.main(["plan", str(C), "--tensor-model-parallel-size", "1", "--data-parallel-size", "4", "--json"]) == 0
-    plan = json.loads(capsys.readouterr().out)
+    assert CLI.main(["plan", str(C), "--tensor-model-parallel-size", "1", "--data-parallel-size", "4", "--json"]) == 0
+    plan = json.loads(CLI.readouterr().out)
     assert plan["conversion"]["parameters"] == 52 and plan["source"]["format"] == "torch"
     assert {r["optimizer_bytes"] for r in plan["ranks"]} == {2 * plan["source"]["universal_bytes"] // 3}
-    assert cli.main(["plan", str(ucp["C8"]), "--tensor-model-parallel-size", "3",
+    assert CLI.main(["plan", str(ucp["C8"]), "--tensor-model-parallel-size", "3",
                      "--pipeline-model-parallel-size", "3", "--num-layers-per-virtual-pipeline-stage", "1"]) == 1
-    out = capsys.readouterr().out
+    out = CLI.readouterr().out
     assert "warning: vocabulary padding changes: the stored 1024 rows are not divisible by TP=3" in out
     assert "num_attention_heads=4 is not divisible by TP=3" in out and "not divisible by PP=3" in out
 
@@ -233,17 +252,17 @@ def test_plot_loss(tmp_path, capsys):
                                 for i in range(start, 9)))
         logs.append(str(path))
     png = tmp_path / "loss.png"
-    assert cli.main(["plot-loss", *logs, "-o", str(png), "--resume-at", "4", "--labels", "before", "after",
+    assert CLI.main(["plot-loss", *logs, "-o", str(png), "--resume-at", "4", "--labels", "before", "after",
                      "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
+    result = json.loads(CLI.readouterr().out)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["curves"]["after"] == {"first_iteration": 5, "last_iteration": 8, "final_loss": pytest.approx(6.2)}
     # output exists / wrong label count / not a log: one line each, exit 1
-    assert cli.main(["plot-loss", *logs, "-o", str(png)]) == 1
-    assert "already exists" in capsys.readouterr().err
-    assert cli.main(["plot-loss", *logs, "-o", str(tmp_path / "x.png"), "--labels", "one"]) == 1
-    assert "give one label per file" in capsys.readouterr().err
+    assert CLI.main(["plot-loss", *logs, "-o", str(png)]) == 1
+    assert "already exists" in CLI.readouterr().err
+    assert CLI.main(["plot-loss", *logs, "-o", str(tmp_path / "x.png"), "--labels", "one"]) == 1
+    assert "give one label per file" in CLI.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"step": 1}\n')
-    assert cli.main(["plot-loss", str(bad), "-o", str(tmp_path / "y.png")]) == 1
-    assert "bad.jsonl:1: not a --log-jsonl record" in capsys.readouterr().err
+    assert CLI.main(["plot-loss", str(bad), "-o", str(tmp_path / "y.png")]) == 1
+    assert "bad.jsonl:1: not a --log-jsonl record" in CLI.readouterr().err
