@@ -14,8 +14,8 @@ Layouts and tolerances:
 
 from __future__ import annotations
 
-import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pretrain_runs import FIXTURES, Layout, max_rel_diff, megatron_lm_losses, train  # noqa: E402
 
-from megatron_ucp import cli  # noqa: E402
 from megatron_ucp import from_universal as fu  # noqa: E402
 from megatron_ucp.convert import to_universal  # noqa: E402
 from megatron_ucp.formats.common import load_pickled  # noqa: E402
@@ -281,15 +280,12 @@ def test_layers_not_dividing_pp_is_refused(universal, tmp_path):
 
 
 def _cli(argv) -> tuple[int, dict]:
-    """`megatron-ucp from-universal ...` through the shared CLI machinery (common options, one-line errors)."""
-    parser = argparse.ArgumentParser(prog="megatron-ucp")
-    sub = parser.add_subparsers(dest="command")
-    fu.add_cli_parser(sub, cli.common_options())
-    args = parser.parse_args(["from-universal", *argv, "--quiet"])
-    try:
-        return 0, args.handler(args)
-    except Exception as e:
-        return 1, {"error": str(e)}
+    """`megatron-ucp from-universal ... --json` in a subprocess, as a user runs it: (exit code, result)."""
+    proc = subprocess.run([sys.executable, "-m", "megatron_ucp.cli", "from-universal", *argv, "--quiet", "--json"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    result = json.loads(lines[-1]) if lines else {"error": proc.stderr}
+    return proc.returncode, result
 
 
 def test_existing_destination_and_dry_run_write_nothing(universal, tmp_path, capsys):

@@ -105,10 +105,15 @@ def megatron_logits(ucp_paths: list[str]) -> list[torch.Tensor]:
     return results
 
 
+def _user_cli(*argv):
+    """`megatron-ucp ARGV` in a subprocess, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "megatron_ucp.cli", *map(str, argv)],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """{(model_type, variant): (universal dir, HF dir, megatron-core logits)}."""
-    from megatron_ucp import cli
     from megatron_ucp.convert import to_universal
 
     root = tmp_path_factory.mktemp("hf")
@@ -119,7 +124,7 @@ def exported(tmp_path_factory):
             if variant == "amplified":
                 ucp = amplified_copy(ucp, root / f"ucp_{model_type}_amplified")
             hf = root / f"hf_{model_type}_{variant}"
-            assert cli.main(["export-hf", str(ucp), str(hf), "--model-type", model_type, "--quiet"]) == 0
+            assert _user_cli("export-hf", ucp, hf, "--model-type", model_type, "--quiet").returncode == 0
             out[(model_type, variant)] = [ucp, hf]
     # one child process computes the megatron-core logits of all checkpoints
     proc = subprocess.run([sys.executable, __file__, str(root), *(str(out[k][0]) for k in VARIANTS)],
@@ -147,16 +152,14 @@ def test_hf_logits_match_megatron_core(exported, model_type, variant):
     torch.testing.assert_close(logits, reference[..., :vocab], atol=1e-5, rtol=0)
 
 
-def test_export_refuses_wrong_family_and_existing_output(exported, capsys):
-    from megatron_ucp import cli
-
+def test_export_refuses_wrong_family_and_existing_output(exported):
     ucp_gpt2, hf_gpt2, _ = exported[("gpt2", "fixture")]
-    assert cli.main(["export-hf", str(ucp_gpt2), str(hf_gpt2.parent / "x"), "--model-type", "llama"]) == 1
-    assert "the MLP is GELU, Llama's is SwiGLU; use --model-type gpt2" in capsys.readouterr().err
-    assert cli.main(["export-hf", str(ucp_gpt2), str(hf_gpt2), "--model-type", "gpt2"]) == 1
-    assert "already exists; choose another destination or pass --overwrite" in capsys.readouterr().err
-    assert cli.main(["export-hf", str(SOURCES["gpt2"]), str(hf_gpt2.parent / "y"), "--model-type", "gpt2"]) == 1
-    assert "convert it first" in capsys.readouterr().err
+    proc = _user_cli("export-hf", ucp_gpt2, hf_gpt2.parent / "x", "--model-type", "llama")
+    assert proc.returncode == 1 and "the MLP is GELU, Llama's is SwiGLU; use --model-type gpt2" in proc.stderr
+    proc = _user_cli("export-hf", ucp_gpt2, hf_gpt2, "--model-type", "gpt2")
+    assert proc.returncode == 1 and "already exists; choose another destination or pass --overwrite" in proc.stderr
+    proc = _user_cli("export-hf", SOURCES["gpt2"], hf_gpt2.parent / "y", "--model-type", "gpt2")
+    assert proc.returncode == 1 and "convert it first" in proc.stderr
     assert not (hf_gpt2.parent / "x").exists() and not (hf_gpt2.parent / "y").exists()
     config = json.loads((hf_gpt2 / "config.json").read_text())
     assert config["activation_function"] == "gelu" and config["tie_word_embeddings"] is True
