@@ -481,8 +481,17 @@ def convert_distributed(src: PathLike, dst: PathLike, iteration: Optional[int] =
     import torch.distributed as dist
 
     start = time.perf_counter()
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         dist.init_process_group("gloo")
+    try:
+        return _convert_distributed(dist, start, src, dst, iteration, average_replicas, progress, overwrite)
+    finally:
+        if owns_group:  # a gloo group left to the interpreter's exit can abort the process
+            dist.destroy_process_group()
+
+
+def _convert_distributed(dist, start, src, dst, iteration, average_replicas, progress, overwrite):
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def agree(error: Optional[str]) -> None:
