@@ -32,6 +32,7 @@ from megatron_ucp.adapters.gpt import expected_parameters
 from megatron_ucp.formats.common import TRACKER_FILENAME
 from megatron_ucp.layout import LayoutError, ParallelLayout
 from megatron_ucp.patterns import PatternError, target_padded_vocab
+from megatron_ucp import universal
 from megatron_ucp.universal import UniversalCheckpoint
 from megatron_ucp.writers import legacy as legacy_writer
 from megatron_ucp.writers import torch_dist as torch_dist_writer
@@ -174,16 +175,8 @@ def check_destination(dst: Path, ucp_path: Path, overwrite: bool) -> None:
     if dst_r == src_r or src_r in dst_r.parents or dst_r in src_r.parents:
         raise FromUniversalError(f"{dst}: overlaps the universal checkpoint {ucp_path}; write outside it "
                                  f"(the input is never modified)")
-    if not dst.exists():
-        return
-    if not overwrite:
-        raise FromUniversalError(f"{dst}: already exists; choose another destination or pass --overwrite to "
-                                 f"replace it")
-    if not dst.is_dir():
-        raise FromUniversalError(f"{dst}: exists and is a file; choose another destination")
-    if any(dst.iterdir()) and not _is_megatron_root(dst):
-        raise FromUniversalError(f"{dst}: exists and is not a Megatron checkpoint; refusing to overwrite it, "
-                                 f"delete it yourself or choose another destination")
+    universal.check_destination(dst, overwrite, replaceable=_is_megatron_root, kind="Megatron checkpoint",
+                                error=FromUniversalError)
 
 
 def _move_into_place(staging: Path, dst: Path) -> None:

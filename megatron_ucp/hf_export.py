@@ -23,6 +23,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from megatron_ucp.model_config import GPTModelConfig
+from megatron_ucp.universal import check_destination
 
 PathLike = Union[str, os.PathLike]
 MODEL_TYPES = ("llama", "gpt2")
@@ -176,18 +177,12 @@ def hf_state_dict(read: Callable[[str], torch.Tensor], config: GPTModelConfig, m
     return out
 
 
+def _is_export_dir(path: Path) -> bool:
+    return all(p.name in {"config.json", "model.safetensors", "generation_config.json"} for p in path.iterdir())
+
+
 def _check_destination(dst: Path, overwrite: bool) -> None:
-    if not dst.exists():
-        return
-    if not overwrite:
-        raise ExportError(f"{dst}: already exists; choose another destination or pass --overwrite")
-    if not dst.is_dir():
-        raise ExportError(f"{dst}: exists and is a file; choose another destination")
-    known = {"config.json", "model.safetensors", "generation_config.json"}
-    if any(p.name not in known for p in dst.iterdir()):
-        found = sorted(p.name for p in dst.iterdir())[:5]
-        raise ExportError(f"{dst}: exists and holds files other than an export ({found}); refusing to overwrite "
-                          f"it, delete it yourself or choose another destination")
+    check_destination(dst, overwrite, replaceable=_is_export_dir, kind="Hugging Face export", error=ExportError)
 
 
 def export_hf(src: PathLike, dst: PathLike, model_type: str, *, dtype: Optional[str] = None,

@@ -24,7 +24,7 @@ import torch
 
 from megatron_ucp import cpu_backend
 from megatron_ucp.adapters import gpt as gpt_adapter
-from megatron_ucp.layout import ParallelLayout
+from megatron_ucp.formats.common import layout_from_args
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.patterns import Pattern, Replicated, resize_vocab, target_padded_vocab
 
@@ -184,9 +184,7 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
         ucp = open_for_run(args)
     check_compatible(ucp, args)
     config = ucp.config
-    layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                            dp=args.data_parallel_size, vpp=args.virtual_pipeline_model_parallel_size,
-                            sp=bool(args.sequence_parallel))
+    layout = layout_from_args(vars(args))
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     target_padded = args.padded_vocab_size
@@ -204,7 +202,6 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
     # below fills in the rest of every model weight.
     gather_params = load_optim and _is_distributed(optimizer)
 
-    seen = set()
     for vpp_chunk, chunk in enumerate(model):
         from megatron_ucp.training.model import unwrap_model
         module = unwrap_model(chunk)
@@ -215,7 +212,6 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
                 continue
             if name not in ucp.parameters:
                 raise UniversalLoadError(f"{ucp.path}: no tensor for parameter {name} (this rank's {local})")
-            seen.add(name)
             info = ucp.parameters[name]
             pattern = gpt_adapter.pattern_for(name, config)
             resize = name in (gpt_adapter.WORD_EMBEDDINGS, gpt_adapter.OUTPUT_LAYER) and info.shape[0] != target_padded
@@ -267,11 +263,6 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
     if gather_params:
         for chunk in model:  # megatron-core DDP: all-gather each bucket's param shards over DP
             chunk.start_param_sync(force_sync=True)
-
-    expected = {n for n, _ in gpt_adapter.expected_parameters(config)}
-    missing_here = [n for n in seen if n not in expected]
-    if missing_here:
-        raise UniversalLoadError(f"unexpected parameters {missing_here}")
 
     if load_optim:
         scheduler.load_state_dict(dict(ucp.scheduler_state))

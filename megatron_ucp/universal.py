@@ -17,7 +17,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from safetensors import safe_open
@@ -161,20 +161,25 @@ def write_tensor_file(staging_dir: PathLike, name: str, tensors: Mapping[str, to
     }
 
 
-def check_destination(dst: PathLike, overwrite: bool = False) -> None:
-    """Raise UniversalFormatError unless `dst` may be written: absent, or (with overwrite) an existing
-    universal checkpoint or empty directory. Converters call it before any work."""
-    dst = Path(dst)
+def _is_universal_dir(path: Path) -> bool:
+    return (path / COMPLETE_FILENAME).is_file() or (path / METADATA_FILENAME).is_file()
+
+
+def check_destination(dst: PathLike, overwrite: bool = False, *, replaceable: Callable[[Path], bool] = None,
+                      kind: str = "universal checkpoint", error: type = None) -> None:
+    """Raise unless `dst` may be written: absent, or (with overwrite) an empty directory or an earlier
+    output of the same kind (`replaceable`). Every writer (to-universal, from-universal, export-hf) calls
+    it before any work, so a user's own files are never replaced."""
+    dst, error = Path(dst), error or UniversalFormatError
     if not dst.exists():
         return
     if not overwrite:
-        raise UniversalFormatError(f"{dst}: already exists; choose another destination or pass "
-                                   f"--overwrite (overwrite=True) to replace it")
+        raise error(f"{dst}: already exists; choose another destination or pass --overwrite to replace it")
     if not dst.is_dir():
-        raise UniversalFormatError(f"{dst}: exists and is a file; choose another destination")
-    if any(dst.iterdir()) and not ((dst / COMPLETE_FILENAME).is_file() or (dst / METADATA_FILENAME).is_file()):
-        raise UniversalFormatError(f"{dst}: exists and is not a universal checkpoint; refusing to overwrite "
-                                   f"it, delete it yourself or choose another destination")
+        raise error(f"{dst}: exists and is a file; choose another destination")
+    if any(dst.iterdir()) and not (replaceable or _is_universal_dir)(dst):
+        raise error(f"{dst}: exists and is not a {kind}; refusing to overwrite it, delete it yourself or "
+                    f"choose another destination")
 
 
 class UniversalWriter:

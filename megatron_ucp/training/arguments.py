@@ -7,7 +7,6 @@ contradictory combinations are rejected in `validate_args` with the cause and th
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from typing import Optional, Sequence
 
@@ -245,5 +244,5 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
 
 
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    return int(math.ceil(vocab_size / multiple) * multiple)
+    from megatron_ucp.model_config import pad_vocab_size
+    return pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)

@@ -18,14 +18,8 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_ucp.adapters import gpt as gpt_adapter
-from megatron_ucp.layout import ParallelLayout
+from megatron_ucp.formats.common import layout_from_args
 from megatron_ucp.model_config import GPTModelConfig
-
-
-def layout_from_args(args) -> ParallelLayout:
-    return ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                          dp=args.data_parallel_size, vpp=args.virtual_pipeline_model_parallel_size,
-                          sp=bool(args.sequence_parallel))
 
 
 def _seed(seed: int, name: str) -> int:
@@ -47,7 +41,7 @@ def initial_value(name: str, shape, config: GPTModelConfig, std: float, seed: in
 @torch.no_grad()
 def layout_invariant_init(chunks, args) -> None:
     config = GPTModelConfig.from_megatron_args(args)
-    layout = layout_from_args(args)
+    layout = layout_from_args(vars(args))
     shapes = dict(gpt_adapter.expected_parameters(config))
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
