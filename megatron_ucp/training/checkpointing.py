@@ -22,6 +22,7 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
 from megatron_ucp import cpu_backend
+from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy, get_default_save_sharded_strategy)
@@ -29,7 +30,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper)
 
 CHECKPOINT_VERSION = 3.0
-TRACKER = "latest_checkpointed_iteration.txt"
+TRACKER = TRACKER_FILENAME
 
 # Args that must match between a checkpoint and the run that resumes it.
 MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -42,7 +43,7 @@ class CheckpointError(RuntimeError):
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
+    return Path(root) / iteration_dir_name(iteration)
 
 
 def read_tracker(root: str | Path) -> int:
