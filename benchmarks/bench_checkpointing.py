@@ -8,12 +8,17 @@ with the page cache dropped before each step when allowed:
 
   cp            cp -r of the dp_reshardable checkpoint (what the disk costs)
   to-universal  megatron-ucp to-universal --workers W of the same checkpoint
+  lazy          megatron-ucp to-universal --lazy (an index into the source, no copy)
   ucp@L         --load UCP --universal-checkpoint at layout L, until the first training step is done
+                (and once from the lazy index, at the first layout)
   mcore@L       megatron-core's own resharding: --load of the fully_reshardable checkpoint at layout L
   save          the save phase of the two training runs (dp_reshardable vs fully_reshardable)
 
 For each: wall time, peak RSS and PSS summed over the process tree, storage bytes read / written and
 read()/write() bytes (megatron_ucp.io_stats). Prints a table with ratios and writes JSON (--output).
+`--steps conversion` runs only the dp_reshardable save, cp and to-universal (the sizes whose
+megatron-core loads do not fit in memory); `--repeat N` measures cp and to-universal N times each,
+alternating, and reports the medians.
 
     python benchmarks/bench_checkpointing.py --preset tiny --output bench_tiny.json
     python benchmarks/bench_checkpointing.py --preset 100m --workdir /tmp/bench --output bench_100m.json
@@ -141,6 +146,13 @@ class Bench:
         self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
         self.results: Dict[str, RunStats] = {}
         self.cold = None  # whether the page cache could be dropped
+        self.conversion_seconds: List[Optional[float]] = []  # to-universal's own timing, per repeat
+
+    def _conversion_seconds(self, log_name: str) -> Optional[float]:
+        for line in (self.work / "logs" / f"{log_name}.log").read_text().splitlines():
+            if line.startswith("{"):
+                return json.loads(line).get("seconds")
+        return None
 
     def log(self, msg: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -156,11 +168,12 @@ class Bench:
             if not ok:
                 self.log("cannot drop the page cache (not root?): measuring with a warm cache")
 
-    def measure(self, name: str, cmd: List[str], drop: bool = True) -> RunStats:
+    def measure(self, name: str, cmd: List[str], drop: bool = True, log_name: Optional[str] = None) -> RunStats:
         if drop:
             self.prepare_cache()
         self.log(f"{name}: {' '.join(cmd[:8])} ...")
-        stats = run_measured(name, cmd, log_path=self.work / "logs" / f"{name.replace('@', '_')}.log", cwd=REPO,
+        log = self.work / "logs" / f"{(log_name or name).replace('@', '_')}.log"
+        stats = run_measured(name, cmd, log_path=log, cwd=REPO,
                              env=self.env, marks=MARKS, timeout_s=self.args.timeout)
         self.results[name] = stats
         self.log(f"{name}: {stats.wall_s:.1f} s, peak PSS {stats.peak_pss_bytes / MIB:.0f} MiB, read "
@@ -173,8 +186,10 @@ class Bench:
             shutil.rmtree(self.work)
         self.work.mkdir(parents=True)
         flags = model_flags(shape)
-        need = max([estimated_mcore_load_bytes(shape, lay) for lay in a.layouts]
-                   + [estimated_fully_reshardable_save_bytes(shape, SOURCE)])
+        full = a.steps == "all"
+        need = (max([estimated_mcore_load_bytes(shape, lay) for lay in a.layouts]
+                    + [estimated_fully_reshardable_save_bytes(shape, SOURCE)]) if full
+                else estimated_peak_bytes(shape, SOURCE))
         avail = psutil.virtual_memory().available
         self.log(f"preset {a.preset}: {shape.num_parameters / 1e6:.1f} M parameters; estimated peak "
                  f"{need / GIB:.1f} GiB, available {avail / GIB:.1f} GiB")
@@ -187,21 +202,35 @@ class Bench:
         # The two saves (one training iteration each, then the save).
         self.measure("train+save dp_reshardable", torchrun(SOURCE, [*flags, "--train-iters", str(iters),
                                                                     "--save", str(src)]), drop=False)
-        self.measure("train+save fully_reshardable", torchrun(SOURCE, [
-            *flags, "--train-iters", str(iters), "--save", str(src_fr), "--dist-ckpt-optim-fully-reshardable"]),
-            drop=False)
+        if full:
+            self.measure("train+save fully_reshardable", torchrun(SOURCE, [
+                *flags, "--train-iters", str(iters), "--save", str(src_fr), "--dist-ckpt-optim-fully-reshardable"]),
+                drop=False)
 
-        self.measure("cp -r", ["cp", "-r", str(src), str(self.work / "ckpt_copy")])
-        shutil.rmtree(self.work / "ckpt_copy")
-        self.measure("to-universal", [sys.executable, "-m", "megatron_ucp.cli", "to-universal", str(src), str(ucp),
-                                      "--workers", str(a.workers), "--quiet", "--json"])
-        for layout in a.layouts:
+        for i in range(a.repeat):
+            suffix = "" if i == 0 else f" #{i + 1}"
+            if ucp.exists():
+                shutil.rmtree(ucp)
+            self.measure("cp -r" + suffix, ["cp", "-r", str(src), str(self.work / "ckpt_copy")])
+            shutil.rmtree(self.work / "ckpt_copy")
+            self.measure("to-universal" + suffix, [sys.executable, "-m", "megatron_ucp.cli", "to-universal", str(src),
+                                                   str(ucp), "--workers", str(a.workers), "--quiet", "--json"],
+                         log_name=f"to-universal{i}")
+            self.conversion_seconds.append(self._conversion_seconds(f"to-universal{i}"))
+        lazy = self.work / "ucp_lazy"
+        self.measure("to-universal --lazy", [sys.executable, "-m", "megatron_ucp.cli", "to-universal", str(src),
+                                             str(lazy), "--lazy", "--quiet", "--json"], log_name="to-universal-lazy")
+        for layout in (a.layouts if full else []):
             load = [*flags, "--train-iters", str(iters + 1)]
             self.measure(f"ucp@{layout}", torchrun(layout, [*load, "--load", str(ucp), "--universal-checkpoint"]))
             self.measure(f"mcore@{layout}", torchrun(layout, [*load, "--load", str(src_fr)]))
+            if layout == a.layouts[0]:
+                self.measure(f"ucp-lazy@{layout}", torchrun(layout, [*load, "--load", str(lazy),
+                                                                     "--universal-checkpoint"]))
 
-        sizes = {"ckpt_dp_reshardable": dir_bytes(src), "ckpt_fully_reshardable": dir_bytes(src_fr),
-                 "universal": dir_bytes(ucp)}
+        sizes = {"ckpt_dp_reshardable": dir_bytes(src), "universal": dir_bytes(ucp), "universal_lazy": dir_bytes(lazy)}
+        if full:
+            sizes["ckpt_fully_reshardable"] = dir_bytes(src_fr)
         report = self.report(sizes)
         if not a.keep:
             shutil.rmtree(self.work, ignore_errors=True)
@@ -223,19 +252,36 @@ class Bench:
                          "rchar_mib": round(stats.rchar / MIB, 1), "wchar_mib": round(stats.wchar / MIB, 1),
                          "ratio": None if not ref else round(seconds / ref, 2), "ratio_to": ref_name, "note": note})
 
-        cp = r["cp -r"].wall_s
-        row("cp -r (dp_reshardable ckpt)", r["cp -r"], cp, None, "")
-        summary = {}
-        for line in (self.work / "logs" / "to-universal.log").read_text().splitlines():
-            if line.startswith("{"):
-                summary = json.loads(line)
-        row("to-universal", r["to-universal"], r["to-universal"].wall_s, cp, "cp -r",
-            f"--workers {a.workers}; conversion itself {summary.get('seconds')} s (rest: interpreter start)")
+        def median_run(prefix: str) -> RunStats:
+            runs = sorted((v for k, v in r.items() if k == prefix or k.startswith(prefix + " #")),
+                          key=lambda v: v.wall_s)
+            return runs[(len(runs) - 1) // 2]
+
+        cp_run, tu_run = median_run("cp -r"), median_run("to-universal")
+        cp = cp_run.wall_s
+        walls = lambda prefix: [round(v.wall_s, 2) for k, v in r.items() if k == prefix or k.startswith(prefix + " #")]
+        conv = sorted(c for c in self.conversion_seconds if c is not None)
+        conv_median = conv[(len(conv) - 1) // 2] if conv else None
+        row("cp -r (dp_reshardable ckpt)", cp_run, cp, None, "", f"runs {walls('cp -r')}" if a.repeat > 1 else "")
+        row("to-universal", tu_run, tu_run.wall_s, cp, "cp -r",
+            f"--workers {a.workers}; conversion itself {conv_median} s (rest: interpreter start)"
+            + (f"; runs {walls('to-universal')}, conversion {self.conversion_seconds}" if a.repeat > 1 else ""))
+        rows.append({"step": "  conversion itself (no interpreter start)", "seconds": conv_median,
+                     "ratio": None if not conv_median else round(conv_median / cp, 2), "ratio_to": "cp -r"})
+        lz = r["to-universal --lazy"]
+        row("to-universal --lazy (index only)", lz, lz.wall_s, cp, "cp -r",
+            f"conversion itself {self._conversion_seconds('to-universal-lazy')} s")
+        if a.steps != "all":
+            return self._report(sizes, rows)
         for layout in a.layouts:
             u, m = r[f"ucp@{layout}"], r[f"mcore@{layout}"]
             u_first, m_first = u.marks["first_step"] or u.wall_s, m.marks["first_step"] or m.wall_s
             row(f"ucp load @{layout} (start -> 1st step)", u, u_first, m_first, "mcore load")
             row(f"mcore fully_reshardable load @{layout} (start -> 1st step)", m, m_first, None, "")
+            if f"ucp-lazy@{layout}" in r:
+                z = r[f"ucp-lazy@{layout}"]
+                row(f"lazy ucp load @{layout} (start -> 1st step)", z, z.marks["first_step"] or z.wall_s, m_first,
+                    "mcore load")
             u_load, m_load = phase(f"ucp@{layout}", "started", "resumed"), phase(f"mcore@{layout}", "started", "resumed")
             rows.append({"step": f"  load phase only @{layout} (banner -> resumed)", "seconds": u_load,
                          "ratio": None if not (u_load and m_load) else round(u_load / m_load, 2),
@@ -246,8 +292,13 @@ class Bench:
             "bytes/memory: whole train+save run")
         row("save fully_reshardable (1st step -> saved)", r["train+save fully_reshardable"], fr_save, dp_save,
             "dp_reshardable save")
+        return self._report(sizes, rows)
+
+    def _report(self, sizes: Dict[str, int], rows: list) -> dict:
+        r, a = self.results, self.args
         return {"preset": a.preset, "shape": self.shape.__dict__, "num_parameters": self.shape.num_parameters,
                 "source_layout": SOURCE, "workers": a.workers, "page_cache_dropped": bool(self.cold),
+                "steps": a.steps, "repeat": a.repeat,
                 "sizes_bytes": sizes, "machine": {"cpus": os.cpu_count(), "memory_gib": round(
                     psutil.virtual_memory().total / GIB, 1)},
                 "rows": rows, "runs": {k: v.to_dict() for k, v in r.items()}}
@@ -256,9 +307,8 @@ class Bench:
 def print_table(report: dict) -> None:
     s = report["sizes_bytes"]
     print(f"\npreset {report['preset']}: {report['num_parameters'] / 1e6:.1f} M params, source {report['source_layout']}, "
-          f"page cache {'dropped before each step' if report['page_cache_dropped'] else 'WARM'}; sizes: dp_reshardable "
-          f"{s['ckpt_dp_reshardable'] / MIB:.1f} MiB, fully_reshardable {s['ckpt_fully_reshardable'] / MIB:.1f} MiB, "
-          f"universal {s['universal'] / MIB:.1f} MiB")
+          f"page cache {'dropped before each step' if report['page_cache_dropped'] else 'WARM'}; sizes: "
+          + ", ".join(f"{k} {v / MIB:.1f} MiB" for k, v in s.items()))
     head = f"{'step':58s} {'s':>8s} {'ratio':>12s} {'peakPSS':>8s} {'peakRSS':>8s} {'read':>8s} {'written':>8s} {'rchar':>8s}"
     print(head + "\n" + "-" * len(head))
     for row in report["rows"]:
@@ -286,6 +336,9 @@ def main(argv=None) -> dict:
     p.add_argument("--layouts", nargs="+", default=["TP1PP4DP2", "TP1PP1DP4"], choices=sorted(LAYOUTS),
                    help="layouts to load at")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="to-universal --workers")
+    p.add_argument("--steps", choices=["all", "conversion"], default="all",
+                   help="conversion: only the dp_reshardable save, cp -r and to-universal (fits larger presets)")
+    p.add_argument("--repeat", type=int, default=1, help="measure cp -r and to-universal this many times (median)")
     p.add_argument("--workdir", default="/tmp/megatron_ucp_bench")
     p.add_argument("--output", help="write the JSON report here")
     p.add_argument("--drop-caches", choices=["auto", "off"], default="auto",

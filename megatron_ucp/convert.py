@@ -1,13 +1,20 @@
 """Megatron-LM checkpoint -> universal checkpoint (the `to-universal` conversion).
 
 Planning and I/O are separate: `plan_parameters` groups the source's shards by canonical parameter
-and checks completeness before any tensor is read; `consolidate_parameter` then reads one
-parameter's shards, consolidates them over TP with its pattern, checks replicas, tied copies and
-Adam steps, and the result is written as one safetensors file. Parameters are independent, so they
-are converted in parallel, by threads sharing the opened checkpoint when its reader allows
-(`thread_safe_reads`: torch_dist), else by a process pool (each worker opens the checkpoint itself);
-memory stays bounded by a few parameters per worker. Only the bytes the universal checkpoint stores
-are read: with optimizer state the fp32 master weight and moments, not the model weight.
+and checks completeness before any tensor is read. Each parameter then becomes one safetensors file:
+
+- fast path (`place_parameter`): the reader says where each shard's bytes are in its files
+  (`locate`, formats/stored.py); replicas and the tied output-layer copy are compared byte for byte
+  in bounded chunks, and the consolidated tensors' bytes are copied file to file into the output
+  (copy_file_range, as `cp` does; row-interleaved TP shards through mmaps). No tensor is
+  materialised, so memory does not grow with the model.
+- otherwise (`consolidate_parameter`: 16-bit weights without optimizer state, --average-replicas, a
+  check that failed and needs its detailed error): shards are read as tensors, consolidated with the
+  pattern, checked and written.
+
+Parameters are independent, so threads convert them in parallel, sharing the opened checkpoint; under
+torchrun the processes split the parameters. Only the bytes the universal checkpoint stores are
+read: with optimizer state the fp32 master weight and moments, not the model weight.
 """
 
 from __future__ import annotations
@@ -18,7 +25,6 @@ import enum
 import functools
 import inspect
 import math
-import multiprocessing
 import os
 import sys
 import time
@@ -37,7 +43,10 @@ from megatron_ucp.formats.common import PickledEnum
 from megatron_ucp.formats.legacy import megatron_param_groups
 from megatron_ucp.layout import LayoutError
 from megatron_ucp.patterns import Pattern, PatternError, Replicated, check_copies_agree
-from megatron_ucp.universal import UniversalWriter, check_destination, dtype_name, write_tensor_file
+from megatron_ucp.formats.stored import Block, FileHandles, Placement, StoredTensor, regions_equal
+from megatron_ucp.universal import (
+    TENSORS_DIRNAME, UniversalWriter, check_destination, dtype_name, lazy_entry, source_file_stats, write_tensor_file,
+    write_tensor_file_placed)
 
 PathLike = Union[str, os.PathLike]
 OPTIMIZER_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
@@ -47,11 +56,6 @@ GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
 class ConversionError(ValueError):
     """The source cannot be converted as asked; the message names the checkpoint, the parameter and the fix."""
-
-
-# Below this many bytes of output the default is to convert inline: starting a worker process (importing
-# torch, opening the checkpoint) costs more than it saves. Readers with thread_safe_reads use threads.
-POOL_MIN_BYTES = 256 * 2 ** 20
 
 
 def default_workers() -> int:
@@ -284,25 +288,97 @@ def consolidate_parameter(ckpt: MegatronCheckpoint, task: ParamTask, *, average_
     return tensors, info
 
 
+def _locate_shard(ckpt: MegatronCheckpoint, ref: ShardRef) -> Optional[dict]:
+    """ckpt.locate(ref) (where the tensors' bytes are, see formats.stored) for readers that have it."""
+    locate = getattr(ckpt, "locate", None)
+    if locate is None:
+        return None
+    return locate(ref, keys=("param",) if ckpt.optimizer_kind == "none" else OPTIMIZER_KEYS)
+
+
+def placement_for(pattern: Pattern, shape: tuple[int, ...], shards: list[StoredTensor]) -> Placement:
+    """How the global tensor is assembled from its TP shards (pattern.slice_ranges, read backwards):
+    the blocks of each rank's shard, concatenated along the pattern's dim, land at its ranges."""
+    tp = len(shards)
+    if pattern.dim is None:  # replicated: one copy (the caller checked they agree)
+        whole = tuple(slice(0, n) for n in shape)
+        return Placement(shape, shards[0].dtype, (shards[0],), (Block(0, whole, whole),))
+    blocks = []
+    for rank in range(tp):
+        local = 0
+        for ranges in pattern.slice_ranges(shape, rank, tp):
+            n = ranges[pattern.dim].stop - ranges[pattern.dim].start
+            src = list(slice(0, s) for s in shards[rank].shape)
+            src[pattern.dim] = slice(local, local + n)
+            blocks.append(Block(rank, tuple(ranges), tuple(src)))
+            local += n
+    return Placement(shape, shards[0].dtype, tuple(shards), tuple(blocks))
+
+
+def place_parameter(ckpt: MegatronCheckpoint, task: ParamTask, files: FileHandles
+                    ) -> Optional[tuple[dict[str, Placement], dict]]:
+    """consolidate_parameter without reading tensors: where each consolidated tensor's bytes are in the
+    source files, with replicas and the tied output-layer copy compared byte for byte (bounded chunks).
+    None when the reader cannot say where the bytes are, a tensor is not float32, or any check fails:
+    consolidate_parameter then does the work (and reports the failure with its details)."""
+    placed: list[dict[str, Placement]] = []
+    steps: list[Optional[int]] = []
+    for place in task.places:
+        states = [_locate_shard(ckpt, ref) for ref in place]
+        if any(s is None for s in states):
+            return None
+        keys = {tuple(sorted(k for k in s if k in OPTIMIZER_KEYS)) for s in states}
+        if len(keys) != 1:
+            return None
+        wanted = keys.pop() or ("param",)
+        if wanted != ("param",) and "fp32" not in wanted:
+            return None
+        try:
+            steps.append(_step(task, states, "TP ranks"))
+        except ConversionError:
+            return None
+        out = {}
+        for key in wanted:
+            shards = [s[key] for s in states]
+            if any(sh.dtype != torch.float32 or sh.shape != tuple(ref.shape) for sh, ref in zip(shards, place)):
+                return None
+            if isinstance(task.pattern, Replicated) and not all(
+                    regions_equal(files, shards[0].regions, sh.regions) for sh in shards[1:]):
+                return None
+            out["fp32" if key == "param" else key] = placement_for(task.pattern, task.shape, shards)
+        placed.append(out)
+    if len(set(steps)) != 1:
+        return None
+    for copy in placed[1:]:  # tied embedding: the last stage's output_layer must be the same bytes
+        for key, placement in placed[0].items():
+            a, b = placement.regions(), copy[key].regions()
+            if a is None or b is None or not regions_equal(files, a, b):
+                return None
+    info = {"model_dtype": dtype_name(task.places[0][0].dtype), "pattern": task.pattern, "step": steps[0],
+            "param_group": task.param_group}
+    return placed[0], info
+
+
 def convert_parameter(ckpt: MegatronCheckpoint, task: ParamTask, staging_dir: PathLike, *,
-                      average_replicas: bool = False) -> dict:
-    """Consolidate one parameter and write its file into the staging directory; returns its metadata entry."""
+                      average_replicas: bool = False, lazy: bool = False) -> dict:
+    """Consolidate one parameter and write its file into the staging directory; returns its metadata entry.
+    Bytes go file to file when the reader can locate them (place_parameter), else through tensors.
+    lazy: write nothing, return an entry that says where the bytes are in the source (lazy_entry)."""
+    if lazy:
+        with FileHandles() as files:
+            placed = place_parameter(ckpt, task, files)
+        if placed is None:
+            consolidate_parameter(ckpt, task)  # raises the detailed error when a check failed
+            raise ConversionError(f"{task.name}: stored in a way a lazy checkpoint cannot reference in place (e.g. "
+                                  f"16-bit weights without optimizer state); convert without --lazy")
+        return lazy_entry(task.name, placed[0], placed[1], ckpt.path)
+    if not average_replicas:  # averaging computes new values: tensors needed
+        with FileHandles() as files:
+            placed = place_parameter(ckpt, task, files)
+            if placed is not None:
+                return write_tensor_file_placed(staging_dir, task.name, placed[0], placed[1], files)
     tensors, info = consolidate_parameter(ckpt, task, average_replicas=average_replicas)
     return write_tensor_file(staging_dir, task.name, tensors, info)
-
-
-# Worker processes: each opens the checkpoint once, then converts the tasks it is sent.
-_WORKER: dict = {}
-
-
-def _init_worker(src: str, iteration: int, staging_dir: str, average_replicas: bool) -> None:
-    torch.set_num_threads(1)  # parallelism comes from the pool
-    _WORKER.update(ckpt=open_checkpoint(src, iteration), staging_dir=staging_dir, average=average_replicas)
-
-
-def _worker_convert(task: ParamTask) -> tuple[str, dict]:
-    return task.name, convert_parameter(_WORKER["ckpt"], task, _WORKER["staging_dir"],
-                                        average_replicas=_WORKER["average"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -400,11 +476,13 @@ class ConversionSummary:
     bytes_written: int
     seconds: float
     workers: int
+    lazy: bool = False
 
     def to_dict(self) -> dict:
         return {"path": str(self.path), "source": self.source, "source_format": self.source_format,
                 "iteration": self.iteration, "num_parameters": self.num_parameters,
-                "bytes_written": self.bytes_written, "seconds": round(self.seconds, 3), "workers": self.workers}
+                "bytes_written": self.bytes_written, "seconds": round(self.seconds, 3), "workers": self.workers,
+                "lazy": self.lazy}
 
 
 def _check_not_nested(src: Path, iter_dir: Path, dst: Path) -> None:
@@ -416,21 +494,26 @@ def _check_not_nested(src: Path, iter_dir: Path, dst: Path) -> None:
 
 
 def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, workers: Optional[int] = None,
-            average_replicas: bool = False, progress: bool = True, overwrite: bool = False) -> ConversionSummary:
+            average_replicas: bool = False, progress: bool = True, overwrite: bool = False,
+            lazy: bool = False) -> ConversionSummary:
     """to_universal with a summary of what was written (see to_universal)."""
     start = time.perf_counter()
     if workers is not None and int(workers) < 1:
         raise ConversionError(f"workers={workers}: use at least 1")
+    if lazy and average_replicas:
+        raise ConversionError("--lazy references the source's bytes, --average-replicas computes new values; "
+                              "use one of them")
     check_destination(dst, overwrite)  # fail before the (possibly long) open and plan
     ckpt = open_checkpoint(src, iteration)
     _check_not_nested(Path(src), Path(ckpt.path), Path(dst))
     tasks = plan_parameters(ckpt)
     metadata = build_metadata(ckpt, average_replicas=average_replicas)
     total = sum(t.nbytes * (3 if ckpt.optimizer_kind != "none" else 1) for t in tasks)
-    threads = bool(getattr(ckpt, "thread_safe_reads", False))
-    if workers is None:  # threads start at no cost; worker processes only pay off for large checkpoints
-        workers = default_workers() if threads or total >= POOL_MIN_BYTES else 1
-    workers = max(1, min(int(workers), len(tasks)))
+    if lazy:
+        metadata["conversion"]["lazy"] = True
+    if not getattr(ckpt, "thread_safe_reads", False):
+        workers = 1  # a reader whose reads share state is used from one thread
+    workers = max(1, min(int(workers or default_workers()), len(tasks)))
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="to-universal",
                disable=not progress, file=sys.stderr, dynamic_ncols=True)
     written = 0
@@ -440,7 +523,7 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
             nonlocal written
             writer.record_parameter(name, entry)
             size = math.prod(entry["shape"]) * 4 * len(entry["tensors"])
-            written += size
+            written += 0 if lazy else size
             bar.update(size)
             bar.set_postfix_str(f"{len(writer.parameters)}/{len(tasks)} params", refresh=False)
 
@@ -448,18 +531,19 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
             if workers == 1:
                 for task in tasks:
                     record(task.name, convert_parameter(ckpt, task, writer.staging_dir,
-                                                        average_replicas=average_replicas))
-            elif threads:
-                _convert_in_threads(ckpt, tasks, writer.staging_dir, workers, average_replicas, record)
+                                                        average_replicas=average_replicas, lazy=lazy))
             else:
-                _convert_in_pool(Path(ckpt.path), ckpt.iteration, tasks, writer.staging_dir, workers,
-                                 average_replicas, record)
+                _convert_in_threads(ckpt, tasks, writer.staging_dir, workers, average_replicas, record, lazy)
         finally:
             bar.close()
+        if lazy:
+            (writer.staging_dir / TENSORS_DIRNAME).rmdir()
+            metadata["lazy"] = {"source": str(Path(ckpt.path).resolve()),
+                                "files": source_file_stats(ckpt.path, writer.parameters)}
         path = writer.finish(metadata)
     return ConversionSummary(path=path, source=str(Path(ckpt.path).resolve()), source_format=ckpt.format,
                              iteration=ckpt.iteration, num_parameters=len(tasks), bytes_written=written,
-                             seconds=time.perf_counter() - start, workers=workers)
+                             seconds=time.perf_counter() - start, workers=workers, lazy=lazy)
 
 
 def in_torchrun() -> bool:
@@ -563,7 +647,7 @@ def _convert_distributed(dist, start, src, dst, iteration, average_replicas, pro
 
 
 def _convert_in_threads(ckpt: MegatronCheckpoint, tasks: list[ParamTask], staging_dir: Path, workers: int,
-                        average_replicas: bool, record) -> None:
+                        average_replicas: bool, record, lazy: bool = False) -> None:
     """Threads sharing the opened checkpoint, for readers whose reads are independent (thread_safe_reads):
     no worker start-up (a spawned worker re-imports torch and re-opens the checkpoint, seconds), and the
     bulk of the work (file reads, tensor copies, safetensors writes) runs without the GIL. Largest
@@ -576,7 +660,7 @@ def _convert_in_threads(ckpt: MegatronCheckpoint, tasks: list[ParamTask], stagin
             while True:
                 for task in pending:
                     running[pool.submit(convert_parameter, ckpt, task, staging_dir,
-                                        average_replicas=average_replicas)] = task.name
+                                        average_replicas=average_replicas, lazy=lazy)] = task.name
                     if len(running) >= 2 * workers:
                         break
                 if not running:
@@ -589,38 +673,22 @@ def _convert_in_threads(ckpt: MegatronCheckpoint, tasks: list[ParamTask], stagin
                 future.cancel()
 
 
-def _convert_in_pool(iter_dir: Path, iteration: int, tasks: list[ParamTask], staging_dir: Path, workers: int,
-                     average_replicas: bool, record) -> None:
-    # spawn: a forked child would inherit the parent's OpenMP threads and open mmaps.
-    context = multiprocessing.get_context("spawn")
-    pool = concurrent.futures.ProcessPoolExecutor(
-        max_workers=workers, mp_context=context, initializer=_init_worker,
-        initargs=(str(iter_dir), iteration, str(staging_dir), average_replicas))
-    try:
-        futures = [pool.submit(_worker_convert, task) for task in tasks]
-        for future in concurrent.futures.as_completed(futures):
-            try:
-                name, entry = future.result()
-            except concurrent.futures.process.BrokenProcessPool as e:
-                raise ConversionError(f"a conversion worker process died ({e}); it may have run out of memory, "
-                                      f"rerun with fewer --workers") from e
-            record(name, entry)
-    finally:
-        # Stop and wait for the workers before the staging directory is removed under them.
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
 def to_universal(src: PathLike, dst: PathLike, iteration: Optional[int] = None, workers: Optional[int] = None,
-                 average_replicas: bool = False, progress: bool = True, overwrite: bool = False) -> Path:
+                 average_replicas: bool = False, progress: bool = True, overwrite: bool = False,
+                 lazy: bool = False) -> Path:
     """Convert the Megatron-LM checkpoint at `src` (a checkpoint root or one iter_XXXXXXX folder, legacy
     `torch` or `torch_dist`) into a universal checkpoint at `dst` and return `dst`.
 
     Replicated parameters must agree bitwise across TP ranks, and a tied output_layer copy must equal the
     embedding (weights and moments), unless `average_replicas`, which stores their mean. On any error
     nothing is left at `dst` (nor its staging directory) and the source is untouched.
+
+    lazy: write only metadata.json, whose entries say where each consolidated tensor's bytes are in the
+    source checkpoint (checked as above; seconds, no copy). Readers then read from the source, which must
+    stay where it is, unchanged (checked by size and mtime on open).
     """
     return convert(src, dst, iteration=iteration, workers=workers, average_replicas=average_replicas,
-                   progress=progress, overwrite=overwrite).path
+                   progress=progress, overwrite=overwrite, lazy=lazy).path
 
 
 # --------------------------------------------------------------------------------------------------
@@ -638,16 +706,21 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
     p.add_argument("--iteration", type=int, default=None, help="iteration to convert (default: the tracker's)")
     p.add_argument("--workers", type=int, default=None,
-                   help=f"parallel worker processes (default: min(4, CPUs) = {default_workers()}, or 1 for "
-                        f"checkpoints under {POOL_MIN_BYTES // 2 ** 20} MiB)")
+                   help=f"parallel conversion threads (default: min(4, CPUs) = {default_workers()}); across "
+                        f"nodes, run under torchrun")
     p.add_argument("--average-replicas", action="store_true",
                    help="store the mean of replicated copies (TP replicas, tied output layer) instead of "
                         "requiring them to agree bitwise")
     p.add_argument("--overwrite", action="store_true", help="replace an existing universal checkpoint at DST")
+    p.add_argument("--lazy", action="store_true",
+                   help="write only an index (metadata.json) of where each consolidated tensor's bytes are in SRC: "
+                        "no copy; SRC must stay in place, unchanged, while the result is used")
     p.set_defaults(handler=run_cli)
 
 
 def run_cli(args: argparse.Namespace) -> dict:
+    if in_torchrun() and args.lazy:
+        raise ConversionError("--lazy copies no bytes and takes seconds: run it in one process, not under torchrun")
     if in_torchrun():  # one process per node (or per core) of a torchrun job, sharing the filesystem
         summary = convert_distributed(args.src, args.dst, iteration=args.iteration,
                                       average_replicas=args.average_replicas, progress=not args.quiet,
@@ -655,11 +728,15 @@ def run_cli(args: argparse.Namespace) -> dict:
     else:
         summary = convert(args.src, args.dst, iteration=args.iteration, workers=args.workers,
                           average_replicas=args.average_replicas, progress=not args.quiet,
-                          overwrite=args.overwrite)
+                          overwrite=args.overwrite, lazy=args.lazy)
     result = summary.to_dict()
     if in_torchrun() and int(os.environ["RANK"]) != 0:
         return result  # rank 0 reports
     result["message"] = (f"wrote {summary.path}: {summary.num_parameters} parameters, "
                          f"{summary.bytes_written / 2 ** 20:.1f} MiB, iteration {summary.iteration} "
                          f"({summary.source_format}), {summary.seconds:.1f} s")
+    if summary.lazy:
+        result["message"] = (f"wrote lazy {summary.path}: an index of {summary.num_parameters} parameters into "
+                             f"{summary.source} (iteration {summary.iteration}, {summary.source_format}), "
+                             f"{summary.seconds:.1f} s; keep the source in place and unchanged while you use it")
     return result

@@ -169,7 +169,8 @@ def describe(ckpt) -> dict:
         consumed = ckpt.consumed_train_samples
         optimizer_kind = (meta.get("source") or {}).get("optimizer_kind")
         extra = {"format_version": meta.get("version"), "source": meta.get("source"),
-                 "optimizer_type": (meta.get("optimizer") or {}).get("type")}
+                 "optimizer_type": (meta.get("optimizer") or {}).get("type"),
+                 "lazy_source": (meta.get("lazy") or {}).get("source")}
     else:
         common = ckpt.common_state()
         layout = ckpt.layout.to_dict()
@@ -222,6 +223,11 @@ def format_report(info: dict) -> str:
         f"{'untied' if c['untie_embeddings_and_output_weights'] else 'tied'} embeddings, "
         f"{'biases' if c['add_bias_linear'] else 'no biases'}{', QKV bias' if c['add_qkv_bias'] else ''}",
         f"  optimizer     {info['optimizer_kind']}" + ("" if info["has_optimizer_state"] else " (no Adam state)"),
+    ]
+    if info.get("lazy_source"):
+        lines.append(f"  lazy          an index into {info['lazy_source']} (tensors are read from there; keep it "
+                     f"in place and unchanged)")
+    lines += [
         "",
     ]
     rows = [(p["name"], "x".join(map(str, p["shape"])), p["dtype"], pattern_label(p["pattern"]))

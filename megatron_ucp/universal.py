@@ -15,14 +15,19 @@ import math
 import os
 import re
 import shutil
+import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatron_ucp.formats.common import CheckpointFormatError
+from megatron_ucp.formats.stored import (
+    FileHandles, Placement, placement_from_json, placement_to_json, read_box, write_placement)
 from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.patterns import Pattern, PatternError, pattern_from_json
@@ -60,6 +65,7 @@ class ParamInfo:
     tensors: tuple[str, ...]
     step: Optional[int]  # Adam step of this parameter; None without optimizer state
     param_group: dict
+    placements: Optional[dict] = None  # lazy checkpoints: key -> Placement (bytes in the source checkpoint)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -111,6 +117,46 @@ def _fsync_dir(path: Path) -> None:
 # Writing
 
 
+def _check_tensors(name: str, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[int, ...]:
+    """Refuse a parameter whose tensors (key -> (shape, dtype)) the format cannot hold; returns the shape."""
+    _check_name(name)
+    unknown = sorted(set(tensors) - set(TENSOR_KEYS))
+    if unknown or "fp32" not in tensors:
+        raise UniversalFormatError(f"{name}: tensors {sorted(tensors)}; a parameter needs 'fp32' and may add "
+                                   f"'exp_avg', 'exp_avg_sq' (unknown: {unknown})")
+    if ("exp_avg" in tensors) != ("exp_avg_sq" in tensors):
+        raise UniversalFormatError(f"{name}: has only one of exp_avg / exp_avg_sq; Adam needs both")
+    shape = tuple(tensors["fp32"][0])
+    for key, (s, dtype) in tensors.items():
+        if dtype != torch.float32 or tuple(s) != shape:
+            raise UniversalFormatError(f"{name}: '{key}' is {tuple(s)} {dtype}; every tensor of a "
+                                       f"parameter must be float32 of shape {shape}")
+    return shape
+
+
+def _entry(name: str, shape: tuple[int, ...], keys: list[str], info: Mapping[str, Any]) -> dict:
+    """The parameter's metadata.json entry."""
+    pattern = info["pattern"]
+    pattern_json = pattern.to_json() if isinstance(pattern, Pattern) else dict(pattern)
+    pattern_from_json(pattern_json)  # refuse what a reader could not parse
+    model_dtype = info.get("model_dtype", "float32")
+    step = info.get("step")
+    return {
+        "shape": list(shape),
+        "dtype": "float32",
+        "model_dtype": dtype_name(model_dtype) if isinstance(model_dtype, torch.dtype) else str(model_dtype),
+        "pattern": pattern_json,
+        "file": tensor_file(name),
+        "tensors": keys,
+        "step": None if step is None else int(step),
+        "param_group": info.get("param_group", {}),
+    }
+
+
+def _file_metadata(name: str) -> dict[str, str]:
+    return {"format": FORMAT_NAME, "name": name, "version": str(FORMAT_VERSION)}
+
+
 def write_tensor_file(staging_dir: PathLike, name: str, tensors: Mapping[str, torch.Tensor],
                       info: Mapping[str, Any]) -> dict:
     """Write one parameter's safetensors file into `staging_dir` and return its metadata entry.
@@ -120,45 +166,79 @@ def write_tensor_file(staging_dir: PathLike, name: str, tensors: Mapping[str, to
     `info` holds "model_dtype" (str or torch.dtype), "pattern" (Pattern or its JSON), "step" (int or
     None) and "param_group" (dict).
     """
-    _check_name(name)
-    unknown = sorted(set(tensors) - set(TENSOR_KEYS))
-    if unknown or "fp32" not in tensors:
-        raise UniversalFormatError(f"{name}: tensors {sorted(tensors)}; a parameter needs 'fp32' and may add "
-                                   f"'exp_avg', 'exp_avg_sq' (unknown: {unknown})")
-    if ("exp_avg" in tensors) != ("exp_avg_sq" in tensors):
-        raise UniversalFormatError(f"{name}: has only one of exp_avg / exp_avg_sq; Adam needs both")
-    shape = tuple(tensors["fp32"].shape)
-    ordered = {}
-    for key in TENSOR_KEYS:
-        if key not in tensors:
-            continue
-        t = tensors[key]
-        if t.dtype != torch.float32 or tuple(t.shape) != shape:
-            raise UniversalFormatError(f"{name}: '{key}' is {tuple(t.shape)} {t.dtype}; every tensor of a "
-                                       f"parameter must be float32 of shape {shape}")
-        ordered[key] = t.detach().to("cpu").contiguous()
-    pattern = info["pattern"]
-    pattern_json = pattern.to_json() if isinstance(pattern, Pattern) else dict(pattern)
-    pattern_from_json(pattern_json)  # refuse what a reader could not parse
-    model_dtype = info.get("model_dtype", "float32")
-    step = info.get("step")
-    if step is not None:
-        step = int(step)
-    rel = tensor_file(name)
-    target = Path(staging_dir) / rel
+    shape = _check_tensors(name, {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()})
+    ordered = {key: tensors[key].detach().to("cpu").contiguous() for key in TENSOR_KEYS if key in tensors}
+    entry = _entry(name, shape, list(ordered), info)
+    target = Path(staging_dir) / entry["file"]
     target.parent.mkdir(parents=True, exist_ok=True)
-    save_file(ordered, str(target), metadata={"format": FORMAT_NAME, "version": str(FORMAT_VERSION),
-                                              "name": name})
-    return {
-        "shape": list(shape),
-        "dtype": "float32",
-        "model_dtype": dtype_name(model_dtype) if isinstance(model_dtype, torch.dtype) else str(model_dtype),
-        "pattern": pattern_json,
-        "file": rel,
-        "tensors": list(ordered),
-        "step": step,
-        "param_group": info.get("param_group", {}),
-    }
+    save_file(ordered, str(target), metadata=_file_metadata(name))
+    return entry
+
+
+def safetensors_header(shapes: Mapping[str, Sequence[int]], metadata: Mapping[str, str]
+                       ) -> tuple[bytes, dict[str, int]]:
+    """The safetensors prefix (u64 little-endian header size + JSON header, space-padded to 8 bytes) for
+    float32 tensors of `shapes`, and each tensor's data offset from the start of the file. Tensors are
+    laid out in name order, as safetensors' own writer orders tensors of one dtype."""
+    doc: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    pos, offsets = 0, {}
+    for key in sorted(shapes):
+        nbytes = math.prod(shapes[key]) * 4
+        doc[key] = {"dtype": "F32", "shape": [int(n) for n in shapes[key]], "data_offsets": [pos, pos + nbytes]}
+        offsets[key] = pos
+        pos += nbytes
+    header = json.dumps(doc, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    prefix = struct.pack("<Q", len(header)) + header
+    return prefix, {key: len(prefix) + off for key, off in offsets.items()}
+
+
+def write_tensor_file_placed(staging_dir: PathLike, name: str, placements: Mapping[str, Placement],
+                             info: Mapping[str, Any], files: FileHandles) -> dict:
+    """write_tensor_file for tensors given as Placements (where their bytes are in the source files): the
+    file is sized, its header written, and each tensor's bytes copied straight into place (see
+    formats.stored.write_placement), so no tensor is materialised."""
+    shape = _check_tensors(name, {k: (p.shape, p.dtype) for k, p in placements.items()})
+    keys = [key for key in TENSOR_KEYS if key in placements]
+    entry = _entry(name, shape, keys, info)
+    target = Path(staging_dir) / entry["file"]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    prefix, offsets = safetensors_header({k: shape for k in keys}, _file_metadata(name))
+    fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, len(prefix) + len(keys) * math.prod(shape) * 4)
+        os.pwrite(fd, prefix, 0)
+        for key in keys:
+            write_placement(files, fd, offsets[key], placements[key])
+    except OSError as e:
+        if e.filename is None:  # name the file (ENOSPC from a copy names none)
+            raise OSError(e.errno, e.strerror, str(target)) from e
+        raise
+    finally:
+        os.close(fd)
+    return entry
+
+
+def lazy_entry(name: str, placements: Mapping[str, Placement], info: Mapping[str, Any], source_root: PathLike) -> dict:
+    """A lazy checkpoint's metadata entry: instead of a tensor file, where each consolidated tensor's bytes
+    are in the source checkpoint (paths relative to `source_root`, its iteration folder)."""
+    shape = _check_tensors(name, {k: (p.shape, p.dtype) for k, p in placements.items()})
+    keys = [key for key in TENSOR_KEYS if key in placements]
+    entry = _entry(name, shape, keys, info)
+    entry["file"] = None
+    entry["source_bytes"] = {key: placement_to_json(placements[key], str(source_root)) for key in keys}
+    return entry
+
+
+def source_file_stats(root: PathLike, entries: Mapping[str, Mapping[str, Any]]) -> dict:
+    """{relative path: {"size", "mtime_ns"}} of every source file lazy entries refer to."""
+    files = sorted({region[0] for e in entries.values() for p in (e.get("source_bytes") or {}).values()
+                    for shard in p["shards"] for region in shard["regions"]})
+    out = {}
+    for rel in files:
+        st = os.stat(Path(root) / rel)
+        out[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return out
 
 
 def _is_universal_dir(path: Path) -> bool:
@@ -300,26 +380,57 @@ def _incomplete(path: Path) -> UniversalFormatError:
                                 f"delete {path} and rerun the conversion")
 
 
-def _param_info(name: str, d: Mapping[str, Any], meta_path: Path) -> ParamInfo:
+def _param_info(name: str, d: Mapping[str, Any], meta_path: Path, lazy_root: Optional[Path] = None) -> ParamInfo:
     try:
         _check_name(name)
         pattern = pattern_from_json(d["pattern"])
         tensors = tuple(d["tensors"])
+        shape = tuple(int(s) for s in d["shape"])
         if "fp32" not in tensors or set(tensors) - set(TENSOR_KEYS):
             raise UniversalFormatError(f"tensors {list(tensors)} must include 'fp32' and only {TENSOR_KEYS}")
-        if d["file"] != tensor_file(name):
+        placements = None
+        if lazy_root is not None:
+            placements = {key: placement_from_json(d["source_bytes"][key], str(lazy_root)) for key in tensors}
+            if any(p.shape != shape for p in placements.values()):
+                raise UniversalFormatError(f"source_bytes shapes differ from {shape}")
+        elif d["file"] != tensor_file(name):
             raise UniversalFormatError(f"file {d['file']!r} is not {tensor_file(name)!r}")
-        return ParamInfo(name=name, shape=tuple(int(s) for s in d["shape"]), dtype=d["dtype"],
+        return ParamInfo(name=name, shape=shape, dtype=d["dtype"],
                          model_dtype=d.get("model_dtype", d["dtype"]), pattern=pattern, file=d["file"],
                          tensors=tensors, step=None if d.get("step") is None else int(d["step"]),
-                         param_group=dict(d.get("param_group") or {}))
+                         param_group=dict(d.get("param_group") or {}), placements=placements)
     except (KeyError, TypeError, ValueError, PatternError, UniversalFormatError) as e:
         raise UniversalFormatError(f"{meta_path}: parameter {name!r} has a malformed entry ({type(e).__name__}: "
                                    f"{e}); the file was edited or is corrupt, reconvert") from None
 
 
+def _check_lazy_source(lazy: Any, meta_path: Path) -> Path:
+    """A lazy checkpoint's source folder, after checking every file it refers to is there, unchanged."""
+    try:
+        root = Path(lazy["source"])
+        files = dict(lazy["files"])
+    except (KeyError, TypeError, ValueError):
+        raise UniversalFormatError(f"{meta_path}: malformed 'lazy' section; reconvert") from None
+    for rel, want in files.items():
+        f = root / rel
+        try:
+            st = f.stat()
+        except OSError:
+            raise UniversalFormatError(
+                f"{f}: missing. {meta_path.parent} is a lazy universal checkpoint (an index into {root}, "
+                f"not a copy) and its source was moved or deleted; restore it, or convert again without "
+                f"--lazy from a checkpoint that exists") from None
+        if st.st_size != want.get("size") or st.st_mtime_ns != want.get("mtime_ns"):
+            raise UniversalFormatError(
+                f"{f}: changed since the lazy conversion (size {st.st_size} vs {want.get('size')}, mtime "
+                f"{st.st_mtime_ns} vs {want.get('mtime_ns')}); {meta_path.parent} indexes the old bytes. "
+                f"Run `megatron-ucp to-universal --lazy` again (or without --lazy for a standalone copy)")
+    return root
+
+
 class UniversalCheckpoint:
-    """A complete universal checkpoint opened for lazy reading (open() verifies the marker and metadata)."""
+    """A complete universal checkpoint opened for lazy reading (open() verifies the marker and metadata).
+    A lazy checkpoint (`to-universal --lazy`) reads every tensor from the source checkpoint's files."""
 
     def __init__(self, path: Path, metadata: dict):
         self.path = path
@@ -332,9 +443,14 @@ class UniversalCheckpoint:
         self.scheduler_state: dict = metadata.get("scheduler") or {}
         self.param_groups: list[dict] = list((metadata.get("optimizer") or {}).get("param_groups", []))
         meta_path = path / METADATA_FILENAME
+        lazy = metadata.get("lazy")
+        self.lazy_source: Optional[Path] = None
+        if lazy is not None:
+            self.lazy_source = _check_lazy_source(lazy, meta_path)
         self.parameters: dict[str, ParamInfo] = {
-            name: _param_info(name, d, meta_path) for name, d in metadata["parameters"].items()}
+            name: _param_info(name, d, meta_path, self.lazy_source) for name, d in metadata["parameters"].items()}
         self.bytes_read = 0
+        self._files = threading.local()  # lazy reads: source descriptors per thread
 
     @classmethod
     def open(cls, path: PathLike) -> "UniversalCheckpoint":
@@ -382,9 +498,18 @@ class UniversalCheckpoint:
                                        f"layer indices")
         return self.path / info.file
 
+    def _source_files(self) -> FileHandles:
+        files = getattr(self._files, "handles", None)
+        if files is None:
+            files = self._files.handles = FileHandles()
+        return files
+
     def read(self, name: str, key: str = "fp32", index: Optional[tuple[slice, ...]] = None) -> torch.Tensor:
         """One stored tensor of a parameter, or only the region `index` of it (read through mmap: just
         those bytes). `index` is a tuple of step-1 slices, one per leading dimension."""
+        info = self.parameters.get(name)
+        if info is not None and info.placements is not None:
+            return self._read_lazy(info, key, index)
         file = self._file(name)
         info = self.parameters[name]
         if key not in info.tensors:
@@ -413,6 +538,21 @@ class UniversalCheckpoint:
         if index is None and tuple(tensor.shape) != info.shape:
             raise UniversalFormatError(f"{file}: '{key}' has shape {tuple(tensor.shape)}, metadata says "
                                        f"{info.shape}; reconvert")
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def _read_lazy(self, info: ParamInfo, key: str, index) -> torch.Tensor:
+        if key not in info.tensors:
+            raise UniversalFormatError(f"{self.path}: {info.name} has no {key!r} (it has {list(info.tensors)}); the "
+                                       f"source checkpoint had no optimizer state")
+        if index is not None and (len(tuple(index)) > len(info.shape) or any(
+                not isinstance(s, slice) or s.step not in (None, 1) for s in index)):
+            raise UniversalFormatError(f"{info.name}: index {index} must be at most {len(info.shape)} step-1 slices")
+        try:
+            tensor = read_box(self._source_files(), info.placements[key], index)
+        except (OSError, CheckpointFormatError) as e:
+            raise UniversalFormatError(f"{self.path}: reading {info.name} [{key}] from the source checkpoint "
+                                       f"{self.lazy_source} failed ({e}); restore the source or reconvert") from e
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 

@@ -18,6 +18,12 @@ from typing import Dict, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared" / "fixtures" / "megatron-lm"
+# Megatron-LM's own checkpoints (see the fixtures' README), by label
+FIXTURE_CKPTS = {
+    "A": FIXTURES / "A_llama_tp2pp2dp2_distopt_sp_torch" / "ckpt",  # legacy torch + distrib_optim.pt
+    "B": FIXTURES / "B_llama_tp2pp2dp2_distopt_sp_torch_dist" / "ckpt",  # torch_dist, dp_reshardable
+    "C": FIXTURES / "C_gpt2_tp2pp2dp1_adam_torch" / "ckpt",  # legacy torch, plain Adam, tied embeddings
+}
 PRETRAIN = REPO / "pretrain_scripts" / "pretrain_gpt.py"
 TORCHRUN_TIMEOUT_S = int(os.environ.get("MEGATRON_UCP_TEST_TIMEOUT", "600"))
 

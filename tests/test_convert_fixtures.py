@@ -19,27 +19,23 @@ import pytest
 import torch
 
 from megatron_ucp.adapters.gpt import OUTPUT_LAYER, WORD_EMBEDDINGS, expected_parameters
-from megatron_ucp.convert import ConversionError, convert, plan_parameters, to_universal
+from megatron_ucp.convert import ConversionError, convert, default_workers, plan_parameters, to_universal
 from megatron_ucp.formats import CheckpointFormatError, open_checkpoint
 from megatron_ucp.formats.common import load_pickled
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.patterns import bitwise_equal
 from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError
+from pretrain_runs import FIXTURE_CKPTS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = REPO_ROOT.parent / "shared" / "fixtures" / "megatron-lm"
-SOURCES = {
-    "A": FIXTURES / "A_llama_tp2pp2dp2_distopt_sp_torch" / "ckpt",
-    "B": FIXTURES / "B_llama_tp2pp2dp2_distopt_sp_torch_dist" / "ckpt",
-    "C": FIXTURES / "C_gpt2_tp2pp2dp1_adam_torch" / "ckpt",
-}
+SOURCES = FIXTURE_CKPTS
 KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 
 
 
 @pytest.fixture(scope="module")
 def universal(tmp_path_factory):
-    """A and C converted inline, B through the worker pool (2 processes)."""
+    """A and C converted by one thread, B by two."""
     root = tmp_path_factory.mktemp("universal")
     out = {}
     for label, workers in (("A", 1), ("B", 2), ("C", 1)):
@@ -229,7 +225,7 @@ def test_summary_and_overwrite(universal, tmp_path):
     dst = tmp_path / "out"
     shutil.copytree(universal["C"].path, dst)
     summary = convert(SOURCES["C"], dst, iteration=4, progress=False, overwrite=True)
-    assert summary.num_parameters == 52 and summary.iteration == 4 and summary.workers == 1
+    assert summary.num_parameters == 52 and summary.iteration == 4 and summary.workers == default_workers()
     assert summary.bytes_written == UniversalCheckpoint.open(dst).total_bytes()
     assert _leftovers(dst) == ["out"]
 

@@ -9,6 +9,8 @@ as Megatron-LM saves them), one per optimizer format, made in a temporary folder
   ('dp_reshardable'): every local name of every (stage, chunk) present, step == iteration, and each
   fp32 weight (read by global layer index from the model keys) equal bitwise to its fp32 main copy
   (read by registration order from that chunk's flat buckets), so a chunk or layer mix-up shows.
+- locate(): for every format above, each shard's StoredTensors (where the bytes are in the .distcp
+  files, for the converter's byte copies) read back bitwise equal to read().
 - BF16: llama-like TP2 run with --bf16 (Float16OptimizerWithFloat16Params): 'param' is the bf16 model
   weight, 'fp32' the fp32 main weight ('optimizer.state.fp32_param.<key>') that rounds to it.
 """
@@ -24,6 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_ucp.formats import CheckpointFormatError, open_checkpoint
 from megatron_ucp.formats.torch_dist import TorchDistCheckpoint, stage_layers
+from locate_checks import assert_locate_equals_read
 from pretrain_runs import Layout, RunFailed, train
 
 pytestmark = pytest.mark.torchrun
@@ -189,3 +192,22 @@ def test_bf16_param_and_fp32_main(harness_run):
         rounded += not torch.equal(d["fp32"], d["param"].float())
         assert d["step"].item() == ITERS
     assert rounded > len(refs) // 2  # the main weights carry more than bf16 precision
+
+
+# ---------------------------------------------------------------------------------------------
+# byte locations (the converter's copy path)
+
+LOCATE_RUNS = {
+    "dp_reshardable": ("gpt2_tp2pp2_dp_reshardable", "gpt2", TP2PP2, OPTIMIZER_FORMATS["dp_reshardable"]),
+    "fully_reshardable": ("gpt2_tp2pp2_fully_reshardable", "gpt2", TP2PP2, OPTIMIZER_FORMATS["fully_reshardable"]),
+    "adam": ("gpt2_tp2pp2_adam", "gpt2", TP2PP2, OPTIMIZER_FORMATS["adam"]),
+    "vpp": ("gpt2_vpp_dp_reshardable", "gpt2", VPP, OPTIMIZER_FORMATS["dp_reshardable"]),
+    "bf16": ("llama_tp2_bf16", "llama", TP2, ("--bf16",)),
+}
+
+
+@pytest.mark.parametrize("label", sorted(LOCATE_RUNS))
+def test_locate_equals_read(harness_run, label):
+    root, _ = harness_run(*LOCATE_RUNS[label])
+    ckpt = open_checkpoint(root)
+    assert assert_locate_equals_read(ckpt, label) >= 5 * len(ckpt.shards())

@@ -206,15 +206,15 @@ def test_disk_full_gives_one_line_and_leaves_nothing(tmp_path, monkeypatch, caps
     from megatron_ucp import cli, universal
 
     calls = {"n": 0}
-    real_save = universal.save_file
+    real_write = universal.write_placement  # the converter's byte copies into the output files
 
-    def save_file(tensors, path, metadata=None):
+    def write_placement(files, fd, offset, placement):
         calls["n"] += 1
         if calls["n"] == 3:
-            raise OSError(errno_.ENOSPC, "No space left on device", path)
-        return real_save(tensors, path, metadata=metadata)
+            raise OSError(errno_.ENOSPC, "No space left on device")
+        return real_write(files, fd, offset, placement)
 
-    monkeypatch.setattr(universal, "save_file", save_file)
+    monkeypatch.setattr(universal, "write_placement", write_placement)
     fixture = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "megatron-lm"
     dst = tmp_path / "ucp"
     code = cli.main(["to-universal", str(fixture / "C_gpt2_tp2pp2dp1_adam_torch" / "ckpt"), str(dst),

@@ -54,10 +54,14 @@ class Source:
         self.losses = train(family, layout, work, "source", 8,
                             [*extra, "--save", str(work / "ckpt"), "--save-interval", "4"])
         self.ucp = to_universal(work / "ckpt", work / "ucp", iteration=4, progress=False)
+        self._resumed: dict = {}
 
-    def resume(self, target: Layout, name: str, extra=()):
-        return train(self.family, target, self.work, name, 8,
-                     [*DISTOPT, "--load", str(self.ucp), "--universal-checkpoint", *extra])
+    def resume(self, target: Layout, name: str, extra=(), ucp=None):
+        """Iterations 5..8 resumed from the universal checkpoint (cached per name)."""
+        if name not in self._resumed:
+            self._resumed[name] = train(self.family, target, self.work, name, 8,
+                                        [*DISTOPT, "--load", str(ucp or self.ucp), "--universal-checkpoint", *extra])
+        return self._resumed[name]
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +103,21 @@ def test_llama_tp4_is_refused_with_a_clear_error(sources, tmp_path):
     proc = run_pretrain(Layout(tp=4), [*FAMILIES["llama"], "--train-iters", "8", "--load", str(src.ucp),
                                       "--universal-checkpoint"], tmp_path, "tp4", expect_failure=True)
     assert "num-query-groups 2 is not divisible by TP=4" in proc.stdout
+
+
+def test_lazy_checkpoint_resumes_like_the_copy(sources):
+    """`to-universal --lazy` (an index into the source checkpoint, no tensor files) resumes at
+    TP2PP2+SP -> TP1PP1DP4 with the losses of the copied universal checkpoint (same bytes loaded:
+    rel diff <= 1e-6) and of the uninterrupted run (TOL)."""
+    src = sources("llama", "tp2pp2sp")
+    lazy = to_universal(src.work / "ckpt", src.work / "ucp_lazy", iteration=4, progress=False, lazy=True)
+    assert not (Path(lazy) / "tensors").exists() and json.loads((Path(lazy) / "metadata.json").read_text())["lazy"]
+    target = Layout(dp=4)
+    eager = src.resume(target, f"to_{target}")
+    resumed = src.resume(target, "lazy_dp4", ucp=lazy)
+    assert sorted(resumed) == [5, 6, 7, 8], resumed
+    assert max_rel_diff(resumed, eager, range(5, 9)) <= 1e-6, (resumed, eager)
+    assert max_rel_diff(resumed, src.losses, range(5, 9)) < TOL
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -11,6 +11,7 @@ import contextlib
 import enum
 import pathlib
 import signal
+import threading
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,10 +111,15 @@ def _safe_globals() -> list:
     return allowed
 
 
+_UNPICKLING = threading.RLock()
+
+
 @contextlib.contextmanager
 def safe_unpickling():
-    """Allow exactly the classes Megatron-LM checkpoints pickle (never weights_only=False)."""
-    with torch.serialization.safe_globals(_safe_globals()):
+    """Allow exactly the classes Megatron-LM checkpoints pickle (never weights_only=False). torch keeps
+    that allow-list process-wide and restores it on exit, so unpickling threads take turns (a lock):
+    loads are pickles and mmaps, quick."""
+    with _UNPICKLING, torch.serialization.safe_globals(_safe_globals()):
         yield
 
 

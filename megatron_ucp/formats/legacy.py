@@ -19,6 +19,7 @@ mapped and return copies. Do not rewrite those files in place while a reader is 
 from __future__ import annotations
 
 import fnmatch
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from megatron_ucp.formats.bucket_layout import (
     BufferLayout, BufferParam, DDPBucketConfig, build_chunk_buffers, shared_embedding_names)
 from megatron_ucp.formats.common import (
     CheckpointFormatError, ShardRef, args_to_dict, build_common_state, layout_from_args, load_pickled)
+from megatron_ucp.formats.stored import meta_load, stored_tensor
 from megatron_ucp.model_config import GPTModelConfig
 
 MODEL_FILENAME = "model_optim_rng.pt"
@@ -137,6 +139,9 @@ class LegacyCheckpoint:
     """A legacy `torch` format checkpoint; see the module docstring."""
 
     format = "torch"
+    # read()/locate() may be called from several threads: file loads are serialised by a lock, tensors
+    # returned by read() are copies
+    thread_safe_reads = True
 
     def __init__(self, iter_dir: Path, iteration: int):
         self.path = Path(iter_dir)
@@ -172,6 +177,8 @@ class LegacyCheckpoint:
         self._ranks: dict[tuple[int, int], _RankMeta] = {}
         self._param_groups: Optional[list] = None
         self._cache: "OrderedDict[tuple[int, int], tuple[dict, Optional[dict]]]" = OrderedDict()
+        self._meta_cache: dict[tuple[int, int], tuple[dict, Optional[dict]]] = {}
+        self._lock = threading.RLock()  # reads may come from several conversion threads
         self._scan()
 
     # -- files ------------------------------------------------------------------------------
@@ -190,6 +197,10 @@ class LegacyCheckpoint:
         return self._expected_dir(tp_rank, pp_rank, self.layout.pp) / filename
 
     def _load_rank(self, tp_rank: int, pp_rank: int) -> tuple[dict, Optional[dict]]:
+        with self._lock:
+            return self._load_rank_locked(tp_rank, pp_rank)
+
+    def _load_rank_locked(self, tp_rank: int, pp_rank: int) -> tuple[dict, Optional[dict]]:
         key = (tp_rank, pp_rank)
         if key in self._cache:
             self._cache.move_to_end(key)
@@ -347,7 +358,7 @@ class LegacyCheckpoint:
             out.update(self._read_adam(meta, state["optimizer"], ref, param))
         return out
 
-    def _read_distributed(self, meta: _RankMeta, distopt: dict, ref: ShardRef) -> dict[str, torch.Tensor]:
+    def _distributed_views(self, meta: _RankMeta, distopt: dict, ref: ShardRef) -> dict:
         for i, buf in enumerate(meta.buffers[ref.vpp_chunk]):
             try:
                 span = buf.span(ref.local_name)
@@ -356,24 +367,82 @@ class LegacyCheckpoint:
             entry = distopt[meta.gbuf_base[ref.vpp_chunk] + i][(buf.param_dtype, buf.grad_dtype)]
             start = buf.coalesced_offset(span)
             numel = span.end - span.start
-            out = {("fp32" if key == "param" else key): entry[key][start:start + numel].view(span.shape).clone()
+            out = {("fp32" if key == "param" else key): entry[key][start:start + numel].view(span.shape)
                    for key in ("param", "exp_avg", "exp_avg_sq")}
             if meta.step is not None:
                 out["step"] = torch.tensor(float(meta.step), dtype=torch.float32)
             return out
         raise KeyError(f"{ref.local_name} is in no DDP buffer of rank tp={ref.tp_rank} pp={ref.pp_rank}")
 
-    def _read_adam(self, meta: _RankMeta, opt: dict, ref: ShardRef, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _read_distributed(self, meta: _RankMeta, distopt: dict, ref: ShardRef) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self._distributed_views(meta, distopt, ref).items()}
+
+    def _adam_views(self, meta: _RankMeta, opt: dict, ref: ShardRef, param: Optional[torch.Tensor]) -> dict:
         group, idx, half = meta.state_index[(ref.vpp_chunk, ref.local_name)]
         inner = opt["optimizer"] if self.optimizer_kind == "mixed_precision" else opt
         # FP32Optimizer and fp32 params of Float16Optimizer step the model weight itself
-        fp32 = opt["fp32_from_fp16_params"][group][half] if half is not None else param
-        out = {"fp32": fp32.clone()}
+        out = {"fp32": opt["fp32_from_fp16_params"][group][half] if half is not None else param}
         st = inner["state"].get(idx)
         if st is not None:  # no state before the first optimizer step
-            out["exp_avg"] = st["exp_avg"].clone()
-            out["exp_avg_sq"] = st["exp_avg_sq"].clone()
-            out["step"] = torch.as_tensor(st["step"], dtype=torch.float32).clone().reshape(())
+            out["exp_avg"] = st["exp_avg"]
+            out["exp_avg_sq"] = st["exp_avg_sq"]
+            out["step"] = st["step"]
+        return out
+
+    def _read_adam(self, meta: _RankMeta, opt: dict, ref: ShardRef, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        views = self._adam_views(meta, opt, ref, param)
+        out = {k: v.clone() for k, v in views.items() if k != "step"}
+        if "step" in views:
+            out["step"] = torch.as_tensor(views["step"], dtype=torch.float32).clone().reshape(())
+        return out
+
+    # -- byte locations (conversion without materialising tensors) ------------------------------
+
+    def _meta_rank(self, tp_rank: int, pp_rank: int) -> tuple[dict, Optional[dict]]:
+        """The rank's files loaded with every tensor on the meta device (pickles only), cached."""
+        key = (tp_rank, pp_rank)
+        with self._lock:
+            found = self._meta_cache.get(key)
+        if found is not None:
+            return found
+        model_file = self._rank_file(tp_rank, pp_rank, MODEL_FILENAME)
+        files = [model_file] + ([self._rank_file(tp_rank, pp_rank, DISTRIB_OPTIM_FILENAME)]
+                                if self.optimizer_kind == "distributed" else [])
+        loaded = []
+        for f in files:
+            try:
+                loaded.append(meta_load(str(f)))
+            except Exception as e:  # noqa: BLE001 - the mmap load at open worked; report, do not guess
+                raise CheckpointFormatError(f"{f}: cannot read its pickle ({type(e).__name__}: {e}); re-copy it") from e
+        found = (loaded[0], loaded[1] if len(loaded) > 1 else None)
+        with self._lock:
+            self._meta_cache[key] = found
+        return found
+
+    def locate(self, ref: ShardRef, keys=None) -> Optional[dict]:
+        """Like read(), but each tensor is a StoredTensor (where its bytes are in the rank's files);
+        None when one is not a contiguous run of bytes (read() it then). `keys` is accepted for the
+        reader protocol; locations of all tensors cost nothing to compute."""
+        meta = self._ranks.get((ref.tp_rank, ref.pp_rank))
+        if meta is None or ref.vpp_chunk >= len(meta.chunks):
+            raise KeyError(f"{ref}: no such rank/chunk in {self.path}")
+        state, distopt = self._meta_rank(ref.tp_rank, ref.pp_rank)
+        model_file = str(self._rank_file(ref.tp_rank, ref.pp_rank, MODEL_FILENAME))
+        param = state[meta.model_keys[ref.vpp_chunk]][ref.local_name]
+        out = {"param": stored_tensor(model_file, 0, param)}
+        if self.optimizer_kind == "distributed":
+            optim_file = str(self._rank_file(ref.tp_rank, ref.pp_rank, DISTRIB_OPTIM_FILENAME))
+            views = self._distributed_views(meta, distopt, ref)
+            out.update({k: v if k == "step" else stored_tensor(optim_file, 0, v) for k, v in views.items()})
+        elif self.optimizer_kind in ("adam", "mixed_precision"):
+            views = self._adam_views(meta, state["optimizer"], ref, param)
+            if "step" in views:  # the value itself, from the mapped (not meta) state
+                real, _ = self._load_rank(ref.tp_rank, ref.pp_rank)
+                real_views = self._adam_views(meta, real["optimizer"], ref, None)
+                views["step"] = torch.as_tensor(real_views["step"], dtype=torch.float32).clone().reshape(())
+            out.update({k: v if k == "step" else stored_tensor(model_file, 0, v) for k, v in views.items()})
+        if any(v is None for v in out.values()):
+            return None
         return out
 
     def common_state(self) -> dict:

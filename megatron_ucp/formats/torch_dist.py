@@ -66,6 +66,8 @@ from megatron_ucp.formats.bucket_layout import (
 from megatron_ucp.formats.common import (
     CheckpointFormatError, ShardRef, args_to_dict, build_common_state, layout_from_args, load_pickled,
     load_pickled_bytes)
+from megatron_ucp.formats.stored import (
+    FileRegion, StoredTensor, archive_data_record, box_bytes, concat_stored, meta_load)
 from megatron_ucp.model_config import GPTModelConfig
 
 LAYER_PREFIX = "decoder.layers."
@@ -199,6 +201,37 @@ class _SliceLoadPlanner(LoadPlanner):
         pass  # resolve_tensor handed out a view of the destination
 
 
+@dataclass
+class _Requests:
+    """What one read()/locate() asks of the checkpoint: chunks per saved key, and how to name them."""
+
+    piece: _Piece
+    want: set
+    tensors: dict = field(default_factory=dict)  # saved key -> [ChunkStorageMetadata]
+    flat: dict = field(default_factory=dict)  # out name -> saved key (flat buckets)
+    states: dict = field(default_factory=dict)  # out name -> saved key (model-space state)
+    weight_is_main: bool = False
+
+
+class _NotContiguous(Exception):
+    pass
+
+
+_UNSET = object()
+
+
+def _assemble_stored(parts: list[StoredTensor], piece: _Piece, shape: Optional[tuple] = None) -> StoredTensor:
+    """_assemble for StoredTensors: chunks concatenated along the piece's axis are one run of bytes only
+    when every dim before that axis has size 1."""
+    if len(parts) > 1 and math.prod(parts[0].shape[:piece.axis]) != 1:
+        raise _NotContiguous(piece.key)
+    full = list(parts[0].shape)
+    full[piece.axis] = sum(p.shape[piece.axis] for p in parts)
+    if shape is None:
+        shape = tuple(full[1:]) if piece.layer is not None else tuple(full)
+    return concat_stored(parts, shape)
+
+
 class TorchDistCheckpoint:
     """A `torch_dist` format checkpoint; see the module docstring."""
 
@@ -234,6 +267,8 @@ class TorchDistCheckpoint:
         self._state_keys = self._index_model_space_state() if self._model_space else {}
         self._model_space_groups, self._model_space_step = (
             self._model_space_common() if self._model_space else (None, None))
+        self._item_cache: dict = {}  # MetadataIndex -> Optional[StoredTensor]
+        self._plain_keys: dict[str, bool] = {}  # saved key -> its chunks are plain contiguous tensors
         self._ranks: dict[tuple[int, int], _RankInfo] = {}
         for pp_rank in range(self.layout.pp):
             for tp_rank in range(self.layout.tp):
@@ -552,10 +587,7 @@ class TorchDistCheckpoint:
                 refs += [ShardRef(t, p, chunk, q.name, q.shape, q.dtype) for q in params]
         return refs
 
-    def read(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> dict[str, torch.Tensor]:
-        """The shard's tensors: 'param' (model weight), and with optimizer state 'fp32' (main weight),
-        'exp_avg', 'exp_avg_sq', 'step'. `keys` (a subset of READ_KEYS, default all) names the tensors
-        wanted; only their bytes are read ('step' comes along whenever Adam state exists)."""
+    def _requests(self, ref: ShardRef, keys: Optional[Collection[str]]) -> "_Requests":
         want = set(READ_KEYS if keys is None else keys)
         if not want <= set(READ_KEYS):
             raise ValueError(f"keys={sorted(keys)}: choose from {READ_KEYS}")
@@ -564,51 +596,138 @@ class TorchDistCheckpoint:
         if piece is None:
             raise KeyError(f"{ref}: not in {self.path}")
         regions = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in piece.regions]
-        requests: dict[str, list[ChunkStorageMetadata]] = {}
-        flat: dict = {}
-        states: dict[str, str] = {}  # out name -> saved key, model-space state
-        weight_is_main = False
+        req = _Requests(piece=piece, want=want)
         if self._flat_buckets:
             for what, (key, start, numel) in self._flat_request(info, ref).items():
                 name = "fp32" if what == "param" else what
                 if name in want:
-                    flat[name] = key
-                    requests[key] = [ChunkStorageMetadata(torch.Size([start]), torch.Size([numel]))]
+                    req.flat[name] = key
+                    req.tensors[key] = [ChunkStorageMetadata(torch.Size([start]), torch.Size([numel]))]
         elif self._model_space:
             saved = dict(self._state_keys.get(piece.key, {}))
             # fully_reshardable saves the main weight as 'param', the Float16 optimizer as 'fp32_param'
             main = saved.pop("param", None) or saved.pop("fp32_param", None)
             # FP32Optimizer (and fp32 params of the Float16 optimizer) step the model weight itself
-            weight_is_main = main is None
+            req.weight_is_main = main is None
             if main is not None:
                 saved = {"fp32": main, **saved}
             for name, key in saved.items():
                 if name in want or keys is None:
-                    states[name] = key
-                    requests[key] = regions  # model-space state is sharded exactly like the weight
-        if "param" in want or weight_is_main and "fp32" in want:
-            requests[piece.key] = regions
-        got = self._read(requests, []).tensors if requests else {}
-        out: dict[str, torch.Tensor] = {}
+                    req.states[name] = key
+                    req.tensors[key] = regions  # model-space state is sharded exactly like the weight
+        if "param" in want or req.weight_is_main and "fp32" in want:
+            req.tensors[piece.key] = regions
+        return req
+
+    def _outputs(self, ref: ShardRef, req: "_Requests", got: dict, assemble) -> dict:
+        """read()/locate() results from the requested chunks `got` (fqn -> list of parts)."""
+        piece, want = req.piece, req.want
+        out: dict = {}
         if piece.key in got and "param" in want:
-            out["param"] = self._assemble(got[piece.key], piece)
+            out["param"] = assemble(got[piece.key], piece)
         if self._flat_buckets:
-            for name, key in flat.items():
-                out[name] = got[key][0].view(ref.shape)
+            for name, key in req.flat.items():
+                out[name] = assemble(got[key], _Piece(key, None, (), 0), ref.shape)
             step = self._optimizer_groups(ref.tp_rank, ref.pp_rank).step
             if step is not None:
                 out["step"] = torch.tensor(float(step), dtype=torch.float32)
         elif self._model_space:
-            if weight_is_main and "fp32" in want:
-                out["fp32"] = out["param"].clone() if "param" in out else self._assemble(got[piece.key], piece)
-            out.update({name: self._assemble(got[key], piece) for name, key in states.items()})
+            if req.weight_is_main and "fp32" in want:
+                out["fp32"] = out["param"] if "param" in out else assemble(got[piece.key], piece)
+            out.update({name: assemble(got[key], piece) for name, key in req.states.items()})
             if "exp_avg" in self._state_keys.get(piece.key, {}) and self._model_space_step is not None:
                 out["step"] = torch.tensor(self._model_space_step, dtype=torch.float32)
         return out
 
+    def read(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> dict[str, torch.Tensor]:
+        """The shard's tensors: 'param' (model weight), and with optimizer state 'fp32' (main weight),
+        'exp_avg', 'exp_avg_sq', 'step'. `keys` (a subset of READ_KEYS, default all) names the tensors
+        wanted; only their bytes are read ('step' comes along whenever Adam state exists)."""
+        req = self._requests(ref, keys)
+        got = self._read(req.tensors, []).tensors if req.tensors else {}
+        out = self._outputs(ref, req, got, self._assemble)
+        if "fp32" in out and "param" in out and out["fp32"] is out["param"]:
+            out["fp32"] = out["param"].clone()
+        return out
+
+    def locate(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> Optional[dict]:
+        """Like read(), but each tensor is a StoredTensor (where its bytes are in the .distcp files)
+        and nothing but pickles is read; None when some tensor is not one contiguous run of bytes
+        per saved chunk (read() it then)."""
+        req = self._requests(ref, keys)
+        got = {}
+        for fqn, chunks in req.tensors.items():
+            parts = [self._locate_chunk(fqn, c) for c in chunks]
+            if any(p is None for p in parts):
+                return None
+            got[fqn] = parts
+        try:
+            out = self._outputs(ref, req, got, _assemble_stored)
+        except _NotContiguous:
+            return None
+        return out
+
+    def _saved_item(self, index: MetadataIndex) -> Optional[StoredTensor]:
+        """Where one saved chunk's bytes are (cached). Each saved key's first chunk is meta-loaded with
+        torch (pickle only) to check it is a plain C-contiguous tensor whose storage is exactly its bytes;
+        every chunk's record offset then comes from its zip directory (archive_data_record)."""
+        found = self._item_cache.get(index, _UNSET)
+        if found is not _UNSET:
+            return found
+        info = self._metadata.storage_data.get(index)
+        md = self._keys[index.fqn]
+        chunk = next((c for c in md.chunks if tuple(c.offsets) == tuple(index.offset)), None)
+        stored = None
+        if info is not None and chunk is not None and not getattr(info, "transform_descriptors", None):
+            path = str(self.path / info.relative_path)
+            nbytes = math.prod(chunk.sizes) * md.properties.dtype.itemsize
+            try:
+                if self._plain_keys.get(index.fqn) is None:
+                    meta = meta_load(path, info.offset, info.length, allow_megatron=False)
+                    self._plain_keys[index.fqn] = bool(
+                        torch.is_tensor(meta) and meta.is_contiguous() and meta.storage_offset() == 0
+                        and meta.untyped_storage().nbytes() == nbytes and meta.dtype == md.properties.dtype
+                        and tuple(meta.shape) == tuple(chunk.sizes))
+                record = archive_data_record(path, info.offset, info.length) if self._plain_keys[index.fqn] else None
+            except Exception as e:
+                raise CheckpointFormatError(f"{path}: item {index.fqn} at byte {info.offset} cannot be read "
+                                            f"({type(e).__name__}: {e}); the file is corrupt, re-copy it.") from e
+            if record is not None and record[1] == nbytes:
+                regions = (FileRegion(path, record[0], nbytes),) if nbytes else ()
+                stored = StoredTensor(tuple(chunk.sizes), md.properties.dtype, regions)
+        self._item_cache[index] = stored
+        return stored
+
+    def _locate_chunk(self, fqn: str, chunk: ChunkStorageMetadata) -> Optional[StoredTensor]:
+        md = self._keys[fqn]
+        itemsize = md.properties.dtype.itemsize
+        placed = []
+        for item in create_read_items_for_chunk_list(fqn, md, [chunk]):
+            saved = self._saved_item(item.storage_index)
+            if saved is None:
+                return None
+            src = box_bytes(saved.shape, item.storage_offsets, item.lengths, itemsize)
+            dst = box_bytes(tuple(chunk.sizes), item.dest_offsets, item.lengths, itemsize)
+            if src is None or dst is None:
+                return None
+            placed.append((dst[0], saved.byte_slice(src[0], src[0] + src[1]), src[1]))
+        placed.sort(key=lambda p: p[0])
+        pos = 0
+        for dst_start, _, nbytes in placed:
+            if dst_start != pos:
+                return None
+            pos += nbytes
+        if pos != math.prod(chunk.sizes) * itemsize:
+            return None
+        parts = [StoredTensor((nbytes // itemsize,), md.properties.dtype, tuple(regions))
+                 for _, regions, nbytes in placed]
+        return concat_stored(parts, tuple(chunk.sizes)) if parts else None
+
     @staticmethod
-    def _assemble(parts: list[torch.Tensor], piece: _Piece) -> torch.Tensor:
+    def _assemble(parts: list[torch.Tensor], piece: _Piece, shape: Optional[tuple] = None) -> torch.Tensor:
         tensor = torch.cat(parts, dim=piece.axis) if len(parts) > 1 else parts[0]
+        if shape is not None:
+            return tensor.view(shape)
         return tensor.squeeze(0) if piece.layer is not None else tensor
 
     def _flat_request(self, info: _RankInfo, ref: ShardRef) -> dict:

@@ -1,0 +1,571 @@
+"""Where a saved tensor's bytes live, and byte-level I/O on those places.
+
+Both Megatron-LM formats store each tensor's data uncompressed and C-contiguous inside a torch.save
+zip archive (legacy `*.pt` files; each item of a `torch_dist` `.distcp` file is one such archive). A
+reader that knows where those bytes are answers `locate(ref, keys)` with `StoredTensor`s instead of
+tensors, and the converter then never materialises a tensor: it copies byte ranges file to file with
+`copy_file_range` (in the kernel, like `cp`; a reflink where the filesystem has them), assembles
+row-interleaved outputs (row-parallel weights) in bands from mmaps of the shards, and compares
+replicas through bounded mmaps. A lazy universal checkpoint keeps the same descriptions (`Placement`,
+as JSON) and reads slices through them (`read_box`).
+
+Offsets come from torch and the standard library: `torch.load(..., map_location="meta")` reads only
+the pickle and tags each storage with `_checkpoint_offset`, the byte offset of its record in the
+archive (legacy files); for the many small `.distcp` items, each saved key's first item is checked
+that way and every item's record offset is read from its zip directory (`zipfile`).
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import mmap
+import os
+import re
+import struct
+import threading
+import zipfile
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from megatron_ucp.formats.common import CheckpointFormatError, safe_unpickling
+
+CHUNK_BYTES = 4 * 2 ** 20  # bounded buffers for reads and fallback copies
+COMPARE_BYTES = 64 * 2 ** 20  # mapped at once per side when comparing
+_PAGE = mmap.ALLOCATIONGRANULARITY
+
+
+@dataclass(frozen=True)
+class FileRegion:
+    """`nbytes` bytes of `path` starting at `offset`."""
+
+    path: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor whose C-order bytes are the concatenation of `regions`."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    regions: tuple[FileRegion, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.regions)
+
+    def byte_slice(self, start: int, stop: int) -> list[FileRegion]:
+        """The regions holding bytes [start, stop) of the tensor's C-order data."""
+        out, pos = [], 0
+        for r in self.regions:
+            lo, hi = max(start, pos), min(stop, pos + r.nbytes)
+            if lo < hi:
+                out.append(FileRegion(r.path, r.offset + lo - pos, hi - lo))
+            pos += r.nbytes
+            if pos >= stop:
+                break
+        return out
+
+
+def concat_stored(parts: Sequence[StoredTensor], shape: Sequence[int]) -> StoredTensor:
+    """Flat concatenation of `parts` (same dtype) seen as `shape`; adjacent regions are merged."""
+    dtype = parts[0].dtype
+    regions: list[FileRegion] = []
+    for part in parts:
+        if part.dtype != dtype:
+            raise ValueError(f"cannot concatenate {part.dtype} with {dtype}")
+        for r in part.regions:
+            if regions and regions[-1].path == r.path and regions[-1].offset + regions[-1].nbytes == r.offset:
+                regions[-1] = FileRegion(r.path, regions[-1].offset, regions[-1].nbytes + r.nbytes)
+            else:
+                regions.append(r)
+    stored = StoredTensor(tuple(int(s) for s in shape), dtype, tuple(regions))
+    if stored.nbytes != _numel(stored.shape) * dtype.itemsize:
+        raise ValueError(f"{stored.nbytes} bytes cannot be a {dtype} tensor of shape {tuple(shape)}")
+    return stored
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def box_bytes(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int],
+              itemsize: int) -> Optional[tuple[int, int]]:
+    """(start, nbytes) of the box `offsets`/`lengths` inside a C-contiguous tensor of `shape`, or None when
+    the box is not one contiguous run of bytes (that needs: length-1 dims, then one partial dim, then
+    full dims)."""
+    shape, offsets, lengths = tuple(shape), tuple(offsets), tuple(lengths)
+    k = next((i for i, n in enumerate(lengths) if n != 1), len(lengths))
+    if any(lengths[i] != shape[i] for i in range(k + 1, len(shape))):
+        return None
+    start, stride = 0, 1
+    for i in reversed(range(len(shape))):
+        start += offsets[i] * stride
+        stride *= shape[i]
+    return start * itemsize, _numel(lengths) * itemsize
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding bytes: meta-loads of torch.save archives
+
+
+class _FileWindow(io.RawIOBase):
+    """Read-only file object over bytes [offset, offset + length) of a file (one DCP item)."""
+
+    def __init__(self, path: str, offset: int, length: int):
+        super().__init__()
+        self._fd = os.open(path, os.O_RDONLY)
+        self._start, self._length, self._pos = offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self._length - self._pos))
+        if n == 0:
+            return 0
+        data = os.pread(self._fd, n, self._start + self._pos)
+        memoryview(buffer)[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
+
+
+def meta_load(path: str, offset: int = 0, length: Optional[int] = None, *, allow_megatron: bool = True):
+    """torch.load of the archive at [offset, offset + length) of `path` (default: the whole file) with
+    every tensor on the meta device: only the zip directory and the pickle are read. Use `stored_tensor`
+    on the result's tensors. allow_megatron=False loads with torch's own allow-list only (a DCP tensor
+    item pickles nothing else), which needs no lock, so threads load items in parallel."""
+    if length is None:
+        source = path
+    else:  # unbuffered: torch's zip reader seeks to a few small records; a buffer would read ahead
+        source = _FileWindow(path, offset, length)
+    try:
+        if allow_megatron:
+            with safe_unpickling():
+                return torch.load(source, map_location="meta", weights_only=True)
+        return torch.load(source, map_location="meta", weights_only=True)
+    finally:
+        if length is not None:
+            source.close()
+
+
+_DATA_RECORD = re.compile(r"[^/]+/data/\d+")
+
+
+def archive_data_record(path: str, offset: int, length: int) -> Optional[tuple[int, int]]:
+    """(file offset, size) of the single data record of the torch.save archive at [offset, offset + length)
+    of `path`, read from its zip directory with the standard library (no unpickling: ~40 us); None
+    unless there is exactly one stored (uncompressed) record. Which tensor the record holds (dtype,
+    shape, strides) is what the caller knows from elsewhere and has checked with meta_load."""
+    with _FileWindow(path, offset, length) as window:
+        try:
+            with zipfile.ZipFile(window) as archive:
+                records = [i for i in archive.infolist() if _DATA_RECORD.fullmatch(i.filename)]
+        except zipfile.BadZipFile:
+            return None
+        if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
+            return None
+        record = records[0]
+        header = os.pread(window.fileno(), 30, offset + record.header_offset)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        return None
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return offset + record.header_offset + 30 + name_len + extra_len, record.file_size
+
+
+def stored_tensor(path: str, archive_offset: int, meta: torch.Tensor) -> Optional[StoredTensor]:
+    """Where the (meta) tensor `meta`, loaded by meta_load from the archive at `archive_offset` of
+    `path`, keeps its bytes; None when they are not one C-contiguous run (then read it normally)."""
+    record = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+    if record is None or not meta.is_contiguous():
+        return None
+    start = archive_offset + int(record) + meta.storage_offset() * meta.element_size()
+    nbytes = meta.numel() * meta.element_size()
+    return StoredTensor(tuple(meta.shape), meta.dtype, (FileRegion(str(path), start, nbytes),) if nbytes else ())
+
+
+# --------------------------------------------------------------------------------------------------
+# Moving bytes
+
+
+class FileHandles:
+    """Read-only descriptors of source files, opened once per conversion thread."""
+
+    def __init__(self):
+        self._fds: dict[str, int] = {}
+
+    def fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise CheckpointFormatError(f"{path}: cannot open ({e.strerror}); re-copy the checkpoint") from e
+            self._fds[path] = fd
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "FileHandles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_NO_COPY_FILE_RANGE = threading.Event()  # set once the kernel/filesystem refuses copy_file_range
+if not hasattr(os, "copy_file_range"):  # not Linux
+    _NO_COPY_FILE_RANGE.set()
+
+
+def copy_region(files: FileHandles, src: FileRegion, dst_fd: int, dst_offset: int) -> None:
+    """Copy `src` into the open file `dst_fd` at `dst_offset`: copy_file_range when the kernel allows
+    it (no user-space copy), else pread/pwrite in bounded chunks."""
+    src_fd, offset, left = files.fd(src.path), src.offset, src.nbytes
+    while left and not _NO_COPY_FILE_RANGE.is_set():
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, left, offset, dst_offset)
+        except OSError as e:  # EXDEV, EINVAL, ENOSYS, EOPNOTSUPP: another filesystem or an old kernel
+            if e.errno in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+                _NO_COPY_FILE_RANGE.set()
+                break
+            raise
+        if n == 0:
+            raise CheckpointFormatError(f"{src.path}: ends before byte {offset + left}; the file is truncated, "
+                                        f"re-copy it")
+        offset, dst_offset, left = offset + n, dst_offset + n, left - n
+    while left:
+        data = os.pread(src_fd, min(left, CHUNK_BYTES), offset)
+        if not data:
+            raise CheckpointFormatError(f"{src.path}: ends before byte {offset + left}; the file is truncated, "
+                                        f"re-copy it")
+        written = os.pwrite(dst_fd, data, dst_offset)
+        offset, dst_offset, left = offset + written, dst_offset + written, left - written
+
+
+def _chunks(files: FileHandles, regions: Sequence[FileRegion], size: int) -> Iterator[bytes]:
+    """The regions' bytes, concatenated, in pieces of exactly `size` bytes (the last may be shorter)."""
+    pending: list[bytes] = []
+    have = 0
+    for r in regions:
+        fd, offset, left = files.fd(r.path), r.offset, r.nbytes
+        while left:
+            data = os.pread(fd, min(left, size - have), offset)
+            if not data:
+                raise CheckpointFormatError(f"{r.path}: ends before byte {offset + left}; the file is truncated, "
+                                            f"re-copy it")
+            offset, left = offset + len(data), left - len(data)
+            pending.append(data)
+            have += len(data)
+            if have == size:
+                yield pending[0] if len(pending) == 1 else b"".join(pending)
+                pending, have = [], 0
+    if pending:
+        yield b"".join(pending)
+
+
+def _aligned_segments(a: Sequence[FileRegion], b: Sequence[FileRegion], size: int):
+    """Walk two equally long byte sequences in step: (region of a, offset in it, region of b, offset in
+    it, length) pieces that each lie inside one region on both sides, at most `size` bytes."""
+    ia, ib = iter(a), iter(b)
+    ra, rb = next(ia, None), next(ib, None)
+    oa = ob = 0
+    while ra is not None and rb is not None:
+        n = min(ra.nbytes - oa, rb.nbytes - ob, size)
+        if n > 0:
+            yield ra, oa, rb, ob, n
+        oa, ob = oa + n, ob + n
+        if oa >= ra.nbytes:
+            ra, oa = next(ia, None), 0
+        if ob >= rb.nbytes:
+            rb, ob = next(ib, None), 0
+
+
+def regions_equal(files: FileHandles, a: Sequence[FileRegion], b: Sequence[FileRegion]) -> bool:
+    """Whether two byte sequences (each a list of regions) are identical: compared through mmaps of at
+    most COMPARE_BYTES at a time (no copies; memory bounded)."""
+    if sum(r.nbytes for r in a) != sum(r.nbytes for r in b):
+        return False
+    for ra, oa, rb, ob, n in _aligned_segments(a, b, COMPARE_BYTES):
+        with MappedTensor(files.fd(ra.path), ra.offset + oa, (n,), torch.uint8, writable=False, name=ra.path) as x, \
+                MappedTensor(files.fd(rb.path), rb.offset + ob, (n,), torch.uint8, writable=False, name=rb.path) as y:
+            if not torch.equal(x.tensor, y.tensor):
+                return False
+    return True
+
+
+def read_stored(files: FileHandles, stored: StoredTensor) -> torch.Tensor:
+    """The tensor as a new CPU tensor (bounded by its own size)."""
+    out = torch.empty(stored.shape, dtype=stored.dtype)
+    view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+    pos = 0
+    for piece in _chunks(files, stored.regions, CHUNK_BYTES):
+        view[pos:pos + len(piece)] = piece
+        pos += len(piece)
+    return out
+
+
+class MappedTensor:
+    """A tensor over a file region through mmap; `close()` (or the with-block) unmaps it."""
+
+    def __init__(self, fd: int, offset: int, shape: Sequence[int], dtype: torch.dtype, *, writable: bool,
+                 readahead: bool = True, name: str = "a checkpoint file"):
+        nbytes = _numel(shape) * dtype.itemsize
+        start = offset - offset % _PAGE
+        self._mm = None
+        if nbytes == 0:
+            self.tensor = torch.empty(tuple(shape), dtype=dtype)
+            return
+        if os.fstat(fd).st_size < offset + nbytes:  # a mapping past the end faults (SIGBUS), check first
+            raise CheckpointFormatError(f"{name}: ends before byte {offset + nbytes}; the file is truncated, "
+                                        f"re-copy it")
+        # Private mappings of sources are writable copy-on-write, so torch gets a writable buffer
+        # (nothing writes to them); the destination mapping is shared, writes reach the file.
+        flags = mmap.MAP_SHARED if writable else mmap.MAP_PRIVATE
+        self._mm = mmap.mmap(fd, offset - start + nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                             offset=start)
+        if not writable and readahead:  # read ahead the whole range now (one request), not fault by fault
+            self._mm.madvise(mmap.MADV_WILLNEED)
+        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes,
+                                       offset=offset - start).view(dtype).view(tuple(shape))
+
+    def close(self) -> None:
+        self.tensor = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a view still lives (e.g. in a traceback): unmapped when it dies
+                pass
+            self._mm = None
+
+    def __enter__(self) -> "MappedTensor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Consolidating bytes
+
+
+@dataclass(frozen=True)
+class Block:
+    """Output region `dst` (one slice per dim) is shard `shard`'s region `src` (same lengths)."""
+
+    shard: int
+    dst: tuple[slice, ...]
+    src: tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A consolidated tensor of `shape` assembled from stored shards, block by block."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    shards: tuple[StoredTensor, ...]
+    blocks: tuple[Block, ...]
+
+    def regions(self) -> Optional[list[FileRegion]]:
+        """The output's bytes as file regions in order, or None when some block is strided."""
+        runs = []
+        for b in self.blocks:
+            span = self._runs(b)
+            if span is None:
+                return None
+            (src_start, nbytes), (dst_start, _) = span
+            runs.append((dst_start, self.shards[b.shard].byte_slice(src_start, src_start + nbytes)))
+        runs.sort(key=lambda r: r[0])
+        return [region for _, regions in runs for region in regions]
+
+    def _runs(self, block: Block):
+        size = self.dtype.itemsize
+        shard = self.shards[block.shard]
+        lengths = [s.stop - s.start for s in block.src]
+        src = box_bytes(shard.shape, [s.start for s in block.src], lengths, size)
+        dst = box_bytes(self.shape, [s.start for s in block.dst], lengths, size)
+        return None if src is None or dst is None else (src, dst)
+
+
+BAND_BYTES = 8 * 2 ** 20  # rows of a strided output assembled per write
+_STAGING = threading.local()  # per-thread reusable band buffer (first-touch page faults paid once)
+
+
+def _staging(nbytes: int) -> torch.Tensor:
+    buf = getattr(_STAGING, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _STAGING.buf = torch.empty(max(nbytes, BAND_BYTES), dtype=torch.uint8)
+    return buf[:nbytes]
+
+
+def write_placement(files: FileHandles, dst_fd: int, data_offset: int, placement: Placement) -> None:
+    """Write the consolidated tensor at `data_offset` of the open file `dst_fd` (already long enough).
+
+    When every block is one run of bytes in both the shard and the output (dim-0 layouts: column-parallel,
+    vocabulary, QKV, SwiGLU, replicated), the runs are copied file to file (copy_region). Otherwise (a
+    row-parallel weight: each output row interleaves the TP shards) bands of output rows are assembled in
+    a reused buffer from mmaps of the shards and written with one pwrite each."""
+    runs = [placement._runs(b) for b in placement.blocks]
+    if all(r is not None for r in runs):
+        for block, ((src_start, nbytes), (dst_start, _)) in zip(placement.blocks, runs):
+            pos = data_offset + dst_start
+            for region in placement.shards[block.shard].byte_slice(src_start, src_start + nbytes):
+                copy_region(files, region, dst_fd, pos)
+                pos += region.nbytes
+        return
+    shape, dtype = placement.shape, placement.dtype
+    row_bytes = _numel(shape[1:]) * dtype.itemsize
+    if not shape or row_bytes == 0 or shape[0] == 0:
+        return
+    band_rows = max(1, BAND_BYTES // row_bytes)
+    mapped: list[Optional[MappedTensor]] = []
+    sources: list[torch.Tensor] = []
+    try:
+        for shard in placement.shards:
+            if len(shard.regions) == 1:
+                region = shard.regions[0]
+                m = MappedTensor(files.fd(region.path), region.offset, shard.shape, shard.dtype, writable=False,
+                                 name=region.path)
+                mapped.append(m)
+                sources.append(m.tensor)
+            else:  # a shard split over saved chunks: one bounded copy
+                mapped.append(None)
+                sources.append(read_stored(files, shard))
+        for r0 in range(0, shape[0], band_rows):
+            r1 = min(shape[0], r0 + band_rows)
+            band = _staging((r1 - r0) * row_bytes).view(dtype).view((r1 - r0,) + tuple(shape[1:]))
+            for block in placement.blocks:
+                lo, hi = max(r0, block.dst[0].start), min(r1, block.dst[0].stop)
+                if lo >= hi:
+                    continue
+                src0 = block.src[0].start + lo - block.dst[0].start
+                dst = (slice(lo - r0, hi - r0),) + block.dst[1:]
+                src = (slice(src0, src0 + hi - lo),) + block.src[1:]
+                band[dst].copy_(sources[block.shard][src])
+            view = band.view(-1).view(torch.uint8).numpy()
+            pos, done = data_offset + r0 * row_bytes, 0
+            while done < view.size:
+                done += os.pwrite(dst_fd, memoryview(view[done:]), pos + done)
+    finally:
+        sources.clear()
+        for m in mapped:
+            if m is not None:
+                m.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# In-place references (lazy universal checkpoints)
+
+
+def placement_to_json(placement: Placement, root: str) -> dict:
+    """The placement as JSON, file paths relative to `root` (the source checkpoint's iteration folder)."""
+    def rel(path: str) -> str:
+        r = os.path.relpath(path, root)
+        if r.startswith(".."):
+            raise ValueError(f"{path} is outside {root}")
+        return r
+
+    return {
+        "shape": list(placement.shape),
+        "shards": [{"shape": list(s.shape), "regions": [[rel(r.path), r.offset, r.nbytes] for r in s.regions]}
+                   for s in placement.shards],
+        "blocks": [[b.shard, [[x.start, x.stop] for x in b.dst], [[x.start, x.stop] for x in b.src]]
+                   for b in placement.blocks],
+    }
+
+
+def placement_from_json(d: dict, root: str) -> Placement:
+    """Inverse of placement_to_json (float32 tensors); raises ValueError on malformed input."""
+    shape = tuple(int(n) for n in d["shape"])
+    shards = tuple(StoredTensor(tuple(int(n) for n in s["shape"]), torch.float32,
+                                tuple(FileRegion(os.path.join(root, str(p)), int(o), int(n)) for p, o, n in s["regions"]))
+                   for s in d["shards"])
+    blocks = tuple(Block(int(i), tuple(slice(int(a), int(b)) for a, b in dst), tuple(slice(int(a), int(b)) for a, b in src))
+                   for i, dst, src in d["blocks"])
+    for s in shards:
+        if s.nbytes != _numel(s.shape) * 4:
+            raise ValueError(f"shard of shape {s.shape} has {s.nbytes} bytes")
+    covered = 0
+    for b in blocks:
+        if not 0 <= b.shard < len(shards) or len(b.dst) != len(shape) or len(b.src) != len(shards[b.shard].shape):
+            raise ValueError(f"block {b} does not fit shape {shape}")
+        lengths = [x.stop - x.start for x in b.dst]
+        if lengths != [x.stop - x.start for x in b.src] or any(
+                x.start < 0 or x.stop > n for x, n in zip(b.dst, shape)) or any(
+                x.start < 0 or x.stop > n for x, n in zip(b.src, shards[b.shard].shape)):
+            raise ValueError(f"block {b} is out of bounds")
+        covered += _numel(lengths)
+    if covered != _numel(shape):
+        raise ValueError(f"blocks cover {covered} of {_numel(shape)} elements")
+    return Placement(shape, torch.float32, shards, blocks)
+
+
+def read_box(files: FileHandles, placement: Placement, index: Optional[Sequence[slice]] = None) -> torch.Tensor:
+    """The region `index` (step-1 slices over leading dims; None = all) of the consolidated tensor, read
+    from the shards' files: only the blocks it overlaps, through mmaps (only the touched pages are read)."""
+    shape = placement.shape
+    box = [slice(*s.indices(n)[:2]) for s, n in zip(index or (), shape)]
+    box += [slice(0, n) for n in shape[len(box):]]
+    out = torch.empty([max(0, s.stop - s.start) for s in box], dtype=placement.dtype)
+    if out.numel() == 0:
+        return out
+    for index_shard in sorted({b.shard for b in placement.blocks}):
+        parts = []
+        for b in placement.blocks:
+            if b.shard != index_shard:
+                continue
+            lo = [max(x.start, d.start) for x, d in zip(box, b.dst)]
+            hi = [min(x.stop, d.stop) for x, d in zip(box, b.dst)]
+            if all(l < h for l, h in zip(lo, hi)):
+                parts.append((b, lo, hi))
+        if not parts:
+            continue
+        shard = placement.shards[index_shard]
+        mapped = None
+        if len(shard.regions) == 1:
+            region = shard.regions[0]
+            mapped = MappedTensor(files.fd(region.path), region.offset, shard.shape, shard.dtype, writable=False,
+                                  readahead=False, name=region.path)
+            source = mapped.tensor
+        else:
+            source = read_stored(files, shard)
+        try:
+            for b, lo, hi in parts:
+                dst = tuple(slice(l - x.start, h - x.start) for l, h, x in zip(lo, hi, box))
+                src = tuple(slice(s.start + l - d.start, s.start + h - d.start) for l, h, d, s in zip(lo, hi, b.dst, b.src))
+                out[dst].copy_(source[src])
+        finally:
+            source = None
+            if mapped is not None:
+                mapped.close()
+    return out

@@ -1,0 +1,95 @@
+"""Lazy universal checkpoints (`to-universal --lazy`): metadata.json indexes where each consolidated
+tensor's bytes are in the Megatron-LM checkpoint; nothing is copied.
+
+On Megatron-LM's fixtures A (legacy + distrib_optim.pt), B (torch_dist, dp_reshardable) and C (legacy,
+plain Adam, tied embeddings over PP2): every tensor, whole and as every TP rank's slice at TP 1, 2, 4
+(where the pattern allows), equals the copied universal checkpoint's bitwise (torch.equal). A source
+that changed or moved is refused when the lazy checkpoint is opened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ucp.convert import ConversionError, to_universal
+from megatron_ucp.layout import LayoutError
+from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError
+from pretrain_runs import FIXTURE_CKPTS
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = FIXTURE_CKPTS
+
+
+@pytest.mark.parametrize("label", sorted(SOURCES))
+def test_lazy_reads_equal_the_copy(label, tmp_path):
+    lazy = UniversalCheckpoint.open(to_universal(SOURCES[label], tmp_path / "lazy", iteration=4, lazy=True,
+                                                 progress=False))
+    copy = UniversalCheckpoint.open(to_universal(SOURCES[label], tmp_path / "copy", iteration=4, progress=False))
+    assert lazy.lazy_source == (SOURCES[label] / "iter_0000004").resolve() and copy.lazy_source is None
+    assert not (tmp_path / "lazy" / "tensors").exists()
+    assert sorted(p.name for p in (tmp_path / "lazy").iterdir()) == ["COMPLETE", "metadata.json"]
+    meta_lazy = json.loads((tmp_path / "lazy" / "metadata.json").read_text())
+    meta_copy = json.loads((tmp_path / "copy" / "metadata.json").read_text())
+    for name, entry in meta_copy["parameters"].items():
+        got = dict(meta_lazy["parameters"][name])
+        assert got.pop("file") is None and set(got.pop("source_bytes")) == set(entry["tensors"])
+        assert got == {k: v for k, v in entry.items() if k != "file"}, name
+    slices = 0
+    for name, info in copy.parameters.items():
+        for key in info.tensors:
+            assert torch.equal(lazy.read(name, key), copy.read(name, key)), (name, key)
+            for tp in (1, 2, 4):
+                try:
+                    info.pattern.validate(info.shape, tp)
+                except LayoutError:
+                    continue
+                for rank in range(tp):
+                    a, b = lazy.read_for_rank(name, rank, tp, key), copy.read_for_rank(name, rank, tp, key)
+                    assert torch.equal(a, b), (name, key, tp, rank)
+                    slices += 1
+    assert slices > 3 * len(copy.parameters)
+    assert lazy.bytes_read == copy.bytes_read  # reading a slice costs the slice, lazily too
+
+
+def _lazy_copy_of_c(tmp_path) -> tuple[Path, Path]:
+    src = tmp_path / "src"
+    shutil.copytree(SOURCES["C"], src)
+    return src, to_universal(src, tmp_path / "lazy", iteration=4, lazy=True, progress=False)
+
+
+def test_changed_source_is_refused(tmp_path):
+    src, lazy = _lazy_copy_of_c(tmp_path)
+    target = src / "iter_0000004" / "mp_rank_01_001" / "model_optim_rng.pt"
+    os.utime(target, ns=(0, 0))  # same bytes, different mtime: cannot tell, so refuse
+    with pytest.raises(UniversalFormatError, match="changed since the lazy conversion.*to-universal --lazy"):
+        UniversalCheckpoint.open(lazy)
+
+
+def test_moved_source_is_refused(tmp_path):
+    src, lazy = _lazy_copy_of_c(tmp_path)
+    src.rename(tmp_path / "elsewhere")
+    with pytest.raises(UniversalFormatError, match="missing.*lazy universal checkpoint"):
+        UniversalCheckpoint.open(lazy)
+
+
+def test_lazy_with_average_replicas_is_refused(tmp_path):
+    with pytest.raises(ConversionError, match="--lazy .* --average-replicas"):
+        to_universal(SOURCES["C"], tmp_path / "x", iteration=4, lazy=True, average_replicas=True, progress=False)
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_lazy_message(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megatron_ucp.cli", "to-universal", str(SOURCES["B"]),
+                           str(tmp_path / "lazy"), "--lazy"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote lazy" in proc.stdout and "keep the source in place and unchanged" in proc.stdout
+    assert UniversalCheckpoint.open(tmp_path / "lazy").lazy_source is not None
