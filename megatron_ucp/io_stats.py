@@ -3,8 +3,8 @@ process tree, the bytes it read and wrote, and when chosen lines of its output a
 
 - Bytes: deltas of this process's /proc/self/io around the run. Linux adds a reaped child's counters
   (and those its own children added) to its parent's, so after waiting for the command they cover
-  the whole tree, including processes that came and went between samples (torchrun workers, a
-  conversion's process pool). `read_bytes`/`write_bytes` are bytes the storage layer fetched or was
+  the whole tree, including processes that came and went between samples (torchrun workers, the
+  processes of a torchrun conversion). `read_bytes`/`write_bytes` are bytes the storage layer fetched or was
   sent (page-cache hits are not reads, so drop the cache first for a cold measurement; mmap faults
   count); `rchar`/`wchar` are bytes through read()/write() system calls, page cache or not (pipes
   included, mmap excluded).
