@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
@@ -143,10 +142,19 @@ class Bench:
             self.shape = ModelShape(**{**self.shape.__dict__, "hidden_size": args.hidden_size,
                                        "ffn_hidden_size": 4 * args.hidden_size})
         self.work = Path(args.workdir).absolute()
-        self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
+                        WORKDIR=str(self.work))
         self.results: Dict[str, RunStats] = {}
         self.cold = None  # whether the page cache could be dropped
         self.conversion_seconds: List[Optional[float]] = []  # to-universal's own timing, per repeat
+
+    def synced(self, cmd: List[str]) -> List[str]:
+        """With --sync, the command followed by `sync -f` of the work folder's filesystem, so its time
+        includes writing the dirty pages out (cp -r of a checkpoint larger than the dirty-page limit is
+        otherwise throttled by earlier writes in ways that vary from run to run)."""
+        if not self.args.sync:
+            return cmd
+        return ["sh", "-c", '"$@" && sync -f "$WORKDIR"', "sh", *cmd]
 
     def _conversion_seconds(self, log_name: str) -> Optional[float]:
         for line in (self.work / "logs" / f"{log_name}.log").read_text().splitlines():
@@ -211,11 +219,11 @@ class Bench:
             suffix = "" if i == 0 else f" #{i + 1}"
             if ucp.exists():
                 shutil.rmtree(ucp)
-            self.measure("cp -r" + suffix, ["cp", "-r", str(src), str(self.work / "ckpt_copy")])
+            self.measure("cp -r" + suffix, self.synced(["cp", "-r", str(src), str(self.work / "ckpt_copy")]))
             shutil.rmtree(self.work / "ckpt_copy")
-            self.measure("to-universal" + suffix, [sys.executable, "-m", "megatron_ucp.cli", "to-universal", str(src),
-                                                   str(ucp), "--workers", str(a.workers), "--quiet", "--json"],
-                         log_name=f"to-universal{i}")
+            self.measure("to-universal" + suffix, self.synced(
+                [sys.executable, "-m", "megatron_ucp.cli", "to-universal", str(src), str(ucp), "--workers",
+                 str(a.workers), "--quiet", "--json"]), log_name=f"to-universal{i}")
             self.conversion_seconds.append(self._conversion_seconds(f"to-universal{i}"))
         lazy = self.work / "ucp_lazy"
         self.measure("to-universal --lazy", [sys.executable, "-m", "megatron_ucp.cli", "to-universal", str(src),
@@ -298,7 +306,7 @@ class Bench:
         r, a = self.results, self.args
         return {"preset": a.preset, "shape": self.shape.__dict__, "num_parameters": self.shape.num_parameters,
                 "source_layout": SOURCE, "workers": a.workers, "page_cache_dropped": bool(self.cold),
-                "steps": a.steps, "repeat": a.repeat,
+                "steps": a.steps, "repeat": a.repeat, "sync": a.sync,
                 "sizes_bytes": sizes, "machine": {"cpus": os.cpu_count(), "memory_gib": round(
                     psutil.virtual_memory().total / GIB, 1)},
                 "rows": rows, "runs": {k: v.to_dict() for k, v in r.items()}}
@@ -307,7 +315,8 @@ class Bench:
 def print_table(report: dict) -> None:
     s = report["sizes_bytes"]
     print(f"\npreset {report['preset']}: {report['num_parameters'] / 1e6:.1f} M params, source {report['source_layout']}, "
-          f"page cache {'dropped before each step' if report['page_cache_dropped'] else 'WARM'}; sizes: "
+          f"page cache {'dropped before each step' if report['page_cache_dropped'] else 'WARM'}"
+          f"{'; cp -r and to-universal timed until synced' if report.get('sync') else ''}; sizes: "
           + ", ".join(f"{k} {v / MIB:.1f} MiB" for k, v in s.items()))
     head = f"{'step':58s} {'s':>8s} {'ratio':>12s} {'peakPSS':>8s} {'peakRSS':>8s} {'read':>8s} {'written':>8s} {'rchar':>8s}"
     print(head + "\n" + "-" * len(head))
@@ -339,6 +348,8 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", choices=["all", "conversion"], default="all",
                    help="conversion: only the dp_reshardable save, cp -r and to-universal (fits larger presets)")
     p.add_argument("--repeat", type=int, default=1, help="measure cp -r and to-universal this many times (median)")
+    p.add_argument("--sync", action="store_true",
+                   help="time cp -r and to-universal until their output is on disk (each followed by sync -f)")
     p.add_argument("--workdir", default="/tmp/megatron_ucp_bench")
     p.add_argument("--output", help="write the JSON report here")
     p.add_argument("--drop-caches", choices=["auto", "off"], default="auto",

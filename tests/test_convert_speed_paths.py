@@ -12,7 +12,6 @@ comparisons bitwise (torch.equal, same dtype and shape).
 """
 
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
