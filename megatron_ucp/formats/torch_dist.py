@@ -269,6 +269,8 @@ class TorchDistCheckpoint:
             self._model_space_common() if self._model_space else (None, None))
         self._item_cache: dict = {}  # MetadataIndex -> Optional[StoredTensor]
         self._plain_keys: dict[str, bool] = {}  # saved key -> its chunks are plain contiguous tensors
+        self._chunks_by_offset: dict[str, dict] = {}  # saved key -> {chunk offsets: chunk sizes}
+        self._chunks_by_layer: dict[str, dict] = {}  # stacked saved key -> {layer: [chunks]}
         self._ranks: dict[tuple[int, int], _RankInfo] = {}
         for pp_rank in range(self.layout.pp):
             for tp_rank in range(self.layout.tp):
@@ -422,7 +424,15 @@ class TorchDistCheckpoint:
 
     def _piece(self, key: str, layer: Optional[int], tp_rank: int) -> _Piece:
         md = self._keys[key]
-        chunks = [c for c in md.chunks if layer is None or c.offsets[0] == layer]
+        if layer is None:
+            chunks = list(md.chunks)
+        else:  # chunks of one layer of a stacked key, indexed once per key (layers x TP chunks)
+            by_layer = self._chunks_by_layer.get(key)
+            if by_layer is None:
+                by_layer = self._chunks_by_layer[key] = {}
+                for c in md.chunks:
+                    by_layer.setdefault(c.offsets[0], []).append(c)
+            chunks = by_layer.get(layer, [])
         if not chunks:
             raise CheckpointFormatError(f"{self.path / '.metadata'}: {key} has no saved chunk for layer {layer}.")
         first = 0 if layer is None else 1
@@ -701,6 +711,14 @@ class TorchDistCheckpoint:
     def _locate_chunk(self, fqn: str, chunk: ChunkStorageMetadata) -> Optional[StoredTensor]:
         md = self._keys[fqn]
         itemsize = md.properties.dtype.itemsize
+        # Most requests are exactly one saved chunk (a TP shard of one layer, a parameter's slice of a
+        # flat bucket): a dict lookup, not DCP's scan over every saved chunk of the key (which is
+        # quadratic for stacked layers: layers x TP chunks, each requested once).
+        saved_at = self._chunks_by_offset.get(fqn)
+        if saved_at is None:
+            saved_at = self._chunks_by_offset[fqn] = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
+        if saved_at.get(tuple(chunk.offsets)) == tuple(chunk.sizes):
+            return self._saved_item(MetadataIndex(fqn, torch.Size(chunk.offsets)))
         placed = []
         for item in create_read_items_for_chunk_list(fqn, md, [chunk]):
             saved = self._saved_item(item.storage_index)
