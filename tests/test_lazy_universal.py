@@ -3,8 +3,9 @@ tensor's bytes are in the Megatron-LM checkpoint; nothing is copied.
 
 On Megatron-LM's fixtures A (legacy + distrib_optim.pt), B (torch_dist, dp_reshardable) and C (legacy,
 plain Adam, tied embeddings over PP2): every tensor, whole and as every TP rank's slice at TP 1, 2, 4
-(where the pattern allows), equals the copied universal checkpoint's bitwise (torch.equal). A source
-that changed or moved is refused when the lazy checkpoint is opened.
+(where the pattern allows), equals the copied universal checkpoint's bitwise (torch.equal), and
+from-universal writes byte-identical Megatron files from either. A source that changed or moved is
+refused when the lazy checkpoint is opened.
 """
 
 from __future__ import annotations
@@ -93,3 +94,22 @@ def test_cli_lazy_message(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "wrote lazy" in proc.stdout and "keep the source in place and unchanged" in proc.stdout
     assert UniversalCheckpoint.open(tmp_path / "lazy").lazy_source is not None
+
+
+def test_from_universal_of_a_lazy_checkpoint_is_bitwise_the_copys(tmp_path):
+    """Writing Megatron-LM legacy files at another layout (TP2PP2DP2 -> TP1PP2DP1, distributed optimizer)
+    from the lazy index gives the same files, byte for byte, as from the copied checkpoint."""
+    from megatron_ucp.from_universal import from_universal
+
+    lazy = to_universal(SOURCES["A"], tmp_path / "lazy", iteration=4, lazy=True, progress=False)
+    copy = to_universal(SOURCES["A"], tmp_path / "copy", iteration=4, progress=False)
+    layout = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2, data_parallel_size=1,
+                  use_distributed_optimizer=True, ckpt_format="torch", rng_state="cpu", progress=False)
+    from_universal(lazy, tmp_path / "from_lazy", **layout)
+    from_universal(copy, tmp_path / "from_copy", **layout)
+    files = sorted(p.relative_to(tmp_path / "from_copy") for p in (tmp_path / "from_copy").rglob("*") if p.is_file())
+    assert len(files) >= 5  # tracker + 2 ranks x (model_optim_rng.pt, distrib_optim.pt)
+    assert files == sorted(p.relative_to(tmp_path / "from_lazy") for p in (tmp_path / "from_lazy").rglob("*")
+                           if p.is_file())
+    for rel in files:
+        assert (tmp_path / "from_lazy" / rel).read_bytes() == (tmp_path / "from_copy" / rel).read_bytes(), rel
