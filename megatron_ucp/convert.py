@@ -318,7 +318,7 @@ def placement_for(pattern: Pattern, shape: tuple[int, ...], shards: list[StoredT
 def place_parameter(ckpt: MegatronCheckpoint, task: ParamTask, files: FileHandles
                     ) -> Optional[tuple[dict[str, Placement], dict]]:
     """consolidate_parameter without reading tensors: where each consolidated tensor's bytes are in the
-    source files, with replicas and the tied output-layer copy compared byte for byte (bounded chunks).
+    source files, with replicas and the tied output-layer copy compared byte for byte (bounded mmaps).
     None when the reader cannot say where the bytes are, a tensor is not float32, or any check fails:
     consolidate_parameter then does the work (and reports the failure with its details)."""
     placed: list[dict[str, Placement]] = []
