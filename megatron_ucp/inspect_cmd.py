@@ -103,6 +103,13 @@ def pattern_label(pattern_json: dict) -> str:
     return kind
 
 
+def text_table(header: tuple, rows: list) -> list[str]:
+    """Left-aligned columns (two spaces apart), sized to fit every row: the header line, then one per row."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header).rstrip()] + [fmt.format(*r).rstrip() for r in rows]
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -233,10 +240,7 @@ def format_report(info: dict) -> str:
     rows = [(p["name"], "x".join(map(str, p["shape"])), p["dtype"], pattern_label(p["pattern"]))
             for p in info["parameters"]]
     header = ("parameter", "global shape", "dtype", "pattern")
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines.append(fmt.format(*header).rstrip())
-    lines += [fmt.format(*r).rstrip() for r in rows]
+    lines += text_table(header, rows)
     lines += ["", f"{info['num_parameters']} parameters, {info['num_elements']:,} elements; "
                   f"weights {human_bytes(info['model_bytes'])}, consolidated fp32 state "
                   f"{human_bytes(info['consolidated_bytes'])}, on disk {human_bytes(info['total_bytes'])}"]

@@ -19,7 +19,7 @@ from typing import Optional
 from megatron_ucp.adapters.gpt import OUTPUT_LAYER, WORD_EMBEDDINGS, expected_parameters, parameters_for_rank
 from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
                                                 shared_embedding_names)
-from megatron_ucp.inspect_cmd import human_bytes, is_universal, open_any
+from megatron_ucp.inspect_cmd import human_bytes, is_universal, open_any, text_table
 from megatron_ucp.layout import LayoutError, ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.patterns import target_padded_vocab
@@ -274,12 +274,10 @@ def format_report(plan: dict) -> str:
                      human_bytes(stage["weight_bytes"]), opt_text, human_bytes(max(r["read_bytes"] for r in rs))))
     header = ("stage", "params", "weights/rank", "optimizer/rank" + (f" (over {dp} DP ranks)" if dp > 1 else ""),
               "max read/rank")
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    shown = rows[:32]
-    lines += ["", fmt.format(*header).rstrip()] + [fmt.format(*r).rstrip() for r in shown]
-    if len(rows) > len(shown):
-        lines.append(f"... {len(rows) - len(shown)} more stages (--json lists all)")
+    shown = 32
+    lines += [""] + text_table(header, rows)[:1 + shown]
+    if len(rows) > shown:
+        lines.append(f"... {len(rows) - shown} more stages (--json lists all)")
     t = plan["totals"]
     lines += ["", f"compatible: {tgt['world_size']} ranks read {human_bytes(t['read_bytes'])} in total "
                   f"(at most {human_bytes(t['max_rank_read_bytes'])} per rank) of a "

@@ -496,7 +496,7 @@ class UniversalCheckpoint:
             raise UniversalFormatError(f"{self.path}: no parameter {name!r} (it has {len(self.parameters)}, e.g. "
                                        f"{next(iter(self.parameters), None)!r}); names are canonical with global "
                                        f"layer indices")
-        return self.path / info.file
+        return self.path / info.file if info.file else self.path
 
     def _source_files(self) -> FileHandles:
         files = getattr(self._files, "handles", None)
@@ -507,9 +507,6 @@ class UniversalCheckpoint:
     def read(self, name: str, key: str = "fp32", index: Optional[tuple[slice, ...]] = None) -> torch.Tensor:
         """One stored tensor of a parameter, or only the region `index` of it (read through mmap: just
         those bytes). `index` is a tuple of step-1 slices, one per leading dimension."""
-        info = self.parameters.get(name)
-        if info is not None and info.placements is not None:
-            return self._read_lazy(info, key, index)
         file = self._file(name)
         info = self.parameters[name]
         if key not in info.tensors:
@@ -520,6 +517,12 @@ class UniversalCheckpoint:
             if len(index) > len(info.shape) or any(
                     not isinstance(s, slice) or s.step not in (None, 1) for s in index):
                 raise UniversalFormatError(f"{name}: index {index} must be at most {len(info.shape)} step-1 slices")
+        tensor = self._read_lazy(info, key, index) if info.placements is not None else \
+            self._read_file(file, info, key, index)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def _read_file(self, file: Path, info: ParamInfo, key: str, index) -> torch.Tensor:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 if index is None:
@@ -533,28 +536,19 @@ class UniversalCheckpoint:
         except UniversalFormatError:
             raise
         except Exception as e:  # missing, truncated or foreign file
-            raise UniversalFormatError(f"{file}: cannot read '{key}' of {name} ({type(e).__name__}: {e}); the file is "
-                                       f"missing or damaged, reconvert") from e
+            raise UniversalFormatError(f"{file}: cannot read '{key}' of {info.name} ({type(e).__name__}: {e}); the "
+                                       f"file is missing or damaged, reconvert") from e
         if index is None and tuple(tensor.shape) != info.shape:
             raise UniversalFormatError(f"{file}: '{key}' has shape {tuple(tensor.shape)}, metadata says "
                                        f"{info.shape}; reconvert")
-        self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
     def _read_lazy(self, info: ParamInfo, key: str, index) -> torch.Tensor:
-        if key not in info.tensors:
-            raise UniversalFormatError(f"{self.path}: {info.name} has no {key!r} (it has {list(info.tensors)}); the "
-                                       f"source checkpoint had no optimizer state")
-        if index is not None and (len(tuple(index)) > len(info.shape) or any(
-                not isinstance(s, slice) or s.step not in (None, 1) for s in index)):
-            raise UniversalFormatError(f"{info.name}: index {index} must be at most {len(info.shape)} step-1 slices")
         try:
-            tensor = read_box(self._source_files(), info.placements[key], index)
+            return read_box(self._source_files(), info.placements[key], index)
         except (OSError, CheckpointFormatError) as e:
             raise UniversalFormatError(f"{self.path}: reading {info.name} [{key}] from the source checkpoint "
                                        f"{self.lazy_source} failed ({e}); restore the source or reconvert") from e
-        self.bytes_read += tensor.numel() * tensor.element_size()
-        return tensor
 
     def read_for_rank(self, name: str, tp_rank: int, tp_size: int, key: str = "fp32") -> torch.Tensor:
         """The TP rank's shard of a parameter, reading only its regions (pattern.slice_ranges)."""

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from megatron_ucp.inspect_cmd import checkpoint_format, is_universal, open_any
+from megatron_ucp.inspect_cmd import checkpoint_format, is_universal, open_any, text_table
 from megatron_ucp.patterns import VocabSharded
 
 TENSOR_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
@@ -224,10 +224,7 @@ def format_report(result: VerifyResult, top: int) -> str:
         rows = [(f"{d.name} [{KEY_LABELS.get(d.key, d.key)}]", _fmt(d.max_abs), _fmt(d.max_rel),
                  f"{d.num_differing}/{d.numel}" if d.numel else "-", d.note) for d in worst]
         header = ("tensor", "max|diff|", "max rel", "differing", "")
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        lines += ["", ("worst tensors:" if not result.equal else "largest differences:"), fmt.format(*header).rstrip()]
-        lines += [fmt.format(*r).rstrip() for r in rows]
+        lines += ["", ("worst tensors:" if not result.equal else "largest differences:"), *text_table(header, rows)]
         lines.append("")
     bad = [d for d in result.diffs if not d.equal]
     tol = f"atol={result.atol:g} rtol={result.rtol:g}"

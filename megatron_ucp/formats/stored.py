@@ -17,6 +17,7 @@ that way and every item's record offset is read from its zip directory (`zipfile
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import mmap
@@ -448,39 +449,52 @@ def write_placement(files: FileHandles, dst_fd: int, data_offset: int, placement
     if not shape or row_bytes == 0 or shape[0] == 0:
         return
     band_rows = max(1, BAND_BYTES // row_bytes)
-    mapped: list[Optional[MappedTensor]] = []
-    sources: list[torch.Tensor] = []
-    try:
-        for shard in placement.shards:
-            if len(shard.regions) == 1:
-                region = shard.regions[0]
-                m = MappedTensor(files.fd(region.path), region.offset, shard.shape, shard.dtype, writable=False,
-                                 name=region.path)
-                mapped.append(m)
-                sources.append(m.tensor)
-            else:  # a shard split over saved chunks: one bounded copy
-                mapped.append(None)
-                sources.append(read_stored(files, shard))
+    whole = tuple(slice(0, n) for n in shape[1:])
+    with _mapped_shards(files, placement, range(len(placement.shards)), readahead=True) as sources:
         for r0 in range(0, shape[0], band_rows):
             r1 = min(shape[0], r0 + band_rows)
             band = _staging((r1 - r0) * row_bytes).view(dtype).view((r1 - r0,) + tuple(shape[1:]))
-            for block in placement.blocks:
-                lo, hi = max(r0, block.dst[0].start), min(r1, block.dst[0].stop)
-                if lo >= hi:
-                    continue
-                src0 = block.src[0].start + lo - block.dst[0].start
-                dst = (slice(lo - r0, hi - r0),) + block.dst[1:]
-                src = (slice(src0, src0 + hi - lo),) + block.src[1:]
-                band[dst].copy_(sources[block.shard][src])
+            _fill_box(band, (slice(r0, r1),) + whole, placement, sources)
             view = band.view(-1).view(torch.uint8).numpy()
             pos, done = data_offset + r0 * row_bytes, 0
             while done < view.size:
                 done += os.pwrite(dst_fd, memoryview(view[done:]), pos + done)
+
+
+@contextlib.contextmanager
+def _mapped_shards(files: FileHandles, placement: Placement, indices, *, readahead: bool):
+    """{shard index: tensor} for the given shards: an mmap view of a one-region shard (readahead: ask for
+    all of it at once; else only the pages touched are read), a bounded copy of a shard split over saved
+    chunks. Unmapped on exit."""
+    mapped: list[MappedTensor] = []
+    sources: dict[int, torch.Tensor] = {}
+    try:
+        for i in indices:
+            shard = placement.shards[i]
+            if len(shard.regions) == 1:
+                region = shard.regions[0]
+                m = MappedTensor(files.fd(region.path), region.offset, shard.shape, shard.dtype, writable=False,
+                                 readahead=readahead, name=region.path)
+                mapped.append(m)
+                sources[i] = m.tensor
+            else:
+                sources[i] = read_stored(files, shard)
+        yield sources
     finally:
         sources.clear()
         for m in mapped:
-            if m is not None:
-                m.close()
+            m.close()
+
+
+def _fill_box(out: torch.Tensor, box: Sequence[slice], placement: Placement, sources: dict) -> None:
+    """out := the region `box` (one slice per dim) of the consolidated tensor, from the blocks it overlaps."""
+    for b in placement.blocks:
+        lo = [max(x.start, d.start) for x, d in zip(box, b.dst)]
+        hi = [min(x.stop, d.stop) for x, d in zip(box, b.dst)]
+        if all(l < h for l, h in zip(lo, hi)):
+            dst = tuple(slice(l - x.start, h - x.start) for l, h, x in zip(lo, hi, box))
+            src = tuple(slice(s.start + l - d.start, s.start + h - d.start) for l, h, d, s in zip(lo, hi, b.dst, b.src))
+            out[dst].copy_(sources[b.shard][src])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -532,40 +546,15 @@ def placement_from_json(d: dict, root: str) -> Placement:
 
 def read_box(files: FileHandles, placement: Placement, index: Optional[Sequence[slice]] = None) -> torch.Tensor:
     """The region `index` (step-1 slices over leading dims; None = all) of the consolidated tensor, read
-    from the shards' files: only the blocks it overlaps, through mmaps (only the touched pages are read)."""
+    from the shards' files: only the shards it overlaps, through mmaps (only the touched pages are read)."""
     shape = placement.shape
     box = [slice(*s.indices(n)[:2]) for s, n in zip(index or (), shape)]
     box += [slice(0, n) for n in shape[len(box):]]
     out = torch.empty([max(0, s.stop - s.start) for s in box], dtype=placement.dtype)
     if out.numel() == 0:
         return out
-    for index_shard in sorted({b.shard for b in placement.blocks}):
-        parts = []
-        for b in placement.blocks:
-            if b.shard != index_shard:
-                continue
-            lo = [max(x.start, d.start) for x, d in zip(box, b.dst)]
-            hi = [min(x.stop, d.stop) for x, d in zip(box, b.dst)]
-            if all(l < h for l, h in zip(lo, hi)):
-                parts.append((b, lo, hi))
-        if not parts:
-            continue
-        shard = placement.shards[index_shard]
-        mapped = None
-        if len(shard.regions) == 1:
-            region = shard.regions[0]
-            mapped = MappedTensor(files.fd(region.path), region.offset, shard.shape, shard.dtype, writable=False,
-                                  readahead=False, name=region.path)
-            source = mapped.tensor
-        else:
-            source = read_stored(files, shard)
-        try:
-            for b, lo, hi in parts:
-                dst = tuple(slice(l - x.start, h - x.start) for l, h, x in zip(lo, hi, box))
-                src = tuple(slice(s.start + l - d.start, s.start + h - d.start) for l, h, d, s in zip(lo, hi, b.dst, b.src))
-                out[dst].copy_(source[src])
-        finally:
-            source = None
-            if mapped is not None:
-                mapped.close()
+    needed = sorted({b.shard for b in placement.blocks
+                     if all(max(x.start, d.start) < min(x.stop, d.stop) for x, d in zip(box, b.dst))})
+    with _mapped_shards(files, placement, needed, readahead=False) as sources:
+        _fill_box(out, box, placement, sources)
     return out

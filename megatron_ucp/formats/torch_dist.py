@@ -677,6 +677,13 @@ class TorchDistCheckpoint:
             return None
         return out
 
+    def _saved_chunks(self, fqn: str) -> dict:
+        """{offsets: sizes} of the key's saved chunks, built once per key."""
+        found = self._chunks_by_offset.get(fqn)
+        if found is None:
+            found = self._chunks_by_offset[fqn] = {tuple(c.offsets): tuple(c.sizes) for c in self._keys[fqn].chunks}
+        return found
+
     def _saved_item(self, index: MetadataIndex) -> Optional[StoredTensor]:
         """Where one saved chunk's bytes are (cached). Each saved key's first chunk is meta-loaded with
         torch (pickle only) to check it is a plain C-contiguous tensor whose storage is exactly its bytes;
@@ -686,25 +693,25 @@ class TorchDistCheckpoint:
             return found
         info = self._metadata.storage_data.get(index)
         md = self._keys[index.fqn]
-        chunk = next((c for c in md.chunks if tuple(c.offsets) == tuple(index.offset)), None)
+        sizes = self._saved_chunks(index.fqn).get(tuple(index.offset))
         stored = None
-        if info is not None and chunk is not None and not getattr(info, "transform_descriptors", None):
+        if info is not None and sizes is not None and not getattr(info, "transform_descriptors", None):
             path = str(self.path / info.relative_path)
-            nbytes = math.prod(chunk.sizes) * md.properties.dtype.itemsize
+            nbytes = math.prod(sizes) * md.properties.dtype.itemsize
             try:
                 if self._plain_keys.get(index.fqn) is None:
                     meta = meta_load(path, info.offset, info.length, allow_megatron=False)
                     self._plain_keys[index.fqn] = bool(
                         torch.is_tensor(meta) and meta.is_contiguous() and meta.storage_offset() == 0
                         and meta.untyped_storage().nbytes() == nbytes and meta.dtype == md.properties.dtype
-                        and tuple(meta.shape) == tuple(chunk.sizes))
+                        and tuple(meta.shape) == sizes)
                 record = archive_data_record(path, info.offset, info.length) if self._plain_keys[index.fqn] else None
             except Exception as e:
                 raise CheckpointFormatError(f"{path}: item {index.fqn} at byte {info.offset} cannot be read "
                                             f"({type(e).__name__}: {e}); the file is corrupt, re-copy it.") from e
             if record is not None and record[1] == nbytes:
                 regions = (FileRegion(path, record[0], nbytes),) if nbytes else ()
-                stored = StoredTensor(tuple(chunk.sizes), md.properties.dtype, regions)
+                stored = StoredTensor(sizes, md.properties.dtype, regions)
         self._item_cache[index] = stored
         return stored
 
@@ -714,10 +721,7 @@ class TorchDistCheckpoint:
         # Most requests are exactly one saved chunk (a TP shard of one layer, a parameter's slice of a
         # flat bucket): a dict lookup, not DCP's scan over every saved chunk of the key (which is
         # quadratic for stacked layers: layers x TP chunks, each requested once).
-        saved_at = self._chunks_by_offset.get(fqn)
-        if saved_at is None:
-            saved_at = self._chunks_by_offset[fqn] = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
-        if saved_at.get(tuple(chunk.offsets)) == tuple(chunk.sizes):
+        if self._saved_chunks(fqn).get(tuple(chunk.offsets)) == tuple(chunk.sizes):
             return self._saved_item(MetadataIndex(fqn, torch.Size(chunk.offsets)))
         placed = []
         for item in create_read_items_for_chunk_list(fqn, md, [chunk]):
