@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "megatron-lm"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron-lm"
 
 
 def pytest_sessionstart(session):
     # Many tests read Megatron-LM's own checkpoints; without them the suite must fail, not skip.
     if not (FIXTURES / "LOSSES.txt").is_file():
-        raise pytest.UsageError(f"Megatron-LM fixtures not found at {FIXTURES}: the repository must sit "
-                                "beside ../shared/fixtures/megatron-lm (as in CI)")
+        raise pytest.UsageError(f"Megatron-LM fixtures not found at {FIXTURES}: they are part of the "
+                                "repository (tests/fixtures/megatron-lm); restore them with git checkout")

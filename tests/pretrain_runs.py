@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO.parent / "shared" / "fixtures" / "megatron-lm"
+FIXTURES = REPO / "tests" / "fixtures" / "megatron-lm"  # copied unchanged from Megatron-LM runs (README there)
 # Megatron-LM's own checkpoints (see the fixtures' README), by label
 FIXTURE_CKPTS = {
     "A": FIXTURES / "A_llama_tp2pp2dp2_distopt_sp_torch" / "ckpt",  # legacy torch + distrib_optim.pt

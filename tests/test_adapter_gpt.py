@@ -15,7 +15,7 @@ from megatron_ucp.layout import LayoutError, ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.patterns import FusedSubParams, GroupedQKV, PatternError, Replicated, Sharded, VocabSharded
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "megatron-lm"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron-lm"
 
 LLAMA = GPTModelConfig(num_layers=8, hidden_size=48, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
                        kv_channels=12, vocab_size=1001, padded_vocab_size=1024, max_position_embeddings=32,

@@ -19,7 +19,7 @@ import pytest
 from megatron_ucp.convert import to_universal
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = REPO_ROOT.parent / "shared" / "fixtures" / "megatron-lm"
+FIXTURES = REPO_ROOT / "tests" / "fixtures" / "megatron-lm"
 A = FIXTURES / "A_llama_tp2pp2dp2_distopt_sp_torch" / "ckpt"
 B = FIXTURES / "B_llama_tp2pp2dp2_distopt_sp_torch_dist" / "ckpt"
 C = FIXTURES / "C_gpt2_tp2pp2dp1_adam_torch" / "ckpt"

@@ -18,7 +18,7 @@ from megatron_ucp.formats.common import load_pickled
 from megatron_ucp.formats.legacy import LegacyCheckpoint, megatron_param_groups
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = REPO_ROOT.parent / "shared" / "fixtures" / "megatron-lm"
+FIXTURES = REPO_ROOT / "tests" / "fixtures" / "megatron-lm"
 A = FIXTURES / "A_llama_tp2pp2dp2_distopt_sp_torch" / "ckpt"
 C = FIXTURES / "C_gpt2_tp2pp2dp1_adam_torch" / "ckpt"
 

@@ -18,7 +18,7 @@ from megatron_ucp.formats.torch_dist import (
     _MODEL_SPACE_KEY, TorchDistCheckpoint, local_suffix, saved_suffix, stage_layers)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = REPO_ROOT.parent / "shared" / "fixtures" / "megatron-lm"
+FIXTURES = REPO_ROOT / "tests" / "fixtures" / "megatron-lm"
 A = FIXTURES / "A_llama_tp2pp2dp2_distopt_sp_torch" / "ckpt"
 B = FIXTURES / "B_llama_tp2pp2dp2_distopt_sp_torch_dist" / "ckpt"
 

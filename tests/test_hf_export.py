@@ -23,7 +23,7 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = REPO_ROOT.parent / "shared" / "fixtures" / "megatron-lm"
+FIXTURES = REPO_ROOT / "tests" / "fixtures" / "megatron-lm"
 SOURCES = {"llama": FIXTURES / "A_llama_tp2pp2dp2_distopt_sp_torch" / "ckpt",
            "gpt2": FIXTURES / "C_gpt2_tp2pp2dp1_adam_torch" / "ckpt"}
 SEQ, BATCH = 32, 2

@@ -215,7 +215,7 @@ def test_disk_full_gives_one_line_and_leaves_nothing(tmp_path, monkeypatch, caps
         return real_write(files, fd, offset, placement)
 
     monkeypatch.setattr(universal, "write_placement", write_placement)
-    fixture = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "megatron-lm"
+    fixture = Path(__file__).resolve().parent / "fixtures" / "megatron-lm"
     dst = tmp_path / "ucp"
     code = cli.main(["to-universal", str(fixture / "C_gpt2_tp2pp2dp1_adam_torch" / "ckpt"), str(dst),
                      "--iteration", "4", "--workers", "1", "--quiet"])
