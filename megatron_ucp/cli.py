@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 # Subcommand modules, in help order; each defines add_cli_parser(subparsers, common).
 SUBCOMMAND_MODULES = (
-    "megatron_ucp.convert",  # to-universal
+    "megatron_ucp.convert.cli",  # to-universal
     "megatron_ucp.from_universal",  # from-universal
     "megatron_ucp.inspect_cmd",  # inspect
     "megatron_ucp.verify",  # verify

@@ -10,9 +10,8 @@ padded_vocab_size from its args and never reads it from a checkpoint); otherwise
 (padding rows only) with a warning.
 
 Output is built in `DST.partial-<pid>` (tracker file last) and renamed to DST at the end, so DST is
-either absent or complete; the universal checkpoint is only read.
-- `torch`: writers/legacy.py, offline, one (tp, pp) rank in memory at a time;
-- `torch_dist`: writers/torch_dist.py, the training harness launched with T*P*D CPU processes.
+either absent or complete; the universal checkpoint is only read. The format's writer (writers/,
+one declared interface) plans and writes the files; this module only checks what every format shares.
 """
 
 from __future__ import annotations
@@ -28,17 +27,18 @@ from typing import Optional, Union
 
 from tqdm import tqdm
 
-from megatron_ucp.adapters.gpt import expected_parameters
+from megatron_ucp.adapters.gpt import expected_parameters, megatron_padded_vocab, virtual_chunks
 from megatron_ucp.formats.common import TRACKER_FILENAME
 from megatron_ucp.layout import LayoutError, ParallelLayout
-from megatron_ucp.patterns import PatternError, target_padded_vocab
+from megatron_ucp.patterns import PatternError
 from megatron_ucp import universal
 from megatron_ucp.universal import UniversalCheckpoint
-from megatron_ucp.writers import legacy as legacy_writer
-from megatron_ucp.writers import torch_dist as torch_dist_writer
+from megatron_ucp.writers import CKPT_FORMATS, WriteError, WriteTarget, make_writer
+from megatron_ucp.writers.base import target_args
+from megatron_ucp.writers.legacy import RNG_STATE_KINDS
+from megatron_ucp.writers.torch_dist import DEFAULT_TIMEOUT_S
 
 PathLike = Union[str, os.PathLike]
-CKPT_FORMATS = ("torch_dist", "torch")
 
 
 class FromUniversalError(ValueError):
@@ -47,60 +47,47 @@ class FromUniversalError(ValueError):
 
 @dataclass(frozen=True)
 class TargetPlan:
-    """Everything decided before writing: layout, vocabulary, args, files."""
+    """Everything decided before writing: the target and every file."""
 
-    layout: ParallelLayout
-    vpp_layers: Optional[int]
+    target: WriteTarget
     ckpt_format: str
-    use_distributed_optimizer: bool
-    padded_vocab_size: int
     warnings: tuple[str, ...]
-    files: tuple[tuple[str, int], ...]  # (path relative to DST, tensor bytes); torch_dist: estimate
-    harness_flags: tuple[str, ...] = ()
+    files: tuple[tuple[str, int], ...]  # (path relative to DST, tensor bytes); torch_dist harness: estimate
+    details: tuple[str, ...] = ()  # the writer's own description (shown by --dry-run)
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.target.layout
+
+    @property
+    def use_distributed_optimizer(self) -> bool:
+        return self.target.use_distributed_optimizer
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.target.padded_vocab_size
 
 
 def target_layout(ucp: UniversalCheckpoint, tp: int, pp: int, dp: int, vpp_layers: Optional[int],
                   sequence_parallel: bool) -> ParallelLayout:
     """The layout Megatron-LM would run with these flags (VPP from layers per virtual stage)."""
-    num_layers = ucp.config.num_layers
-    vpp = None
-    if vpp_layers is not None:
-        if pp == 1:
-            raise FromUniversalError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size "
-                                     "> 1 (Megatron-LM's interleaved schedule); drop it or raise PP")
-        if vpp_layers < 1 or num_layers % pp or (num_layers // pp) % vpp_layers:
-            raise FromUniversalError(
-                f"num_layers={num_layers} over PP={pp} gives {num_layers / pp:g} layers per stage, not divisible "
-                f"by --num-layers-per-virtual-pipeline-stage {vpp_layers}; choose V dividing {num_layers // pp}"
-                if num_layers % pp == 0 else
-                f"num_layers={num_layers} is not divisible by PP={pp}; choose PP dividing {num_layers}")
-        vpp = (num_layers // pp) // vpp_layers
-        if vpp == 1:
-            vpp = None
     try:
+        vpp = virtual_chunks(ucp.config.num_layers, pp, vpp_layers)
         return ParallelLayout(tp=tp, pp=pp, dp=dp, vpp=vpp, sp=sequence_parallel)
     except LayoutError as e:
         raise FromUniversalError(str(e)) from e
 
 
 def plan_target(ucp: UniversalCheckpoint, layout: ParallelLayout, *, vpp_layers: Optional[int], ckpt_format: str,
-                use_distributed_optimizer: bool, rng_state: str = "cuda") -> TargetPlan:
+                use_distributed_optimizer: bool, rng_state: str = "cuda", writer=None) -> TargetPlan:
     """Validate the target against the model and decide every file; no I/O besides reading metadata."""
     if ckpt_format not in CKPT_FORMATS:
         raise FromUniversalError(f"--ckpt-format {ckpt_format!r}: choose one of {', '.join(CKPT_FORMATS)}")
     config = ucp.config
     where = f"{ucp.path}: cannot write {layout.describe()}"
     warnings = []
-    padded = legacy_writer.megatron_padded_vocab_size(config, layout.tp)
+    padded = megatron_padded_vocab(config, layout.tp)  # what Megatron-LM will compute from the args
     if padded != config.padded_vocab_size:
-        if ckpt_format == "torch_dist":
-            harness_padded = target_padded_vocab(config.padded_vocab_size, config.vocab_size,
-                                                 config.make_vocab_size_divisible_by, layout.tp)
-            if harness_padded != padded:
-                raise FromUniversalError(
-                    f"{where}: the stored padded vocabulary ({config.padded_vocab_size} rows) is divisible by TP="
-                    f"{layout.tp}, so the harness keeps it, but Megatron-LM computes {padded} rows at TP={layout.tp}; "
-                    f"write --ckpt-format torch (it re-pads) or choose another TP")
         warnings.append(f"padded vocabulary changes from {config.padded_vocab_size} to {padded} rows (Megatron-LM "
                         f"computes ceil({config.vocab_size}/({config.make_vocab_size_divisible_by}*{layout.tp}))*"
                         f"{config.make_vocab_size_divisible_by * layout.tp} at TP={layout.tp}); padding rows "
@@ -132,27 +119,18 @@ def plan_target(ucp: UniversalCheckpoint, layout: ParallelLayout, *, vpp_layers:
     if not has_moments:
         warnings.append("the universal checkpoint holds no optimizer state: only model weights are written; resume "
                         "with --no-load-optim (or --finetune)")
-
-    full_args = legacy_writer.target_args(ucp.metadata, layout, use_distributed_optimizer=use_distributed_optimizer,
-                                          padded_vocab_size=padded, ckpt_format=ckpt_format, vpp_layers=vpp_layers)
-    if ckpt_format == "torch":
-        target = legacy_writer.LegacyTarget(layout, use_distributed_optimizer, padded, full_args, rng_state)
-        files = tuple((f.path, f.nbytes) for f in legacy_writer.plan(ucp, config, target))
-        return TargetPlan(layout, vpp_layers, ckpt_format, use_distributed_optimizer, padded, tuple(warnings), files)
-
+    target = WriteTarget(layout, vpp_layers if layout.vpp else None, use_distributed_optimizer, padded,
+                         target_args(ucp.metadata, layout, use_distributed_optimizer=use_distributed_optimizer,
+                                     padded_vocab_size=padded, ckpt_format=ckpt_format, vpp_layers=vpp_layers),
+                         rng_state)
+    writer = writer or make_writer(ckpt_format)
     notes: list[str] = []
     try:
-        flags = torch_dist_writer.harness_flags_from_universal(
-            ucp.metadata, layout, vpp_layers=vpp_layers, use_distributed_optimizer=use_distributed_optimizer,
-            notes=notes)
-    except ValueError as e:
-        raise FromUniversalError(f"{where} as torch_dist: {e}") from e
-    warnings += notes
-    state_bytes = sum(4 * (len(info.tensors)) * _numel(info.shape) for info in ucp.parameters.values())
-    files = ((f"iter_{ucp.iteration:07d}/ (torch_dist, {layout.world_size} writer processes)", state_bytes),
-             (TRACKER_FILENAME, 0))
-    return TargetPlan(layout, vpp_layers, ckpt_format, use_distributed_optimizer, padded, tuple(warnings), files,
-                      tuple(flags))
+        files = writer.plan(ucp, target, notes)
+    except WriteError as e:
+        raise FromUniversalError(f"{where}: {e}") from e
+    return TargetPlan(target, ckpt_format, tuple(warnings + notes), tuple((f.path, f.nbytes) for f in files),
+                      tuple(writer.describe(ucp, target)))
 
 
 def _numel(shape) -> int:
@@ -215,7 +193,7 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
                    num_layers_per_virtual_pipeline_stage: Optional[int] = None,
                    use_distributed_optimizer: bool = False, sequence_parallel: bool = False,
                    ckpt_format: str = "torch_dist", dry_run: bool = False, overwrite: bool = False,
-                   rng_state: str = "cuda", timeout_s: int = torch_dist_writer.DEFAULT_TIMEOUT_S,
+                   rng_state: str = "cuda", timeout_s: int = DEFAULT_TIMEOUT_S,
                    progress: bool = True, warn=None) -> FromUniversalSummary:
     """Write the universal checkpoint at `ucp_path` as a Megatron checkpoint root `dst` at the given layout.
 
@@ -223,13 +201,14 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
     nothing is left at `dst` (nor its staging directory)."""
     start = time.perf_counter()
     ucp_path, dst = Path(ucp_path), Path(dst).absolute()
-    if rng_state not in legacy_writer.RNG_STATE_KINDS:
-        raise FromUniversalError(f"rng_state={rng_state!r}: choose one of {', '.join(legacy_writer.RNG_STATE_KINDS)}")
+    if rng_state not in RNG_STATE_KINDS:
+        raise FromUniversalError(f"rng_state={rng_state!r}: choose one of {', '.join(RNG_STATE_KINDS)}")
     ucp = UniversalCheckpoint.open(ucp_path)
     layout = target_layout(ucp, tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size,
                            num_layers_per_virtual_pipeline_stage, sequence_parallel)
+    writer = make_writer(ckpt_format, timeout_s=timeout_s)
     plan = plan_target(ucp, layout, vpp_layers=num_layers_per_virtual_pipeline_stage, ckpt_format=ckpt_format,
-                       use_distributed_optimizer=use_distributed_optimizer, rng_state=rng_state)
+                       use_distributed_optimizer=use_distributed_optimizer, rng_state=rng_state, writer=writer)
     check_destination(dst, ucp_path, overwrite)
     emit = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
     for message in plan.warnings:
@@ -243,37 +222,21 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
     dst.parent.mkdir(parents=True, exist_ok=True)
     written = 0
     try:
-        if ckpt_format == "torch":
-            staging.mkdir()
-            target = legacy_writer.LegacyTarget(
-                layout, use_distributed_optimizer, plan.padded_vocab_size,
-                legacy_writer.target_args(ucp.metadata, layout, use_distributed_optimizer=use_distributed_optimizer,
-                                          padded_vocab_size=plan.padded_vocab_size, ckpt_format=ckpt_format,
-                                          vpp_layers=num_layers_per_virtual_pipeline_stage),
-                rng_state)
-            bar = tqdm(total=sum(1 for p, _ in plan.files if p != TRACKER_FILENAME), unit="file",
-                       desc="from-universal", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+        staging.mkdir()
+        bar = tqdm(total=sum(1 for p, _ in plan.files if p != TRACKER_FILENAME), unit="file",
+                   desc="from-universal", disable=not progress, file=sys.stderr, dynamic_ncols=True)
 
-            def on_file(path: Path, size: int) -> None:
-                nonlocal written
-                written += size
-                bar.update(1)
+        def on_file(path: Path, size: int) -> None:
+            nonlocal written
+            written += size
+            bar.update(1)
 
-            try:
-                legacy_writer.write(ucp, ucp.config, target, staging, on_file=on_file)
-            finally:
-                bar.close()
-        else:
-            log = dst.parent / f"{dst.name}.partial-{os.getpid()}.log"
-            try:
-                torch_dist_writer.write(ucp_path.absolute(), staging, ucp.iteration, layout, plan.harness_flags,
-                                        timeout_s=timeout_s, log_path=log)
-            except torch_dist_writer.HarnessRunError as e:
-                raise FromUniversalError(f"{e} (log: {log})") from e
-            log.unlink(missing_ok=True)
-            if not (staging / TRACKER_FILENAME).is_file():
-                raise FromUniversalError(f"{staging}: the harness finished without writing {TRACKER_FILENAME}")
-            written = sum(f.stat().st_size for f in staging.rglob("*") if f.is_file())
+        try:
+            writer.write(ucp, plan.target, staging, on_file=on_file)
+        except WriteError as e:
+            raise FromUniversalError(str(e)) from e
+        finally:
+            bar.close()
         _move_into_place(staging, dst)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -302,10 +265,10 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt-format", choices=CKPT_FORMATS, required=True,
                    help="torch: legacy model_optim_rng.pt (+ distrib_optim.pt), written offline; torch_dist: "
                         "written by the training harness with T*P*D CPU processes")
-    p.add_argument("--rng-state", choices=legacy_writer.RNG_STATE_KINDS, default="cuda",
+    p.add_argument("--rng-state", choices=RNG_STATE_KINDS, default="cuda",
                    help="torch format: write a fresh deterministic RNG state for CUDA (default; Megatron-LM on "
                         "GPUs) or CPU generators (the CPU harness), or none (then resume with --no-load-rng)")
-    p.add_argument("--timeout", type=int, default=torch_dist_writer.DEFAULT_TIMEOUT_S,
+    p.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S,
                    help="torch_dist: seconds the harness run may take")
     p.add_argument("--dry-run", action="store_true", help="print the files that would be written; write nothing")
     p.add_argument("--overwrite", action="store_true", help="replace an existing Megatron checkpoint at DST")
@@ -327,8 +290,7 @@ def run_cli(args: argparse.Namespace) -> dict:
     if summary.dry_run:
         lines = [f"dry run: would write {summary.path} ({what}, iteration {summary.iteration}):"]
         lines += [f"  {p}  {b / 2 ** 20:.2f} MiB" for p, b in plan.files]
-        if plan.harness_flags:
-            lines.append("  harness flags: " + " ".join(plan.harness_flags))
+        lines += [f"  {line}" for line in plan.details]
         result["message"] = "\n".join(lines)
     else:
         result["message"] = (f"wrote {summary.path}: {what}, iteration {summary.iteration}, "

@@ -17,28 +17,28 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
 from megatron_ucp import cpu_backend
-from megatron_ucp.adapters import gpt as gpt_adapter
+from megatron_ucp.adapters import gpt as rulebook
 from megatron_ucp.formats.common import layout_from_args
 from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.patterns import Pattern, Replicated, resize_vocab, target_padded_vocab
+from megatron_ucp.patterns import repadded_shard
 
 # Model-config fields that must match between the universal checkpoint and the run.
 MUST_MATCH = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
               "kv_channels", "vocab_size", "swiglu", "normalization", "position_embedding_type",
-              "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias")
+              "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm")
 FLAGS = {
     "num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
     "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
     "kv_channels": "--kv-channels", "vocab_size": "--vocab-size / --tokenizer-type", "swiglu": "--swiglu",
     "normalization": "--normalization", "position_embedding_type": "--position-embedding-type",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-    "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias",
+    "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias", "qk_layernorm": "--qk-layernorm",
 }
 
 
@@ -52,8 +52,7 @@ def open_for_run(args):
 
     ucp = UniversalCheckpoint.open(args.load)
     stored = ucp.config.padded_vocab_size
-    target = target_padded_vocab(stored, ucp.config.vocab_size, args.make_vocab_size_divisible_by,
-                                 args.tensor_model_parallel_size)
+    target = rulebook.padded_vocab_at(ucp.config, args.tensor_model_parallel_size)
     if target != stored and torch.distributed.get_rank() == 0:
         print(f"WARNING: the universal checkpoint's padded vocabulary ({stored} rows) is not divisible by "
               f"TP={args.tensor_model_parallel_size}; re-padding to {target} rows. Padding rows enter the "
@@ -84,47 +83,15 @@ def check_compatible(ucp, args) -> None:
 
 # --- reading slices ---------------------------------------------------------------------------
 
-def _local_pieces(pattern: Pattern, shape, tp_rank: int, tp: int):
-    return pattern.slice_ranges(tuple(shape), tp_rank, tp)
-
-
-def _cat_dim(pattern: Pattern) -> int:
-    return 0 if pattern.dim is None else pattern.dim
-
-
-def read_local(ucp, name: str, key: str, pattern: Pattern, shape, tp_rank: int, tp: int) -> torch.Tensor:
-    """The whole tensor-parallel slice of `name` (what a TP rank holds), read piece by piece."""
-    pieces = [ucp.read(name, key, idx) for idx in _local_pieces(pattern, shape, tp_rank, tp)]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=_cat_dim(pattern))
-
-
-def read_local_flat_range(ucp, name: str, key: str, pattern: Pattern, shape, tp_rank: int, tp: int,
-                          start: int, end: int) -> torch.Tensor:
-    """Elements [start, end) of the flattened TP slice, reading only the rows that cover them."""
-    pieces = _local_pieces(pattern, shape, tp_rank, tp)
-    local_shape = pattern.local_shape(tuple(shape), tp)
-    row = int(np.prod(local_shape[1:])) if len(local_shape) > 1 else 1
-    r0, r1 = start // row, math.ceil(end / row)
-    dim = _cat_dim(pattern)
-    parts = []
-    if dim == 0 or len(pieces) == 1:
-        offset = 0  # local row where the current piece starts
-        for idx in pieces:
-            rows_here = idx[0].stop - idx[0].start
-            if dim != 0:
-                rows_here = local_shape[0]
-            lo, hi = max(r0, offset), min(r1, offset + rows_here)
-            if lo < hi:
-                sub = (slice(idx[0].start + lo - offset, idx[0].start + hi - offset),) + tuple(idx[1:])
-                parts.append(ucp.read(name, key, sub))
-            offset += rows_here
-            if dim != 0:
-                break
-    else:
-        raise UniversalLoadError(f"{name}: pattern {pattern} fuses pieces along dim {dim}; no row reader for it")
-    rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    flat = rows.reshape(-1)
-    return flat[start - r0 * row: end - r0 * row]
+def read_local_flat_range(ucp, name: str, key: str, tp_rank: int, tp: int, start: int, end: int) -> torch.Tensor:
+    """Elements [start, end) of the flattened TP slice, reading only the rows of the slice that cover them
+    (the stored pattern says where those rows are in the global tensor)."""
+    info = ucp.parameters[name]
+    local_shape = info.pattern.local_shape(info.shape, tp, name=name)
+    row = math.prod(local_shape[1:])
+    r0, r1 = start // row, -(-end // row)
+    rows = ucp.read_local(name, key, tp_rank, tp, (slice(r0, r1),))
+    return rows.reshape(-1)[start - r0 * row: end - r0 * row]
 
 
 # --- optimizer plumbing -----------------------------------------------------------------------
@@ -206,19 +173,18 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
         from megatron_ucp.training.model import unwrap_model
         module = unwrap_model(chunk)
         for local, param in module.named_parameters():
-            name = gpt_adapter.canonical_name(local, layout, pp_rank, vpp_chunk if layout.vpp else None,
-                                              config.num_layers, tied=config.tied)
+            name = rulebook.canonical_name(local, layout, pp_rank, vpp_chunk if layout.vpp else None,
+                                           config.num_layers, tied=config.tied)
             if name is None:
                 continue
             if name not in ucp.parameters:
                 raise UniversalLoadError(f"{ucp.path}: no tensor for parameter {name} (this rank's {local})")
             info = ucp.parameters[name]
-            pattern = gpt_adapter.pattern_for(name, config)
-            resize = name in (gpt_adapter.WORD_EMBEDDINGS, gpt_adapter.OUTPUT_LAYER) and info.shape[0] != target_padded
+            resize = rulebook.is_vocab_parameter(name) and info.shape[0] != target_padded
             main = mains.get(id(param))
 
             if gather_params and not resize:
-                local_shape = pattern.local_shape(info.shape, layout.tp, name=name)
+                local_shape = info.pattern.local_shape(info.shape, layout.tp, name=name)
                 if tuple(local_shape) != tuple(param.shape):
                     raise UniversalLoadError(f"{name}: universal slice for TP rank {tp_rank} has shape "
                                              f"{tuple(local_shape)}, the model expects {tuple(param.shape)}")
@@ -226,8 +192,7 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
                     continue  # no element of it in this DP rank's shard: the all-gather brings it
                 start, end = main.flat_range
                 for key in ("fp32", "exp_avg", "exp_avg_sq"):
-                    values = read_local_flat_range(ucp, name, key, pattern, info.shape, tp_rank, layout.tp,
-                                                   start, end)
+                    values = read_local_flat_range(ucp, name, key, tp_rank, layout.tp, start, end)
                     if key == "fp32":
                         param.view(-1)[start:end].copy_(values.to(param.dtype))
                     target = main.main if key == "fp32" else main.state[key]
@@ -235,11 +200,11 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
                 main.state["step"] = torch.tensor(float(info.step or 0), dtype=torch.float32)
                 continue
             if resize:
-                local_tensors = _resized_local(ucp, name, info, pattern, target_padded, config.vocab_size,
+                local_tensors = _resized_local(ucp, name, info, target_padded, config.vocab_size,
                                                tp_rank, layout.tp, with_moments=main is not None)
                 weight = local_tensors["fp32"]
             else:
-                weight = read_local(ucp, name, "fp32", pattern, info.shape, tp_rank, layout.tp)
+                weight = ucp.read_local(name, "fp32", tp_rank, layout.tp)
             if tuple(weight.shape) != tuple(param.shape):
                 raise UniversalLoadError(f"{name}: universal slice for TP rank {tp_rank} has shape "
                                          f"{tuple(weight.shape)}, the model expects {tuple(param.shape)}")
@@ -254,8 +219,7 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
                 elif key == "fp32":
                     values = weight.reshape(-1)[start:end]
                 else:
-                    values = read_local_flat_range(ucp, name, key, pattern, info.shape, tp_rank, layout.tp,
-                                                   start, end)
+                    values = read_local_flat_range(ucp, name, key, tp_rank, layout.tp, start, end)
                 target = main.main if key == "fp32" else main.state[key]
                 target.copy_(values.view_as(target).to(target.dtype))
             main.state["step"] = torch.tensor(float(info.step or 0), dtype=torch.float32)
@@ -288,13 +252,8 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
     return ucp.iteration
 
 
-def _resized_local(ucp, name, info, pattern, target_padded, true_vocab, tp_rank, tp, with_moments):
+def _resized_local(ucp, name, info, target_padded, true_vocab, tp_rank, tp, with_moments):
     """Vocab re-padding: read the global tensor, re-pad rows deterministically, take this rank's slice."""
-    out = {}
     keys = ("fp32", "exp_avg", "exp_avg_sq") if with_moments else ("fp32",)
-    for key in keys:
-        full = ucp.read(name, key)
-        fill = "mean_padding" if key == "fp32" else "zeros"
-        resized, _ = resize_vocab(full, target_padded, true_vocab, fill=fill)
-        out[key] = pattern.slice_for_rank(resized, tp_rank, tp)
-    return out
+    return {key: repadded_shard(ucp.read(name, key), info.pattern, target_padded, true_vocab, key, tp_rank, tp,
+                                name=name) for key in keys}

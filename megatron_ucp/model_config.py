@@ -25,6 +25,7 @@ class GPTModelConfig:
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
+    qk_layernorm: bool = False
     num_experts: Optional[int] = None
 
     def __post_init__(self):
@@ -92,6 +93,7 @@ class GPTModelConfig:
             add_bias_linear=bool(get("add_bias_linear", True)),
             # The QKV bias exists with either flag (Megatron-LM keeps them in sync).
             add_qkv_bias=bool(get("add_qkv_bias", False)) or bool(get("add_bias_linear", True)),
+            qk_layernorm=bool(get("qk_layernorm", False)),
             num_experts=get("num_experts"),
         )
 

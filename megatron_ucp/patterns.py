@@ -2,9 +2,11 @@
 
 Each pattern is a small frozen dataclass with exact-inverse `consolidate` (TP shards -> the global
 tensor) and `slice_for_rank` (global tensor -> one rank's shard), plus `slice_ranges`, which says
-which index ranges of the global tensor make up a rank's shard, so a loader can read just those bytes
-(e.g. with safetensors' `get_slice`). Patterns round-trip through JSON because the universal format
-stores each parameter's pattern in its metadata.
+which index ranges of the global tensor make up a rank's shard. `rank_blocks` turns those ranges into
+`Block`s (a region of the global tensor = a region of the rank's shard), and every shard geometry in
+the project comes from them: the converter's byte placements, the torch_dist reader's chunk requests,
+the loader's and lazy checkpoints' slice reads (`local_reads`), `plan`'s byte counts. Patterns
+round-trip through JSON because the universal format stores each parameter's pattern in its metadata.
 
 Pure: tensors in, tensors out; no file I/O, no torch.distributed.
 """
@@ -18,7 +20,6 @@ from typing import ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 import torch
 
 from megatron_ucp.layout import LayoutError
-from megatron_ucp.model_config import pad_vocab_size
 
 Shape = Tuple[int, ...]
 Ranges = Tuple[slice, ...]
@@ -84,6 +85,21 @@ def check_copies_agree(copies: Sequence[torch.Tensor], *, name: Optional[str] = 
             "was written")
 
 
+@dataclass(frozen=True)
+class Block:
+    """Region `dst` of the global tensor (one slice per dim) is region `src` of shard `shard` (the TP
+    rank's local tensor); both regions have the same lengths."""
+
+    shard: int
+    dst: Ranges
+    src: Ranges
+
+
+def _intersect(a: Ranges, b: Ranges) -> Optional[Ranges]:
+    out = tuple(slice(max(x.start, y.start), min(x.stop, y.stop)) for x, y in zip(a, b))
+    return out if all(s.start < s.stop for s in out) else None
+
+
 class Pattern:
     """Base of all patterns. Subclasses are frozen dataclasses; behaviour is defined by `kind`."""
 
@@ -98,6 +114,41 @@ class Pattern:
                      name: Optional[str] = None) -> List[Ranges]:
         """Index tuples into the global tensor; their pieces, concatenated along `dim`, are the rank's shard."""
         raise NotImplementedError
+
+    def rank_blocks(self, global_shape: Sequence[int], tp_rank: int, tp_size: int, *,
+                    name: Optional[str] = None) -> List[Block]:
+        """The rank's shard as blocks: each `slice_ranges` piece of the global tensor and where it sits in
+        the shard (pieces are concatenated along `dim`, so each takes the next run of that dim)."""
+        global_shape = tuple(global_shape)
+        ranges = self.slice_ranges(global_shape, tp_rank, tp_size, name=name)
+        if self.dim is None:
+            return [Block(tp_rank, r, _whole(global_shape)) for r in ranges]
+        local = self.local_shape(global_shape, tp_size, name=name)
+        blocks, offset = [], 0
+        for r in ranges:
+            n = r[self.dim].stop - r[self.dim].start
+            blocks.append(Block(tp_rank, r, _along(local, self.dim, offset, offset + n)))
+            offset += n
+        return blocks
+
+    def local_reads(self, global_shape: Sequence[int], tp_rank: int, tp_size: int,
+                    local_box: Optional[Sequence[slice]] = None, *, name: Optional[str] = None
+                    ) -> List[Tuple[Ranges, Ranges]]:
+        """What to read to fill the region `local_box` of the rank's shard (default: all of it): pairs of
+        (region of the global tensor, where it goes relative to local_box's start). Leading dims may be
+        given; the rest are whole."""
+        local = self.local_shape(global_shape, tp_size, name=name)
+        box = tuple(slice(*s.indices(n)[:2]) for s, n in zip(local_box or (), local))
+        box += _whole(local)[len(box):]
+        reads = []
+        for b in self.rank_blocks(global_shape, tp_rank, tp_size, name=name):
+            part = _intersect(box, b.src)
+            if part is None:
+                continue
+            src = tuple(slice(d.start + p.start - s.start, d.start + p.stop - s.start)
+                        for p, s, d in zip(part, b.src, b.dst))
+            reads.append((src, tuple(slice(p.start - x.start, p.stop - x.start) for p, x in zip(part, box))))
+        return reads
 
     def local_shape(self, global_shape: Sequence[int], tp_size: int, *, name: Optional[str] = None) -> Shape:
         global_shape = tuple(global_shape)
@@ -221,7 +272,7 @@ class VocabSharded(Sharded):
 
     def _not_divisible(self, name, size, tp_size) -> str:
         return (f"{_label(name)}padded vocabulary of {size} rows is not divisible by TP={tp_size}; re-pad "
-                f"to target_padded_vocab(...) with resize_vocab, or choose TP in {_divisors(size)}")
+                f"with resize_vocab (adapters.gpt.padded_vocab_at gives the size), or choose TP in {_divisors(size)}")
 
     def to_json(self):
         return {"kind": self.kind}
@@ -404,23 +455,6 @@ def pattern_from_json(d: dict) -> Pattern:
 # Vocabulary padding
 
 
-def target_padded_vocab(stored_padded: int, true_vocab: int, divisible_by: int, tp: int) -> int:
-    """Padded vocabulary rows to use at TP=`tp`.
-
-    Keep the stored padded size when TP divides it (no rows added or dropped, so the loss is unchanged;
-    every rank gets stored_padded/tp rows, which megatron-core's VocabParallelEmbedding accepts).
-    Otherwise use Megatron-LM's rule, ceil(true/(divisible_by*tp)) * divisible_by*tp.
-    Note: Megatron-LM's pretrain_gpt.py recomputes the padded size with that rule from its own args, so a
-    run launched by it needs pad_vocab_size(true_vocab, divisible_by, tp) == the returned value.
-    """
-    if stored_padded < true_vocab:
-        raise PatternError(f"stored padded vocabulary {stored_padded} is smaller than the true vocabulary "
-                           f"{true_vocab}; the checkpoint's vocab_size is wrong")
-    if stored_padded % tp == 0:
-        return stored_padded
-    return pad_vocab_size(true_vocab, divisible_by, tp)
-
-
 def resize_vocab(full: torch.Tensor, new_padded_rows: int, true_vocab_size: int, *,
                  fill: str = "mean_padding") -> Tuple[torch.Tensor, Optional[str]]:
     """Change the number of padded vocabulary rows (dim 0) of a consolidated tensor.
@@ -458,3 +492,12 @@ def resize_vocab(full: torch.Tensor, new_padded_rows: int, true_vocab_size: int,
     warning = (f"padded vocabulary changed from {stored} to {new_padded_rows} rows ({change}); padding rows "
                "enter Megatron's softmax, so the loss will shift slightly from the source run")
     return resized, warning
+
+
+def repadded_shard(full: torch.Tensor, pattern: Pattern, new_padded_rows: int, true_vocab_size: int, key: str,
+                   tp_rank: int, tp_size: int, *, name: Optional[str] = None) -> torch.Tensor:
+    """TP rank's shard of a vocabulary tensor re-padded to `new_padded_rows` (resize_vocab, weights filled
+    with the mean padding row, optimizer moments ('exp_avg', 'exp_avg_sq') with zeros)."""
+    fill = "zeros" if key in ("exp_avg", "exp_avg_sq") else "mean_padding"
+    resized, _ = resize_vocab(full, new_padded_rows, true_vocab_size, fill=fill)
+    return pattern.slice_for_rank(resized, tp_rank, tp_size, name=name)

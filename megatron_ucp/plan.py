@@ -16,13 +16,13 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_ucp.adapters.gpt import OUTPUT_LAYER, WORD_EMBEDDINGS, expected_parameters, parameters_for_rank
+from megatron_ucp.adapters.gpt import (expected_parameters, is_vocab_parameter, layers_per_chunk, padded_vocab_at,
+                                      parameters_for_rank, virtual_chunks)
 from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
                                                 shared_embedding_names)
 from megatron_ucp.inspect_cmd import human_bytes, is_universal, open_any, text_table
 from megatron_ucp.layout import LayoutError, ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.patterns import target_padded_vocab
 
 
 def _divisors(n: int, upto: int = 64) -> list[int]:
@@ -56,6 +56,7 @@ class Source:
     iteration: int
     config: GPTModelConfig
     shapes: dict
+    patterns: dict  # canonical name -> the stored pattern (a universal checkpoint's) or the rulebook's
     model_dtypes: dict
     has_moments: bool
     args: dict
@@ -66,13 +67,15 @@ def read_source(path, iteration: Optional[int] = None) -> Source:
     if is_universal(ckpt):
         params = ckpt.parameters
         return Source(str(ckpt.path), "universal", ckpt.iteration, ckpt.config,
-                      {n: p.shape for n, p in params.items()}, {n: p.model_dtype for n, p in params.items()},
+                      {n: p.shape for n, p in params.items()}, {n: p.pattern for n, p in params.items()},
+                      {n: p.model_dtype for n, p in params.items()},
                       all("exp_avg" in p.tensors for p in params.values()), dict(ckpt.args))
-    from megatron_ucp.convert import plan_parameters
+    from megatron_ucp.convert import conversion_tasks
     from megatron_ucp.universal import dtype_name
 
-    tasks = plan_parameters(ckpt)  # the conversion would fail here if the source is not convertible
+    tasks = conversion_tasks(ckpt)  # the conversion would fail here if the source is not convertible
     return Source(str(ckpt.path), ckpt.format, ckpt.iteration, ckpt.config, {t.name: t.shape for t in tasks},
+                  {t.name: t.pattern for t in tasks},
                   {t.name: dtype_name(t.places[0][0].dtype) for t in tasks}, ckpt.optimizer_kind != "none",
                   dict(ckpt.args))
 
@@ -98,21 +101,12 @@ def check_target(source: Source, target: Target) -> tuple[list[str], list[str], 
         problems.append(f"ffn_hidden_size={c.ffn_hidden_size} is not divisible by TP={t}; "
                         f"choose TP in {_divisors(c.ffn_hidden_size)}")
     vpp = None
-    if c.num_layers % target.pp:
-        problems.append(f"num_layers={c.num_layers} is not divisible by PP={target.pp}; "
-                        f"choose PP in {_divisors(c.num_layers)}")
-    elif target.layers_per_virtual_stage:
-        v = target.layers_per_virtual_stage
-        per_stage = c.num_layers // target.pp
-        if target.pp == 1:
-            problems.append("--num-layers-per-virtual-pipeline-stage needs PP > 1; drop it or raise PP")
-        elif v < 1 or per_stage % v:
-            problems.append(f"num_layers={c.num_layers} is not divisible by PP x VPP: {per_stage} layers per stage "
-                            f"cannot be split into virtual stages of {v} layers; choose "
-                            f"--num-layers-per-virtual-pipeline-stage in {_divisors(per_stage)}")
-        else:
-            vpp = per_stage // v if per_stage // v > 1 else None
-    padded = target_padded_vocab(c.padded_vocab_size, c.vocab_size, c.make_vocab_size_divisible_by, t)
+    try:
+        vpp = virtual_chunks(c.num_layers, target.pp, target.layers_per_virtual_stage)
+        layers_per_chunk(c.num_layers, ParallelLayout(pp=target.pp, vpp=vpp))
+    except LayoutError as e:
+        problems.append(str(e))
+    padded = padded_vocab_at(c, t)
     if padded != c.padded_vocab_size:
         warnings.append(f"vocabulary padding changes: the stored {c.padded_vocab_size} rows are not divisible by "
                         f"TP={t}, the loader re-pads to {padded} rows (padding rows enter the softmax: the loss "
@@ -138,11 +132,14 @@ def check_target(source: Source, target: Target) -> tuple[list[str], list[str], 
     return problems, warnings, layout, padded
 
 
-def _rows_bytes(local_shape, start: int, end: int) -> int:
-    """Bytes of the fp32 rows of a TP slice covering flat elements [start, end) (what the loader reads)."""
-    row = math.prod(local_shape[1:]) if len(local_shape) > 1 else 1
-    first, last = start // row, -(-end // row)
-    return (last - first) * row * 4
+def _rows_bytes(source: Source, canonical: str, tp_rank: int, tp: int, start: int, end: int) -> int:
+    """Bytes of fp32 the loader reads for flat elements [start, end) of a TP slice: the slice's rows that
+    cover them, as the stored pattern places them in the global tensor (Pattern.local_reads)."""
+    pattern, shape = source.patterns[canonical], source.shapes[canonical]
+    local = pattern.local_shape(shape, tp)
+    row = math.prod(local[1:])
+    box = (slice(start // row, -(-end // row)),)
+    return sum(math.prod(s.stop - s.start for s in src) for src, _ in pattern.local_reads(shape, tp_rank, tp, box)) * 4
 
 
 def rank_reads(source: Source, layout: ParallelLayout, padded: int,
@@ -161,7 +158,7 @@ def rank_reads(source: Source, layout: ParallelLayout, padded: int,
                 resized = {}
                 for local, local_shape, canonical in entries:
                     names.append(canonical)
-                    repad = canonical in (WORD_EMBEDDINGS, OUTPUT_LAYER) and padded != stored_rows
+                    repad = is_vocab_parameter(canonical) and padded != stored_rows
                     full = math.prod(source.shapes[canonical]) * 4
                     # re-padding reads the whole stored tensor (each key) to re-pad it, then slices
                     weight_bytes += full if repad else math.prod(local_shape) * 4
@@ -170,7 +167,7 @@ def rank_reads(source: Source, layout: ParallelLayout, padded: int,
                         for d in range(layout.dp):
                             opt_bytes[d] += moments * (full if repad else math.prod(local_shape) * 4)
                 if moments and use_distributed_optimizer:
-                    _add_distopt_reads(source, layout, entries, pp_rank, chunk, resized, opt_bytes, moments)
+                    _add_distopt_reads(source, layout, entries, tp_rank, pp_rank, chunk, resized, opt_bytes, moments)
             stages.append({"pp_rank": pp_rank, "tp_rank": tp_rank, "num_parameters": len(names),
                            "weight_bytes": weight_bytes, "parameters": names})
             for dp_rank in range(layout.dp):
@@ -182,8 +179,8 @@ def rank_reads(source: Source, layout: ParallelLayout, padded: int,
     return stages, ranks
 
 
-def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, pp_rank: int, chunk: int, resized: dict,
-                       opt_bytes: list, moments: int) -> None:
+def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, tp_rank: int, pp_rank: int, chunk: int,
+                       resized: dict, opt_bytes: list, moments: int) -> None:
     """Moments read per DP rank: megatron-core's DistributedOptimizer gives DP rank r the r-th equal part of
     every bucket of the chunk's DDP buffer (bucket_layout reproduces the buffer's index map)."""
     args = {**source.args, "pipeline_model_parallel_size": layout.pp,
@@ -192,7 +189,7 @@ def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, pp_rank:
     shared = shared_embedding_names(args, pp_rank=pp_rank, vpp_chunk=chunk, names=local_names)
     params = [BufferParam(local, tuple(shape), _torch_dtype(source.model_dtypes[canonical]), local in shared)
               for local, shape, canonical in entries]
-    shapes = {local: shape for local, shape, _ in entries}
+    canonicals = {local: canonical for local, _, canonical in entries}
     full_bytes = {local: math.prod(source.shapes[canonical]) * 4 for local, _, canonical in entries}
     config = DDPBucketConfig(dp_size=layout.dp, use_distributed_optimizer=True, bucket_size=None)
     for buffer in build_chunk_buffers(params, config):
@@ -209,8 +206,8 @@ def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, pp_rank:
                     if resized[span.name]:
                         opt_bytes[dp_rank] += moments * full_bytes[span.name]
                     else:
-                        opt_bytes[dp_rank] += moments * _rows_bytes(shapes[span.name], start - span.start,
-                                                                    end - span.start)
+                        opt_bytes[dp_rank] += moments * _rows_bytes(source, canonicals[span.name], tp_rank,
+                                                                    layout.tp, start - span.start, end - span.start)
 
 
 def _torch_dtype(name: str):

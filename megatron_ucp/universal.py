@@ -25,9 +25,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_ucp.formats.common import CheckpointFormatError
-from megatron_ucp.formats.stored import (
-    FileHandles, Placement, placement_from_json, placement_to_json, read_box, write_placement)
+from megatron_ucp.byteio import (
+    FileHandles, Placement, StorageError, placement_from_json, placement_to_json, read_box, write_placement)
 from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.patterns import Pattern, PatternError, pattern_from_json
@@ -197,7 +196,7 @@ def write_tensor_file_placed(staging_dir: PathLike, name: str, placements: Mappi
                              info: Mapping[str, Any], files: FileHandles) -> dict:
     """write_tensor_file for tensors given as Placements (where their bytes are in the source files): the
     file is sized, its header written, and each tensor's bytes copied straight into place (see
-    formats.stored.write_placement), so no tensor is materialised."""
+    byteio.write_placement), so no tensor is materialised."""
     shape = _check_tensors(name, {k: (p.shape, p.dtype) for k, p in placements.items()})
     keys = [key for key in TENSOR_KEYS if key in placements]
     entry = _entry(name, shape, keys, info)
@@ -312,16 +311,18 @@ class UniversalWriter:
             raise
         return entry
 
-    def finish(self, metadata: Mapping[str, Any]) -> Path:
+    def finish(self, metadata: Mapping[str, Any], expected: Sequence[tuple[str, Sequence[int]]]) -> Path:
         """Write metadata.json (format, version and the recorded parameters added), then COMPLETE, then move
-        the directory into place. `metadata` holds the other top-level keys of docs/FORMAT.md."""
+        the directory into place. `metadata` holds the other top-level keys of docs/FORMAT.md; `expected`
+        lists every parameter of the model with its global shape, in registration order (the model's
+        rulebook gives it), so an incomplete conversion is never marked complete."""
         if self._done:
             raise UniversalFormatError(f"{self.dst}: writer already finished or aborted")
         try:
             missing = [k for k in REQUIRED_METADATA if k not in metadata]
             if missing:
                 raise UniversalFormatError(f"{self.dst}: metadata lacks {missing}")
-            self._check_complete(metadata["model_config"])
+            self._check_complete(expected)
             doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION}
             doc.update({k: v for k, v in metadata.items() if k not in ("format", "version", "parameters")})
             doc["parameters"] = self.parameters
@@ -341,11 +342,8 @@ class UniversalWriter:
         self._done = True
         return self.dst
 
-    def _check_complete(self, model_config: Mapping[str, Any]) -> None:
-        # Imported here: the adapter is the GPT model's rulebook, the writer only checks against it.
-        from megatron_ucp.adapters.gpt import expected_parameters
-
-        expected = dict(expected_parameters(GPTModelConfig.from_dict(model_config)))
+    def _check_complete(self, expected: Sequence[tuple[str, Sequence[int]]]) -> None:
+        expected = {name: tuple(shape) for name, shape in expected}
         missing = [n for n in expected if n not in self.parameters]
         extra = sorted(set(self.parameters) - set(expected))
         if missing or extra:
@@ -354,9 +352,9 @@ class UniversalWriter:
                 f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}; a universal checkpoint holds "
                 f"every parameter of the model exactly once")
         for name, shape in expected.items():
-            if tuple(self.parameters[name]["shape"]) != tuple(shape):
+            if tuple(self.parameters[name]["shape"]) != shape:
                 raise UniversalFormatError(f"{name}: shape {tuple(self.parameters[name]['shape'])} but the model "
-                                           f"config gives {tuple(shape)}")
+                                           f"config gives {shape}")
         # metadata.json lists parameters in registration order, whatever order workers finished in
         self.parameters = {name: self.parameters[name] for name in expected}
 
@@ -546,18 +544,31 @@ class UniversalCheckpoint:
     def _read_lazy(self, info: ParamInfo, key: str, index) -> torch.Tensor:
         try:
             return read_box(self._source_files(), info.placements[key], index)
-        except (OSError, CheckpointFormatError) as e:
+        except (OSError, StorageError) as e:
             raise UniversalFormatError(f"{self.path}: reading {info.name} [{key}] from the source checkpoint "
                                        f"{self.lazy_source} failed ({e}); restore the source or reconvert") from e
 
-    def read_for_rank(self, name: str, tp_rank: int, tp_size: int, key: str = "fp32") -> torch.Tensor:
-        """The TP rank's shard of a parameter, reading only its regions (pattern.slice_ranges)."""
+    def read_local(self, name: str, key: str, tp_rank: int, tp_size: int,
+                   local_box: Optional[Sequence[slice]] = None) -> torch.Tensor:
+        """The region `local_box` (leading-dim slices; default all) of TP rank `tp_rank`'s shard of a
+        parameter, reading only the pieces of the global tensor it needs (the stored pattern's
+        local_reads)."""
         info = self.parameters.get(name)
         if info is None:
             self._file(name)
-        ranges = info.pattern.slice_ranges(info.shape, tp_rank, tp_size, name=name)
-        pieces = [self.read(name, key, r) for r in ranges]
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=info.pattern.dim)
+        reads = info.pattern.local_reads(info.shape, tp_rank, tp_size, local_box, name=name)
+        if len(reads) == 1 and local_box is None:
+            return self.read(name, key, reads[0][0])
+        local = info.pattern.local_shape(info.shape, tp_size, name=name)
+        box = [slice(*s.indices(n)[:2]) for s, n in zip(local_box or (), local)]
+        out = torch.empty([s.stop - s.start for s in box] + list(local[len(box):]), dtype=torch.float32)
+        for src, dst in reads:
+            out[dst] = self.read(name, key, src)
+        return out
+
+    def read_for_rank(self, name: str, tp_rank: int, tp_size: int, key: str = "fp32") -> torch.Tensor:
+        """The TP rank's whole shard of a parameter, reading only its regions."""
+        return self.read_local(name, key, tp_rank, tp_size)
 
     def total_bytes(self) -> int:
         """Bytes of all stored tensors (fp32)."""

@@ -3,7 +3,7 @@
 Both sides are reduced to consolidated tensors (the TP1 global tensor of each canonical parameter, with
 its fp32 master weight, Adam moments and step when present) and compared one parameter at a time, so
 memory stays bounded by two parameters. A universal checkpoint is read as stored; a Megatron-LM one is
-consolidated with the converter's own `plan_parameters` / `consolidate_parameter`.
+consolidated with the converter's own `conversion_tasks` / `consolidate_parameter`.
 
 Vocabulary rows: two layouts may pad the vocabulary differently; the first min(rows) rows are compared
 and the difference in padding is reported.
@@ -41,9 +41,9 @@ class ConsolidatedSource:
             self.keys = {n: tuple(p.tensors) for n, p in ckpt.parameters.items()}
             self._tasks = None
         else:
-            from megatron_ucp.convert import plan_parameters
+            from megatron_ucp.convert import conversion_tasks
 
-            self._tasks = {t.name: t for t in plan_parameters(ckpt)}  # checks completeness, reads no tensor
+            self._tasks = {t.name: t for t in conversion_tasks(ckpt)}  # checks completeness, reads no tensor
             self.shapes = {n: t.shape for n, t in self._tasks.items()}
             self.patterns = {n: t.pattern for n, t in self._tasks.items()}
             keys = ("fp32",) if ckpt.optimizer_kind == "none" else TENSOR_KEYS

@@ -133,8 +133,16 @@ def test_te_names_and_ignorable_entries():
 
 def test_unknown_and_misplaced_names_raise():
     layout = ParallelLayout(pp=2)
-    with pytest.raises(gpt.UnknownParameterError, match="q_layernorm"):
-        gpt.canonical_name("decoder.layers.0.self_attention.q_layernorm.weight", layout, 0, None, 8)
+    with pytest.raises(gpt.UnknownParameterError, match="linear_qkv.gamma"):
+        gpt.canonical_name("decoder.layers.0.self_attention.linear_qkv.gamma", layout, 0, None, 8)
+    # q/k layernorms have rows; a model without --qk-layernorm does not have them
+    assert gpt.canonical_name("decoder.layers.0.self_attention.q_layernorm.weight", layout, 1, None, 8) == \
+        "decoder.layers.4.self_attention.q_layernorm.weight"
+    with pytest.raises(gpt.UnknownParameterError, match="not a parameter of this model"):
+        gpt.pattern_for("decoder.layers.0.self_attention.k_layernorm.weight", LLAMA)
+    qk = GPTModelConfig(**{**LLAMA.to_dict(), "qk_layernorm": True})
+    assert gpt.pattern_for("decoder.layers.0.self_attention.k_layernorm.weight", qk) == Replicated()
+    assert dict(gpt.expected_parameters(qk))["decoder.layers.7.self_attention.q_layernorm.weight"] == (12,)
     with pytest.raises(gpt.UnknownParameterError, match="unwrap DDP"):
         gpt.canonical_name("module.embedding.word_embeddings.weight", layout, 0, None, 8)
     with pytest.raises(gpt.UnknownParameterError, match="decoder.layers.0.mlp.linear_fc9.weight"):
@@ -299,18 +307,21 @@ def _build(config: GPTModelConfig, layout: ParallelLayout, pre_process=True, pos
         num_attention_heads=config.num_attention_heads, num_query_groups=config.num_query_groups,
         kv_channels=config.kv_channels, gated_linear_unit=config.swiglu,
         activation_func=F.silu if config.swiglu else F.gelu, normalization=config.normalization,
-        add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
+        add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias, qk_layernorm=config.qk_layernorm,
         use_cpu_initialization=True, perform_initialization=True,
         pipeline_model_parallel_size=layout.pp, virtual_pipeline_model_parallel_size=layout.vpp,
         pipeline_dtype=torch.float32 if layout.pp > 1 else None)
-    return GPTModel(config=tc, transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
+    spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+    return GPTModel(config=tc, transformer_layer_spec=spec,
                     vocab_size=config.padded_vocab_size, max_sequence_length=config.max_position_embeddings,
                     position_embedding_type=config.position_embedding_type,
                     share_embeddings_and_output_weights=config.tied,
                     pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
 
 
-@pytest.mark.parametrize("config", [LLAMA, GPT2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("config", [LLAMA, GPT2, GPTModelConfig(**{**LLAMA.to_dict(), "qk_layernorm": True}),
+                                    GPTModelConfig(**{**GPT2.to_dict(), "qk_layernorm": True})],
+                         ids=["llama", "gpt2", "llama_qk_layernorm", "gpt2_qk_layernorm"])
 def test_order_and_shapes_match_real_gpt_model_tp1pp1(mcore, config):
     config = GPTModelConfig(**{**config.to_dict(), "num_layers": 2})
     model = _build(config, ParallelLayout())
@@ -319,6 +330,10 @@ def test_order_and_shapes_match_real_gpt_model_tp1pp1(mcore, config):
     assert [(n, s) for n, s, _ in ours] == real
     assert [(n, s) for n, s in gpt.expected_parameters(config)] == real
     assert all(gpt.is_ignorable(k) for k in model.state_dict() if k not in dict(real))
+    # the local spec saves `_extra_state` exactly for the rulebook's linear modules
+    extra = {k.rsplit(".", 1)[0] for k in model.state_dict() if k.endswith("._extra_state")}
+    layer_linears = [m for m in gpt.linear_modules() if m != "output_layer"]
+    assert extra == {f"decoder.layers.{i}.{m}" for i in range(2) for m in layer_linears} | {"output_layer"}
 
 
 def test_stage_local_layer_names_match_real_vpp_chunks(mcore, monkeypatch):
@@ -342,3 +357,41 @@ def test_stage_local_layer_names_match_real_vpp_chunks(mcore, monkeypatch):
         # megatron-core's own global layer numbers (1-based) agree with our canonical names
         offset = gpt.layer_offset(GPT2.num_layers, layout, pp_rank, vp_stage)
         assert [layer.layer_number - 1 for layer in model.decoder.layers] == [offset, offset + 1]
+
+
+def test_padded_vocab_rules():
+    """Resume keeps the stored padded rows when TP divides them, else Megatron-LM's rule; Megatron-LM
+    itself always recomputes ceil(vocab / (divisible_by * TP)) * divisible_by * TP."""
+    def config(padded, vocab=1001):
+        return GPTModelConfig(**{**GPT2.to_dict(), "padded_vocab_size": padded, "vocab_size": vocab})
+
+    assert gpt.padded_vocab_at(config(1024), 2) == 1024
+    assert gpt.padded_vocab_at(config(1024), 8) == 1024
+    assert gpt.padded_vocab_at(config(1024), 3) == 1152  # ceil(1001/384) * 384
+    assert gpt.padded_vocab_at(config(1024), 16) == 1024  # kept: 16 divides it
+    assert gpt.padded_vocab_at(config(50304, 50257), 5) == 50560
+    assert gpt.megatron_padded_vocab(config(1024), 16) == 2048  # Megatron-LM re-pads where we would keep
+    with pytest.raises(PatternError, match="smaller than the true vocabulary"):
+        gpt.padded_vocab_at(config(1000), 1)
+    assert gpt.is_vocab_parameter(gpt.OUTPUT_LAYER) and gpt.is_vocab_parameter(gpt.WORD_EMBEDDINGS)
+    assert not gpt.is_vocab_parameter(gpt.POSITION_EMBEDDINGS)
+
+
+def test_param_group_rule_from_rows():
+    """Megatron's rule (no weight decay for biases and 1-D params; decoupled LR for the embedding on the
+    first chunk and the output weight on the last), keyed on any spelling of the name."""
+    args = {"decoupled_lr": 0.1}
+    assert gpt.group_override("decoder.layers.0.mlp.linear_fc1.weight", (8, 4), args, first_chunk=True,
+                              last_chunk=True) is None
+    assert gpt.group_override("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", (4,), args,
+                              first_chunk=True, last_chunk=True) == (("wd_mult", 0.0),)
+    assert gpt.group_override(gpt.WORD_EMBEDDINGS, (8, 4), args, first_chunk=True, last_chunk=False) == \
+        (("max_lr", 0.1),)
+    # a tied model's last-stage copy is the output weight there
+    assert gpt.group_override(gpt.OUTPUT_LAYER, (8, 4), args, first_chunk=False, last_chunk=True) == \
+        (("max_lr", 0.1),)
+    assert gpt.group_override(gpt.OUTPUT_LAYER, (8, 4), {}, first_chunk=False, last_chunk=True) is None
+    qk = "decoder.layers.0.self_attention.q_layernorm.weight"
+    assert gpt.group_override(qk, (4,), {"apply_wd_to_qk_layernorm": True}, first_chunk=True, last_chunk=True) is None
+    assert gpt.group_identity((("max_lr", 0.1), ("wd_mult", 0.0))) == {
+        "wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": True}

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ucp.adapters.gpt import expected_parameters
 from megatron_ucp.convert import to_universal
+from megatron_ucp.model_config import GPTModelConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "megatron-lm"
@@ -187,7 +189,7 @@ def test_verify_reports_vocab_padding_and_missing_state(ucp, tmp_path, capsys):
                                                             "model_dtype": info.model_dtype})
         meta = {k: v for k, v in src.metadata.items() if k not in ("parameters", "format", "version")}
         meta["model_config"] = {**meta["model_config"], "padded_vocab_size": 1152}
-        writer.finish(meta)
+        writer.finish(meta, expected_parameters(GPTModelConfig.from_dict(meta["model_config"])))
     assert CLI.main(["verify", str(ucp["C8"]), str(dst), "--quiet", "--json"]) == 0
     result = json.loads(CLI.readouterr().out)
     assert result["vocab_padding"] == {"a_rows": 1024, "b_rows": 1152, "compared_rows": 1024, "true_vocab_size": 1001}

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron_ucp.adapters.gpt import OUTPUT_LAYER, WORD_EMBEDDINGS, expected_parameters
-from megatron_ucp.convert import ConversionError, convert, default_workers, plan_parameters, to_universal
+from megatron_ucp.convert import ConversionError, convert, default_workers, conversion_tasks, to_universal
 from megatron_ucp.formats import CheckpointFormatError, open_checkpoint
 from megatron_ucp.formats.common import load_pickled
 from megatron_ucp.model_config import GPTModelConfig
@@ -69,7 +69,7 @@ def test_universal_slices_back_to_every_source_shard(universal, sources, label):
     reading only that rank's regions (read_for_rank) gives the same bytes."""
     uc, ckpt = universal[label], sources[label]
     tp = ckpt.layout.tp
-    tasks = plan_parameters(ckpt)
+    tasks = conversion_tasks(ckpt)
     assert sorted(t.name for t in tasks) == sorted(uc.parameters)
     for task in tasks:
         info = uc.parameters[task.name]

@@ -16,8 +16,8 @@ import itertools
 import pytest
 import torch
 
-from megatron_ucp import convert as convert_mod
-from megatron_ucp.convert import OPTIMIZER_KEYS, _read_shard, plan_parameters, to_universal
+from megatron_ucp.convert import consolidate as convert_mod
+from megatron_ucp.convert import conversion_tasks, source_keys, to_universal
 from megatron_ucp.formats import open_checkpoint
 from megatron_ucp.universal import UniversalCheckpoint
 from locate_checks import assert_locate_equals_read
@@ -68,39 +68,46 @@ def test_converter_does_not_read_the_model_weight(b_ckpt, monkeypatch):
 
     monkeypatch.setattr(TorchDistCheckpoint, "_read", spy)
     for ref in b_ckpt.shards():
-        got = _read_shard(b_ckpt, ref)
-        assert set(got) == set(OPTIMIZER_KEYS) | {"step"}
+        got = b_ckpt.read(ref, keys=source_keys(b_ckpt))
+        assert set(got) == set(source_keys(b_ckpt)) | {"step"}
     assert requested and all(k.startswith("optimizer.distributed.") for k in requested), sorted(set(requested))
 
 
 @pytest.mark.parametrize("label", ["A", "C"])
 def test_legacy_read_path_equals_full_read(label):
+    """What the converter asks the legacy reader for (source_keys) is exactly the full read's tensors of
+    those keys, nothing else besides the step."""
     ckpt = open_checkpoint(SOURCES[label], iteration=4)
     for ref in ckpt.shards():
         full = ckpt.read(ref)
-        got = _read_shard(ckpt, ref)
-        _assert_same(got, full, list(full), f"{label} {ref.local_name} tp={ref.tp_rank} pp={ref.pp_rank}")
+        got = ckpt.read(ref, keys=source_keys(ckpt))
+        keys = [k for k in full if k in source_keys(ckpt) or k == "step"]
+        assert sorted(got) == sorted(keys) and "param" not in got
+        _assert_same(got, full, keys, f"{label} {ref.local_name} tp={ref.tp_rank} pp={ref.pp_rank}")
 
 
 def test_thread_pool_failure_stops_and_cleans_up(tmp_path, monkeypatch):
-    """B converts with threads (thread_safe_reads); a failing parameter aborts the conversion and leaves
-    neither the destination nor its staging directory."""
-    import megatron_ucp.convert as convert_module
+    """B converts with threads (thread_safe_reads); when the FIRST task fails the conversion stops: only the
+    tasks already in flight (at most 2 per thread, 3 besides the failing one at workers=2) ran, and neither
+    the destination nor its staging directory is left."""
+    from megatron_ucp.convert import runner
 
-    real = convert_module.convert_parameter
+    real = runner.convert_parameter
+    tasks = conversion_tasks(open_checkpoint(SOURCES["B"], iteration=4))
+    first = max(tasks, key=lambda t: t.nbytes).name  # threads start with the largest parameter
     done: list[str] = []
 
     def failing(ckpt, task, staging_dir, **kwargs):
-        if task.name == "decoder.final_layernorm.weight":
-            raise convert_module.ConversionError(f"{task.name}: injected failure")
+        if task.name == first:
+            raise runner.ConversionError(f"{task.name}: injected failure")
         done.append(task.name)
         return real(ckpt, task, staging_dir, **kwargs)
 
-    monkeypatch.setattr(convert_module, "convert_parameter", failing)
-    with pytest.raises(convert_module.ConversionError, match="injected failure"):
-        convert_module.convert(SOURCES["B"], tmp_path / "out", iteration=4, workers=2, progress=False)
+    monkeypatch.setattr(runner, "convert_parameter", failing)
+    with pytest.raises(runner.ConversionError, match="injected failure"):
+        runner.convert(SOURCES["B"], tmp_path / "out", iteration=4, workers=2, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
-    assert len(done) < 52  # stopped early: at most the tasks already in flight ran
+    assert len(tasks) > 20 and len(done) <= 3, (len(done), len(tasks))
 
 
 @pytest.mark.parametrize("label", ["A", "B", "C"])
@@ -124,7 +131,7 @@ def test_byte_copy_conversion_equals_tensor_conversion(label, tmp_path, monkeypa
     monkeypatch.setattr(convert_mod, "place_parameter", spy)
     fast = UniversalCheckpoint.open(to_universal(SOURCES[label], tmp_path / "fast", iteration=4, workers=2,
                                                  progress=False))
-    n_params = len(plan_parameters(open_checkpoint(SOURCES[label], iteration=4)))
+    n_params = len(conversion_tasks(open_checkpoint(SOURCES[label], iteration=4)))
     assert len(placed) == n_params and all(ok for _, ok in placed), [n for n, ok in placed if not ok]
     monkeypatch.setattr(convert_mod, "place_parameter", lambda *a, **k: None)
     slow = UniversalCheckpoint.open(to_universal(SOURCES[label], tmp_path / "slow", iteration=4, workers=1,

@@ -15,25 +15,13 @@ import torch
 
 from megatron_ucp.formats import CheckpointFormatError, open_checkpoint
 from megatron_ucp.formats.torch_dist import (
-    _MODEL_SPACE_KEY, TorchDistCheckpoint, local_suffix, saved_suffix, stage_layers)
+    _MODEL_SPACE_KEY, TorchDistCheckpoint)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "megatron-lm"
 A = FIXTURES / "A_llama_tp2pp2dp2_distopt_sp_torch" / "ckpt"
 B = FIXTURES / "B_llama_tp2pp2dp2_distopt_sp_torch_dist" / "ckpt"
 
-
-
-def test_name_mapping_and_stage_layers():
-    assert local_suffix("self_attention.linear_qkv.layer_norm_weight") == "input_layernorm.weight"
-    assert local_suffix("mlp.linear_fc1.layer_norm_bias") == "pre_mlp_layernorm.bias"
-    assert local_suffix("mlp.linear_fc1.weight") == "mlp.linear_fc1.weight"
-    for s in ("input_layernorm.weight", "pre_mlp_layernorm.bias", "self_attention.linear_qkv.weight"):
-        assert local_suffix(saved_suffix(s)) == s
-    args = {"num_layers": 8, "pipeline_model_parallel_size": 2}
-    assert stage_layers(args, 1, 0) == [4, 5, 6, 7]
-    vpp = {**args, "virtual_pipeline_model_parallel_size": 2}
-    assert [stage_layers(vpp, p, v) for v in range(2) for p in range(2)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
 def test_model_space_optimizer_keys():

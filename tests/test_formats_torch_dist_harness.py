@@ -25,7 +25,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_ucp.formats import CheckpointFormatError, open_checkpoint
-from megatron_ucp.formats.torch_dist import TorchDistCheckpoint, stage_layers
+from megatron_ucp.adapters.gpt import chunk_layers
+from megatron_ucp.formats.torch_dist import TorchDistCheckpoint
 from locate_checks import assert_locate_equals_read
 from pretrain_runs import Layout, RunFailed, train
 
@@ -154,7 +155,7 @@ def test_vpp_shards_map(harness_run):
         by_place.setdefault((ref.pp_rank, ref.vpp_chunk), set()).add(ref.local_name)
     for pp in range(2):
         for chunk in range(2):
-            want = {f"decoder.layers.{i}.{s}" for i, _ in enumerate(stage_layers(ckpt.args, pp, chunk))
+            want = {f"decoder.layers.{i}.{s}" for i, _ in enumerate(chunk_layers(ckpt.config.num_layers, ckpt.layout, pp, chunk))
                     for s in layer_suffixes}
             if (pp, chunk) == (0, 0):
                 want |= {"embedding.word_embeddings.weight", "embedding.position_embeddings.weight"}

@@ -322,9 +322,11 @@ def test_existing_destination_and_dry_run_write_nothing(universal, tmp_path, cap
 
 def test_harness_flags_from_fixture_args(universal):
     """The flags rebuild fixture A's command line (model, batch, schedule, data) at the target layout."""
+    from megatron_ucp.writers.torch_dist import harness_flags_from_universal
+
     ucp = UniversalCheckpoint.open(universal(A, 4))
-    flags = fu.torch_dist_writer.harness_flags_from_universal(ucp.metadata, fu.target_layout(ucp, 1, 2, 1, None, False),
-                                                              use_distributed_optimizer=True)
+    flags = harness_flags_from_universal(ucp.metadata, fu.target_layout(ucp, 1, 2, 1, None, False),
+                                         use_distributed_optimizer=True)
     text = " ".join(flags)
     for expected in ("--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2", "--use-distributed-optimizer",
                      "--num-layers 4", "--hidden-size 48", "--ffn-hidden-size 128", "--num-attention-heads 4",

@@ -37,6 +37,7 @@ def tokens_for(vocab_size: int) -> torch.Tensor:
 
 def amplified_copy(src: Path, dst: Path) -> Path:
     """A universal checkpoint with AMPLIFY's weights scaled (weights only)."""
+    from megatron_ucp.adapters.gpt import expected_parameters
     from megatron_ucp.universal import UniversalCheckpoint, UniversalWriter
 
     ucp = UniversalCheckpoint.open(src)
@@ -45,7 +46,8 @@ def amplified_copy(src: Path, dst: Path) -> Path:
             scale = next((s for key, s in AMPLIFY.items() if key in name), 1.0)
             writer.write_parameter(name, {"fp32": ucp.read(name) * scale},
                                    {"pattern": info.pattern, "step": None, "model_dtype": info.model_dtype})
-        return writer.finish({k: v for k, v in ucp.metadata.items() if k not in ("parameters", "format", "version")})
+        return writer.finish({k: v for k, v in ucp.metadata.items() if k not in ("parameters", "format", "version")},
+                             expected_parameters(ucp.config))
 
 
 def megatron_flags(ucp) -> list[str]:

@@ -7,7 +7,7 @@ import torch
 
 from megatron_ucp.layout import LayoutError
 from megatron_ucp.patterns import (FusedSubParams, GroupedQKV, PatternError, Replicated, Sharded, VocabSharded,
-                                   bitwise_equal, pattern_from_json, resize_vocab, target_padded_vocab)
+                                   bitwise_equal, pattern_from_json, resize_vocab)
 
 TPS = range(1, 9)
 
@@ -176,19 +176,9 @@ def test_json_rejects_malformed(bad):
 
 
 def test_vocab_sharded_error_suggests_repadding():
-    with pytest.raises(LayoutError, match="padded vocabulary of 1024 rows is not divisible by TP=3.*target_padded_vocab"):
+    with pytest.raises(LayoutError, match="padded vocabulary of 1024 rows is not divisible by TP=3.*padded_vocab_at"):
         VocabSharded().validate((1024, 48), 3, name="embedding.word_embeddings.weight")
     assert VocabSharded() != Sharded(0)
-
-
-def test_target_padded_vocab():
-    assert target_padded_vocab(1024, 1001, 128, 2) == 1024
-    assert target_padded_vocab(1024, 1001, 128, 8) == 1024
-    assert target_padded_vocab(1024, 1001, 128, 3) == 1152  # Megatron's rule: ceil(1001/384) * 384
-    assert target_padded_vocab(1024, 1001, 128, 16) == 1024  # kept: 16 divides it
-    assert target_padded_vocab(50304, 50257, 128, 5) == 50560
-    with pytest.raises(PatternError):
-        target_padded_vocab(1000, 1001, 128, 1)
 
 
 def test_resize_vocab():
@@ -220,3 +210,42 @@ def test_resize_vocab():
         resize_vocab(full, 1000, 1001)
     with pytest.raises(PatternError, match="unknown fill"):
         resize_vocab(full, 1152, 1001, fill="random")
+
+
+@pytest.mark.parametrize("pattern,shape", CASES, ids=lambda x: str(x))
+def test_blocks_and_local_reads_rebuild_every_shard_and_box(pattern, shape):
+    """rank_blocks tile each shard exactly, and local_reads of any leading-dim box of a shard return the
+    pieces of the global tensor that fill it (what the loader, lazy reads and plan rely on)."""
+    g = torch.Generator().manual_seed(0)
+    for tp in TPS:
+        if not _valid(pattern, shape, tp):
+            continue
+        full = _random(shape, seed=100 + tp)
+        for rank in range(tp):
+            want = pattern.slice_for_rank(full, rank, tp)
+            from_blocks = torch.full(want.shape, float("nan"))
+            for b in pattern.rank_blocks(shape, rank, tp):
+                assert b.shard == rank
+                from_blocks[b.src] = full[b.dst]
+            assert bitwise_equal(from_blocks, want)
+            for _ in range(4):  # random boxes over the leading dim, and one over two dims
+                lo = int(torch.randint(0, want.shape[0], (1,), generator=g))
+                hi = int(torch.randint(lo + 1, want.shape[0] + 1, (1,), generator=g))
+                box = (slice(lo, hi),)
+                if want.dim() > 1 and want.shape[1] > 1:
+                    box += (slice(1, want.shape[1]),) if _ % 2 else ()
+                out = torch.full(want[box].shape, float("nan"))
+                for src, dst in pattern.local_reads(shape, rank, tp, box):
+                    out[dst] = full[src]
+                assert bitwise_equal(out, want[box]), (pattern, tp, rank, box)
+
+
+def test_local_reads_negative_control_wrong_rank_is_seen():
+    """The box check above can fail: reading rank 1's pieces for rank 0's shard gives other values."""
+    pattern, shape = FusedSubParams(0, (1, 1)), (48, 5)
+    full = _random(shape, seed=3)
+    want = pattern.slice_for_rank(full, 0, 2)
+    out = torch.empty_like(want)
+    for src, dst in pattern.local_reads(shape, 1, 2):
+        out[dst] = full[src]
+    assert not bitwise_equal(out, want)

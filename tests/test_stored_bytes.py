@@ -1,4 +1,4 @@
-"""Byte-level conversion (formats/stored.py, universal.write_tensor_file_placed): consolidating TP
+"""Byte-level conversion (byteio.py, universal.write_tensor_file_placed): consolidating TP
 shards by copying their bytes file to file must give exactly pattern.consolidate's tensor.
 
 Synthetic shards (random fp32 written to files, some split over two files so a shard spans regions)
@@ -20,8 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import save, save_file
 
 from megatron_ucp.convert import placement_for
-from megatron_ucp.formats import stored as stored_mod
-from megatron_ucp.formats.stored import (
+from megatron_ucp import byteio as stored_mod
+from megatron_ucp.byteio import (
     FileHandles, FileRegion, StoredTensor, box_bytes, concat_stored, read_stored, regions_equal, write_placement)
 from megatron_ucp.patterns import FusedSubParams, GroupedQKV, Replicated, Sharded, VocabSharded
 from megatron_ucp.universal import safetensors_header, write_tensor_file_placed
@@ -140,7 +140,7 @@ def test_copy_falls_back_without_copy_file_range(tmp_path, monkeypatch):
 def test_truncated_source_is_an_error(tmp_path):
     path = tmp_path / "short.bin"
     path.write_bytes(b"\0" * 10)
-    with FileHandles() as files, pytest.raises(stored_mod.CheckpointFormatError, match="truncated"):
+    with FileHandles() as files, pytest.raises(stored_mod.StorageError, match="truncated"):
         read_stored(files, StoredTensor((4,), torch.float32, (FileRegion(str(path), 0, 16),)))
 
 
@@ -194,9 +194,9 @@ def test_truncated_shard_is_an_error_not_a_crash(tmp_path):
         fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT)
         try:
             os.ftruncate(fd, full.numel() * 4)
-            with pytest.raises(stored_mod.CheckpointFormatError, match="truncated"):
+            with pytest.raises(stored_mod.StorageError, match="truncated"):
                 write_placement(files, fd, 0, placement)
         finally:
             os.close(fd)
-        with pytest.raises(stored_mod.CheckpointFormatError, match="truncated"):
+        with pytest.raises(stored_mod.StorageError, match="truncated"):
             regions_equal(files, stored[0].regions, [FileRegion(path, 37, stored[0].nbytes)])

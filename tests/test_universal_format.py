@@ -55,7 +55,7 @@ def write_all(dst, skip=(), **kw):
             writer.write_parameter(name, written[name], {
                 "model_dtype": torch.bfloat16, "pattern": pattern_for(name, CONFIG), "step": 7,
                 "param_group": {"index": int(len(shape) == 1), "wd_mult": 0.0 if len(shape) == 1 else 1.0}})
-        path = writer.finish(metadata())
+        path = writer.finish(metadata(), expected_parameters(CONFIG))
     return path, written
 
 

@@ -1,13 +1,22 @@
-"""megatron-core GPTModel: parameter names, shapes, registration order and parallel patterns.
+"""The megatron-core GPTModel rulebook: every rule about its parameters, in one table.
 
-Canonical names are megatron-core's local-spec GPTModel names with the GLOBAL layer index, e.g.
+One row (`ParamRule`) per parameter of the model, in megatron-core's registration order (what
+`module.parameters()` visits, which the distributed optimizer's flat buffers depend on):
+its local-spec name, its TransformerEngine-spec spelling (also the `torch_dist` key), where it lives
+(first chunk, every layer, last chunk), its global shape and parallel pattern as functions of the
+model config, whether it is in the model for that config, whether it belongs to a linear module
+(the local spec saves a `_extra_state` entry after it), and whether Megatron's decoupled learning rate
+applies (embedding / output weights). Every spelling, order, pattern and group rule the readers,
+writers, converter and loader use is derived from `RULES`; change a layout rule here and nowhere else.
+
+Canonical names are local-spec names with the GLOBAL layer index, e.g.
 `decoder.layers.7.self_attention.linear_qkv.weight`. Inside a model chunk megatron-core numbers layers
-from 0 (stage-local); the chunk (pp_rank, vpp_chunk) holds global layers
-[layer_offset, layer_offset + layers_per_chunk), as in megatron-core 0.16.1's
-get_transformer_layer_offset for even pipelines. TransformerEngine-spec names (and torch_dist keys,
-which use them even for the local spec) put the norms inside the next linear:
-`self_attention.linear_qkv.layer_norm_weight` is canonical `input_layernorm.weight`,
-`mlp.linear_fc1.layer_norm_weight` is `pre_mlp_layernorm.weight`.
+from 0; the chunk (pp_rank, vpp_chunk) holds global layers `chunk_layers(...)` (megatron-core 0.16.1's
+get_transformer_layer_offset / get_num_layers_to_build for even pipelines).
+TransformerEngine-spec names (and torch_dist keys, which use them even for the local spec) put the
+norms inside the next linear: `self_attention.linear_qkv.layer_norm_weight` is canonical
+`input_layernorm.weight`; torch_dist stacks a layer parameter over all layers under
+`decoder.layers.<TE suffix>`, with the global layer index on the leading axis.
 
 Tied embeddings: a tied model has one canonical tensor, `embedding.word_embeddings.weight`; when the
 first and last model chunks differ, the last one holds a copy as `output_layer.weight`.
@@ -17,16 +26,16 @@ Pure: no file I/O, no torch.distributed.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import re
-from typing import Dict, List, Optional, Tuple
-
-import torch
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from megatron_ucp.layout import LayoutError, ParallelLayout
-from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.patterns import (FusedSubParams, GroupedQKV, Pattern, Replicated, Sharded, VocabSharded,
-                                   check_copies_agree)
+from megatron_ucp.model_config import GPTModelConfig, pad_vocab_size
+from megatron_ucp.patterns import (FusedSubParams, GroupedQKV, Pattern, PatternError, Replicated, Sharded,
+                                   VocabSharded, check_copies_agree)
 
 Shape = Tuple[int, ...]
 
@@ -35,9 +44,187 @@ POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
 LAYER_PREFIX = "decoder.layers."
 
+PRE, LAYER, POST = "pre", "layer", "post"  # where a row lives: first chunk, every layer, last chunk
+
 
 class UnknownParameterError(ValueError):
-    """A parameter name the GPT adapter has no rule for (never given a default layout)."""
+    """A parameter name the GPT rulebook has no row for (never given a default layout)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The table
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """One parameter of megatron-core's GPTModel (see the module docstring)."""
+
+    name: str  # local-spec name; for LAYER rows the suffix after `decoder.layers.<i>.`
+    scope: str  # PRE | LAYER | POST
+    shape: Callable[[GPTModelConfig], Shape]
+    pattern: Callable[[GPTModelConfig], Pattern]
+    present: Callable[[GPTModelConfig], bool] = lambda c: True
+    te_name: Optional[str] = None  # TransformerEngine / torch_dist spelling when it differs
+    linear: bool = False  # part of a linear module (saves `<module>._extra_state` in the local spec)
+    decoupled_lr: bool = False  # embedding / output weight: Megatron's --decoupled-lr applies
+
+    @property
+    def te(self) -> str:
+        return self.te_name or self.name
+
+    @property
+    def module(self) -> str:
+        return self.name.rsplit(".", 1)[0]
+
+
+def _qkv_rows(c: GPTModelConfig) -> int:
+    return c.query_projection_size + 2 * c.kv_projection_size
+
+
+def _qkv_pattern(c: GPTModelConfig) -> GroupedQKV:
+    if c.num_attention_heads % c.num_query_groups:
+        raise ValueError(f"num_attention_heads={c.num_attention_heads} is not divisible by num_query_groups="
+                         f"{c.num_query_groups}; the model config is invalid")
+    return GroupedQKV(c.num_query_groups, c.num_attention_heads // c.num_query_groups, c.kv_channels)
+
+
+def _fc1_rows(c: GPTModelConfig) -> int:
+    return 2 * c.ffn_hidden_size if c.swiglu else c.ffn_hidden_size
+
+
+def _fc1_pattern(c: GPTModelConfig) -> Pattern:
+    return FusedSubParams(0, (1, 1)) if c.swiglu else Sharded(0)  # SwiGLU: [gate; up], each split over TP
+
+
+def _layer_norm_bias(c: GPTModelConfig) -> bool:
+    return c.normalization == "LayerNorm"
+
+
+def _qkv_bias(c: GPTModelConfig) -> bool:
+    return c.add_bias_linear or c.add_qkv_bias
+
+
+def _h(c: GPTModelConfig) -> Shape:
+    return (c.hidden_size,)
+
+
+def _head(c: GPTModelConfig) -> Shape:
+    return (c.kv_channels,)
+
+
+def _replicated(c: GPTModelConfig) -> Pattern:
+    return Replicated()
+
+
+def _bias(c: GPTModelConfig) -> bool:
+    return c.add_bias_linear
+
+
+# Registration order: TransformerLayer.__init__ builds input_layernorm, self_attention (Attention.__init__
+# builds linear_proj, then SelfAttention adds linear_qkv, q_layernorm, k_layernorm), pre_mlp_layernorm,
+# mlp (linear_fc1, linear_fc2); checked against megatron-core and real checkpoints (tests/test_adapter_gpt.py).
+RULES: Tuple[ParamRule, ...] = (
+    ParamRule(WORD_EMBEDDINGS, PRE, lambda c: (c.padded_vocab_size, c.hidden_size), lambda c: VocabSharded(),
+              decoupled_lr=True),
+    ParamRule(POSITION_EMBEDDINGS, PRE, lambda c: (c.max_position_embeddings, c.hidden_size), _replicated,
+              present=lambda c: c.position_embedding_type == "learned_absolute"),
+    ParamRule("input_layernorm.weight", LAYER, _h, _replicated,
+              te_name="self_attention.linear_qkv.layer_norm_weight"),
+    ParamRule("input_layernorm.bias", LAYER, _h, _replicated, present=_layer_norm_bias,
+              te_name="self_attention.linear_qkv.layer_norm_bias"),
+    ParamRule("self_attention.linear_proj.weight", LAYER, lambda c: (c.hidden_size, c.query_projection_size),
+              lambda c: Sharded(1), linear=True),
+    ParamRule("self_attention.linear_proj.bias", LAYER, _h, _replicated, present=_bias, linear=True),
+    ParamRule("self_attention.linear_qkv.weight", LAYER, lambda c: (_qkv_rows(c), c.hidden_size), _qkv_pattern,
+              linear=True),
+    ParamRule("self_attention.linear_qkv.bias", LAYER, lambda c: (_qkv_rows(c),), _qkv_pattern, present=_qkv_bias,
+              linear=True),
+    ParamRule("self_attention.q_layernorm.weight", LAYER, _head, _replicated, present=lambda c: c.qk_layernorm),
+    ParamRule("self_attention.q_layernorm.bias", LAYER, _head, _replicated,
+              present=lambda c: c.qk_layernorm and _layer_norm_bias(c)),
+    ParamRule("self_attention.k_layernorm.weight", LAYER, _head, _replicated, present=lambda c: c.qk_layernorm),
+    ParamRule("self_attention.k_layernorm.bias", LAYER, _head, _replicated,
+              present=lambda c: c.qk_layernorm and _layer_norm_bias(c)),
+    ParamRule("pre_mlp_layernorm.weight", LAYER, _h, _replicated, te_name="mlp.linear_fc1.layer_norm_weight"),
+    ParamRule("pre_mlp_layernorm.bias", LAYER, _h, _replicated, present=_layer_norm_bias,
+              te_name="mlp.linear_fc1.layer_norm_bias"),
+    ParamRule("mlp.linear_fc1.weight", LAYER, lambda c: (_fc1_rows(c), c.hidden_size), _fc1_pattern, linear=True),
+    ParamRule("mlp.linear_fc1.bias", LAYER, lambda c: (_fc1_rows(c),), _fc1_pattern, present=_bias, linear=True),
+    ParamRule("mlp.linear_fc2.weight", LAYER, lambda c: (c.hidden_size, c.ffn_hidden_size), lambda c: Sharded(1),
+              linear=True),
+    ParamRule("mlp.linear_fc2.bias", LAYER, _h, _replicated, present=_bias, linear=True),
+    ParamRule("decoder.final_layernorm.weight", POST, _h, _replicated),
+    ParamRule("decoder.final_layernorm.bias", POST, _h, _replicated, present=_layer_norm_bias),
+    ParamRule(OUTPUT_LAYER, POST, lambda c: (c.padded_vocab_size, c.hidden_size), lambda c: VocabSharded(),
+              present=lambda c: not c.tied, linear=True, decoupled_lr=True),
+)
+
+_BY_NAME: Dict[Tuple[str, str], ParamRule] = {}
+for _rule in RULES:
+    for _spelling in {_rule.name, _rule.te}:
+        _BY_NAME[(LAYER if _rule.scope == LAYER else "top", _spelling)] = _rule
+
+
+def linear_modules() -> Tuple[str, ...]:
+    """Module paths (layer-relative for layer rows) whose local-spec linears save `_extra_state`."""
+    return tuple(dict.fromkeys(r.module for r in RULES if r.linear))
+
+
+def layer_suffix_order() -> Tuple[str, ...]:
+    """Every layer row's local-spec suffix in registration order."""
+    return tuple(r.name for r in RULES if r.scope == LAYER)
+
+
+# --------------------------------------------------------------------------------------------------
+# Names
+
+
+def is_ignorable(name: str) -> bool:
+    """Non-parameter state entries we deliberately skip: `_extra_state` (TransformerEngine FP8 metadata;
+    None placeholders on megatron-core's local linears), also as torch_dist `…/shard_i_n` byte entries."""
+    return bool(re.fullmatch(r".+\._extra_state(/shard_[0-9_.]+)?", name))
+
+
+def _unknown(name: str, why: str = "") -> UnknownParameterError:
+    hint = " (unwrap DDP / Float16Module first: names must not start with 'module.')" if name.startswith(
+        "module.") else ""
+    return UnknownParameterError(
+        f"parameter {name!r} has no rule in the megatron-core GPT rulebook{hint}{why}; add a row to RULES "
+        "in megatron_ucp/adapters/gpt.py rather than guessing its layout")
+
+
+def _split_layer(name: str) -> Optional[Tuple[int, str]]:
+    m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def rule_for(name: str) -> ParamRule:
+    """The row of a parameter name in any spelling (local or TE, any layer index)."""
+    layer = _split_layer(name)
+    rule = _BY_NAME.get((LAYER, layer[1])) if layer else _BY_NAME.get(("top", name))
+    if rule is None:
+        raise _unknown(name)
+    return rule
+
+
+def _local_spelling(name: str) -> str:
+    """A name with its layer suffix in the local-spec spelling."""
+    layer = _split_layer(name)
+    if layer is None:
+        rule_for(name)
+        return name
+    index, suffix = layer
+    return f"{LAYER_PREFIX}{index}.{rule_for(name).name}"
+
+
+def te_name(canonical_or_local: str) -> str:
+    """The TransformerEngine-spec / torch_dist spelling of a local-spec name (norms fused into linears)."""
+    layer = _split_layer(canonical_or_local)
+    if layer is None:
+        return canonical_or_local
+    index, suffix = layer
+    rule = _BY_NAME.get((LAYER, suffix))
+    return f"{LAYER_PREFIX}{index}.{rule.te if rule else suffix}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -59,6 +246,27 @@ def layers_per_chunk(num_layers: int, layout: ParallelLayout) -> int:
     return num_layers // chunks
 
 
+def virtual_chunks(num_layers: int, pp: int, layers_per_virtual_stage: Optional[int]) -> Optional[int]:
+    """Model chunks per pipeline stage for Megatron-LM's --num-layers-per-virtual-pipeline-stage (None: not
+    interleaved, also when each stage would have one chunk); LayoutError with the fix otherwise."""
+    if layers_per_virtual_stage is None:
+        return None
+    if pp == 1:
+        raise LayoutError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1 "
+                          "(Megatron-LM's interleaved schedule); drop it or raise PP")
+    if num_layers % pp:
+        raise LayoutError(f"num_layers={num_layers} is not divisible by PP={pp}; choose PP in "
+                          f"{[d for d in range(1, num_layers + 1) if num_layers % d == 0]}")
+    per_stage = num_layers // pp
+    if layers_per_virtual_stage < 1 or per_stage % layers_per_virtual_stage:
+        raise LayoutError(f"num_layers={num_layers} over PP={pp} gives {per_stage} layers per stage, which cannot be "
+                          f"split into virtual stages of {layers_per_virtual_stage} layers; choose "
+                          f"--num-layers-per-virtual-pipeline-stage in "
+                          f"{[d for d in range(1, per_stage + 1) if per_stage % d == 0]}")
+    chunks = per_stage // layers_per_virtual_stage
+    return chunks if chunks > 1 else None
+
+
 def _check_chunk(layout: ParallelLayout, pp_rank: int, vpp_chunk: Optional[int]) -> int:
     chunk = 0 if vpp_chunk is None else vpp_chunk
     if not 0 <= pp_rank < layout.pp:
@@ -75,6 +283,12 @@ def layer_offset(num_layers: int, layout: ParallelLayout, pp_rank: int, vpp_chun
     per_chunk = layers_per_chunk(num_layers, layout)
     # Chunks are ordered chunk-major: VPP chunk v of stage p is block v * PP + p.
     return (chunk * layout.pp + pp_rank) * per_chunk
+
+
+def chunk_layers(num_layers: int, layout: ParallelLayout, pp_rank: int, vpp_chunk: Optional[int] = None) -> range:
+    """Global layers held by one model chunk, in local order."""
+    offset = layer_offset(num_layers, layout, pp_rank, vpp_chunk)
+    return range(offset, offset + layers_per_chunk(num_layers, layout))
 
 
 def layer_location(global_layer: int, num_layers: int, layout: ParallelLayout) -> Tuple[int, int, int]:
@@ -102,64 +316,7 @@ def _last_chunk(layout: ParallelLayout) -> Tuple[int, int]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Names
-
-
-def is_ignorable(name: str) -> bool:
-    """Non-parameter state entries we deliberately skip: `_extra_state` (TransformerEngine FP8 metadata;
-    None placeholders on megatron-core's local linears), also as torch_dist `…/shard_i_n` byte entries."""
-    return bool(re.fullmatch(r".+\._extra_state(/shard_[0-9_.]+)?", name))
-
-
-# TE-spec (and torch_dist) names of the layer norms fused into the following linear.
-_TE_TO_LOCAL = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-}
-_LOCAL_TO_TE = {v: k for k, v in _TE_TO_LOCAL.items()}
-
-# Every canonical name, as anchored regexes (full match), each with its pattern given the config.
-_L = r"decoder\.layers\.(?P<layer>\d+)\."
-_RULES: List[Tuple["re.Pattern[str]", object]] = [
-    (re.compile(r"embedding\.word_embeddings\.weight"), lambda c: VocabSharded()),
-    (re.compile(r"embedding\.position_embeddings\.weight"), lambda c: Replicated()),
-    (re.compile(_L + r"(input_layernorm|pre_mlp_layernorm)\.(weight|bias)"), lambda c: Replicated()),
-    (re.compile(_L + r"self_attention\.linear_qkv\.(weight|bias)"), lambda c: _qkv_pattern(c)),
-    (re.compile(_L + r"self_attention\.linear_proj\.weight"), lambda c: Sharded(1)),
-    (re.compile(_L + r"self_attention\.linear_proj\.bias"), lambda c: Replicated()),
-    (re.compile(_L + r"mlp\.linear_fc1\.(weight|bias)"),
-     lambda c: FusedSubParams(0, (1, 1)) if c.swiglu else Sharded(0)),
-    (re.compile(_L + r"mlp\.linear_fc2\.weight"), lambda c: Sharded(1)),
-    (re.compile(_L + r"mlp\.linear_fc2\.bias"), lambda c: Replicated()),
-    (re.compile(r"decoder\.final_layernorm\.(weight|bias)"), lambda c: Replicated()),
-    (re.compile(r"output_layer\.weight"), lambda c: VocabSharded()),
-]
-
-
-def _unknown(name: str, why: str = "") -> UnknownParameterError:
-    hint = " (unwrap DDP / Float16Module first: names must not start with 'module.')" if name.startswith(
-        "module.") else ""
-    return UnknownParameterError(
-        f"parameter {name!r} has no rule in the megatron-core GPT adapter{hint}{why}; add an explicit rule "
-        "in megatron_ucp/adapters/gpt.py rather than guessing its layout")
-
-
-def _match_rule(name: str):
-    for regex, make_pattern in _RULES:
-        if regex.fullmatch(name):
-            return make_pattern
-    raise _unknown(name)
-
-
-def _te_to_local_suffix(suffix: str) -> str:
-    return _TE_TO_LOCAL.get(suffix, suffix)
-
-
-def _split_layer(name: str) -> Optional[Tuple[int, str]]:
-    m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
-    return (int(m.group(1)), m.group(2)) if m else None
+# Canonical names <-> where the model keeps them
 
 
 def canonical_name(local_name: str, layout: ParallelLayout, pp_rank: int, vpp_chunk: Optional[int],
@@ -174,70 +331,57 @@ def canonical_name(local_name: str, layout: ParallelLayout, pp_rank: int, vpp_ch
         return None
     chunk = _check_chunk(layout, pp_rank, vpp_chunk)
     where = f"pp_rank={pp_rank} vpp_chunk={chunk} of {layout.describe()}"
+    rule = rule_for(local_name)
     layer = _split_layer(local_name)
     if layer is not None:
-        local_layer, suffix = layer
-        name = f"{LAYER_PREFIX}{local_layer}.{_te_to_local_suffix(suffix)}"
-        _match_rule(name)
+        local_layer, _ = layer
         per_chunk = layers_per_chunk(num_layers, layout)
         if local_layer >= per_chunk:
             raise LayoutError(f"{local_name!r} on {where}: local layer {local_layer} but each chunk holds "
                               f"{per_chunk} of num_layers={num_layers}; the checkpoint has another layout")
         global_layer = layer_offset(num_layers, layout, pp_rank, chunk) + local_layer
-        return f"{LAYER_PREFIX}{global_layer}.{_te_to_local_suffix(suffix)}"
-    _match_rule(local_name)
-    if local_name.startswith("embedding.") and not is_first_chunk(layout, pp_rank, chunk):
+        return f"{LAYER_PREFIX}{global_layer}.{rule.name}"
+    if rule.scope == PRE and not is_first_chunk(layout, pp_rank, chunk):
         raise LayoutError(f"{local_name!r} found on {where}, but only pp_rank=0 vpp_chunk=0 holds the "
                           "embedding; the checkpoint has another pipeline layout")
-    if local_name.startswith(("decoder.final_layernorm.", "output_layer.")) and not is_last_chunk(
-            layout, pp_rank, chunk):
+    if rule.scope == POST and not is_last_chunk(layout, pp_rank, chunk):
         raise LayoutError(f"{local_name!r} found on {where}, but only the last chunk holds it; "
                           "the checkpoint has another pipeline layout")
-    if local_name == OUTPUT_LAYER and tied:
+    if rule.name == OUTPUT_LAYER and tied:
         return WORD_EMBEDDINGS
-    return local_name
+    return rule.name
 
 
 def local_name(canonical: str, layout: ParallelLayout, num_layers: int, *,
                tied: bool = False) -> List[Tuple[int, int, str]]:
     """Where a canonical parameter lives: [(pp_rank, vpp_chunk, local-spec name)] (vpp_chunk is 0
     without VPP). A tied word embedding has two places when the first and last chunks differ."""
+    rule = rule_for(canonical)
     layer = _split_layer(canonical)
-    _match_rule(canonical)
     if layer is not None:
-        global_layer, suffix = layer
+        global_layer, _ = layer
         pp_rank, chunk, local = layer_location(global_layer, num_layers, layout)
-        return [(pp_rank, chunk, f"{LAYER_PREFIX}{local}.{suffix}")]
+        return [(pp_rank, chunk, f"{LAYER_PREFIX}{local}.{rule.name}")]
     layers_per_chunk(num_layers, layout)
-    if canonical.startswith("embedding."):
-        places = [(0, 0, canonical)]
-        if canonical == WORD_EMBEDDINGS and tied and _last_chunk(layout) != (0, 0):
+    if rule.scope == PRE:
+        places = [(0, 0, rule.name)]
+        if rule.name == WORD_EMBEDDINGS and tied and _last_chunk(layout) != (0, 0):
             places.append((*_last_chunk(layout), OUTPUT_LAYER))
         return places
-    if canonical == OUTPUT_LAYER and tied:
+    if rule.name == OUTPUT_LAYER and tied:
         raise UnknownParameterError(f"{OUTPUT_LAYER!r} is not canonical in a tied model; its canonical "
                                     f"tensor is {WORD_EMBEDDINGS!r}")
-    return [(*_last_chunk(layout), canonical)]
-
-
-def te_name(canonical_or_local: str) -> str:
-    """The TransformerEngine-spec / torch_dist spelling of a local-spec name (norms fused into linears)."""
-    layer = _split_layer(canonical_or_local)
-    if layer is None:
-        return canonical_or_local
-    index, suffix = layer
-    return f"{LAYER_PREFIX}{index}.{_LOCAL_TO_TE.get(suffix, suffix)}"
+    return [(*_last_chunk(layout), rule.name)]
 
 
 def torch_dist_key(canonical: str) -> Tuple[str, Optional[int]]:
     """(torch_dist key, index on its leading layer axis or None). torch_dist stacks all layers of one
     parameter into one tensor of shape (num_layers, *shape), indexed by global layer."""
-    _match_rule(canonical)
+    rule = rule_for(canonical)
     layer = _split_layer(canonical)
     if layer is None:
-        return canonical, None
-    index, suffix = layer
-    return LAYER_PREFIX + _LOCAL_TO_TE.get(suffix, suffix), index
+        return rule.name, None
+    return LAYER_PREFIX + rule.te, layer[0]
 
 
 def canonical_from_torch_dist(key: str, num_layers: int, *, tied: bool = False) -> List[str]:
@@ -247,74 +391,42 @@ def canonical_from_torch_dist(key: str, num_layers: int, *, tied: bool = False) 
         return []
     m = re.fullmatch(r"decoder\.layers\.([a-z_].*)", key)
     if m:
-        suffix = _te_to_local_suffix(m.group(1))
-        _match_rule(f"{LAYER_PREFIX}0.{suffix}")
-        return [f"{LAYER_PREFIX}{i}.{suffix}" for i in range(num_layers)]
-    _match_rule(key)
-    return [WORD_EMBEDDINGS if key == OUTPUT_LAYER and tied else key]
+        rule = _BY_NAME.get((LAYER, m.group(1)))
+        if rule is None:
+            raise _unknown(key)
+        return [f"{LAYER_PREFIX}{i}.{rule.name}" for i in range(num_layers)]
+    rule = rule_for(key)
+    return [WORD_EMBEDDINGS if rule.name == OUTPUT_LAYER and tied else rule.name]
 
 
 # --------------------------------------------------------------------------------------------------
 # Shapes, order and patterns
 
 
-def _qkv_pattern(config: GPTModelConfig) -> GroupedQKV:
-    heads, groups = config.num_attention_heads, config.num_query_groups
-    if heads % groups:
-        raise ValueError(f"num_attention_heads={heads} is not divisible by num_query_groups={groups}; "
-                         "the model config is invalid")
-    return GroupedQKV(groups, heads // groups, config.kv_channels)
-
-
-def _layer_parameters(config: GPTModelConfig) -> List[Tuple[str, Shape]]:
-    """One layer's (suffix, global shape) in megatron-core's registration order (local spec):
-    the attention's linear_proj is built (in Attention) before linear_qkv (in SelfAttention)."""
-    h, ffn = config.hidden_size, config.ffn_hidden_size
-    layer_norm_bias = config.normalization == "LayerNorm"
-    qkv_rows = config.query_projection_size + 2 * config.kv_projection_size
-    fc1_rows = 2 * ffn if config.swiglu else ffn
-    rows = [
-        ("input_layernorm.weight", (h,), True),
-        ("input_layernorm.bias", (h,), layer_norm_bias),
-        ("self_attention.linear_proj.weight", (h, config.query_projection_size), True),
-        ("self_attention.linear_proj.bias", (h,), config.add_bias_linear),
-        ("self_attention.linear_qkv.weight", (qkv_rows, h), True),
-        ("self_attention.linear_qkv.bias", (qkv_rows,), config.add_bias_linear or config.add_qkv_bias),
-        ("pre_mlp_layernorm.weight", (h,), True),
-        ("pre_mlp_layernorm.bias", (h,), layer_norm_bias),
-        ("mlp.linear_fc1.weight", (fc1_rows, h), True),
-        ("mlp.linear_fc1.bias", (fc1_rows,), config.add_bias_linear),
-        ("mlp.linear_fc2.weight", (h, ffn), True),
-        ("mlp.linear_fc2.bias", (h,), config.add_bias_linear),
-    ]
-    return [(suffix, shape) for suffix, shape, present in rows if present]
-
-
 def _check_supported(config: GPTModelConfig) -> None:
     if config.num_experts:
         raise NotImplementedError(f"num_experts={config.num_experts}: MoE layers are not supported by the "
-                                  "GPT adapter yet")
+                                  "GPT rulebook yet")
     if config.normalization not in ("LayerNorm", "RMSNorm"):
         raise ValueError(f"normalization={config.normalization!r} is not supported; use LayerNorm or RMSNorm")
     if config.position_embedding_type not in ("learned_absolute", "rope", "none"):
         raise ValueError(f"position_embedding_type={config.position_embedding_type!r} is not supported")
 
 
+@functools.lru_cache(maxsize=64)
+def _rows(config: GPTModelConfig) -> Tuple[ParamRule, ...]:
+    _check_supported(config)
+    return tuple(r for r in RULES if r.present(config))
+
+
 @functools.lru_cache(maxsize=32)
 def _expected(config: GPTModelConfig) -> Tuple[Tuple[str, Shape], ...]:
-    _check_supported(config)
-    h = config.hidden_size
-    params: List[Tuple[str, Shape]] = [(WORD_EMBEDDINGS, (config.padded_vocab_size, h))]
-    if config.position_embedding_type == "learned_absolute":
-        params.append((POSITION_EMBEDDINGS, (config.max_position_embeddings, h)))
-    layer = _layer_parameters(config)
+    rows = _rows(config)
+    params: List[Tuple[str, Shape]] = [(r.name, r.shape(config)) for r in rows if r.scope == PRE]
+    layer = [(r.name, r.shape(config)) for r in rows if r.scope == LAYER]
     for index in range(config.num_layers):
         params += [(f"{LAYER_PREFIX}{index}.{suffix}", shape) for suffix, shape in layer]
-    params.append(("decoder.final_layernorm.weight", (h,)))
-    if config.normalization == "LayerNorm":
-        params.append(("decoder.final_layernorm.bias", (h,)))
-    if not config.tied:
-        params.append((OUTPUT_LAYER, (config.padded_vocab_size, h)))
+    params += [(r.name, r.shape(config)) for r in rows if r.scope == POST]
     return tuple(params)
 
 
@@ -325,13 +437,14 @@ def _expected_shapes(config: GPTModelConfig) -> Dict[str, Shape]:
 
 def pattern_for(canonical: str, config: GPTModelConfig) -> Pattern:
     """The parallel pattern of a canonical parameter (also accepts a tied model's `output_layer.weight`).
-    Names that match no rule, or that this config does not have, raise UnknownParameterError."""
-    make_pattern = _match_rule(canonical)
-    if canonical not in _expected_shapes(config) and not (canonical == OUTPUT_LAYER and config.tied):
+    Names that match no row, or that this config does not have, raise UnknownParameterError."""
+    rule = rule_for(canonical)
+    if _local_spelling(canonical) not in _expected_shapes(config) and not (
+            rule.name == OUTPUT_LAYER and config.tied):
         raise _unknown(canonical, f": not a parameter of this model (num_layers={config.num_layers}, "
                                   f"normalization={config.normalization}, add_bias_linear={config.add_bias_linear}, "
                                   f"position_embedding_type={config.position_embedding_type})")
-    return make_pattern(config)
+    return rule.pattern(config)
 
 
 def expected_parameters(config: GPTModelConfig, layout: Optional[ParallelLayout] = None
@@ -354,33 +467,130 @@ def parameters_for_rank(config: GPTModelConfig, layout: ParallelLayout, pp_rank:
     shapes = _expected_shapes(config)
     expected_parameters(config, layout)
     first, last = is_first_chunk(layout, pp_rank, chunk), is_last_chunk(layout, pp_rank, chunk)
+    rows = _rows(config)
 
     def entry(local: str, canonical: str) -> Tuple[str, Shape, str]:
         return local, pattern_for(canonical, config).local_shape(shapes[canonical], layout.tp), canonical
 
     out = []
     if first:
-        out.append(entry(WORD_EMBEDDINGS, WORD_EMBEDDINGS))
-        if POSITION_EMBEDDINGS in shapes:
-            out.append(entry(POSITION_EMBEDDINGS, POSITION_EMBEDDINGS))
-    offset = layer_offset(config.num_layers, layout, pp_rank, chunk)
-    layer = _layer_parameters(config)
-    for local_layer in range(layers_per_chunk(config.num_layers, layout)):
-        for suffix, _ in layer:
-            out.append(entry(f"{LAYER_PREFIX}{local_layer}.{suffix}", f"{LAYER_PREFIX}{offset + local_layer}.{suffix}"))
+        out += [entry(r.name, r.name) for r in rows if r.scope == PRE]
+    for local_layer, global_layer in enumerate(chunk_layers(config.num_layers, layout, pp_rank, chunk)):
+        out += [entry(f"{LAYER_PREFIX}{local_layer}.{r.name}", f"{LAYER_PREFIX}{global_layer}.{r.name}")
+                for r in rows if r.scope == LAYER]
     if last:
-        out.append(entry("decoder.final_layernorm.weight", "decoder.final_layernorm.weight"))
-        if "decoder.final_layernorm.bias" in shapes:
-            out.append(entry("decoder.final_layernorm.bias", "decoder.final_layernorm.bias"))
+        out += [entry(r.name, r.name) for r in rows if r.scope == POST]
         # megatron-core allocates no output weight where it can share the embedding on the same chunk.
-        if not config.tied:
-            out.append(entry(OUTPUT_LAYER, OUTPUT_LAYER))
-        elif not first:
+        if config.tied and not first:
             out.append(entry(OUTPUT_LAYER, WORD_EMBEDDINGS))
     return out
 
 
-def check_tied_copies(word_embeddings: torch.Tensor, output_layer: torch.Tensor) -> None:
+def check_tied_copies(word_embeddings, output_layer) -> None:
     """Raise PatternError unless the last chunk's output_layer copy equals the embedding bitwise."""
     check_copies_agree([word_embeddings, output_layer], name=WORD_EMBEDDINGS,
                        labels=["the first stage (embedding)", "the last stage (output_layer.weight)"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Vocabulary rows
+
+
+def is_vocab_parameter(canonical: str) -> bool:
+    """Rows are the (padded) vocabulary: re-padded when the padded size changes."""
+    return rule_for(canonical).name in (WORD_EMBEDDINGS, OUTPUT_LAYER)
+
+
+def megatron_padded_vocab(config: GPTModelConfig, tp: int) -> int:
+    """The padded vocabulary Megatron-LM computes from its args at TP=`tp` (it never reads it from a
+    checkpoint): ceil(vocab / (divisible_by * TP)) * divisible_by * TP."""
+    return pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, tp)
+
+
+def padded_vocab_at(config: GPTModelConfig, tp: int) -> int:
+    """Padded vocabulary rows a resume at TP=`tp` uses: the stored size when TP divides it (no rows added
+    or dropped, so the loss is unchanged), else Megatron-LM's rule."""
+    if config.padded_vocab_size < config.vocab_size:
+        raise PatternError(f"stored padded vocabulary {config.padded_vocab_size} is smaller than the true "
+                           f"vocabulary {config.vocab_size}; the checkpoint's vocab_size is wrong")
+    if config.padded_vocab_size % tp == 0:
+        return config.padded_vocab_size
+    return megatron_padded_vocab(config, tp)
+
+
+# --------------------------------------------------------------------------------------------------
+# Optimizer param groups (megatron/core/optimizer/__init__.py _get_param_groups with the standard
+# overrides of get_standard_config_overrides, as megatron/training/training.py uses them)
+
+
+def group_override(local: str, shape: Sequence[int], args: Mapping[str, Any], *, first_chunk: bool,
+                   last_chunk: bool) -> Optional[tuple]:
+    """The merged override Megatron's grouping keys a parameter by (None: no override): no weight decay
+    for biases and 1-D parameters (except q/k layernorms with --apply-wd-to-qk-layernorm), the decoupled
+    LR for the embedding (first chunk) and the output weight (last chunk)."""
+    rule = rule_for(local)
+    override: dict = {}
+    if args.get("apply_wd_to_qk_layernorm"):
+        no_wd = (len(shape) == 1 or local.endswith(".bias")) and not (
+            "q_layernorm." in local or "k_layernorm." in local)
+    else:
+        no_wd = fnmatch.fnmatch(local, "*.bias") or len(shape) == 1
+    if no_wd:
+        override["wd_mult"] = 0.0
+    embedding_or_output = rule.decoupled_lr and (first_chunk if rule.scope == PRE else last_chunk)
+    if args.get("decoupled_lr") is not None and embedding_or_output:
+        override["max_lr"] = args["decoupled_lr"]
+        if args.get("decoupled_min_lr") is not None:
+            override["min_lr"] = args["decoupled_min_lr"]
+    return tuple(sorted(override.items())) if override else None
+
+
+def _group_order(keys) -> list:
+    return sorted(keys, key=lambda k: (k is not None, k or ()))
+
+
+def megatron_param_groups(rank_chunks: Mapping[tuple, Sequence[Sequence[Any]]], args: Mapping[str, Any]
+                          ) -> Dict[tuple, List[List[Tuple[int, str]]]]:
+    """Per (tp, pp) rank: the optimizer's param groups as lists of (vpp chunk, local name).
+
+    `rank_chunks[(tp, pp)]` lists each model chunk's parameters (objects with .name and .shape) in
+    registration order. Groups are keyed by the merged override; keys are unioned over all ranks so every
+    rank has the same groups (some empty), sorted with the no-override group first."""
+    pp = args.get("pipeline_model_parallel_size") or 1
+    per_rank: Dict[tuple, dict] = {}
+    all_keys: list = []
+    for (tp_rank, pp_rank), chunks in rank_chunks.items():
+        groups: dict = {}
+        for chunk, params in enumerate(chunks):
+            first, last = pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == len(chunks) - 1
+            for p in params:
+                if getattr(p, "expert", False):
+                    continue
+                key = group_override(p.name, p.shape, args, first_chunk=first, last_chunk=last)
+                groups.setdefault(key, []).append((chunk, p.name))
+                if key not in all_keys:
+                    all_keys.append(key)
+        per_rank[(tp_rank, pp_rank)] = groups
+    ordered = _group_order(all_keys)
+    return {rank: [groups.get(k, []) for k in ordered] for rank, groups in per_rank.items()}
+
+
+def group_identity(override: Optional[tuple]) -> dict:
+    """What identifies a group in the universal metadata (megatron-core's ParamKey fields) for an override."""
+    rule = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+    rule.update({k: v for k, v in (override or ()) if k in rule})
+    if override and any(k in ("max_lr", "min_lr") for k, _ in override):
+        rule["is_decoupled_lr"] = True
+    return rule
+
+
+def group_overrides(rank_chunks: Mapping[tuple, Sequence[Sequence[Any]]], args: Mapping[str, Any]) -> list:
+    """The sorted override keys megatron_param_groups orders its groups by (one per group)."""
+    pp = args.get("pipeline_model_parallel_size") or 1
+    found = set()
+    for (_, pp_rank), chunks in rank_chunks.items():
+        for chunk, params in enumerate(chunks):
+            first, last = pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == len(chunks) - 1
+            for p in params:
+                found.add(group_override(p.name, p.shape, args, first_chunk=first, last_chunk=last))
+    return _group_order(found)

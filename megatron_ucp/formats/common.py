@@ -1,8 +1,5 @@
-"""The reader API shared by Megatron checkpoint formats, safe unpickling, and format detection.
-
-A reader yields one `ShardRef` per parameter per model-parallel rank (names and shapes exactly
-as that rank's model holds them) and, on request, that shard's weight and optimizer state.
-"""
+"""What every Megatron checkpoint reader shares: errors, safe unpickling, args and layout, the common
+state, and locating iteration folders. A leaf module: it imports no reader."""
 
 from __future__ import annotations
 
@@ -15,47 +12,17 @@ import threading
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol, Union, runtime_checkable
+from typing import Any, Optional, Union
 
 import torch
 
 from megatron_ucp.layout import ParallelLayout
-from megatron_ucp.model_config import GPTModelConfig
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 
 
 class CheckpointFormatError(ValueError):
     """A checkpoint that cannot be read; the message names the file and the fix."""
-
-
-@dataclass(frozen=True)
-class ShardRef:
-    """One model-parallel shard of one parameter, as stored."""
-
-    tp_rank: int
-    pp_rank: int
-    vpp_chunk: int  # 0 without virtual pipeline parallelism
-    local_name: str  # as in that rank's model state dict (stage-local layer index)
-    shape: tuple[int, ...]  # local (per-TP-rank) shape
-    dtype: torch.dtype  # model parameter dtype
-
-
-@runtime_checkable
-class MegatronCheckpoint(Protocol):
-    path: Path
-    format: str  # 'torch' | 'torch_dist'
-    iteration: int
-    args: dict
-    layout: ParallelLayout
-    config: GPTModelConfig
-    optimizer_kind: str  # 'distributed' | 'adam' | 'mixed_precision' | 'none'
-
-    def shards(self) -> list[ShardRef]: ...
-
-    def read(self, ref: ShardRef) -> dict[str, torch.Tensor]: ...
-
-    def common_state(self) -> dict: ...
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +145,18 @@ def args_to_dict(args: Any, *, source: Path) -> dict:
                                 f"written by Megatron-LM's save_checkpoint.")
 
 
+# Megatron-LM args that make pipeline stages uneven (not supported by the rulebook's placement yet).
+UNEVEN_PIPELINE_ARGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                        "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                        "account_for_loss_in_pipeline_split")
+
+
 def layout_from_args(args: dict) -> ParallelLayout:
+    """The parallel layout a Megatron-LM run had (raises CheckpointFormatError for what is unsupported)."""
+    uneven = [name for name in UNEVEN_PIPELINE_ARGS if args.get(name)]
+    if uneven:
+        raise CheckpointFormatError(f"args.{uneven[0]}={args[uneven[0]]!r}: uneven pipeline splits are not "
+                                    f"supported yet; convert a checkpoint saved with evenly split stages")
     tp = args.get("tensor_model_parallel_size") or 1
     pp = args.get("pipeline_model_parallel_size") or 1
     cp = args.get("context_parallel_size") or 1
@@ -257,26 +235,3 @@ def resolve_iteration_dir(path: Union[str, Path], iteration: Optional[int] = Non
         raise CheckpointFormatError(f"{iter_dir}: missing; the tracker or iteration={iteration} points to an "
                                     f"iteration that was not saved (or was deleted).")
     return iter_dir, iteration
-
-
-def detect_format(iter_dir: Path) -> str:
-    if (iter_dir / ".metadata").is_file() or (iter_dir / "metadata.json").is_file():
-        return "torch_dist"
-    if any(p.is_dir() and p.name.startswith("mp_rank_") for p in iter_dir.iterdir()):
-        return "torch"
-    raise CheckpointFormatError(
-        f"{iter_dir}: neither a legacy 'torch' checkpoint (mp_rank_* folders) nor a 'torch_dist' one "
-        f"(.metadata + metadata.json); it is not a Megatron-LM checkpoint or it is incomplete.")
-
-
-def open_checkpoint(path: Union[str, Path], iteration: Optional[int] = None) -> MegatronCheckpoint:
-    """Open a Megatron-LM checkpoint root (reads the tracker) or one iter_XXXXXXX folder."""
-    iter_dir, iteration = resolve_iteration_dir(path, iteration)
-    fmt = detect_format(iter_dir)
-    if fmt == "torch":
-        from megatron_ucp.formats.legacy import LegacyCheckpoint
-
-        return LegacyCheckpoint(iter_dir, iteration)
-    from megatron_ucp.formats.torch_dist import TorchDistCheckpoint
-
-    return TorchDistCheckpoint(iter_dir, iteration)

@@ -9,7 +9,7 @@ buffer gathered over DP with only the bucket-end padding removed (see bucket_lay
 Adam step in `optimizer['optimizer']['param_groups'][*]['step']`.
 Without it `optimizer` is the torch optimizer state dict (FP32Optimizer), or
 {'optimizer': ..., 'fp32_from_fp16_params': ...} (Float16OptimizerWithFloat16Params); state
-indices run group by group over Megatron's param groups (see `megatron_param_groups`).
+indices run group by group over Megatron's param groups (adapters.gpt.megatron_param_groups).
 
 Opening scans every rank's files once (torch.load with mmap=True: pickles only, tensor bytes stay
 on disk) to validate iterations, shapes and buffer sizes; reads keep at most two ranks' files
@@ -18,20 +18,21 @@ mapped and return copies. Do not rewrite those files in place while a reader is 
 
 from __future__ import annotations
 
-import fnmatch
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional
 
 import torch
 
+from megatron_ucp.adapters.gpt import is_ignorable, megatron_param_groups
+from megatron_ucp.formats.archive import meta_load, stored_tensor
+from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef
 from megatron_ucp.formats.bucket_layout import (
     BufferLayout, BufferParam, DDPBucketConfig, build_chunk_buffers, shared_embedding_names)
 from megatron_ucp.formats.common import (
-    CheckpointFormatError, ShardRef, args_to_dict, build_common_state, layout_from_args, load_pickled)
-from megatron_ucp.formats.stored import meta_load, stored_tensor
+    CheckpointFormatError, args_to_dict, build_common_state, layout_from_args, load_pickled)
 from megatron_ucp.model_config import GPTModelConfig
 
 MODEL_FILENAME = "model_optim_rng.pt"
@@ -60,63 +61,10 @@ def chunk_parameters(model_state: Mapping[str, Any], *, dtype_hint: Optional[tor
     `_extra_state` entries (state_dict and named_parameters visit modules in the same order)."""
     params = []
     for name, value in model_state.items():
-        if name.endswith("_extra_state") or not torch.is_tensor(value):
+        if is_ignorable(name) or not torch.is_tensor(value):
             continue
         params.append(BufferParam(name, tuple(value.shape), value.dtype))
     return params
-
-
-# ---------------------------------------------------------------------------------------------
-# Megatron param groups (megatron/core/optimizer/__init__.py _get_param_groups with the standard
-# overrides of get_standard_config_overrides, as megatron/training/training.py uses them)
-
-def _override_key(name: str, shape: Sequence[int], args: Mapping[str, Any], embedding_or_output: bool):
-    override: dict = {}
-    if args.get("apply_wd_to_qk_layernorm"):
-        no_wd = (len(shape) == 1 or name.endswith(".bias")) and not (
-            "q_layernorm." in name or "k_layernorm." in name)
-    else:
-        no_wd = fnmatch.fnmatch(name, "*.bias") or len(shape) == 1
-    if no_wd:
-        override["wd_mult"] = 0.0
-    if args.get("decoupled_lr") is not None and embedding_or_output:
-        override["max_lr"] = args["decoupled_lr"]
-        if args.get("decoupled_min_lr") is not None:
-            override["min_lr"] = args["decoupled_min_lr"]
-    return tuple(sorted(override.items())) if override else None
-
-
-def _is_embedding_or_output(name: str, *, pre_process: bool, post_process: bool) -> bool:
-    return (pre_process and name == "embedding.word_embeddings.weight") or (
-        post_process and name == "output_layer.weight")
-
-
-def megatron_param_groups(rank_chunks: Mapping[tuple[int, int], Sequence[Sequence[BufferParam]]],
-                          args: Mapping[str, Any]) -> dict[tuple[int, int], list[list[tuple[int, str]]]]:
-    """Per (tp, pp) rank: the optimizer's param groups as lists of (vpp chunk, name).
-
-    Groups are keyed by the merged override (no weight decay for biases and 1-D params; decoupled
-    LR for embedding/output weights); keys are unioned over all ranks so every rank has the same
-    groups (some empty), sorted with the no-override group first."""
-    pp = args.get("pipeline_model_parallel_size") or 1
-    per_rank: dict[tuple[int, int], dict] = {}
-    all_keys: list = []
-    for (tp_rank, pp_rank), chunks in rank_chunks.items():
-        groups: dict = {}
-        for chunk, params in enumerate(chunks):
-            pre = pp_rank == 0 and chunk == 0
-            post = pp_rank == pp - 1 and chunk == len(chunks) - 1
-            for p in params:
-                if p.expert:
-                    continue
-                key = _override_key(p.name, p.shape, args,
-                                    _is_embedding_or_output(p.name, pre_process=pre, post_process=post))
-                groups.setdefault(key, []).append((chunk, p.name))
-                if key not in all_keys:
-                    all_keys.append(key)
-        per_rank[(tp_rank, pp_rank)] = groups
-    ordered = sorted(all_keys, key=lambda k: (k is not None, k or ()))
-    return {rank: [groups.get(k, []) for k in ordered] for rank, groups in per_rank.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +83,7 @@ class _RankMeta:
     step: Optional[float] = None
 
 
-class LegacyCheckpoint:
+class LegacyCheckpoint(CheckpointReader):
     """A legacy `torch` format checkpoint; see the module docstring."""
 
     format = "torch"
@@ -342,7 +290,17 @@ class LegacyCheckpoint:
                 refs += [ShardRef(t, p, chunk, q.name, q.shape, q.dtype) for q in params]
         return refs
 
-    def read(self, ref: ShardRef) -> dict[str, torch.Tensor]:
+    def read(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> dict[str, torch.Tensor]:
+        """See CheckpointReader.read; the rank's files are mmapped, so tensors not asked for cost nothing."""
+        out = self._read_all(ref)
+        if keys is None:
+            return out
+        want = set(keys)
+        if not want <= set(READ_KEYS):
+            raise ValueError(f"keys={sorted(keys)}: choose from {READ_KEYS}")
+        return {k: v for k, v in out.items() if k in want or k == "step"}
+
+    def _read_all(self, ref: ShardRef) -> dict[str, torch.Tensor]:
         meta = self._ranks.get((ref.tp_rank, ref.pp_rank))
         if meta is None or ref.vpp_chunk >= len(meta.chunks):
             raise KeyError(f"{ref}: no such rank/chunk in {self.path}")
@@ -419,10 +377,10 @@ class LegacyCheckpoint:
             self._meta_cache[key] = found
         return found
 
-    def locate(self, ref: ShardRef, keys=None) -> Optional[dict]:
+    def locate(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> Optional[dict]:
         """Like read(), but each tensor is a StoredTensor (where its bytes are in the rank's files);
-        None when one is not a contiguous run of bytes (read() it then). `keys` is accepted for the
-        reader protocol; locations of all tensors cost nothing to compute."""
+        None when one is not a contiguous run of bytes (read() it then). Locations of all tensors cost
+        nothing to compute, so `keys` only filters."""
         meta = self._ranks.get((ref.tp_rank, ref.pp_rank))
         if meta is None or ref.vpp_chunk >= len(meta.chunks):
             raise KeyError(f"{ref}: no such rank/chunk in {self.path}")
@@ -441,6 +399,8 @@ class LegacyCheckpoint:
                 real_views = self._adam_views(meta, real["optimizer"], ref, None)
                 views["step"] = torch.as_tensor(real_views["step"], dtype=torch.float32).clone().reshape(())
             out.update({k: v if k == "step" else stored_tensor(model_file, 0, v) for k, v in views.items()})
+        if keys is not None:
+            out = {k: v for k, v in out.items() if k in set(keys) or k == "step"}
         if any(v is None for v in out.values()):
             return None
         return out

@@ -8,15 +8,12 @@ torch's own FileSystemReader with a small LoadPlanner that asks only for the chu
 
 Model keys hold GLOBAL tensors:
 - Transformer layers are stacked on a leading axis of size num_layers under 'decoder.layers.<suffix>'
-  (global layer index); we return stage-local names 'decoder.layers.<i>.<suffix>'.
-- The local (non-TE) spec saves its norms under TE names; we map them back:
-  'self_attention.linear_qkv.layer_norm_{weight,bias}' -> 'input_layernorm.{weight,bias}' and
-  'mlp.linear_fc1.layer_norm_{weight,bias}' -> 'pre_mlp_layernorm.{weight,bias}'
-  (sharded_state_dict_keys_map of get_gpt_layer_local_spec).
-- A TP rank's local tensor is the concatenation, along the split axis, of the saved chunks whose
-  index along that axis is congruent to tp_rank mod TP. That is plain TP slicing when there are
-  TP chunks, and SwiGLU fc1 ([gate_global; up_global] saved from local [gate_r; up_r]) when
-  there are 2*TP chunks.
+  (global layer index); we return stage-local names 'decoder.layers.<i>.<suffix>'. Which parameters a
+  rank holds, their order, their torch_dist keys (TE spellings: the local spec saves its norms as
+  'self_attention.linear_qkv.layer_norm_weight' etc.) and their patterns come from the GPT rulebook
+  (adapters/gpt.py).
+- A TP rank's local tensor is the concatenation of its pattern's blocks (Pattern.rank_blocks): each is a
+  box of the saved global tensor, read from whichever saved chunks cover it.
 - With tied embeddings and PP > 1 the last stage's 'output_layer.weight' is saved under
   'embedding.word_embeddings.weight' (same values).
 
@@ -61,41 +58,16 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, create_read_items_for_chunk_list
 
+from megatron_ucp.adapters import gpt as rulebook
+from megatron_ucp.byteio import FileRegion, StoredTensor, box_bytes, concat_stored
+from megatron_ucp.formats.archive import archive_data_record, meta_load
+from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef
 from megatron_ucp.formats.bucket_layout import (
     BufferLayout, BufferParam, DDPBucketConfig, build_chunk_buffers, shared_embedding_names)
 from megatron_ucp.formats.common import (
-    CheckpointFormatError, ShardRef, args_to_dict, build_common_state, layout_from_args, load_pickled,
-    load_pickled_bytes)
-from megatron_ucp.formats.stored import (
-    FileRegion, StoredTensor, archive_data_record, box_bytes, concat_stored, meta_load)
+    CheckpointFormatError, args_to_dict, build_common_state, layout_from_args, load_pickled, load_pickled_bytes)
+from megatron_ucp.layout import LayoutError
 from megatron_ucp.model_config import GPTModelConfig
-
-LAYER_PREFIX = "decoder.layers."
-# tensors read() can return, besides the Adam 'step'
-READ_KEYS = ("param", "fp32", "exp_avg", "exp_avg_sq")
-
-# local spec: module name -> name under which torch_dist saves it (prefix rename)
-LOCAL_SPEC_RENAMES = {
-    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-}
-
-# Registration order of a local-spec GPT TransformerLayer's parameters (TransformerLayer.__init__:
-# input_layernorm, self_attention [Attention.__init__ builds linear_proj, then SelfAttention adds
-# linear_qkv, q_layernorm, k_layernorm], pre_mlp_layernorm, mlp [linear_fc1, linear_fc2]); checked
-# against the legacy fixtures' model state dicts and the torch_dist buffer chunk boundaries.
-LOCAL_LAYER_ORDER = (
-    "input_layernorm.weight", "input_layernorm.bias",
-    "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
-    "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-    "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
-    "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
-    "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
-    "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
-    "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
-)
-PRE_PROCESS_ORDER = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
-POST_PROCESS_ORDER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
 
 # optimizer state in model space: fully_reshardable distributed optimizer, FP32 / Float16 optimizers
 _MODEL_SPACE_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
@@ -103,39 +75,6 @@ _MODEL_SPACE_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(param|fp32
 _BUCKET_KEY = re.compile(
     r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+), (.+)\)\.bucket_idx_(\d+)\."
     r"(param|exp_avg|exp_avg_sq)$")
-
-
-def local_suffix(saved_suffix: str) -> str:
-    """Saved (TE-style) layer key suffix -> local-spec module name."""
-    for local, saved in LOCAL_SPEC_RENAMES.items():
-        if saved_suffix.startswith(saved):
-            return local + saved_suffix[len(saved):]
-    return saved_suffix
-
-
-def saved_suffix(local: str) -> str:
-    for local_prefix, saved in LOCAL_SPEC_RENAMES.items():
-        if local.startswith(local_prefix):
-            return saved + local[len(local_prefix):]
-    return local
-
-
-def stage_layers(args: dict, pp_rank: int, vpp_chunk: int) -> list[int]:
-    """Global layer indices of one (pipeline stage, virtual chunk); even splits only."""
-    num_layers = args["num_layers"]
-    pp = args.get("pipeline_model_parallel_size") or 1
-    vpp = args.get("virtual_pipeline_model_parallel_size") or 1
-    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                 "pipeline_model_parallel_layout"):
-        if args.get(name):
-            raise CheckpointFormatError(f"args.{name}={args[name]!r}: uneven pipeline splits are not supported yet.")
-    if args.get("account_for_embedding_in_pipeline_split") or args.get("account_for_loss_in_pipeline_split"):
-        raise CheckpointFormatError("account_for_*_in_pipeline_split: uneven pipeline splits are not supported yet.")
-    if num_layers % (pp * vpp):
-        raise CheckpointFormatError(f"num_layers={num_layers} is not divisible by PP*VPP={pp * vpp}.")
-    per_chunk = num_layers // (pp * vpp)
-    first = vpp_chunk * (num_layers // vpp) + pp_rank * per_chunk
-    return list(range(first, first + per_chunk))
 
 
 @dataclass(frozen=True)
@@ -232,7 +171,7 @@ def _assemble_stored(parts: list[StoredTensor], piece: _Piece, shape: Optional[t
     return concat_stored(parts, shape)
 
 
-class TorchDistCheckpoint:
+class TorchDistCheckpoint(CheckpointReader):
     """A `torch_dist` format checkpoint; see the module docstring."""
 
     format = "torch_dist"
@@ -272,9 +211,15 @@ class TorchDistCheckpoint:
         self._chunks_by_offset: dict[str, dict] = {}  # saved key -> {chunk offsets: chunk sizes}
         self._chunks_by_layer: dict[str, dict] = {}  # stacked saved key -> {layer: [chunks]}
         self._ranks: dict[tuple[int, int], _RankInfo] = {}
+        try:
+            self._expected_shapes = dict(rulebook.expected_parameters(self.config))
+        except (ValueError, NotImplementedError) as e:
+            raise CheckpointFormatError(f"{common_file}: {e}") from e
+        self._used_keys: set = set()
         for pp_rank in range(self.layout.pp):
             for tp_rank in range(self.layout.tp):
                 self._ranks[(tp_rank, pp_rank)] = self._rank_info(tp_rank, pp_rank)
+        self._check_all_keys_used()
 
     # -- opening ------------------------------------------------------------------------------
 
@@ -422,86 +367,71 @@ class TorchDistCheckpoint:
             raise CheckpointFormatError(f"{self.path / '.metadata'}: no optimizer.distributed.*bucket_idx_* tensors.")
         return out
 
-    def _piece(self, key: str, layer: Optional[int], tp_rank: int) -> _Piece:
-        md = self._keys[key]
-        if layer is None:
-            chunks = list(md.chunks)
-        else:  # chunks of one layer of a stacked key, indexed once per key (layers x TP chunks)
-            by_layer = self._chunks_by_layer.get(key)
-            if by_layer is None:
-                by_layer = self._chunks_by_layer[key] = {}
-                for c in md.chunks:
-                    by_layer.setdefault(c.offsets[0], []).append(c)
-            chunks = by_layer.get(layer, [])
-        if not chunks:
-            raise CheckpointFormatError(f"{self.path / '.metadata'}: {key} has no saved chunk for layer {layer}.")
-        first = 0 if layer is None else 1
-        split = [d for d in range(first, len(md.size)) if chunks[0].sizes[d] != md.size[d]]
-        if not split:
-            c = chunks[0]
-            return _Piece(key, layer, ((tuple(c.offsets), tuple(c.sizes)),), first)
-        if len(split) > 1:
-            raise CheckpointFormatError(f"{self.path / '.metadata'}: {key} is split on axes {split}; only one TP axis is supported.")
-        axis = split[0]
-        chunks = sorted(chunks, key=lambda c: c.offsets[axis])
-        tp = self.layout.tp
-        if len(chunks) % tp or len({c.sizes[axis] for c in chunks}) != 1:
-            raise CheckpointFormatError(
-                f"{self.path / '.metadata'}: {key} is saved in {len(chunks)} chunks of sizes "
-                f"{sorted({c.sizes[axis] for c in chunks})} on axis {axis}, which does not match TP={tp}.")
-        mine = [c for i, c in enumerate(chunks) if i % tp == tp_rank]
-        return _Piece(key, layer, tuple((tuple(c.offsets), tuple(c.sizes)) for c in mine), axis)
+    def _piece(self, canonical: str, local: str, tp_rank: int) -> _Piece:
+        """Where a rank's local tensor is in the saved global tensor: its pattern's blocks, as boxes of
+        the saved key (with the layer index in front for stacked layer keys)."""
+        key, layer = rulebook.torch_dist_key(canonical)
+        md = self._keys.get(key)
+        where = f"{self.path / '.metadata'}: {key}"
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointFormatError(f"{where} is missing (needed for {local}); the checkpoint is incomplete or "
+                                        f"does not match its args")
+        size = tuple(md.size)
+        shape = size[1:] if layer is not None else size
+        if layer is not None and not 0 <= layer < size[0]:
+            raise CheckpointFormatError(f"{where} stacks {size[0]} layers, layer {layer} is needed for {local}")
+        want = self._expected_shapes.get(canonical)
+        if want is not None and shape != tuple(want):
+            raise CheckpointFormatError(f"{where} has global shape {shape} but the model config gives {tuple(want)} "
+                                        f"for {canonical}; args and weights disagree")
+        pattern = rulebook.pattern_for(canonical, self.config)
+        try:
+            blocks = pattern.rank_blocks(shape, tp_rank, self.layout.tp, name=canonical)
+        except (LayoutError, ValueError) as e:
+            raise CheckpointFormatError(f"{where}: {e}") from e
+        front = () if layer is None else (layer,)
+        ones = () if layer is None else (1,)
+        regions = tuple((front + tuple(r.start for r in b.dst), ones + tuple(r.stop - r.start for r in b.dst))
+                        for b in blocks)
+        axis = (pattern.dim or 0) + len(front)
+        return _Piece(key, layer, regions, axis)
 
     def _rank_info(self, tp_rank: int, pp_rank: int) -> _RankInfo:
-        pp, vpp = self.layout.pp, self.layout.num_chunks
-        model_keys = {k for k, v in self._keys.items() if isinstance(v, TensorStorageMetadata)
-                      and not k.startswith(("optimizer.", "rng_state")) and "_extra_state" not in k}
-        layer_suffixes = [local_suffix(k[len(LAYER_PREFIX):]) for k in model_keys if k.startswith(LAYER_PREFIX)]
-        unknown = sorted(set(layer_suffixes) - set(LOCAL_LAYER_ORDER))
-        if unknown and self._flat_buckets:
-            raise CheckpointFormatError(
-                f"{self.path / '.metadata'}: layer parameters {unknown} (transformer_impl="
-                f"{self.args.get('transformer_impl')!r}) have no known registration order, which the "
-                f"distributed optimizer's flat buffers need; only the local GPT spec is supported.")
-        order = [s for s in LOCAL_LAYER_ORDER if s in layer_suffixes] + unknown
+        """The rank's parameters (the rulebook's, in registration order) and where each one is saved."""
         info = _RankInfo(params=[])
-        tied = not self.args.get("untie_embeddings_and_output_weights", False)
-        for chunk in range(vpp):
-            names: list[str] = []
-            if pp_rank == 0 and chunk == 0:
-                names += [n for n in PRE_PROCESS_ORDER if n in model_keys]
-            for i, _ in enumerate(stage_layers(self.args, pp_rank, chunk)):
-                names += [f"{LAYER_PREFIX}{i}.{s}" for s in order]
-            if pp_rank == pp - 1 and chunk == vpp - 1:
-                names += [n for n in POST_PROCESS_ORDER if n in model_keys and n != "output_layer.weight"]
-                if "output_layer.weight" in model_keys:
-                    names.append("output_layer.weight")
-                elif tied and pp > 1 and not (pp_rank == 0 and chunk == 0):
-                    names.append("output_layer.weight")  # saved as the word embedding
+        for chunk in range(self.layout.num_chunks):
+            try:
+                entries = rulebook.parameters_for_rank(self.config, self.layout, pp_rank,
+                                                       chunk if self.layout.vpp else None)
+            except (LayoutError, ValueError, NotImplementedError) as e:
+                raise CheckpointFormatError(f"{self.path}: {e}") from e
             params = []
-            layers = stage_layers(self.args, pp_rank, chunk)
-            for name in names:
-                if name.startswith(LAYER_PREFIX):
-                    local_idx, suffix = name[len(LAYER_PREFIX):].split(".", 1)
-                    key, layer = LAYER_PREFIX + saved_suffix(suffix), layers[int(local_idx)]
-                elif name == "output_layer.weight" and name not in model_keys:
-                    key, layer = "embedding.word_embeddings.weight", None
-                else:
-                    key, layer = name, None
-                piece = self._piece(key, layer, tp_rank)
+            for local, _, canonical in entries:
+                piece = self._piece(canonical, local, tp_rank)
                 shape = list(piece.regions[0][1])
                 shape[piece.axis] = sum(r[1][piece.axis] for r in piece.regions)
-                if layer is not None:
+                if piece.layer is not None:
                     shape = shape[1:]
-                dtype = self._keys[key].properties.dtype
-                params.append(BufferParam(name, tuple(shape), dtype))
-                info.sources[(chunk, name)] = piece
+                params.append(BufferParam(local, tuple(shape), self._keys[piece.key].properties.dtype))
+                info.sources[(chunk, local)] = piece
+                self._used_keys.add(piece.key)
             info.params.append(params)
         if self._flat_buckets:
             self._attach_buffers(info, tp_rank, pp_rank)
         elif self._model_space:
             self._check_model_space_state(info, tp_rank, pp_rank)
         return info
+
+    def _check_all_keys_used(self) -> None:
+        """Every saved model tensor belongs to a parameter the rulebook knows (nothing silently dropped)."""
+        unused = sorted(k for k, v in self._keys.items() if isinstance(v, TensorStorageMetadata)
+                        and not k.startswith(("optimizer.", "chained_", "rng_state")) and not rulebook.is_ignorable(k)
+                        and k not in self._used_keys)
+        if unused:
+            raise CheckpointFormatError(
+                f"{self.path / '.metadata'}: saved tensors {unused[:5]} belong to no parameter of the model its args "
+                f"describe (transformer_impl={self.args.get('transformer_impl')!r}); add them to the GPT rulebook "
+                f"(megatron_ucp/adapters/gpt.py) if the model really has them")
 
     def _attach_buffers(self, info: _RankInfo, tp_rank: int, pp_rank: int) -> None:
         mp = tp_rank + self.layout.tp * pp_rank

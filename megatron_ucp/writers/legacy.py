@@ -30,57 +30,34 @@ from __future__ import annotations
 import argparse
 import enum
 import importlib
-import math
 import random
 import struct
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 import torch
 
-from megatron_ucp.adapters.gpt import OUTPUT_LAYER, WORD_EMBEDDINGS, is_last_chunk, parameters_for_rank
+from megatron_ucp.adapters.gpt import (is_last_chunk, is_vocab_parameter, linear_modules, megatron_param_groups,
+                                      parameters_for_rank)
 from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
                                                 shared_embedding_names)
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
-from megatron_ucp.formats.legacy import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, megatron_param_groups, rank_dir_name
+from megatron_ucp.formats.legacy import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, rank_dir_name
 from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.patterns import resize_vocab
+from megatron_ucp.patterns import repadded_shard
+from megatron_ucp.writers.base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
 
 CHECKPOINT_VERSION = 3.0
 RNG_STATE_KINDS = ("cuda", "cpu", "none")
-# Local-spec linear modules: megatron-core's Column/RowParallelLinear save an `_extra_state` (None).
-_LINEAR_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2",
-                   "output_layer")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class LegacyWriteError(ValueError):
+class LegacyWriteError(WriteError):
     """The universal checkpoint cannot be written as a legacy checkpoint at this layout (cause + fix)."""
-
-
-@dataclass(frozen=True)
-class LegacyTarget:
-    """What to write: the layout, the optimizer kind and the padded vocabulary at that layout."""
-
-    layout: ParallelLayout
-    use_distributed_optimizer: bool
-    padded_vocab_size: int
-    args: Mapping[str, Any]  # Megatron-LM args (JSON values) with the target layout values filled in
-    rng_state: str = "cuda"
-
-
-@dataclass(frozen=True)
-class PlannedFile:
-    """One file of the output: path relative to the checkpoint root, tensor bytes it will hold."""
-
-    path: str
-    nbytes: int
-    tp_rank: int
-    pp_rank: int
 
 
 # --------------------------------------------------------------------------------------------------
@@ -121,29 +98,6 @@ def args_namespace(args: Mapping[str, Any]) -> argparse.Namespace:
     return argparse.Namespace(**plain)
 
 
-def target_args(metadata: Mapping[str, Any], layout: ParallelLayout, *, use_distributed_optimizer: bool,
-                padded_vocab_size: int, ckpt_format: str, vpp_layers: Optional[int]) -> dict:
-    """The universal checkpoint's Megatron args with the target layout's values (JSON values)."""
-    args = dict(metadata.get("args") or {})
-    args.update(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        num_layers_per_virtual_pipeline_stage=vpp_layers if layout.vpp else None,
-        data_parallel_size=layout.dp,
-        context_parallel_size=1,
-        world_size=layout.world_size,
-        sequence_parallel=bool(layout.sp),
-        use_distributed_optimizer=bool(use_distributed_optimizer),
-        padded_vocab_size=int(padded_vocab_size),
-        ckpt_format=ckpt_format,
-        use_dist_ckpt=ckpt_format != "torch",
-        consumed_train_samples=int(metadata.get("consumed_train_samples") or 0),
-        consumed_valid_samples=int(metadata.get("consumed_valid_samples") or 0),
-    )
-    return args
-
-
 # --------------------------------------------------------------------------------------------------
 # Plan (pure)
 
@@ -162,7 +116,7 @@ def _rank_buffer_params(ucp, config, layout, pp_rank) -> list[list[BufferParam]]
             for chunk in _chunks(config, layout, pp_rank)]
 
 
-def _chunk_buffers(target: LegacyTarget, pp_rank: int, chunks: list[list[BufferParam]]):
+def _chunk_buffers(target: WriteTarget, pp_rank: int, chunks: list[list[BufferParam]]):
     """Per chunk: the DDP buffer layouts megatron-core builds at the target layout."""
     num_params = sum(p.numel for chunk in chunks for p in chunk)
     out = []
@@ -176,7 +130,7 @@ def _chunk_buffers(target: LegacyTarget, pp_rank: int, chunks: list[list[BufferP
     return out
 
 
-def param_groups_by_rank(ucp, config: GPTModelConfig, target: LegacyTarget) -> dict:
+def param_groups_by_rank(ucp, config: GPTModelConfig, target: WriteTarget) -> dict:
     """(tp, pp) -> Megatron's optimizer param groups as [(vpp chunk, local name)] lists, checked against
     the groups the universal checkpoint records for each parameter."""
     layout = target.layout
@@ -201,7 +155,7 @@ def param_groups_by_rank(ucp, config: GPTModelConfig, target: LegacyTarget) -> d
     return groups
 
 
-def plan(ucp, config: GPTModelConfig, target: LegacyTarget) -> list[PlannedFile]:
+def plan(ucp, config: GPTModelConfig, target: WriteTarget) -> list[PlannedFile]:
     """Every file the writer will produce, with the tensor bytes in it (no I/O)."""
     layout = target.layout
     config = replace(config, padded_vocab_size=target.padded_vocab_size)
@@ -253,12 +207,10 @@ class _RankReader:
 
     def read(self, canonical: str, key: str) -> torch.Tensor:
         info = self.ucp.parameters[canonical]
-        if canonical in (WORD_EMBEDDINGS, OUTPUT_LAYER) and info.shape[0] != self.padded:
-            full = self.ucp.read(canonical, key)
-            resized, _ = resize_vocab(full, self.padded, self.config.vocab_size,
-                                      fill="mean_padding" if key == "fp32" else "zeros")
-            return info.pattern.slice_for_rank(resized, self.tp_rank, self.tp, name=canonical)
-        return _owned(self.ucp.read_for_rank(canonical, self.tp_rank, self.tp, key))
+        if is_vocab_parameter(canonical) and info.shape[0] != self.padded:
+            return repadded_shard(self.ucp.read(canonical, key), info.pattern, self.padded, self.config.vocab_size,
+                                  key, self.tp_rank, self.tp, name=canonical)
+        return _owned(self.ucp.read_local(canonical, key, self.tp_rank, self.tp))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -272,7 +224,8 @@ def _model_state(chunk: list[tuple[str, tuple, str]], tensors: dict, *, last: bo
     for i, (local, _, _) in enumerate(chunk):
         sd[local] = tensors[local]
         module = modules[i]
-        is_linear = any(module == m or module.endswith("." + m) for m in _LINEAR_MODULES)
+        # megatron-core's local-spec Column/RowParallelLinear save an `_extra_state` (None)
+        is_linear = any(module == m or module.endswith("." + m) for m in linear_modules())
         if is_linear and (i + 1 == len(chunk) or modules[i + 1] != module):
             sd[f"{module}._extra_state"] = None
     if last and "output_layer._extra_state" not in sd:  # tied on one chunk: the module has no weight
@@ -323,7 +276,7 @@ def _rng_state(args: Mapping[str, Any], iteration: int, tp_rank: int, pp_rank: i
     return states
 
 
-def build_rank_state(ucp, config: GPTModelConfig, target: LegacyTarget, groups: dict, tp_rank: int,
+def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: dict, tp_rank: int,
                      pp_rank: int) -> tuple[dict, Optional[dict]]:
     """(model_optim_rng.pt, distrib_optim.pt or None) of one (tp, pp) rank; reads only its slices."""
     layout = target.layout
@@ -409,7 +362,7 @@ def _torch_adam_state(ucp, rank_groups, canonicals, masters, chunks) -> dict:
     return {"optimizer": inner, "fp32_from_fp16_params": fp32_from_16}
 
 
-def _distrib_optim(target: LegacyTarget, pp_rank: int, chunks, masters, ucp) -> dict:
+def _distrib_optim(target: WriteTarget, pp_rank: int, chunks, masters, ucp) -> dict:
     """distrib_optim.pt: each DDP buffer's fp32 master and moments, coalesced over buckets."""
     params = [[BufferParam(local, tuple(shape), _model_dtype(ucp, canonical)) for local, shape, canonical in chunk]
               for chunk in chunks]
@@ -434,7 +387,7 @@ def _distrib_optim(target: LegacyTarget, pp_rank: int, chunks, masters, ucp) -> 
 # Write
 
 
-def write(ucp, config: GPTModelConfig, target: LegacyTarget, root: Path,
+def write(ucp, config: GPTModelConfig, target: WriteTarget, root: Path,
           on_file: Optional[Callable[[Path, int], None]] = None) -> list[Path]:
     """Write the legacy checkpoint under `root` (a staging directory): every rank's files, then the
     tracker file last. Memory: one (tp, pp) rank's weights and optimizer state at a time."""
@@ -463,7 +416,13 @@ def write(ucp, config: GPTModelConfig, target: LegacyTarget, root: Path,
     return written
 
 
-def megatron_padded_vocab_size(config: GPTModelConfig, tp: int) -> int:
-    """What Megatron-LM computes from its args at TP=`tp` (it never reads it from the checkpoint)."""
-    multiple = config.make_vocab_size_divisible_by * tp
-    return int(math.ceil(config.vocab_size / multiple) * multiple)
+class LegacyWriter(CheckpointWriter):
+    """`--ckpt-format torch`: offline, one (tp, pp) rank's state in memory at a time."""
+
+    ckpt_format = "torch"
+
+    def plan(self, ucp, target: WriteTarget, notes: list) -> list[PlannedFile]:
+        return plan(ucp, ucp.config, target)
+
+    def write(self, ucp, target: WriteTarget, root: Path, on_file=None) -> None:
+        write(ucp, ucp.config, target, root, on_file=on_file)

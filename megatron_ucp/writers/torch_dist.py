@@ -15,20 +15,24 @@ metadata: `harness_flags_from_universal`.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from megatron_ucp.adapters.gpt import megatron_padded_vocab, padded_vocab_at
+from megatron_ucp.formats.common import TRACKER_FILENAME
 from megatron_ucp.layout import ParallelLayout
+from megatron_ucp.writers.base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN_SCRIPT = REPO / "pretrain_scripts" / "pretrain_gpt.py"
 DEFAULT_TIMEOUT_S = 3600
 
 
-class HarnessRunError(RuntimeError):
+class HarnessRunError(WriteError):
     """The harness run that writes the torch_dist checkpoint failed; the message has its log tail."""
 
 
@@ -206,3 +210,53 @@ def write(ucp_path: Path, save_dir: Path, iteration: int, layout: ParallelLayout
         raise HarnessRunError(f"the harness run writing the torch_dist checkpoint failed (exit {proc.returncode}): "
                               f"{tail}\ncommand: {' '.join(cmd)}")
     return save_dir
+
+
+class HarnessTorchDistWriter(CheckpointWriter):
+    """`--ckpt-format torch_dist`: megatron-core itself writes the checkpoint, from the training harness
+    launched at the target layout (T*P*D CPU processes)."""
+
+    ckpt_format = "torch_dist"
+    OPTIONS = ("timeout_s",)
+
+    def __init__(self, timeout_s: int = DEFAULT_TIMEOUT_S):
+        self.timeout_s = timeout_s
+
+    def _flags(self, ucp, target: WriteTarget, notes: list) -> list[str]:
+        if megatron_padded_vocab(ucp.config, target.layout.tp) != padded_vocab_at(ucp.config, target.layout.tp):
+            raise WriteError(
+                f"the stored padded vocabulary ({ucp.config.padded_vocab_size} rows) is divisible by TP="
+                f"{target.layout.tp}, so the harness keeps it, but Megatron-LM computes "
+                f"{target.padded_vocab_size} rows at TP={target.layout.tp}; write --ckpt-format torch (it re-pads) "
+                f"or choose another TP")
+        try:
+            return harness_flags_from_universal(ucp.metadata, target.layout, vpp_layers=target.vpp_layers,
+                                                use_distributed_optimizer=target.use_distributed_optimizer,
+                                                notes=notes)
+        except ValueError as e:
+            raise WriteError(f"as torch_dist: {e}") from e
+
+    def plan(self, ucp, target: WriteTarget, notes: list) -> list[PlannedFile]:
+        self._flags(ucp, target, notes)
+        state_bytes = sum(4 * len(info.tensors) * math.prod(info.shape) for info in ucp.parameters.values())
+        return [PlannedFile(f"iter_{ucp.iteration:07d}/ (torch_dist, {target.layout.world_size} writer processes)",
+                            state_bytes), PlannedFile(TRACKER_FILENAME, 0)]
+
+    def describe(self, ucp, target: WriteTarget) -> list[str]:
+        return ["harness flags: " + " ".join(self._flags(ucp, target, []))]
+
+    def write(self, ucp, target: WriteTarget, root: Path, on_file=None) -> None:
+        flags = self._flags(ucp, target, [])
+        log = root.parent / f"{root.name}.log"
+        try:
+            write(Path(ucp.path).absolute(), root, ucp.iteration, target.layout, flags, timeout_s=self.timeout_s,
+                  log_path=log)
+        except HarnessRunError as e:
+            raise HarnessRunError(f"{e} (log: {log})") from e
+        log.unlink(missing_ok=True)
+        if not (root / TRACKER_FILENAME).is_file():
+            raise WriteError(f"{root}: the harness finished without writing {TRACKER_FILENAME}")
+        if on_file:
+            for f in sorted(root.rglob("*")):
+                if f.is_file():
+                    on_file(f, f.stat().st_size)

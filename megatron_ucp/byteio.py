@@ -1,41 +1,37 @@
-"""Where a saved tensor's bytes live, and byte-level I/O on those places.
+"""Tensors as byte regions of files, and byte-level I/O on them (format-neutral).
 
-Both Megatron-LM formats store each tensor's data uncompressed and C-contiguous inside a torch.save
-zip archive (legacy `*.pt` files; each item of a `torch_dist` `.distcp` file is one such archive). A
-reader that knows where those bytes are answers `locate(ref, keys)` with `StoredTensor`s instead of
-tensors, and the converter then never materialises a tensor: it copies byte ranges file to file with
-`copy_file_range` (in the kernel, like `cp`; a reflink where the filesystem has them), assembles
-row-interleaved outputs (row-parallel weights) in bands from mmaps of the shards, and compares
-replicas through bounded mmaps. A lazy universal checkpoint keeps the same descriptions (`Placement`,
-as JSON) and reads slices through them (`read_box`).
+A `StoredTensor` is a tensor whose C-order bytes are the concatenation of file regions; a
+`Placement` assembles a consolidated tensor from stored shards block by block (blocks come from the
+parameter's pattern, `patterns.Pattern.rank_blocks`). With them the converter never materialises a
+tensor: it copies byte ranges file to file with `copy_file_range` (in the kernel, like `cp`; a reflink
+where the filesystem has them), assembles row-interleaved outputs (row-parallel weights) in bands from
+mmaps of the shards, and compares replicas through bounded mmaps. A lazy universal checkpoint keeps the
+same descriptions (`Placement`, as JSON) and reads slices through them (`read_box`).
 
-Offsets come from torch and the standard library: `torch.load(..., map_location="meta")` reads only
-the pickle and tags each storage with `_checkpoint_offset`, the byte offset of its record in the
-archive (legacy files); for the many small `.distcp` items, each saved key's first item is checked
-that way and every item's record offset is read from its zip directory (`zipfile`).
+Readers say where a format's tensors are (`locate`); this module only moves bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import mmap
 import os
-import re
-import struct
 import threading
-import zipfile
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
 
-from megatron_ucp.formats.common import CheckpointFormatError, safe_unpickling
+from megatron_ucp.patterns import Block
 
 CHUNK_BYTES = 4 * 2 ** 20  # bounded buffers for reads and fallback copies
 COMPARE_BYTES = 64 * 2 ** 20  # mapped at once per side when comparing
 _PAGE = mmap.ALLOCATIONGRANULARITY
+
+
+class StorageError(ValueError):
+    """A file too short for the bytes it should hold (truncated or replaced); the message says which."""
 
 
 @dataclass(frozen=True)
@@ -114,104 +110,6 @@ def box_bytes(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[in
 
 
 # --------------------------------------------------------------------------------------------------
-# Finding bytes: meta-loads of torch.save archives
-
-
-class _FileWindow(io.RawIOBase):
-    """Read-only file object over bytes [offset, offset + length) of a file (one DCP item)."""
-
-    def __init__(self, path: str, offset: int, length: int):
-        super().__init__()
-        self._fd = os.open(path, os.O_RDONLY)
-        self._start, self._length, self._pos = offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, buffer) -> int:
-        n = max(0, min(len(buffer), self._length - self._pos))
-        if n == 0:
-            return 0
-        data = os.pread(self._fd, n, self._start + self._pos)
-        memoryview(buffer)[:len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def close(self) -> None:
-        if not self.closed:
-            os.close(self._fd)
-        super().close()
-
-
-def meta_load(path: str, offset: int = 0, length: Optional[int] = None, *, allow_megatron: bool = True):
-    """torch.load of the archive at [offset, offset + length) of `path` (default: the whole file) with
-    every tensor on the meta device: only the zip directory and the pickle are read. Use `stored_tensor`
-    on the result's tensors. allow_megatron=False loads with torch's own allow-list only (a DCP tensor
-    item pickles nothing else), which needs no lock, so threads load items in parallel."""
-    if length is None:
-        source = path
-    else:  # unbuffered: torch's zip reader seeks to a few small records; a buffer would read ahead
-        source = _FileWindow(path, offset, length)
-    try:
-        if allow_megatron:
-            with safe_unpickling():
-                return torch.load(source, map_location="meta", weights_only=True)
-        return torch.load(source, map_location="meta", weights_only=True)
-    finally:
-        if length is not None:
-            source.close()
-
-
-_DATA_RECORD = re.compile(r"[^/]+/data/\d+")
-
-
-def archive_data_record(path: str, offset: int, length: int) -> Optional[tuple[int, int]]:
-    """(file offset, size) of the single data record of the torch.save archive at [offset, offset + length)
-    of `path`, read from its zip directory with the standard library (no unpickling: ~40 us); None
-    unless there is exactly one stored (uncompressed) record. Which tensor the record holds (dtype,
-    shape, strides) is what the caller knows from elsewhere and has checked with meta_load."""
-    with _FileWindow(path, offset, length) as window:
-        try:
-            with zipfile.ZipFile(window) as archive:
-                records = [i for i in archive.infolist() if _DATA_RECORD.fullmatch(i.filename)]
-        except zipfile.BadZipFile:
-            return None
-        if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
-            return None
-        record = records[0]
-        header = os.pread(window.fileno(), 30, offset + record.header_offset)
-    if len(header) != 30 or header[:4] != b"PK\x03\x04":
-        return None
-    name_len, extra_len = struct.unpack("<HH", header[26:30])
-    return offset + record.header_offset + 30 + name_len + extra_len, record.file_size
-
-
-def stored_tensor(path: str, archive_offset: int, meta: torch.Tensor) -> Optional[StoredTensor]:
-    """Where the (meta) tensor `meta`, loaded by meta_load from the archive at `archive_offset` of
-    `path`, keeps its bytes; None when they are not one C-contiguous run (then read it normally)."""
-    record = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
-    if record is None or not meta.is_contiguous():
-        return None
-    start = archive_offset + int(record) + meta.storage_offset() * meta.element_size()
-    nbytes = meta.numel() * meta.element_size()
-    return StoredTensor(tuple(meta.shape), meta.dtype, (FileRegion(str(path), start, nbytes),) if nbytes else ())
-
-
-# --------------------------------------------------------------------------------------------------
 # Moving bytes
 
 
@@ -227,7 +125,7 @@ class FileHandles:
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as e:
-                raise CheckpointFormatError(f"{path}: cannot open ({e.strerror}); re-copy the checkpoint") from e
+                raise StorageError(f"{path}: cannot open ({e.strerror}); re-copy the checkpoint") from e
             self._fds[path] = fd
         return fd
 
@@ -261,13 +159,13 @@ def copy_region(files: FileHandles, src: FileRegion, dst_fd: int, dst_offset: in
                 break
             raise
         if n == 0:
-            raise CheckpointFormatError(f"{src.path}: ends before byte {offset + left}; the file is truncated, "
+            raise StorageError(f"{src.path}: ends before byte {offset + left}; the file is truncated, "
                                         f"re-copy it")
         offset, dst_offset, left = offset + n, dst_offset + n, left - n
     while left:
         data = os.pread(src_fd, min(left, CHUNK_BYTES), offset)
         if not data:
-            raise CheckpointFormatError(f"{src.path}: ends before byte {offset + left}; the file is truncated, "
+            raise StorageError(f"{src.path}: ends before byte {offset + left}; the file is truncated, "
                                         f"re-copy it")
         written = os.pwrite(dst_fd, data, dst_offset)
         offset, dst_offset, left = offset + written, dst_offset + written, left - written
@@ -282,7 +180,7 @@ def _chunks(files: FileHandles, regions: Sequence[FileRegion], size: int) -> Ite
         while left:
             data = os.pread(fd, min(left, size - have), offset)
             if not data:
-                raise CheckpointFormatError(f"{r.path}: ends before byte {offset + left}; the file is truncated, "
+                raise StorageError(f"{r.path}: ends before byte {offset + left}; the file is truncated, "
                                             f"re-copy it")
             offset, left = offset + len(data), left - len(data)
             pending.append(data)
@@ -347,7 +245,7 @@ class MappedTensor:
             self.tensor = torch.empty(tuple(shape), dtype=dtype)
             return
         if os.fstat(fd).st_size < offset + nbytes:  # a mapping past the end faults (SIGBUS), check first
-            raise CheckpointFormatError(f"{name}: ends before byte {offset + nbytes}; the file is truncated, "
+            raise StorageError(f"{name}: ends before byte {offset + nbytes}; the file is truncated, "
                                         f"re-copy it")
         # Private mappings of sources are writable copy-on-write, so torch gets a writable buffer
         # (nothing writes to them); the destination mapping is shared, writes reach the file.
@@ -377,15 +275,6 @@ class MappedTensor:
 
 # --------------------------------------------------------------------------------------------------
 # Consolidating bytes
-
-
-@dataclass(frozen=True)
-class Block:
-    """Output region `dst` (one slice per dim) is shard `shard`'s region `src` (same lengths)."""
-
-    shard: int
-    dst: tuple[slice, ...]
-    src: tuple[slice, ...]
 
 
 @dataclass(frozen=True)

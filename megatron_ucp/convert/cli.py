@@ -1,0 +1,58 @@
+"""`megatron-ucp to-universal`: the command line of the conversion."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from megatron_ucp.convert.runner import convert, convert_distributed, default_workers, in_torchrun
+from megatron_ucp.convert.tasks import ConversionError
+
+
+
+
+def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "to-universal", parents=[common],
+        help="convert a Megatron-LM checkpoint into a universal checkpoint",
+        description="Convert a Megatron-LM checkpoint (legacy torch or torch_dist, any TP/PP/DP) into a "
+                    "parallelism-independent universal checkpoint (docs/FORMAT.md).")
+    p.add_argument("src", help="Megatron-LM checkpoint root (with latest_checkpointed_iteration.txt) or an "
+                               "iter_XXXXXXX folder")
+    p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
+    p.add_argument("--iteration", type=int, default=None, help="iteration to convert (default: the tracker's)")
+    p.add_argument("--workers", type=int, default=None,
+                   help=f"parallel conversion threads (default: min(4, CPUs) = {default_workers()}); across "
+                        f"nodes, run under torchrun")
+    p.add_argument("--average-replicas", action="store_true",
+                   help="store the mean of replicated copies (TP replicas, tied output layer) instead of "
+                        "requiring them to agree bitwise")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing universal checkpoint at DST")
+    p.add_argument("--lazy", action="store_true",
+                   help="write only an index (metadata.json) of where each consolidated tensor's bytes are in SRC: "
+                        "no copy; SRC must stay in place, unchanged, while the result is used")
+    p.set_defaults(handler=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> dict:
+    if in_torchrun() and args.lazy:
+        raise ConversionError("--lazy copies no bytes and takes seconds: run it in one process, not under torchrun")
+    if in_torchrun():  # one process per node (or per core) of a torchrun job, sharing the filesystem
+        summary = convert_distributed(args.src, args.dst, iteration=args.iteration,
+                                      average_replicas=args.average_replicas, progress=not args.quiet,
+                                      overwrite=args.overwrite)
+    else:
+        summary = convert(args.src, args.dst, iteration=args.iteration, workers=args.workers,
+                          average_replicas=args.average_replicas, progress=not args.quiet,
+                          overwrite=args.overwrite, lazy=args.lazy)
+    result = summary.to_dict()
+    if in_torchrun() and int(os.environ["RANK"]) != 0:
+        return result  # rank 0 reports
+    result["message"] = (f"wrote {summary.path}: {summary.num_parameters} parameters, "
+                         f"{summary.bytes_written / 2 ** 20:.1f} MiB, iteration {summary.iteration} "
+                         f"({summary.source_format}), {summary.seconds:.1f} s")
+    if summary.lazy:
+        result["message"] = (f"wrote lazy {summary.path}: an index of {summary.num_parameters} parameters into "
+                             f"{summary.source} (iteration {summary.iteration}, {summary.source_format}), "
+                             f"{summary.seconds:.1f} s; keep the source in place and unchanged while you use it")
+    return result

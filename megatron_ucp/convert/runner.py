@@ -1,0 +1,254 @@
+"""Running a conversion: threads over parameters in one process, or the processes of a torchrun job
+(e.g. one per node on a shared filesystem), writing through the universal checkpoint writer."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+from tqdm import tqdm
+
+from megatron_ucp.adapters.gpt import expected_parameters
+from megatron_ucp.convert.consolidate import convert_parameter, source_keys
+from megatron_ucp.convert.metadata import build_metadata
+from megatron_ucp.convert.tasks import ConversionError, ParamTask, conversion_tasks
+from megatron_ucp.formats import CheckpointReader, open_checkpoint
+from megatron_ucp.universal import TENSORS_DIRNAME, UniversalWriter, check_destination, source_file_stats
+
+PathLike = Union[str, os.PathLike]
+
+
+def default_workers() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class ConversionSummary:
+    path: Path
+    source: str
+    source_format: str
+    iteration: int
+    num_parameters: int
+    bytes_written: int
+    seconds: float
+    workers: int
+    lazy: bool = False
+
+    def to_dict(self) -> dict:
+        return {"path": str(self.path), "source": self.source, "source_format": self.source_format,
+                "iteration": self.iteration, "num_parameters": self.num_parameters,
+                "bytes_written": self.bytes_written, "seconds": round(self.seconds, 3), "workers": self.workers,
+                "lazy": self.lazy}
+
+
+def _check_not_nested(src: Path, iter_dir: Path, dst: Path) -> None:
+    dst = dst.resolve()
+    for source in {src.resolve(), iter_dir.resolve()}:
+        if dst == source or source in dst.parents or dst in source.parents:
+            raise ConversionError(f"{dst}: the destination overlaps the source checkpoint {source}; write the "
+                                  f"universal checkpoint outside it (the input is never modified)")
+
+
+def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, workers: Optional[int] = None,
+            average_replicas: bool = False, progress: bool = True, overwrite: bool = False,
+            lazy: bool = False) -> ConversionSummary:
+    """to_universal with a summary of what was written (see to_universal)."""
+    start = time.perf_counter()
+    if workers is not None and int(workers) < 1:
+        raise ConversionError(f"workers={workers}: use at least 1")
+    if lazy and average_replicas:
+        raise ConversionError("--lazy references the source's bytes, --average-replicas computes new values; "
+                              "use one of them")
+    check_destination(dst, overwrite)  # fail before the (possibly long) open and plan
+    ckpt = open_checkpoint(src, iteration)
+    _check_not_nested(Path(src), Path(ckpt.path), Path(dst))
+    tasks = conversion_tasks(ckpt)
+    metadata = build_metadata(ckpt, average_replicas=average_replicas)
+    total = sum(t.nbytes * len(source_keys(ckpt)) for t in tasks)
+    if lazy:
+        metadata["conversion"]["lazy"] = True
+    if not ckpt.thread_safe_reads:
+        workers = 1  # a reader whose reads share state is used from one thread
+    workers = max(1, min(int(workers or default_workers()), len(tasks)))
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="to-universal",
+               disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    written = 0
+    with UniversalWriter(dst, overwrite=overwrite) as writer:
+
+        def record(name: str, entry: dict) -> None:
+            nonlocal written
+            writer.record_parameter(name, entry)
+            size = math.prod(entry["shape"]) * 4 * len(entry["tensors"])
+            written += 0 if lazy else size
+            bar.update(size)
+            bar.set_postfix_str(f"{len(writer.parameters)}/{len(tasks)} params", refresh=False)
+
+        try:
+            if workers == 1:
+                for task in tasks:
+                    record(task.name, convert_parameter(ckpt, task, writer.staging_dir,
+                                                        average_replicas=average_replicas, lazy=lazy))
+            else:
+                _convert_in_threads(ckpt, tasks, writer.staging_dir, workers, average_replicas, record, lazy)
+        finally:
+            bar.close()
+        if lazy:
+            (writer.staging_dir / TENSORS_DIRNAME).rmdir()
+            metadata["lazy"] = {"source": str(Path(ckpt.path).resolve()),
+                                "files": source_file_stats(ckpt.path, writer.parameters)}
+        path = writer.finish(metadata, expected_parameters(ckpt.config))
+    return ConversionSummary(path=path, source=str(Path(ckpt.path).resolve()), source_format=ckpt.format,
+                             iteration=ckpt.iteration, num_parameters=len(tasks), bytes_written=written,
+                             seconds=time.perf_counter() - start, workers=workers, lazy=lazy)
+
+
+def in_torchrun() -> bool:
+    """Launched by torchrun with more than one process (WORLD_SIZE/RANK set)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def convert_distributed(src: PathLike, dst: PathLike, iteration: Optional[int] = None,
+                        average_replicas: bool = False, progress: bool = True,
+                        overwrite: bool = False) -> ConversionSummary:
+    """to_universal across the processes of a torchrun job (e.g. one per node on a shared filesystem).
+
+    Rank 0 owns the destination: it checks it, creates the staging directory and, once every rank is
+    done, records the parameters and writes metadata.json and COMPLETE. Every rank opens the source,
+    plans the same parameter list and converts its share (largest parameters dealt round-robin, so
+    shares are balanced), writing tensor files straight into the shared staging directory. An error on
+    any rank stops every rank and removes the staging directory.
+    """
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("gloo")
+    try:
+        return _convert_distributed(dist, start, src, dst, iteration, average_replicas, progress, overwrite)
+    finally:
+        if owns_group:  # a gloo group left to the interpreter's exit can abort the process
+            dist.destroy_process_group()
+
+
+def _convert_distributed(dist, start, src, dst, iteration, average_replicas, progress, overwrite):
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def agree(error: Optional[str]) -> None:
+        """Raise on every rank if any rank failed (the first error, with its rank)."""
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            r, e = failed[0]
+            raise ConversionError(e if r == rank else f"rank {r}: {e}")
+
+    writer = None
+    try:
+        error = None
+        try:
+            if rank == 0:
+                check_destination(dst, overwrite)
+            ckpt = open_checkpoint(src, iteration)
+            _check_not_nested(Path(src), Path(ckpt.path), Path(dst))
+            tasks = conversion_tasks(ckpt)
+            if rank == 0:
+                writer = UniversalWriter(dst, overwrite=overwrite)
+        except Exception as e:  # noqa: BLE001 - reported on every rank by agree()
+            error = f"{type(e).__name__}: {e}" if not isinstance(e, (ConversionError, ValueError)) else str(e)
+        agree(error)
+        staging = [str(writer.staging_dir) if writer else None]
+        dist.broadcast_object_list(staging, src=0)
+        staging_dir = Path(staging[0])
+
+        ordered = sorted(tasks, key=lambda t: t.nbytes, reverse=True)
+        mine = ordered[rank::world]
+        entries, error = [], None
+        bar = tqdm(total=sum(t.nbytes for t in mine), unit="B", unit_scale=True, unit_divisor=1024,
+                   desc=f"to-universal rank {rank}", disable=not progress or rank != 0, file=sys.stderr,
+                   dynamic_ncols=True)
+        try:
+            for task in mine:
+                entries.append((task.name, convert_parameter(ckpt, task, staging_dir,
+                                                             average_replicas=average_replicas)))
+                bar.update(task.nbytes)
+        except Exception as e:  # noqa: BLE001
+            error = str(e) or type(e).__name__
+        finally:
+            bar.close()
+        agree(error)
+        gathered = [None] * world
+        dist.gather_object(entries, gathered if rank == 0 else None, dst=0)
+        path, error = None, None
+        if rank == 0:
+            try:
+                for rank_entries in gathered:
+                    for name, entry in rank_entries:
+                        writer.record_parameter(name, entry)
+                path = writer.finish(build_metadata(ckpt, average_replicas=average_replicas),
+                                     expected_parameters(ckpt.config))
+                writer = None
+            except Exception as e:  # noqa: BLE001
+                error = str(e) or type(e).__name__
+        agree(error)
+        result = [str(path) if path else None]
+        dist.broadcast_object_list(result, src=0)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    written = sum(math.prod(e["shape"]) * 4 * len(e["tensors"]) for _, e in entries)
+    return ConversionSummary(path=Path(result[0]), source=str(Path(ckpt.path).resolve()), source_format=ckpt.format,
+                             iteration=ckpt.iteration, num_parameters=len(tasks), bytes_written=written,
+                             seconds=time.perf_counter() - start, workers=world)
+
+
+def _convert_in_threads(ckpt: CheckpointReader, tasks: list[ParamTask], staging_dir: Path, workers: int,
+                        average_replicas: bool, record, lazy: bool = False) -> None:
+    """Threads sharing the opened checkpoint, for readers whose reads are independent (thread_safe_reads):
+    no worker start-up (a spawned worker re-imports torch and re-opens the checkpoint, seconds), and the
+    bulk of the work (file reads, tensor copies, safetensors writes) runs without the GIL. Largest
+    parameters first, so the last ones to finish are small; at most 2 tasks per thread in flight keeps
+    memory bounded by a few parameters."""
+    pending = iter(sorted(tasks, key=lambda t: t.nbytes, reverse=True))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="to-universal") as pool:
+        running: dict = {}  # future -> parameter name
+        try:
+            while True:
+                for task in pending:
+                    running[pool.submit(convert_parameter, ckpt, task, staging_dir,
+                                        average_replicas=average_replicas, lazy=lazy)] = task.name
+                    if len(running) >= 2 * workers:
+                        break
+                if not running:
+                    break
+                done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in done:
+                    record(running.pop(future), future.result())
+        finally:
+            for future in running:
+                future.cancel()
+
+
+def to_universal(src: PathLike, dst: PathLike, iteration: Optional[int] = None, workers: Optional[int] = None,
+                 average_replicas: bool = False, progress: bool = True, overwrite: bool = False,
+                 lazy: bool = False) -> Path:
+    """Convert the Megatron-LM checkpoint at `src` (a checkpoint root or one iter_XXXXXXX folder, legacy
+    `torch` or `torch_dist`) into a universal checkpoint at `dst` and return `dst`.
+
+    Replicated parameters must agree bitwise across TP ranks, and a tied output_layer copy must equal the
+    embedding (weights and moments), unless `average_replicas`, which stores their mean. On any error
+    nothing is left at `dst` (nor its staging directory) and the source is untouched.
+
+    lazy: write only metadata.json, whose entries say where each consolidated tensor's bytes are in the
+    source checkpoint (checked as above; seconds, no copy). Readers then read from the source, which must
+    stay where it is, unchanged (checked by size and mtime on open).
+    """
+    return convert(src, dst, iteration=iteration, workers=workers, average_replicas=average_replicas,
+                   progress=progress, overwrite=overwrite, lazy=lazy).path

@@ -1,0 +1,70 @@
+"""The interface every Megatron checkpoint reader implements (declared, never probed).
+
+A reader opens one iteration folder and yields one `ShardRef` per parameter per model-parallel rank
+(names and shapes exactly as that rank's model holds them). On request it returns a shard's tensors
+(`read`) or says where their bytes are in its files (`locate`, for the byte-copy converter), plus the
+state shared by all ranks (`common_state`). Readers register in `megatron_ucp.formats` (READERS);
+the converter never branches on the format.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Collection, Optional
+
+from megatron_ucp.layout import ParallelLayout
+from megatron_ucp.model_config import GPTModelConfig
+
+# Tensors a reader can return for a shard, besides the Adam 'step': the model weight ('param'), the
+# fp32 main weight ('fp32'; the weight itself when the optimizer steps it directly) and Adam's moments.
+READ_KEYS = ("param", "fp32", "exp_avg", "exp_avg_sq")
+OPTIMIZER_KINDS = ("distributed", "adam", "mixed_precision", "none")
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """One model-parallel shard of one parameter, as stored."""
+
+    tp_rank: int
+    pp_rank: int
+    vpp_chunk: int  # 0 without virtual pipeline parallelism
+    local_name: str  # as in that rank's model state dict (stage-local layer index)
+    shape: tuple[int, ...]  # local (per-TP-rank) shape
+    dtype: Any  # torch.dtype of the model parameter
+
+
+class CheckpointReader(abc.ABC):
+    """One iteration of a Megatron checkpoint, opened for reading (see the module docstring)."""
+
+    format: ClassVar[str]  # 'torch' | 'torch_dist'
+    # Whether read()/locate() may be called from several threads at once on one reader.
+    thread_safe_reads: ClassVar[bool] = False
+
+    path: Path  # the iter_XXXXXXX folder
+    iteration: int
+    args: dict  # Megatron-LM's args as plain values
+    layout: ParallelLayout
+    config: GPTModelConfig
+    optimizer_kind: str  # one of OPTIMIZER_KINDS
+
+    @abc.abstractmethod
+    def shards(self) -> list[ShardRef]:
+        """Every parameter shard of every (tp, pp, vpp chunk), in registration order per chunk."""
+
+    @abc.abstractmethod
+    def read(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> dict:
+        """The shard's tensors among READ_KEYS (default: all it has; only the bytes of those asked for
+        are read) and, with Adam state, its 'step' (a 0-d float32 tensor)."""
+
+    @abc.abstractmethod
+    def locate(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> Optional[dict]:
+        """Like read(), but each tensor is a byteio.StoredTensor (where its bytes are in the reader's
+        files) and nothing but metadata is read ('step' stays a tensor); None when some tensor is not one
+        run of bytes per stored piece (read() it then)."""
+
+    @abc.abstractmethod
+    def common_state(self) -> dict:
+        """Iteration, consumed samples, scheduler state, optimizer param groups (without parameter
+        lists), checkpoint version: see formats.common.build_common_state."""

@@ -1,0 +1,86 @@
+"""The interface every Megatron checkpoint writer implements (`from-universal`), and the target it writes.
+
+`from_universal` validates what is common to every format (layout, batch, optimizer steps), builds a
+`WriteTarget`, asks the writer for its `plan` (every file, before anything is written; format-specific
+refusals are raised there with the cause and the fix), then has it `write` into a staging directory that
+it moves into place. Writers register in `megatron_ucp.writers` (WRITERS).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Mapping, Optional
+
+from megatron_ucp.layout import ParallelLayout
+
+
+class WriteError(ValueError):
+    """The universal checkpoint cannot be written in this format at this layout (cause + fix)."""
+
+
+@dataclass(frozen=True)
+class WriteTarget:
+    """What to write: the layout, the optimizer kind, the padded vocabulary and Megatron args at that layout."""
+
+    layout: ParallelLayout
+    vpp_layers: Optional[int]  # --num-layers-per-virtual-pipeline-stage (None without VPP)
+    use_distributed_optimizer: bool
+    padded_vocab_size: int
+    args: Mapping[str, Any]  # Megatron-LM args (JSON values) with the target layout's values filled in
+    rng_state: str = "cuda"  # 'cuda' | 'cpu' | 'none': the fresh RNG state written for Megatron-LM to load
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    """One file of the output: path relative to the checkpoint root, tensor bytes it will hold."""
+
+    path: str
+    nbytes: int
+    tp_rank: int = -1
+    pp_rank: int = -1
+
+
+def target_args(metadata: Mapping[str, Any], layout: ParallelLayout, *, use_distributed_optimizer: bool,
+                padded_vocab_size: int, ckpt_format: str, vpp_layers: Optional[int]) -> dict:
+    """The universal checkpoint's Megatron args with the target layout's values (JSON values)."""
+    args = dict(metadata.get("args") or {})
+    args.update(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        num_layers_per_virtual_pipeline_stage=vpp_layers if layout.vpp else None,
+        data_parallel_size=layout.dp,
+        context_parallel_size=1,
+        world_size=layout.world_size,
+        sequence_parallel=bool(layout.sp),
+        use_distributed_optimizer=bool(use_distributed_optimizer),
+        padded_vocab_size=int(padded_vocab_size),
+        ckpt_format=ckpt_format,
+        use_dist_ckpt=ckpt_format != "torch",
+        consumed_train_samples=int(metadata.get("consumed_train_samples") or 0),
+        consumed_valid_samples=int(metadata.get("consumed_valid_samples") or 0),
+    )
+    return args
+
+
+class CheckpointWriter(abc.ABC):
+    """Writes a universal checkpoint as one Megatron checkpoint format (see the module docstring)."""
+
+    ckpt_format: ClassVar[str]
+    OPTIONS: ClassVar[tuple[str, ...]] = ()  # keyword options its constructor takes (make_writer passes them)
+
+    @abc.abstractmethod
+    def plan(self, ucp, target: WriteTarget, notes: list) -> list[PlannedFile]:
+        """Every file the writer will produce (no I/O besides reading metadata); raise WriteError for what
+        this format cannot hold, append substitutions the user should know about to `notes`."""
+
+    def describe(self, ucp, target: WriteTarget) -> list[str]:
+        """Extra lines a dry run shows (e.g. how the files will be produced); none by default."""
+        return []
+
+    @abc.abstractmethod
+    def write(self, ucp, target: WriteTarget, root: Path, on_file: Optional[Callable[[Path, int], None]] = None
+              ) -> None:
+        """Write the checkpoint under `root` (a staging directory), the tracker file last."""
