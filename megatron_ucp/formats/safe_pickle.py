@@ -354,12 +354,17 @@ class _Namespace(argparse.Namespace):
     """argparse.Namespace whose BUILD only sets attributes from a dict of names (Megatron's `args`)."""
 
     def __setstate__(self, state) -> None:
-        _expect(isinstance(state, dict) and all(isinstance(k, str) and not k.startswith("__") for k in state),
+        # attribute names only: no dunders, nothing that would shadow a Namespace method
+        _expect(isinstance(state, dict) and all(isinstance(k, str) and not k.startswith("__")
+                                                and k not in _NAMESPACE_NAMES for k in state),
                 lambda: f"an argparse.Namespace with state {_short(state)}")
         self.__dict__.update(state)
 
     def __reduce__(self):
         return argparse.Namespace, (), dict(self.__dict__)
+
+
+_NAMESPACE_NAMES = frozenset(dir(argparse.Namespace))
 
 
 class _BytesIO(io.BytesIO):
@@ -845,7 +850,7 @@ class _TorchArchive:
                 limit = eocd64
         if disk or cd_disk:
             raise _Malformed(f"a multi-part zip archive: {RECOPY}")
-        if cd_offset + cd_size > limit or count * _CENTRAL.size > cd_size:
+        if cd_offset + cd_size > limit or count * _CENTRAL.size > cd_size or cd_size > MAX_PICKLE_BYTES:
             raise _Malformed(f"the zip directory declares {count} records at bytes [{cd_offset}, "
                              f"{cd_offset + cd_size}), outside the archive's {limit} bytes: {RECOPY}")
         self.directory = cd_offset
@@ -1006,8 +1011,6 @@ class DcpIndex:
     fqn: str
     offset: Optional[tuple[int, ...]] = None
     index: Optional[int] = field(default=None, compare=False, hash=False)
-
-    __setstate__ = _refuse_build
 
 
 @_frozen_record
