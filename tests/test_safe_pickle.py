@@ -14,7 +14,7 @@ running its code.
 - Bounds: a 16 GiB tensor on a 64-byte record, a zip directory claiming 16 GiB, a sparse 17 GiB file
   whose pickle claims 16 GiB are refused in a subprocess whose address space cannot hold them; unsafe
   data-file names in .metadata, symbolic links out of the folder, truncated files are refused.
-Runtime: about 25 s on 2 busy cores (most of it importing torch.distributed.checkpoint).
+Runtime: 15-25 s on 2 shared cores (4 s of CPU; importing torch and torch.distributed.checkpoint dominates).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import io
 import os
 import pathlib
 import pickle
+import reprlib
 import stat
 import struct
 import sys
@@ -95,8 +96,16 @@ def _int_tuple(x: Any, what: str) -> tuple[int, ...]:
 _INT_TYPE = frozenset({int})
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+
+
 def _short(x: Any) -> str:
-    text = repr(x)
+    """A bounded repr for messages (a crafted pickle can hold deep or huge values)."""
+    try:
+        text = _REPR.repr(x)
+    except Exception:  # a repr that fails, or recursion
+        text = f"<{type(x).__name__}>"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -474,7 +483,7 @@ def _rebuild_parameter(data, requires_grad, backward_hooks, state=None):
 
 def _rebuild_from_type_v2(func, new_type, args, state):
     # torch.save of a tensor with Python attributes: rebuild the plain tensor, drop the attributes
-    _expect(func in _TENSOR_REBUILDERS, lambda: f"_rebuild_from_type_v2 with {_short(func)}")
+    _expect(any(func is f for f in _TENSOR_REBUILDERS), lambda: f"_rebuild_from_type_v2 with {_short(func)}")
     _expect(any(new_type is t for t in _TENSOR_TYPES), lambda: f"_rebuild_from_type_v2 to {_short(new_type)}")
     _expect(isinstance(args, tuple), lambda: f"_rebuild_from_type_v2 with arguments {_short(args)}")
     return func(*args)
