@@ -313,7 +313,10 @@ class _Mapped:
     def close(self) -> None:
         self.view.release()
         if self._mm is not None:
-            self._mm.close()
+            try:
+                self._mm.close()
+            except BufferError:  # a view still lives (e.g. in a traceback): unmapped when it dies
+                pass
 
     def __enter__(self) -> "_Mapped":
         return self
@@ -456,18 +459,22 @@ def verify_buffer(buf, buf_offset: int, start: int, stop: int, record: DigestRec
     """Check the blocks holding file bytes [start, stop) against `record`, reading them from `buf`, which
     holds the file's bytes from offset `buf_offset` (e.g. an mmap of the covering_span); ChecksumError on
     the first block that differs."""
-    view = _bytes_view(buf)
-    for k in record.blocks_covering(start, stop):
-        if cache is not None and file_key is not None and cache.has(file_key, record, k):
-            continue
-        a, b = record.block_span(k)
-        if a < buf_offset or b > buf_offset + len(view):
-            raise ValueError(f"{path}: block {k} (bytes {a}..{b - 1}) is not inside the buffer given "
-                             f"({buf_offset}..{buf_offset + len(view) - 1}); map covering_span()")
-        if block_digest(view[a - buf_offset:b - buf_offset]) != record.blocks[k]:
-            raise _block_error(path, k, a, b, label, remedy)
-        if cache is not None and file_key is not None:
-            cache.add(file_key, record, k)
+    bad = None
+    with _bytes_view(buf) as view:  # released before raising: a traceback must not pin a mapping
+        for k in record.blocks_covering(start, stop):
+            if cache is not None and file_key is not None and cache.has(file_key, record, k):
+                continue
+            a, b = record.block_span(k)
+            if a < buf_offset or b > buf_offset + len(view):
+                raise ValueError(f"{path}: block {k} (bytes {a}..{b - 1}) is not inside the buffer given "
+                                 f"({buf_offset}..{buf_offset + len(view) - 1}); map covering_span()")
+            if block_digest(view[a - buf_offset:b - buf_offset]) != record.blocks[k]:
+                bad = (k, a, b)
+                break
+            if cache is not None and file_key is not None:
+                cache.add(file_key, record, k)
+    if bad is not None:
+        raise _block_error(path, *bad, label, remedy)
 
 
 def _pread_exact(fd: int, nbytes: int, offset: int, path) -> bytearray:
