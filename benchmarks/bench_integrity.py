@@ -9,6 +9,9 @@ Measures, on `--gib` GiB (default 1):
 - copy_file_range of a file alone vs copy_and_hash (the same copy, each 64 MiB hashed from the source
   through mmap), page cache cold (both files evicted with posix_fadvise DONTNEED) and warm;
 - the band path: 8 MiB pwrites alone vs pwrite_hashed (BlockHasher fed each band);
+- converter-like writes (header, a copy_file_range tensor, a banded row-parallel tensor per file, 2
+  threads): formats.stored.write_placement vs the same with checksums (write_placement_hashed below, the
+  wiring proposed for stored.py), records checked against a second pass over the files;
 - verified reads of a 4096x4096 fp32 tensor (64 MiB) in a safetensors file: a row slice (512 rows: TP 8), a
   data-parallel piece (64 rows) and a column slice (512 columns: every row), plain safetensors get_slice
   vs verified_pread of the covering blocks, 1 MiB and 4 MiB blocks;
@@ -63,13 +66,31 @@ def best(fn, repeat: int = 3) -> float:
     return min(times)
 
 
+def timed(fn, prepare=None, repeat: int = 5) -> tuple[float, float]:
+    """(min wall seconds, min CPU seconds of this process, user + system, all threads) of `repeat` runs.
+    CPU time is what the work costs; wall time also shows other processes' load on a shared machine."""
+    walls, cpus = [], []
+    for _ in range(repeat):
+        if prepare is not None:
+            prepare()
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        cpus.append(time.process_time() - c)
+        walls.append(time.perf_counter() - w)
+    return min(walls), min(cpus)
+
+
 def bench_hashes(nbytes: int) -> dict:
-    import blake3
     import xxhash
 
     data = memoryview(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8))
     blocks = [data[i:i + integrity.BLOCK_SIZE] for i in range(0, nbytes, integrity.BLOCK_SIZE)]
-    fns = {"xxh3-128": xxhash.xxh3_128_digest, "blake3": lambda b: blake3.blake3(b).digest()}
+    fns = {"xxh3-128": xxhash.xxh3_128_digest}
+    try:  # the alternative considered; not a dependency (pip install blake3 to compare)
+        import blake3
+        fns["blake3"] = lambda b: blake3.blake3(b).digest()
+    except ImportError:
+        pass
     out = {}
     for name, fn in fns.items():
         for threads in (1, 2):
@@ -124,27 +145,28 @@ def bench_copy(src: Path, dst: Path, nbytes: int) -> dict:
             os.close(fd)
 
     for cache in ("cold", "warm"):
+        def prepare():
+            if dst.exists():
+                evict(dst)
+                dst.unlink()
+            if cache == "cold":
+                evict(src)
+            else:
+                integrity.hash_file(src)  # source in the page cache
         for hashed in (False, True):
-            times = []
-            for _ in range(3):
-                if dst.exists():
-                    evict(dst)
-                    dst.unlink()
-                if cache == "cold":
-                    evict(src)
-                else:
-                    copy(False)  # source in the page cache
-                t = time.perf_counter()
-                copy(hashed)
-                times.append(time.perf_counter() - t)
-            out[f"copy_file_range{' + hash' if hashed else ''}, {cache} cache, s"] = round(min(times), 3)
-        a = out[f"copy_file_range, {cache} cache, s"]
-        out[f"copy+hash / copy, {cache} cache"] = round(out[f"copy_file_range + hash, {cache} cache, s"] / a, 3)
+            wall, cpu = timed(lambda: copy(hashed), prepare)
+            tag = "copy_file_range" + (" + hash" if hashed else "")
+            out[f"{tag}, {cache} cache: wall s"] = round(wall, 3)
+            out[f"{tag}, {cache} cache: CPU s"] = round(cpu, 3)
+        for what in ("wall", "CPU"):
+            out[f"copy+hash / copy, {cache} cache, {what}"] = round(
+                out[f"copy_file_range + hash, {cache} cache: {what} s"] / out[f"copy_file_range, {cache} cache: {what} s"], 3)
     return out
 
 
 def bench_bands(dst: Path, nbytes: int) -> dict:
-    band = np.random.default_rng(1).integers(0, 256, 8 * MiB, dtype=np.uint8)
+    """Bands of distinct memory (as the converter's assembled bands), unaligned to blocks by a header."""
+    bands = [np.random.default_rng(k).integers(0, 256, 8 * MiB, dtype=np.uint8) for k in range(16)]
     out = {}
     for hashed in (False, True):
         def run():
@@ -152,14 +174,117 @@ def bench_bands(dst: Path, nbytes: int) -> dict:
             try:
                 hasher = integrity.BlockHasher(nbytes + 24, name="bands") if hashed else None
                 integrity.pwrite_hashed(fd, b"h" * 24, 0, hasher)  # an unaligned header first
-                for pos in range(0, nbytes, band.size):
-                    integrity.pwrite_hashed(fd, band[:min(band.size, nbytes - pos)], 24 + pos, hasher)
+                for i, pos in enumerate(range(0, nbytes, 8 * MiB)):
+                    integrity.pwrite_hashed(fd, bands[i % 16][:min(8 * MiB, nbytes - pos)], 24 + pos, hasher)
                 if hasher:
                     hasher.record()
             finally:
                 os.close(fd)
-        out[f"8 MiB band pwrites{' + hash' if hashed else ''}, s"] = round(best(run), 3)
-    out["bands hashed / plain"] = round(out["8 MiB band pwrites + hash, s"] / out["8 MiB band pwrites, s"], 3)
+        wall, cpu = timed(run)
+        tag = "8 MiB band pwrites" + (" + hash" if hashed else "")
+        out[f"{tag}: wall s"], out[f"{tag}: CPU s"] = round(wall, 3), round(cpu, 3)
+    for what in ("wall", "CPU"):
+        out[f"bands hashed / plain, {what}"] = round(
+            out[f"8 MiB band pwrites + hash: {what} s"] / out[f"8 MiB band pwrites: {what} s"], 3)
+    return out
+
+
+def write_placement_hashed(files, dst_fd: int, data_offset: int, placement, hasher) -> None:
+    """formats.stored.write_placement with a BlockHasher: the wiring the integrator adds there (copy runs
+    through integrity.copy_and_hash, each band given to the hasher right after its pwrite)."""
+    from megatron_ucp.formats import stored
+
+    runs = [placement._runs(b) for b in placement.blocks]
+    if all(r is not None for r in runs):
+        for block, ((src_start, nbytes), (dst_start, _)) in zip(placement.blocks, runs):
+            pos = data_offset + dst_start
+            for region in placement.shards[block.shard].byte_slice(src_start, src_start + nbytes):
+                integrity.copy_and_hash(files, region, dst_fd, pos, hasher)
+                pos += region.nbytes
+        return
+    shape, dtype = placement.shape, placement.dtype
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    band_rows = max(1, stored.BAND_BYTES // row_bytes)
+    whole = tuple(slice(0, n) for n in shape[1:])
+    with stored._mapped_shards(files, placement, range(len(placement.shards)), readahead=True) as sources:
+        for r0 in range(0, shape[0], band_rows):
+            r1 = min(shape[0], r0 + band_rows)
+            band = stored._staging((r1 - r0) * row_bytes).view(dtype).view((r1 - r0,) + tuple(shape[1:]))
+            stored._fill_box(band, (slice(r0, r1),) + whole, placement, sources)
+            integrity.pwrite_hashed(dst_fd, band.view(-1).view(torch_uint8()).numpy(), data_offset + r0 * row_bytes,
+                                    hasher)
+
+
+def torch_uint8():
+    import torch
+    return torch.uint8
+
+
+def bench_converter_like(workdir: Path, nbytes: int) -> dict:
+    """One tensor file per "parameter" written as the converter writes it: header pwrite, then a dim-0
+    (column-parallel) tensor copied from 2 TP shards with copy_file_range, and a dim-1 (row-parallel)
+    tensor assembled from 2 shards in 8 MiB bands; 2 threads over 8 files. Without checksums
+    (formats.stored.write_placement) vs with (write_placement_hashed + BlockHasher)."""
+    import torch
+    from megatron_ucp.formats.stored import Block, Placement, StoredTensor, write_placement
+
+    per_tensor = nbytes // 16  # 8 files x 2 tensors
+    rows, cols = per_tensor // (4096 * 4), 4096
+    shard_bytes = per_tensor // 2
+    source = workdir / "shards.bin"
+    with open(source, "wb") as f:
+        for _ in range(4):
+            f.write(np.random.default_rng(5).integers(0, 256, shard_bytes, dtype=np.uint8).tobytes())
+    def shard(i, shape):
+        return StoredTensor(shape, torch.float32, (FileRegion(str(source), i * shard_bytes, shard_bytes),))
+    col = Placement((rows, cols), torch.float32, (shard(0, (rows // 2, cols)), shard(1, (rows // 2, cols))),
+                    (Block(0, (slice(0, rows // 2), slice(0, cols)), (slice(0, rows // 2), slice(0, cols))),
+                     Block(1, (slice(rows // 2, rows), slice(0, cols)), (slice(0, rows // 2), slice(0, cols)))))
+    row = Placement((rows, cols), torch.float32, (shard(2, (rows, cols // 2)), shard(3, (rows, cols // 2))),
+                    (Block(0, (slice(0, rows), slice(0, cols // 2)), (slice(0, rows), slice(0, cols // 2))),
+                     Block(1, (slice(0, rows), slice(cols // 2, cols)), (slice(0, rows), slice(0, cols // 2)))))
+    header = b"{" + b" " * 87 + b"}"
+    prefix = len(header).to_bytes(8, "little") + header
+    size = len(prefix) + 2 * per_tensor
+    out_dir = workdir / "conv"
+
+    def one(i: int, hashed: bool):
+        path = out_dir / f"p{i}.safetensors"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, size)
+            hasher = integrity.BlockHasher(size, name=str(path)) if hashed else None
+            with FileHandles() as files:
+                integrity.pwrite_hashed(fd, prefix, 0, hasher)
+                if hashed:
+                    write_placement_hashed(files, fd, len(prefix), col, hasher)
+                    write_placement_hashed(files, fd, len(prefix) + per_tensor, row, hasher)
+                else:
+                    write_placement(files, fd, len(prefix), col)
+                    write_placement(files, fd, len(prefix) + per_tensor, row)
+            return hasher.record() if hashed else None
+        finally:
+            os.close(fd)
+
+    def prepare():
+        shutil.rmtree(out_dir, ignore_errors=True)
+        out_dir.mkdir()
+
+    out = {}
+    records = {}
+    for hashed in (False, True):
+        def run():
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                records.update(enumerate(pool.map(lambda i: one(i, hashed), range(8))))
+        wall, cpu = timed(run, prepare, repeat=3)
+        tag = "converter-like writes" + (" + checksums" if hashed else "")
+        out[f"{tag}: wall s"], out[f"{tag}: CPU s"] = round(wall, 3), round(cpu, 3)
+    assert all(records[i] == integrity.hash_file(out_dir / f"p{i}.safetensors") for i in range(8))
+    for what in ("wall", "CPU"):
+        out[f"with / without checksums, {what}"] = round(
+            out[f"converter-like writes + checksums: {what} s"] / out[f"converter-like writes: {what} s"], 3)
+    shutil.rmtree(out_dir)
+    source.unlink()
     return out
 
 
@@ -287,7 +412,7 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--dir", default="/tmp/bench_integrity")
     parser.add_argument("--output")
-    parser.add_argument("--steps", default="hash,copy,bands,slices,fsync,check,metadata",
+    parser.add_argument("--steps", default="hash,copy,bands,converter,slices,fsync,check,metadata",
                         help="comma-separated subset to run")
     args = parser.parse_args()
     nbytes = int(args.gib * 2**30)
@@ -304,6 +429,7 @@ def main() -> None:
     for name, fn in (("hash", lambda: bench_hashes(nbytes)),
                      ("copy", lambda: bench_copy(src, workdir / "dst.bin", nbytes)),
                      ("bands", lambda: bench_bands(workdir / "bands.bin", nbytes)),
+                     ("converter", lambda: bench_converter_like(workdir, nbytes)),
                      ("slices", lambda: bench_slices(workdir)),
                      ("fsync", lambda: bench_fsync(workdir, nbytes)),
                      ("check", lambda: bench_check(src, nbytes)),

@@ -20,32 +20,40 @@ Writing (nothing is read back from the output):
 
 Reading:
 - `verified_pread(fd, offset, nbytes, record, ...)` reads the covering blocks, checks them and returns
-  exactly the requested bytes; `verify_buffer` checks blocks of a mapping the caller already holds;
-  `SourceDigests.verify` checks a byte range of a lazy source file against the records covering it.
+  exactly the requested bytes; `verified_view` does the same through mmap (no buffer filled: the way
+  to read large spans); `verify_buffer` checks blocks of a mapping the caller already holds.
   `VerifiedBlocks` remembers blocks already checked by one reader (e.g. the header block).
+- `VerifiedTensorFile(path, record, label).read(key, index)` is `safe_open(...).get_slice(key)[index]`
+  with every block it touches checked (the universal reader's tensor path).
+- `SourceDigests` holds a lazy checkpoint's source checksums; `verify_box_sources(files, placement,
+  index, digests)` checks every source byte `formats.stored.read_box` will read for that box.
 - `check_files(entries, workers)` checks every block of many files in parallel (threads: xxhash and
   pread release the GIL), and sizes, and missing files; `check_universal(path, metadata)` applies it to a
   universal checkpoint and also checks each tensor file's safetensors header against metadata.json.
 - A failure is a `ChecksumError`, one line: "FILE: block K (bytes a..b) of PARAM's tensor file fails its
   checksum: the file was damaged after it was written; restore it from a copy or reconvert".
 
-Why XXH3-128 (measured by benchmarks/bench_integrity.py on this project's 2-core CI machine, 1 GiB in
-memory): xxhash 4.1 XXH3-128 hashes 28-31 GiB/s on one thread and 34-42 GiB/s on two; blake3 1.0
-hashes 7.3 GiB/s on one thread and 14.3 on two. Both release the GIL (a pure-Python thread keeps 91-95%
-of its speed while another hashes). The checksums guard against accidental damage (bit rot, truncated
-copies, bad RAM or controllers), not against an adversary, so a cryptographic hash buys nothing here;
-at 30 GiB/s hashing stays small next to a 1-3 GiB/s copy (the converter's 1.2x budget), while blake3
-would spend a quarter to a half of it. 128 bits make an undetected damaged block (2^-128) irrelevant
-next to a 64-bit digest's 2^-64 over millions of blocks. xxhash is a small, widely used C binding
-(PyPI `xxhash`, wheels for every platform), maintained since 2014.
+Why XXH3-128 (benchmarks/bench_integrity.py on this project's 2-core machine while it was idle, 1 GiB
+in memory, 1 MiB blocks): xxhash 4.1's XXH3-128 hashes 28-31 GiB/s on one thread and 34-42 GiB/s on
+two; blake3 1.0 hashes 7.3 GiB/s on one thread and 14.3 on two. Both release the GIL (a pure-Python
+thread keeps 91-95% of its speed while another thread hashes). The checksums guard against accidental
+damage (bit rot, truncated copies, bad RAM or controllers), not against an adversary, so a
+cryptographic hash buys nothing here; at ~25 GiB/s hashing adds ~0.05 CPU-seconds per GiB, small next
+to a 1-3 GiB/s copy (a converter-like write of 1 GiB: 1.10x CPU, 1.14x wall with checksums), while
+blake3 would cost four times that. 128 bits keep the chance that a damaged block goes unnoticed
+(2^-128) negligible over millions of blocks. xxhash is a small, widely used C binding (PyPI `xxhash`,
+wheels for every platform), maintained since 2014.
 
 Why 1 MiB blocks: the loader reads row slices (one TP rank's rows, or a data-parallel rank's part of
 them) and column slices of row-parallel weights (every row, 1/TP of each). A verified read reads whole
 blocks, so a row slice reads at most one extra block at each end, and a column slice reads the tensor's
 rows it spans whatever the block size. Smaller blocks cut the row-slice overhead, larger ones the
 metadata: with 36 bytes of JSON per block, 1 MiB blocks add 2.9 MB to metadata.json for a 7B-parameter
-model with Adam state (84 GB of tensors) and 29 MB at 70B; 4 MiB blocks a quarter of that but up to 8
-MiB read extra per slice instead of 2 MiB (benchmarks/README.md has the slice read times).
+model with Adam state (84 GB of tensors) and 29 MB at 70B; 4 MiB blocks a quarter of that, but a
+data-parallel rank's 1 MiB piece of a 4096x4096 fp32 weight then reads 8 MiB instead of 2 MiB (0.7 vs
+0.3 ms from the page cache, 7.1 vs 2.4 ms cold). A TP-8 row slice (8 MiB) reads 9 MiB; a column slice
+(512 of 4096 columns) reads and hashes all 64 MiB whatever the block size, through verified_view about
+as fast as safetensors' own mmap read when cold (30 vs 28 ms), 2x when cached (7.6 vs 3.8 ms).
 """
 
 from __future__ import annotations
@@ -566,6 +574,120 @@ class SourceDigests:
             else:
                 verify_buffer(_pread_exact(fd, b - a, a, path), a, lo, hi, record, path=path, label=label,
                               remedy=remedy, cache=cache, file_key=key)
+
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+class VerifiedTensorFile:
+    """A safetensors file (a universal tensor file) read only through checked blocks: the header is parsed
+    from verified bytes, and `read(key, index)` maps the rows the index spans, checks their blocks and
+    copies out the region, like `safe_open(...).get_slice(key)[index]`. Keep one per file and reader
+    thread; `cache` (VerifiedBlocks) lets readers share checked blocks (the header block, neighbours)."""
+
+    def __init__(self, path: PathLike, record: DigestRecord, label: str, *, remedy: str = FILE_REMEDY,
+                 cache: Optional[VerifiedBlocks] = None):
+        self.path, self.record, self.label, self.remedy = str(path), record, label, remedy
+        self.cache = cache if cache is not None else VerifiedBlocks()
+        self._fd = os.open(self.path, os.O_RDONLY)
+        try:
+            size = os.fstat(self._fd).st_size
+            if size != record.stop:
+                raise ChecksumError(f"{self.path}: {size} bytes, {label} was written with {record.stop}; "
+                                    f"{_fix(remedy)}", self.path)
+            n = int.from_bytes(self._pread(0, 8), "little")
+            if not 0 < n <= size - 8:
+                raise ChecksumError(f"{self.path}: safetensors header length {n} does not fit the file; "
+                                    f"{_fix(remedy)}", self.path)
+            header = json.loads(bytes(self._pread(8, n)))
+            self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+            for key, t in header.items():
+                if key == "__metadata__":
+                    continue
+                a, b = (8 + n + int(x) for x in t["data_offsets"])
+                shape = tuple(int(d) for d in t["shape"])
+                itemsize = _ITEMSIZE.get(t["dtype"])
+                if itemsize is None or b - a != math.prod(shape) * itemsize or not 8 + n <= a <= b <= size:
+                    raise ChecksumError(f"{self.path}: '{key}' ({t['dtype']} {list(shape)}) does not fit its bytes "
+                                        f"{a}..{b} of the file; {_fix(remedy)}", self.path)
+                self.tensors[key] = (t["dtype"], shape, a, b)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _pread(self, offset: int, nbytes: int) -> memoryview:
+        return verified_pread(self._fd, offset, nbytes, self.record, path=self.path, label=self.label,
+                              remedy=self.remedy, cache=self.cache)
+
+    def read(self, key: str, index: Optional[Sequence[slice]] = None):
+        """Tensor `key`, or its region `index` (step-1 slices over leading dims), as a new CPU tensor."""
+        import torch
+
+        dtype_name, shape, start, stop = self.tensors[key]
+        dtype = getattr(torch, _SAFETENSORS_DTYPES[dtype_name])
+        item = dtype.itemsize
+        index = tuple(index or ())
+        if not shape:
+            r0, r1, rows = 0, 1, ()
+        else:
+            r0, r1, _ = index[0].indices(shape[0]) if index else (0, shape[0], 1)
+            r1 = max(r0, r1)
+            rows = (r1 - r0,)
+        row_bytes = math.prod(shape[1:]) * item
+        lo, n = start + r0 * row_bytes, (r1 - r0) * row_bytes
+        if n == 0:
+            return torch.empty(torch.empty(shape, dtype=dtype, device="meta")[index].shape, dtype=dtype)
+        with verified_view(self._fd, lo, n, self.record, path=self.path, label=self.label, remedy=self.remedy,
+                           cache=self.cache) as view:
+            tensor = torch.frombuffer(view, dtype=dtype).view(rows + tuple(shape[1:]))
+            out = tensor[(slice(None),) + index[1:]].clone() if shape else tensor.view(()).clone()
+            del tensor  # the mapping closes with the view
+        return out
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "VerifiedTensorFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def verify_box_sources(files, placement, index: Optional[Sequence[slice]], digests: SourceDigests, *, label: str,
+                       cache: Optional[VerifiedBlocks] = None) -> int:
+    """Check, against a lazy checkpoint's source checksums, every source byte that
+    formats.stored.read_box(files, placement, index) will read: for each shard the box overlaps, the
+    shard rows it touches (whole rows: a column box reads every row's part of the shard). Call it
+    right before read_box (same page-cache pages). Returns the bytes checked."""
+    shape = placement.shape
+    box = [slice(*s.indices(n)[:2]) for s, n in zip(index or (), shape)]
+    box += [slice(0, n) for n in shape[len(box):]]
+    rows: dict[int, tuple[int, int]] = {}
+    for b in placement.blocks:
+        lo = [max(x.start, d.start) for x, d in zip(box, b.dst)]
+        hi = [min(x.stop, d.stop) for x, d in zip(box, b.dst)]
+        if not all(l < h for l, h in zip(lo, hi)):
+            continue
+        if not shape:
+            rows[b.shard] = (0, 1)
+            continue
+        s0, s1 = b.src[0].start + lo[0] - b.dst[0].start, b.src[0].start + hi[0] - b.dst[0].start
+        old = rows.get(b.shard)
+        rows[b.shard] = (s0, s1) if old is None else (min(old[0], s0), max(old[1], s1))
+    checked = 0
+    for i, (s0, s1) in sorted(rows.items()):
+        shard = placement.shards[i]
+        row_bytes = math.prod(shard.shape[1:]) * placement.dtype.itemsize
+        for region in shard.byte_slice(s0 * row_bytes, s1 * row_bytes):
+            digests.verify(files.fd(region.path), region.path, region.offset, region.offset + region.nbytes,
+                           label=label, cache=cache)
+            checked += region.nbytes
+    return checked
 
 
 # --------------------------------------------------------------------------------------------------

@@ -365,3 +365,132 @@ def test_check_universal_of_a_lazy_checkpoint_checks_source_regions_and_their_co
     placement["shards"][0]["regions"] = [["__0_0.distcp", 100, 119_000], ["__0_0.distcp", 130_000, 1000]]
     problems = sorted(f.problem for f in check_universal(tmp_path, metadata).failures)
     assert problems == ["checksum", "coverage"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Verified reads as the loader and the lazy reader make them
+
+
+def test_verified_tensor_file_reads_what_safetensors_reads_and_refuses_damage(tmp_path):
+    torch.manual_seed(2)
+    path = tmp_path / "w.safetensors"
+    tensors = {"fp32": torch.randn(256, 96), "exp_avg": torch.randn(256, 96), "bias": torch.randn(96)}
+    save_file(tensors, str(path))
+    record = hash_file(path, 4096)  # 96 floats = 384-byte rows: a block holds ~10 rows
+    indexes = [None, (slice(0, 32),), (slice(100, 164),), (slice(None), slice(48, 96)), (slice(7, 9), slice(3, 5)),
+               (slice(5, 5),)]
+    with integrity.VerifiedTensorFile(path, record, LABEL) as f, safe_open(str(path), "pt") as ref:
+        for key in ("fp32", "exp_avg"):
+            for index in indexes:
+                want = ref.get_tensor(key) if index is None else ref.get_slice(key)[index]
+                assert torch.equal(f.read(key, index), want), (key, index)
+        assert torch.equal(f.read("bias", (slice(10, 20),)), tensors["bias"][10:20])
+        _, _, start, _ = f.tensors["fp32"]
+    byte = start + 200 * 384 + 17  # row 200 of fp32
+    flip(path, byte)
+    k = byte // 4096
+    with integrity.VerifiedTensorFile(path, record, LABEL) as f:
+        assert torch.equal(f.read("fp32", (slice(0, 128),)), tensors["fp32"][:128])  # rows far away: fine
+        for index in ((slice(190, 210),), (slice(None), slice(0, 8)), None):  # rows holding it, any columns
+            with pytest.raises(ChecksumError, match=rf"block {k} \(bytes {k * 4096}..{k * 4096 + 4095}\) of {LABEL}"):
+                f.read("fp32", index)
+    with safe_open(str(path), "pt") as ref:  # negative control: safetensors hands out the damaged value
+        assert not torch.equal(ref.get_slice("fp32")[190:210], tensors["fp32"][190:210])
+
+
+def test_lazy_box_sources_are_checked_for_the_rows_a_box_touches(tmp_path):
+    """A row-parallel weight [8, 6] stored as two TP shards [8, 3] in a source file: a box reads the rows it
+    spans of every shard it overlaps, and only those are checked."""
+    from megatron_ucp.formats.stored import Block, Placement, StoredTensor, read_box
+
+    torch.manual_seed(3)
+    full = torch.randn(8, 6)
+    shards = [full[:, :3].contiguous(), full[:, 3:].contiguous()]
+    src = tmp_path / "__0_0.distcp"
+    junk = os.urandom(1000)
+    src.write_bytes(junk + shards[0].numpy().tobytes() + junk + shards[1].numpy().tobytes() + junk)
+    stored = [StoredTensor((8, 3), torch.float32, (FileRegion(str(src), 1000 + i * (96 + 1000), 96),)) for i in (0, 1)]
+    placement = Placement((8, 6), torch.float32, tuple(stored),
+                          (Block(0, (slice(0, 8), slice(0, 3)), (slice(0, 8), slice(0, 3))),
+                           Block(1, (slice(0, 8), slice(3, 6)), (slice(0, 8), slice(0, 3)))))
+    digests = SourceDigests(digest_regions([(str(src), r.offset, r.nbytes) for s in stored for r in s.regions],
+                                           block_size=16))  # 16-byte blocks: 4 floats, a 3-float row spans two
+    label = f"a source region read by {PARAM}'s lazy entry"
+    with FileHandles() as files:
+        for index in (None, (slice(2, 5),), (slice(None), slice(0, 3)), (slice(6, 8), slice(4, 6))):
+            integrity.verify_box_sources(files, placement, index, digests, label=label)
+            want = full if index is None else full[index]
+            assert torch.equal(read_box(files, placement, index), want)
+        assert integrity.verify_box_sources(files, placement, (slice(2, 5), slice(0, 2)), digests, label=label) == 36
+        flip(src, 1000 + 96 + 1000 + 5 * 12 + 4)  # shard 1, row 5
+        integrity.verify_box_sources(files, placement, (slice(None), slice(0, 3)), digests, label=label)  # shard 0 only
+        integrity.verify_box_sources(files, placement, (slice(0, 4),), digests, label=label)  # rows 0..3
+        for index in ((slice(5, 6),), (slice(None), slice(4, 5)), None):
+            with pytest.raises(ChecksumError, match="the source checkpoint was damaged after the lazy conversion"):
+                integrity.verify_box_sources(files, placement, index, digests, label=label)
+        assert not torch.equal(read_box(files, placement, (slice(5, 6),)), full[5:6])  # negative control
+
+
+# --------------------------------------------------------------------------------------------------
+# On a real conversion (Megatron-LM fixture B, torch_dist TP2 PP2 DP2): what the writers will record
+
+
+def test_records_of_a_real_universal_checkpoint_and_its_lazy_index(tmp_path):
+    """Records added to the converter's own output (as the writer will add them while writing) pass
+    check_universal, and verified reads equal UniversalCheckpoint.read for every parameter's TP-2 row and
+    column slices; on the lazy index of a copy of the source, verify_box_sources covers every read and a
+    flipped bit in a referenced region is found. The fixture itself is only read."""
+    from pretrain_runs import FIXTURE_CKPTS
+
+    from megatron_ucp.convert import to_universal
+    from megatron_ucp.universal import UniversalCheckpoint
+
+    source = tmp_path / "src"
+    shutil.copytree(FIXTURE_CKPTS["B"], source)
+    ucp = UniversalCheckpoint.open(to_universal(source, tmp_path / "ucp", iteration=4, progress=False))
+    metadata = json.loads(json.dumps(ucp.metadata))
+    for name, entry in metadata["parameters"].items():
+        entry["checksum"] = hash_file(ucp.path / entry["file"], 4096).to_json()
+    report = check_universal(ucp.path, metadata, workers=2)
+    assert report.ok and report.files == len(ucp.parameters) and not report.notes
+    cache = integrity.VerifiedBlocks()
+    for name, info in ucp.parameters.items():
+        record = DigestRecord.from_json(metadata["parameters"][name]["checksum"])
+        with integrity.VerifiedTensorFile(ucp.path / info.file, record, integrity.tensor_file_label(name),
+                                          cache=cache) as f:
+            for key in info.tensors:
+                n = info.shape[0]
+                indexes = [None, (slice(0, n // 2),), (slice(n // 2, n),)]
+                if len(info.shape) == 2:
+                    indexes.append((slice(None), slice(0, info.shape[1] // 2)))
+                for index in indexes:
+                    assert torch.equal(f.read(key, index), ucp.read(name, key, index)), (name, key, index)
+    name = "decoder.layers.1.mlp.linear_fc2.weight"
+    victim = ucp.path / metadata["parameters"][name]["file"]
+    flip(victim, victim.stat().st_size // 2)
+    [failure] = check_universal(ucp.path, metadata).failures
+    assert failure.problem == "checksum" and failure.path == str(victim)
+    assert f"of {name}'s tensor file fails its checksum" in failure.message
+
+    lazy = UniversalCheckpoint.open(to_universal(source, tmp_path / "lazy", iteration=4, lazy=True, progress=False))
+    regions = [(r.path, r.offset, r.nbytes) for info in lazy.parameters.values()
+               for placement in info.placements.values() for shard in placement.shards for r in shard.regions]
+    digests = SourceDigests(digest_regions(regions, block_size=4096, workers=2))
+    lazy_meta = json.loads(json.dumps(lazy.metadata))
+    root = lazy_meta["lazy"]["source"]
+    for rel, records in digests.to_json(lambda p: os.path.relpath(p, root)).items():
+        lazy_meta["lazy"]["files"][rel]["checksums"] = records
+    assert check_universal(lazy.path, lazy_meta).ok
+    with FileHandles() as files:
+        for name, info in lazy.parameters.items():
+            for key, placement in info.placements.items():
+                checked = integrity.verify_box_sources(files, placement, None, digests, label=name)
+                assert checked == placement.shards[0].nbytes * (len(placement.shards) if len(placement.blocks) > 1 else 1)
+        name = "decoder.layers.0.self_attention.linear_qkv.weight"
+        region = lazy.parameters[name].placements["exp_avg"].shards[1].regions[0]
+        flip(region.path, region.offset + region.nbytes - 1)
+        with pytest.raises(ChecksumError, match="the source checkpoint was damaged after the lazy conversion"):
+            integrity.verify_box_sources(files, lazy.parameters[name].placements["exp_avg"], None, digests, label=name)
+        integrity.verify_box_sources(files, lazy.parameters[name].placements["fp32"], None, digests, label=name)
+    failures = check_universal(lazy.path, lazy_meta).failures
+    assert [(f.problem, f.path) for f in failures] == [("checksum", region.path)]
