@@ -577,9 +577,21 @@ class Staging:
                 raise self._translate(e) from e
             raise
         self.published = True
-        self._lock.release()
+        try:
+            self._remove_old()
+        finally:
+            self._lock.release()
         self.on_phase("published")
         return self.dst
+
+    def _remove_old(self) -> None:
+        """Remove the replaced output (DST is already the new one: a failure here is reported, not raised)."""
+        if not os.path.lexists(self._old):
+            return
+        shutil.rmtree(self._old, ignore_errors=True)
+        if os.path.lexists(self._old):
+            self.report(f"{self.dst}: written, but the replaced output {self._old} could not be removed entirely; "
+                        f"delete it yourself (or pass --clean-stale next time)")
 
     def _rename_into_place(self) -> None:
         self.on_phase("renaming")
@@ -605,9 +617,12 @@ class Staging:
             os.rename(self.dst, self._old)
             fsync_path(self.dst.parent)
             self.on_phase("replaced")
-            rename_noreplace(self.path, self.dst)
+            try:
+                rename_noreplace(self.path, self.dst)
+            except BaseException:
+                os.rename(self._old, self.dst)  # put the old output back before giving up
+                raise
         fsync_path(self.dst.parent)
-        shutil.rmtree(self._old)
 
     # -- exit -------------------------------------------------------------------------------------
 
