@@ -16,6 +16,9 @@ Writing (nothing is read back from the output):
 - `copy_and_hash` copies a source region with copy_file_range (`formats.stored.copy_region`, bytes
   never in user space) in 64 MiB steps and hashes each step's source bytes through mmap right after
   the copy, while they are in the page cache.
+- `hash_regions` hashes copied source regions after the fact; `write_file_hashed` writes a file from
+  (offset, bytes) pieces, hashing and fsyncing it (the tensor path, instead of safetensors' save_file);
+  `hash_file` is the fallback second pass for files written by code that cannot report its writes.
 - `digest_regions` hashes the source regions a lazy index references (parallel, through mmap).
 
 Reading:
@@ -368,6 +371,39 @@ def copy_and_hash(files, region, dst_fd: int, dst_pos: int, hasher: Optional[Blo
         if hasher is not None:
             hash_source(hasher, dst_pos + done, files.fd(region.path), piece.offset, n, path=region.path)
         done += n
+
+
+def hash_regions(hasher: BlockHasher, files, pieces: Iterable[tuple[Any, int]]) -> None:
+    """Give `hasher` source regions copied (or about to be copied) into its file: `pieces` are
+    (formats.stored.FileRegion, destination offset), hashed from the source through mmap. For writers
+    that copy first and hash after (copy_and_hash interleaves the two, which keeps the page cache hot
+    for regions larger than memory)."""
+    for region, dst_pos in pieces:
+        hash_source(hasher, dst_pos, files.fd(region.path), region.offset, region.nbytes, path=region.path)
+
+
+def write_file_hashed(path: PathLike, size: int, pieces: Iterable[tuple[int, Any]], *,
+                      block_size: int = BLOCK_SIZE, fsync: bool = True) -> DigestRecord:
+    """Create `path` of `size` bytes from (offset, bytes-like) pieces, hashing each as it is written, and
+    return its record; fsync before closing (a staging directory is published only once its files are
+    durable). The tensor path's replacement for safetensors' save_file: pieces are the header prefix and
+    each tensor's bytes (`tensor.contiguous().view(-1).view(torch.uint8).numpy()`) at its offset."""
+    hasher = BlockHasher(size, block_size, name=str(path))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        for offset, data in pieces:
+            pwrite_hashed(fd, data, offset, hasher)
+        record = hasher.record()
+        if fsync:
+            os.fsync(fd)
+    except OSError as e:
+        if e.filename is None:  # name the file (ENOSPC from pwrite names none)
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
+    finally:
+        os.close(fd)
+    return record
 
 
 def hash_file(path: PathLike, block_size: int = BLOCK_SIZE) -> DigestRecord:

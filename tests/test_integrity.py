@@ -135,9 +135,34 @@ def test_a_file_written_like_the_converter_gets_the_digest_of_its_bytes(tmp_path
     assert DigestRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
 
 
+def test_the_tensor_path_writes_safetensors_bytes_by_pwrite_and_hashes_them(tmp_path):
+    """write_file_hashed (header prefix + each tensor's bytes at its offset) writes the bytes safetensors'
+    save writes, and its record is that of the finished file; hash_regions hashes copied source regions."""
+    torch.manual_seed(4)
+    tensors = {"exp_avg": torch.randn(70, 33), "fp32": torch.randn(70, 33)}
+    reference = save(tensors)
+    n = int.from_bytes(reference[:8], "little")
+    header = json.loads(reference[8:8 + n])
+    pieces = [(0, reference[:8 + n])] + [
+        (8 + n + header[k]["data_offsets"][0], tensors[k].contiguous().view(-1).view(torch.uint8).numpy())
+        for k in ("fp32", "exp_avg")]
+    out = tmp_path / "t.safetensors"
+    record = integrity.write_file_hashed(out, len(reference), pieces, block_size=4096)
+    assert out.read_bytes() == reference and record == hash_file(out, 4096)
+    with pytest.raises(ValueError, match="were never written"):  # a missing tensor is noticed
+        integrity.write_file_hashed(tmp_path / "u", len(reference), pieces[:2], block_size=4096)
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"x" * 100 + reference)
+    hasher = BlockHasher(len(reference), 4096)
+    with FileHandles() as files:
+        integrity.hash_regions(hasher, files, [(FileRegion(str(src), 100 + 5000, len(reference) - 5000), 5000),
+                                               (FileRegion(str(src), 100, 5000), 0)])
+    assert hasher.record() == record
+
+
 def test_record_json_is_validated():
-    good = hash_record = DigestRecord(integrity.ALGORITHM, 1000, 2500, ("0" * 32,) * 3).to_json()
-    assert DigestRecord.from_json(hash_record).size == 2500
+    good = DigestRecord(integrity.ALGORITHM, 1000, 2500, ("0" * 32,) * 3).to_json()
+    assert DigestRecord.from_json(good).size == 2500
     for change, message in ((dict(algorithm="md5"), "algorithm 'md5'"), (dict(size=3500), "3 block digests for 3500"),
                             (dict(blocks=["xyz"] * 3), "not 32 lowercase hex"), (dict(block_size=0), "block_size 0")):
         with pytest.raises(ValueError, match=message):
