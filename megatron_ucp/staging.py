@@ -572,11 +572,13 @@ class Staging:
             self.on_phase("marker-written")
             self._rename_into_place()
         except BaseException as e:
+            if self.published:  # DST is already the new output: leave what remains to the next run's report
+                self._lock.release()
+                raise
             self._discard()
             if _is_no_space(e):
                 raise self._translate(e) from e
             raise
-        self.published = True
         try:
             self._remove_old()
         finally:
@@ -602,6 +604,7 @@ class Staging:
                 raise StagingError(f"{self.dst}: was created by another program while this write ran (it "
                                    f"does not take megatron-ucp's lock); refusing to replace it, the new output "
                                    f"was removed; choose another destination") from None
+            self.published = True
             fsync_path(self.dst.parent)
             return
         if not self._dst_existed:
@@ -610,6 +613,7 @@ class Staging:
                                f"choose another destination")
         check_destination(self.dst, self.kind, self.overwrite)  # again: it may have changed meanwhile
         if rename_exchange(self.path, self.dst):
+            self.published = True
             fsync_path(self.dst.parent)
             self.on_phase("replaced")
             os.rename(self.path, self._old)  # the staging name now holds the old output
@@ -622,6 +626,7 @@ class Staging:
             except BaseException:
                 os.rename(self._old, self.dst)  # put the old output back before giving up
                 raise
+            self.published = True
         fsync_path(self.dst.parent)
 
     # -- exit -------------------------------------------------------------------------------------

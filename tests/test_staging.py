@@ -404,6 +404,27 @@ def test_exceptions_and_interrupts_remove_the_staging_directory_and_release_the_
     assert os.listdir(tmp_path) == []
 
 
+def test_an_interrupt_after_the_swap_keeps_the_new_output(tmp_path):
+    """KeyboardInterrupt once DST already is the new output (right after RENAME_EXCHANGE): the new output
+    stays, the lock is released, the old one waits under the staging name for the next run's report."""
+    dst = tmp_path / "out"
+    publish_files(dst, {"old.bin": b"old"})
+
+    def interrupt(phase):
+        if phase == "replaced":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        with Staging(dst, kind="megatron", overwrite=True, on_phase=interrupt, report=lambda m: None) as stage:
+            (stage.path / "new.bin").write_bytes(b"new")
+            stage.publish(TOOL_MARKER_FILENAME, tool_marker("megatron"))
+    assert set(files_of(dst)) == {"new.bin", TOOL_MARKER_FILENAME} and not lock_path(dst).exists()
+    [left] = find_leftovers(dst)
+    assert set(files_of(left.path)) == {"old.bin", TOOL_MARKER_FILENAME}
+    reports = publish_files(dst, {"newer.bin": b"x"}, overwrite=True, clean_stale=True)
+    assert "removed 1 leftover(s)" in reports[0] and siblings(dst) == ["out"]
+
+
 def test_no_space_left_is_reported_in_one_line_and_leaves_nothing(tmp_path):
     dst = tmp_path / "out"
     with pytest.raises(StagingError) as e:
