@@ -381,6 +381,10 @@ def _validate_moe(args: argparse.Namespace, world_size: int) -> None:
     if len(pattern) != args.num_layers or any(v not in (0, 1) for v in pattern):
         raise ArgumentError(f"--moe-layer-freq {args.moe_layer_freq} must list 0 (dense) or 1 (MoE) for each of "
                             f"the {args.num_layers} layers")
+    if args.universal_checkpoint:
+        # Until the GPT adapter has expert rows, a universal checkpoint holds no experts.
+        raise ArgumentError("--universal-checkpoint does not support --num-experts yet (universal checkpoints "
+                            "hold no experts); resume MoE runs from their torch_dist checkpoint with --load")
     if args.moe_token_dispatcher_type == "flex":
         raise ArgumentError("--moe-token-dispatcher-type flex needs DeepEP/HybridEP kernels, which this harness "
                             "does not set up; use allgather or alltoall")
