@@ -219,17 +219,25 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Optional[int]:
     load_optim = not args.no_load_optim and not args.finetune and not getattr(ckpt_args, "no_save_optim", False)
     if load_optim and args.use_distributed_optimizer and not same_mp and \
             metadata.get("distrib_optim_sharding_type") == "dp_reshardable":
+        saved, here = describe_layout(model_parallel_layout(ckpt_args)), describe_layout(model_parallel_layout(args))
+        if getattr(ckpt_args, "num_experts", None):
+            # Universal checkpoints hold no experts yet; torch_dist itself reshards the other sharding types.
+            raise CheckpointError(
+                f"{ckpt_dir}: saved at {saved} with the dp_reshardable optimizer, whose flat buffers only load at "
+                f"the same TP/PP/EP/ETP; resume at {saved}, or save with --dist-ckpt-optim-fully-reshardable "
+                f"(or without --use-distributed-optimizer) to resume at {here}")
         raise CheckpointError(
-            f"{ckpt_dir}: saved at {describe_layout(model_parallel_layout(ckpt_args))} "
-            f"with the dp_reshardable optimizer; to resume at {describe_layout(model_parallel_layout(args))} "
+            f"{ckpt_dir}: saved at {saved} with the dp_reshardable optimizer; to resume at {here} "
             f"convert it: megatron-ucp to-universal {root} UCP_DIR, then --load UCP_DIR --universal-checkpoint")
     if load_optim and experts_have_own_optimizer(ckpt_args) != experts_have_own_optimizer(args):
-        saved, here = describe_layout(model_parallel_layout(ckpt_args)), describe_layout(model_parallel_layout(args))
+        def where(a):
+            tp, pp, ep, etp = model_parallel_layout(a)
+            kind = "have an optimizer of their own" if experts_have_own_optimizer(a) else "share the dense optimizer"
+            return f"at TP{tp}PP{pp}EP{ep}ETP{etp} the experts {kind}"
         raise CheckpointError(
-            f"{ckpt_dir}: saved at {saved}, where the experts {'have' if experts_have_own_optimizer(ckpt_args) else 'have no'} "
-            f"optimizer of their own, but at {here} they {'have' if experts_have_own_optimizer(args) else 'have not'} "
-            "(megatron-core chains a separate expert optimizer only with EP > 1 or ETP != TP), so the optimizer "
-            "state cannot be mapped; resume at an EP/ETP of the same kind, or pass --no-load-optim")
+            f"{ckpt_dir}: {where(ckpt_args)} but {where(args)} (megatron-core chains a separate expert optimizer "
+            "only with EP > 1 or ETP != TP), so the optimizer state cannot be mapped; resume with EP > 1 or "
+            "ETP != TP on both sides or on neither, or pass --no-load-optim")
     # With EP the RNG state is one object per (PP, TP, DP) rank: it needs the same DP too.
     same_rng_shards = same_mp and (model_parallel_layout(args)[2] == 1 or getattr(
         ckpt_args, "data_parallel_size", None) == args.data_parallel_size)
