@@ -4,7 +4,8 @@ the same model and curve at any EP/ETP and with either token dispatcher, and cle
 Model: pretrain_runs' llama_moe (MoE layers 1 and 3 of 4: 4 experts, top-2, expert ffn 32, a shared
 expert of 32, aux-loss coefficient 1e-2) and gpt2_moe (biased experts and router, GELU).
 Tolerances (measured values in the comments): resume 1e-6 relative (measured: bitwise equal);
-layouts 1e-5 relative (measured <= 2e-7: same math, other reduction order); initial models bitwise.
+layouts 1e-5 relative (measured <= 1e-6 on lm loss, aux loss and grad norm: same math, other
+reduction order); initial models bitwise. Runtime ~3.5 min on 2 shared cores (16 short torchrun runs).
 """
 
 import subprocess
@@ -51,7 +52,7 @@ def test_ep2_trains_and_logs_the_aux_loss(ep2_run):
 def test_lm_loss_is_the_pure_language_model_loss(tmp_path):
     """The aux loss reaches only the gradients (MoEAuxLossAutoScaler), never `lm loss`: with and without
     it the first forward's lm loss is bitwise equal; the second step differs (the router learned
-    differently). Without a coefficient the tracked value is 0 and, as in Megatron-LM's log line, not
+    differently: measured 4e-6 relative). Without a coefficient the tracked value is 0 and, as in Megatron-LM's log line, not
     printed."""
     with_aux = train("llama_moe", Layout(), tmp_path, "aux", 2)
     without = train("llama_moe", Layout(), tmp_path, "no_aux", 2, ["--moe-aux-loss-coeff", "0"])
@@ -73,9 +74,9 @@ def test_ep2_resume_reproduces_the_uninterrupted_run(ep2_run):
     assert all(abs(again[i]["load_balancing_loss"] - full[i]["load_balancing_loss"]) < 1e-6 for i in range(5, 9))
 
     # Negative control: without the (dense and expert) optimizer state the curve leaves the uninterrupted
-    # one by far more than the tolerance (measured 2e-3 relative at iteration 5).
+    # one by far more than the tolerance (measured 1.6e-4, 3.2e-3, 3.9e-3 relative at iterations 6-8).
     no_optim = train("llama_moe", EP2, work, "resume_no_optim", 8, [*flags, "--no-load-optim"])
-    assert max_rel_diff(no_optim, uninterrupted, range(5, 9)) > 1e-4, (no_optim, uninterrupted)
+    assert max_rel_diff(no_optim, uninterrupted, range(5, 9)) > 1e-3, (no_optim, uninterrupted)
 
 
 def _global_tensors(iter_dir):
@@ -141,7 +142,8 @@ TRAINING_LAYOUTS = [
 @pytest.mark.torchrun
 def test_layouts_and_dispatchers_agree_over_training(tmp_path):
     """Same initial model, same data: EP1 vs EP2, alltoall vs allgather, ETP1 under TP2, biased experts
-    with EP over the TP ranks give the same lm loss, aux loss and grad norm (measured <= 2e-7 relative).
+    with EP over the TP ranks give the same lm loss, aux loss and grad norm (measured <= 1e-6 relative:
+    lm loss <= 2e-8, grad norm <= 9.7e-7 at TP2 ETP1 EP1).
     The last two rows failed before cpu_backend.prepare_expert_linears / filter_expert_duplicates_over_etp."""
     runs = {}
     for i, (family, layout, extra) in enumerate(TRAINING_LAYOUTS):
