@@ -53,6 +53,7 @@ def apply() -> bool:
         _import_mcore_without_torch_compile()
     check_mcore_version()
     fix_shared_adam_step()
+    _moe_router_gemm_without_te()
     if cuda_available():
         return False
     if _applied:
@@ -63,6 +64,7 @@ def apply() -> bool:
     _cpu_rng_tracker()
     _torch_norm_under_sequence_parallel()
     _fork_checkpoint_results_queue()
+    _alltoall_dispatcher_without_cuda_streams()
     _applied = True
     return True
 
@@ -266,6 +268,108 @@ def _torch_norm_under_sequence_parallel() -> None:
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = __new__
+
+
+def _alltoall_dispatcher_without_cuda_streams() -> None:
+    # MoEAlltoAllTokenDispatcher creates a CUDA stream in __init__ and, at its "DtoH point", copies
+    # the token counts to the host on that stream (the a2a split sizes become numpy arrays), then
+    # waits on a CUDA event at its "sync point". On CPU the counts are already on the host: the
+    # stream is a placeholder, the copy is the same numpy conversion without a stream, and the sync
+    # is a no-op. Everything else in the dispatcher (permutation, all_to_all_single with split sizes,
+    # the ETP all-gather / reduce-scatter) runs unchanged on gloo.
+    import numpy as np
+
+    from megatron.core.transformer.moe import token_dispatcher
+
+    cls = token_dispatcher.MoEAlltoAllTokenDispatcher
+    cls.cuda_dtoh_stream = object()  # __init__ only creates a stream while this is None
+
+    def as_host_array(value):
+        return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name)
+                if value is not None:
+                    setattr(self, name, as_host_array(value))
+        return tokens_per_expert
+
+    cls._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
+
+
+# --- TransformerEngine absent (any device) ------------------------------------------------------
+
+def _moe_router_gemm_without_te() -> None:
+    # megatron-core 0.16.1's moe_utils imports te_general_gemm only inside its TransformerEngine
+    # try-block, but the router's gating GEMM (RouterGatingLinearFunction) tests
+    # `te_general_gemm is not None`: without TE that is a NameError on the first MoE forward.
+    # Defining it as None selects the GEMM's own torch.mm path (what the code intends).
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+# --- MoE fixes (any device) ----------------------------------------------------------------------
+# megatron-core 0.16.1 decides "this expert parameter uses the expert process groups" (attribute
+# `allreduce=False`: own DDP buffer over the expert-data-parallel group, own optimizer, duplicates
+# filtered over ETP) from EP > 1 alone. Megatron-LM fixed both places later (commit cd4afffa64,
+# "Fix gradient-norm undercounting when using EP and TP"); these apply the same rule to 0.16.1.
+
+def uses_expert_process_groups(config) -> bool:
+    """Whether expert parameters must be reduced over the expert-DP group (the fixed rule)."""
+    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    return bool(config.num_moe_experts) and (
+        config.expert_model_parallel_size > 1 or etp != config.tensor_model_parallel_size)
+
+
+def prepare_expert_linears(model_chunk, config) -> None:
+    """Three fixes on the routed experts' linears of a freshly built GPTModel; call before the DDP wrap.
+
+    1. Mark their parameters `allreduce=False` when ETP != TP at EP=1 too (the fixed rule above).
+       Without it, e.g. at TP2 ETP1 EP1, the experts sit in the dense DDP buffer and their gradients
+       are reduced over the dense DP group, which does not hold the other replicas of an expert (the
+       expert-DP group does): the replicas get different updates and drift apart.
+    2. Clear the `sequence_parallel` mark megatron-core puts on an expert fc2's bias under SP, when the
+       experts use the expert groups: finalize_model_grads sums such gradients over the dense TP
+       group, but an expert's replicas are its expert-DP group (which DDP already reduces over). At
+       TP2 SP EP2 ETP1 the two TP ranks hold different experts and their fc2 biases' gradients were
+       added together; at TP2 SP ETP1 EP1 they were reduced twice.
+    3. Set `explicit_expert_comm` (the dispatcher does the expert-TP communication) also when the
+       expert-TP group has one rank at EP=1, where it is False in 0.16.1. Both paths communicate
+       nothing over a one-rank group, but the False path returns fc2's output through a one-rank
+       all-reduce Function as-is, and the expert MLP then adds its bias in place into that view:
+       autograd refuses ("a view ... is being modified inplace") and biased experts cannot train at
+       EP=1 ETP=1.
+    """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    expert_groups = uses_expert_process_groups(config)
+    for module in model_chunk.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.is_expert:
+            module.explicit_expert_comm = True
+            if expert_groups:
+                for param in module.parameters(recurse=False):
+                    param.allreduce = False
+                    if getattr(param, "sequence_parallel", False):
+                        param.sequence_parallel = False
+
+
+def filter_expert_duplicates_over_etp(optimizer) -> None:
+    """Make the expert optimizer count replicated expert tensors once per expert-TP group in the grad norm.
+
+    megatron-core 0.16.1 filters duplicates of non-TP-sharded parameters (an expert's fc2 bias) with
+    the dense TP group's rank; when EP spans the TP ranks (TP2 EP2 ETP1) the experts on TP rank 1 are
+    different experts, not duplicates, and their biases drop out of the gradient norm (clipping
+    differs from the same model at TP1). The expert optimizer holds only expert parameters, so its
+    duplicate filter belongs to the expert-TP group."""
+    from megatron.core import parallel_state
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        groups = getattr(getattr(opt, "optimizer", None), "param_groups", [])
+        if groups and all(g.get("is_expert_parallel", False) for g in groups):
+            opt.tp_group = parallel_state.get_expert_tensor_parallel_group()
 
 
 # --- torch Adam fixes (any device) ------------------------------------------------------------

@@ -43,6 +43,8 @@ def initialize(args):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
     # Megatron-LM's _set_random_seed: a different seed per pipeline stage.
     seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
@@ -69,7 +71,11 @@ def main(argv=None):
         print(f"> megatron-ucp pretrain_gpt: TP{args.tensor_model_parallel_size} PP{args.pipeline_model_parallel_size} "
               f"DP{args.data_parallel_size}" + (f" VPP{args.virtual_pipeline_model_parallel_size}"
                                                if args.virtual_pipeline_model_parallel_size else "")
-              + (" SP" if args.sequence_parallel else "") + f", {model_lib.transformer_impl(args)} spec, "
+              + (" SP" if args.sequence_parallel else "")
+              + (f", {args.num_experts} experts EP{args.expert_model_parallel_size} "
+                 f"ETP{args.expert_tensor_parallel_size} (expert DP{mpu.get_expert_data_parallel_world_size()}, "
+                 f"{args.moe_token_dispatcher_type} dispatcher)" if args.num_experts else "")
+              + f", {model_lib.transformer_impl(args)} spec, "
               f"{'CPU/gloo' if not torch.cuda.is_available() else 'GPU/nccl'}", flush=True)
         print(f" > padded vocab (size: {tokenizer.vocab_size}) with "
               f"{args.padded_vocab_size - tokenizer.vocab_size} dummy tokens (new size: {args.padded_vocab_size})",
@@ -118,7 +124,9 @@ def main(argv=None):
         loss, grad_norm, lr, ok = loop.train_step(args, forward_step, data_iterators, model, optimizer, scheduler)
         iteration += 1
         args.consumed_train_samples += args.global_batch_size
-        logger.log(iteration, loss, grad_norm, lr, args.consumed_train_samples, skipped=not ok)
+        aux_losses = loop.moe_aux_losses(args, iteration, logger.tb) if args.num_experts else {}
+        logger.log(iteration, loss, grad_norm, lr, args.consumed_train_samples, skipped=not ok,
+                   aux_losses=aux_losses)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler)
             saved_at = iteration

@@ -1,9 +1,13 @@
 """Launching real multi-process pretrain_gpt.py runs from tests (torchrun, gloo, CPU), with timeouts.
 
-Two tiny model families, each in the shape of Megatron-LM's fixtures (4 layers, hidden 48, 4 heads,
+Tiny model families, each in the shape of Megatron-LM's fixtures (4 layers, hidden 48, 4 heads,
 seq 32, global batch 8, lr 1e-3 constant, dropout 0, --mock-data seed 1234, vocab 1000 (+EOD)):
 - LLAMA: GQA with 2 query groups, SwiGLU, RMSNorm, RoPE, untied embeddings, no biases;
-- GPT2: LayerNorm, learned absolute positions, GELU, tied embeddings, biases.
+- GPT2: LayerNorm, learned absolute positions, GELU, tied embeddings, biases;
+- LLAMA_MOE: LLAMA with MoE layers 1 and 3 (--moe-layer-freq [0,1,0,1]): 4 experts, top-2, expert
+  ffn 32, one shared expert of 32, aux-loss coefficient 1e-2;
+- GPT2_MOE: GPT2 with the same MoE layers, biased experts and router, no shared expert (megatron-core
+  has no shared-expert bias).
 """
 
 from __future__ import annotations
@@ -31,12 +35,16 @@ COMMON = ("--num-layers 4 --hidden-size 48 --num-attention-heads 4 --seq-length 
           "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --min-lr 1e-3 "
           "--lr-decay-style constant --seed 1234 --log-interval 1 --mock-data --tokenizer-type NullTokenizer "
           "--vocab-size 1000 --attention-dropout 0.0 --hidden-dropout 0.0").split()
+MOE = ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-layer-freq [0,1,0,1] "
+       "--moe-aux-loss-coeff 1e-2").split()
 FAMILIES: Dict[str, List[str]] = {
     "llama": COMMON + ("--group-query-attention --num-query-groups 2 --swiglu --normalization RMSNorm "
                        "--position-embedding-type rope --untie-embeddings-and-output-weights "
                        "--disable-bias-linear").split(),
     "gpt2": COMMON + "--normalization LayerNorm --position-embedding-type learned_absolute".split(),
 }
+FAMILIES["llama_moe"] = FAMILIES["llama"] + MOE + ["--moe-shared-expert-intermediate-size", "32"]
+FAMILIES["gpt2_moe"] = FAMILIES["gpt2"] + MOE
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,8 @@ class Layout:
     dp: int = 1
     vpp_layers: Optional[int] = None  # --num-layers-per-virtual-pipeline-stage
     sp: bool = False
+    ep: int = 1  # expert parallelism: carved out of the DP x TP ranks, adds no processes
+    etp: Optional[int] = None  # expert tensor parallelism (None: = TP)
 
     @property
     def nproc(self) -> int:
@@ -57,13 +67,20 @@ class Layout:
             f += ["--num-layers-per-virtual-pipeline-stage", str(self.vpp_layers)]
         if self.sp:
             f.append("--sequence-parallel")
+        if self.ep > 1:
+            f += ["--expert-model-parallel-size", str(self.ep)]
+        if self.etp is not None:
+            f += ["--expert-tensor-parallel-size", str(self.etp)]
         return f
 
     def __str__(self) -> str:
         s = f"TP{self.tp}PP{self.pp}DP{self.dp}"
         if self.vpp_layers:
             s += f"VPP(l={self.vpp_layers})"
-        return s + ("+SP" if self.sp else "")
+        s += "+SP" if self.sp else ""
+        if self.ep > 1 or self.etp is not None:
+            s += f"EP{self.ep}ETP{self.etp or self.tp}"
+        return s
 
 
 class RunFailed(AssertionError):
@@ -107,6 +124,11 @@ def train(family: str, layout: Layout, workdir: Path, name: str, iters: int, ext
 
 def read_losses(jsonl: Path) -> Dict[int, float]:
     return {r["iteration"]: r["lm_loss"] for r in map(json.loads, jsonl.read_text().splitlines())}
+
+
+def read_records(jsonl: Path) -> Dict[int, dict]:
+    """Every --log-jsonl field by iteration (lm_loss, grad_norm, load_balancing_loss, ...)."""
+    return {r["iteration"]: r for r in map(json.loads, jsonl.read_text().splitlines())}
 
 
 def megatron_lm_losses(fixture: str) -> Dict[int, float]:

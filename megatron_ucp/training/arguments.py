@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Optional, Sequence
+import re
+from typing import List, Optional, Sequence, Union
 
 
 class ArgumentError(ValueError):
@@ -66,6 +67,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layout-invariant-init", action="store_true",
                    help="initialise every parameter from (seed, its global name), so the initial model "
                         "is the same at any TP/PP/DP layout (not a Megatron-LM flag)")
+
+    g = p.add_argument_group("mixture of experts (Megatron-LM's names and defaults)")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (None: dense model)")
+    g.add_argument("--moe-layer-freq", type=moe_freq_type, default=1,
+                   help="N: one MoE layer every N layers (layer i is MoE when i %% N == 0), or a python "
+                        "list expression of 0 (dense) / 1 (MoE) per layer, e.g. \"[0,1,0,1]\" or \"([0]+[1]*3)\"")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="default: --ffn-hidden-size")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="hidden size of the shared expert(s) (num_shared_experts x their ffn size)")
+    g.add_argument("--moe-shared-expert-gate", action="store_true")
+    g.add_argument("--moe-shared-expert-overlap", action="store_true")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", type=str,
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"], default="aux_loss")
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
+    g.add_argument("--moe-router-pre-softmax", action="store_true")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default="allgather")
+    g.add_argument("--moe-grouped-gemm", action="store_true")
+    g.add_argument("--moe-per-layer-logging", action="store_true")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="default: --tensor-model-parallel-size")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, required=True)
@@ -127,6 +153,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--universal-allow-batch-change", action="store_true",
                    help="allow --global-batch-size to differ from the universal checkpoint's")
     return p
+
+
+def moe_freq_type(value: Union[int, str]) -> Union[int, List[int]]:
+    """--moe-layer-freq as Megatron-LM reads it: an int N, or a list expression such as "([0]+[1]*3)"."""
+    if isinstance(value, int):
+        return value
+    if "[" not in value:
+        return int(value)
+    # Megatron-LM evaluates the expression after allowing only these characters; so do we.
+    if re.search(r"[^,\d\[\]\(\)\+\*]", value):
+        raise argparse.ArgumentTypeError(f"invalid --moe-layer-freq pattern {value!r}: use digits, commas, "
+                                         "brackets, + and * only, e.g. \"[0,1,0,1]\" or \"([0]+[1]*3)\"")
+    pattern = eval(value, {"__builtins__": {}})  # noqa: S307 (characters restricted above)
+    if not isinstance(pattern, list):
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq {value!r} is not a list; write e.g. \"[0,1,0,1]\"")
+    return pattern
+
+
+def moe_layer_pattern(num_layers: int, moe_layer_freq: Union[int, List[int]]) -> List[int]:
+    """1 for an MoE layer, 0 for a dense one, per global layer (megatron-core's get_gpt_decoder_layer_specs)."""
+    if isinstance(moe_layer_freq, int):
+        return [1 if i % moe_layer_freq == 0 else 0 for i in range(num_layers)]
+    return list(moe_layer_freq)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -202,6 +251,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
         raise ArgumentError("--seq-length exceeds --max-position-embeddings")
 
+    _validate_moe(args, world_size)
+
     # Pipeline layout.
     vpp_layers = args.num_layers_per_virtual_pipeline_stage
     if args.num_layers % pp != 0:
@@ -241,6 +292,113 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     args.iteration = 0
     args.consumed_train_samples = 0
     return args
+
+
+def _validate_moe(args: argparse.Namespace, world_size: int) -> None:
+    """Megatron-LM's MoE checks (arguments.py and megatron-core's TransformerConfig / parallel_state),
+    raised up front as one line with the fix, plus what the CPU backend cannot run."""
+    import torch
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep = args.expert_model_parallel_size
+    if args.num_experts == 0:
+        args.num_experts = None  # as Megatron-LM
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    etp = args.expert_tensor_parallel_size
+    # Megatron-LM unwraps one-element lists.
+    if isinstance(args.moe_router_load_balancing_type, list) and len(args.moe_router_load_balancing_type) == 1:
+        args.moe_router_load_balancing_type = args.moe_router_load_balancing_type[0]
+    if isinstance(args.moe_aux_loss_coeff, list) and len(args.moe_aux_loss_coeff) == 1:
+        args.moe_aux_loss_coeff = args.moe_aux_loss_coeff[0]
+
+    if args.num_experts is None:
+        if ep > 1:
+            raise ArgumentError("num_experts must be non None to use expert model parallelism: "
+                                f"--expert-model-parallel-size {ep} needs --num-experts")
+        moe_only = [flag for flag, set_ in (
+            ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size is not None),
+            ("--moe-shared-expert-intermediate-size", args.moe_shared_expert_intermediate_size is not None),
+            ("--moe-grouped-gemm", args.moe_grouped_gemm)) if set_]
+        if moe_only:
+            raise ArgumentError(f"{moe_only[0]} applies to MoE layers only; pass --num-experts or drop it")
+        return
+    if args.num_experts < 1:
+        raise ArgumentError(f"--num-experts {args.num_experts} must be positive (0 or unset: a dense model)")
+    if args.num_experts % ep != 0:
+        divisors = [d for d in range(1, args.num_experts + 1) if args.num_experts % d == 0]
+        raise ArgumentError(
+            f"Number of experts should be a multiple of expert model parallel_size: --num-experts "
+            f"{args.num_experts} is not divisible by --expert-model-parallel-size {ep}; use an EP in {divisors}")
+    if world_size % (etp * ep * pp) != 0:
+        raise ArgumentError(
+            f"world_size ({world_size}) is not divisible by expert_tensor_model_pipeline_parallel size "
+            f"({etp * ep * pp} = ETP {etp} x EP {ep} x PP {pp}); launch a multiple of {etp * ep * pp} processes "
+            "or change --expert-model-parallel-size / --expert-tensor-parallel-size")
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.moe_ffn_hidden_size % etp != 0:
+        raise ArgumentError(f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} is not divisible by "
+                            f"--expert-tensor-parallel-size {etp}; choose an ETP that divides it")
+    shared = args.moe_shared_expert_intermediate_size
+    if shared is not None:
+        if shared <= 0:
+            raise ArgumentError(f"--moe-shared-expert-intermediate-size {shared} must be positive "
+                                "(num_shared_experts x ffn size of each shared expert)")
+        if shared % tp != 0:
+            raise ArgumentError(f"--moe-shared-expert-intermediate-size {shared} is not divisible by TP={tp}")
+        if args.add_bias_linear:
+            raise ArgumentError("bias is not supported in the shared experts, please set '--disable-bias-linear' "
+                                "instead (or drop --moe-shared-expert-intermediate-size)")
+    elif args.moe_shared_expert_gate or args.moe_shared_expert_overlap:
+        raise ArgumentError("--moe-shared-expert-gate/--moe-shared-expert-overlap need "
+                            "--moe-shared-expert-intermediate-size")
+    if not 1 <= args.moe_router_topk <= args.num_experts:
+        raise ArgumentError(f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts "
+                            f"{args.num_experts}")
+    balancing = args.moe_router_load_balancing_type
+    if isinstance(balancing, list) != isinstance(args.moe_aux_loss_coeff, list) or (
+            isinstance(balancing, list) and len(balancing) != len(args.moe_aux_loss_coeff)):
+        raise ArgumentError("moe_aux_loss_coeff must be a list of the same length as moe_router_load_balancing_type: "
+                            "pass one --moe-aux-loss-coeff per --moe-router-load-balancing-type")
+    if (args.moe_router_topk == 1 and args.moe_router_score_function == "softmax"
+            and not args.moe_router_pre_softmax and balancing != "sinkhorn"):
+        raise ArgumentError("Please use --moe-router-pre-softmax when topk is 1 (megatron-core refuses "
+                            "--moe-router-topk 1 with a post-top-k softmax)")
+    if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
+        raise ArgumentError("Expert bias for aux-loss-free routing only supports sigmoid score function: "
+                            "pass --moe-router-score-function sigmoid with --moe-router-enable-expert-bias")
+    if args.add_bias_linear and etp != 1:
+        raise ArgumentError(f"Bias in Moe is only supported when ETP==1: pass --disable-bias-linear or "
+                            f"--expert-tensor-parallel-size 1 (ETP is {etp})")
+    if tp > 1 and not args.sequence_parallel:
+        # megatron-core's MoELayer raises this in the first training forward; say it before launching.
+        raise ArgumentError(f"MoE layers with TP={tp} need --sequence-parallel (megatron-core's MoELayer refuses "
+                            "tensor parallelism without sequence parallelism in training)")
+    pattern = moe_layer_pattern(args.num_layers, args.moe_layer_freq)
+    if isinstance(args.moe_layer_freq, int) and args.moe_layer_freq < 1:
+        raise ArgumentError(f"--moe-layer-freq {args.moe_layer_freq} must be >= 1")
+    if len(pattern) != args.num_layers or any(v not in (0, 1) for v in pattern):
+        raise ArgumentError(f"--moe-layer-freq {args.moe_layer_freq} must list 0 (dense) or 1 (MoE) for each of "
+                            f"the {args.num_layers} layers")
+    if args.universal_checkpoint:
+        # Until the GPT adapter has expert rows, a universal checkpoint holds no experts.
+        raise ArgumentError("--universal-checkpoint does not support --num-experts yet (universal checkpoints "
+                            "hold no experts); resume MoE runs from their torch_dist checkpoint with --load")
+    if args.moe_token_dispatcher_type == "flex":
+        raise ArgumentError("--moe-token-dispatcher-type flex needs DeepEP/HybridEP kernels, which this harness "
+                            "does not set up; use allgather or alltoall")
+    if args.moe_shared_expert_overlap and args.moe_token_dispatcher_type != "alltoall":
+        raise ArgumentError("moe_shared_expert_overlap only works with alltoall token dispatcher: pass "
+                            "--moe-token-dispatcher-type alltoall or drop --moe-shared-expert-overlap")
+    if not torch.cuda.is_available():
+        if args.moe_grouped_gemm:
+            raise ArgumentError("--moe-grouped-gemm runs the experts as one grouped GEMM (TransformerEngine/"
+                                "grouped_gemm on CUDA GPUs); on CPU drop --moe-grouped-gemm (experts then run "
+                                "one by one as SequentialMLP: same math and checkpoint keys)")
+        if args.moe_shared_expert_overlap:
+            raise ArgumentError("--moe-shared-expert-overlap runs the shared expert on a side CUDA stream; on "
+                                "CPU drop it (same math)")
 
 
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:

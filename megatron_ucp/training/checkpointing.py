@@ -35,7 +35,9 @@ TRACKER = TRACKER_FILENAME
 # Args that must match between a checkpoint and the run that resumes it.
 MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
               "kv_channels", "swiglu", "normalization", "position_embedding_type",
-              "untie_embeddings_and_output_weights", "add_bias_linear", "padded_vocab_size")
+              "untie_embeddings_and_output_weights", "add_bias_linear", "padded_vocab_size",
+              "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+              "moe_shared_expert_gate", "moe_router_enable_expert_bias")
 
 
 class CheckpointError(RuntimeError):
@@ -70,7 +72,7 @@ def _sharded_sd_metadata(args) -> dict:
     return metadata
 
 
-def _rng_state() -> ShardedObject:
+def _rng_state(args) -> ShardedObject:
     state = {
         "random_rng_state": random.getstate(),
         "np_rng_state": np.random.get_state(),
@@ -79,6 +81,16 @@ def _rng_state() -> ShardedObject:
         "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
     pp, tp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+    if args.expert_model_parallel_size > 1:
+        # As Megatron-LM: with EP the DP ranks hold different expert-parallel RNG streams, so the
+        # state is sharded by (PP, TP, DP) instead of being one replicated (PP, TP) object.
+        dp = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+        return ShardedObject(
+            "rng_state", [state],
+            (parallel_state.get_pipeline_model_parallel_world_size(),
+             parallel_state.get_tensor_model_parallel_world_size(),
+             parallel_state.get_data_parallel_world_size(with_context_parallel=True)),
+            (pp, tp, dp), replica_id=0)
     return ShardedObject(
         "rng_state", [state],
         (parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()),
@@ -113,7 +125,7 @@ def _state_dict(args, model, optimizer, scheduler, iteration, metadata, is_loadi
         sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=metadata)
         sd["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
-        sd["rng_state"] = _rng_state()
+        sd["rng_state"] = _rng_state(args)
     sd["num_floating_point_operations_so_far"] = 0
     return sd
 
@@ -150,6 +162,26 @@ def save_checkpoint(args, iteration: int, model, optimizer, scheduler) -> Path:
     return ckpt_dir
 
 
+def model_parallel_layout(args) -> tuple:
+    """(TP, PP, EP, ETP) of a run's or a checkpoint's args (older checkpoints: EP 1, ETP = TP)."""
+    tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    return (tp, getattr(args, "pipeline_model_parallel_size", None) or 1,
+            getattr(args, "expert_model_parallel_size", None) or 1,
+            getattr(args, "expert_tensor_parallel_size", None) or tp)
+
+
+def describe_layout(layout: tuple) -> str:
+    tp, pp, ep, etp = layout
+    return f"TP{tp}PP{pp}" + (f"EP{ep}ETP{etp}" if (ep, etp) != (1, tp) else "")
+
+
+def experts_have_own_optimizer(args) -> bool:
+    """Whether the expert parameters live in their own DDP buffers and optimizer (megatron-core's
+    ChainedOptimizer [dense, expert]): with experts at EP > 1 or ETP != TP (cpu_backend's fixed rule)."""
+    tp, _, ep, etp = model_parallel_layout(args)
+    return bool(getattr(args, "num_experts", None)) and (ep > 1 or etp != tp)
+
+
 def check_checkpoint_args(ckpt_args, args, ckpt_dir: Path) -> None:
     for name in MODEL_ARGS:
         theirs, ours = getattr(ckpt_args, name, None), getattr(args, name, None)
@@ -182,18 +214,34 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Optional[int]:
     common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
     ckpt_args = common["args"]
     check_checkpoint_args(ckpt_args, args, ckpt_dir)
-    same_mp = (getattr(ckpt_args, "tensor_model_parallel_size", 1) == args.tensor_model_parallel_size
-               and getattr(ckpt_args, "pipeline_model_parallel_size", 1) == args.pipeline_model_parallel_size)
+    same_mp = model_parallel_layout(ckpt_args) == model_parallel_layout(args)
     metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
     load_optim = not args.no_load_optim and not args.finetune and not getattr(ckpt_args, "no_save_optim", False)
     if load_optim and args.use_distributed_optimizer and not same_mp and \
             metadata.get("distrib_optim_sharding_type") == "dp_reshardable":
+        saved, here = describe_layout(model_parallel_layout(ckpt_args)), describe_layout(model_parallel_layout(args))
+        if getattr(ckpt_args, "num_experts", None):
+            # Universal checkpoints hold no experts yet; torch_dist itself reshards the other sharding types.
+            raise CheckpointError(
+                f"{ckpt_dir}: saved at {saved} with the dp_reshardable optimizer, whose flat buffers only load at "
+                f"the same TP/PP/EP/ETP; resume at {saved}, or save with --dist-ckpt-optim-fully-reshardable "
+                f"(or without --use-distributed-optimizer) to resume at {here}")
         raise CheckpointError(
-            f"{ckpt_dir}: saved at TP{ckpt_args.tensor_model_parallel_size}PP{ckpt_args.pipeline_model_parallel_size} "
-            f"with the dp_reshardable optimizer; to resume at TP{args.tensor_model_parallel_size}"
-            f"PP{args.pipeline_model_parallel_size} convert it: megatron-ucp to-universal {root} UCP_DIR, "
-            "then --load UCP_DIR --universal-checkpoint")
-    load_rng = same_mp and not args.no_load_rng and not args.finetune and not getattr(ckpt_args, "no_save_rng", False)
+            f"{ckpt_dir}: saved at {saved} with the dp_reshardable optimizer; to resume at {here} "
+            f"convert it: megatron-ucp to-universal {root} UCP_DIR, then --load UCP_DIR --universal-checkpoint")
+    if load_optim and experts_have_own_optimizer(ckpt_args) != experts_have_own_optimizer(args):
+        def where(a):
+            tp, pp, ep, etp = model_parallel_layout(a)
+            kind = "have an optimizer of their own" if experts_have_own_optimizer(a) else "share the dense optimizer"
+            return f"at TP{tp}PP{pp}EP{ep}ETP{etp} the experts {kind}"
+        raise CheckpointError(
+            f"{ckpt_dir}: {where(ckpt_args)} but {where(args)} (megatron-core chains a separate expert optimizer "
+            "only with EP > 1 or ETP != TP), so the optimizer state cannot be mapped; resume with EP > 1 or "
+            "ETP != TP on both sides or on neither, or pass --no-load-optim")
+    # With EP the RNG state is one object per (PP, TP, DP) rank: it needs the same DP too.
+    same_rng_shards = same_mp and (model_parallel_layout(args)[2] == 1 or getattr(
+        ckpt_args, "data_parallel_size", None) == args.data_parallel_size)
+    load_rng = same_rng_shards and not args.no_load_rng and not args.finetune and not getattr(ckpt_args, "no_save_rng", False)
     metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if load_optim:
         cpu_backend.init_adam_state_for_loading(optimizer)

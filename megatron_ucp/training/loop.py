@@ -6,7 +6,7 @@ import json
 import math
 import time
 from functools import partial
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -80,6 +80,36 @@ def train_step(args, forward_step, data_iterators, model, optimizer, scheduler):
     return loss, float(grad_norm), lr, bool(update_successful)
 
 
+def moe_track_names(args) -> list:
+    """The router losses Megatron-LM's training_log tracks for these flags, in its order."""
+    balancing = args.moe_router_load_balancing_type
+    names = [name for kind, name in (("aux_loss", "load_balancing_loss"), ("seq_aux_loss", "seq_load_balancing_loss"),
+                                     ("global_aux_loss", "global_load_balancing_loss")) if kind in balancing]
+    if args.moe_z_loss_coeff is not None:
+        names.append("z_loss")
+    return names
+
+
+def moe_aux_losses(args, iteration: int, writer=None) -> Dict[str, float]:
+    """This iteration's router losses as Megatron-LM reports them (megatron-core's track_moe_metrics):
+    each layer's loss summed over micro-batches / num_microbatches, summed over PP and TP (SP shards),
+    averaged over DP, then summed over layers / number of MoE layers. Logging only: the aux loss reaches
+    the gradients through the router's MoEAuxLossAutoScaler, never through `lm loss`.
+    A collective: every rank calls it every iteration."""
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+    from megatron_ucp.training.arguments import moe_layer_pattern
+
+    totals: Dict[str, torch.Tensor] = {}
+    names = moe_track_names(args)
+    track_moe_metrics(loss_scale=1.0 / args.num_microbatches, iteration=iteration, writer=writer,
+                      total_loss_dict=totals, per_layer_logging=args.moe_per_layer_logging,
+                      force_initialize=True, track_names=names, num_layers=args.num_layers,
+                      # the pattern, not the int: track_moe_metrics counts MoE layers from it
+                      moe_layer_freq=moe_layer_pattern(args.num_layers, args.moe_layer_freq))
+    return {name: float(totals[name]) for name in names if name in totals}
+
+
 def _comm_device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -103,7 +133,7 @@ class TrainingLogger:
         self.last_time = time.time()
 
     def log(self, iteration: int, loss: float, grad_norm: float, lr: float, consumed_samples: int,
-            skipped: bool) -> None:
+            skipped: bool, aux_losses: Optional[Dict[str, float]] = None) -> None:
         now = time.time()
         elapsed_ms = (now - self.last_time) * 1000.0
         self.last_time = now
@@ -112,6 +142,8 @@ class TrainingLogger:
         record = {"iteration": iteration, "lm_loss": loss, "grad_norm": grad_norm, "lr": lr,
                   "consumed_samples": consumed_samples, "skipped": skipped,
                   "elapsed_ms": round(elapsed_ms, 3)}
+        aux_losses = aux_losses or {}
+        record.update(aux_losses)
         if self.jsonl:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
@@ -124,7 +156,9 @@ class TrainingLogger:
                   f" consumed samples: {consumed_samples:12d} |"
                   f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
                   f" learning rate: {lr:.6E} | global batch size: {self.args.global_batch_size:5d} |"
-                  f" lm loss: {loss:.6E} | grad norm: {grad_norm:.3f} |"
+                  f" lm loss: {loss:.6E} |"
+                  + "".join(f" {name}: {value:.6E} |" for name, value in aux_losses.items() if value > 0.0)
+                  + f" grad norm: {grad_norm:.3f} |"
                   f" number of skipped iterations: {int(skipped):3d} | number of nan iterations: "
                   f"{int(math.isnan(loss)):3d} |", flush=True)
 

@@ -81,13 +81,45 @@ def transformer_config_from_args(args) -> TransformerConfig:
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
     )
+    if args.num_experts is not None:
+        kwargs.update(moe_config_kwargs(args))
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(args):
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+def moe_config_kwargs(args) -> dict:
+    """The TransformerConfig fields of the MoE flags (Megatron-LM copies same-named args onto the config)."""
+    return dict(
+        num_moe_experts=args.num_experts,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_layer_freq=args.moe_layer_freq,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
+        moe_shared_expert_overlap=args.moe_shared_expert_overlap,
+        moe_router_topk=args.moe_router_topk,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_per_layer_logging=args.moe_per_layer_logging,
+    )
 
+
+def layer_spec(args, config: TransformerConfig, vp_stage=None):
+    """The layer spec Megatron-LM's gpt_builder picks: with experts, a block spec that mixes dense and MoE
+    layers per --moe-layer-freq (sliced to this pipeline stage / virtual stage); otherwise one layer spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+
+    if args.num_experts:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=transformer_impl(args) == "transformer_engine",
+                                          normalization=args.normalization, vp_stage=vp_stage)
     if transformer_impl(args) == "transformer_engine":
         return get_gpt_layer_with_transformer_engine_spec(num_experts=None, moe_grouped_gemm=False,
                                                           qk_layernorm=False)
@@ -97,10 +129,10 @@ def layer_spec(args):
 
 def build_model(args, config: TransformerConfig) -> List[DistributedDataParallel]:
     """GPT model chunks (one per virtual stage), wrapped in megatron-core's DDP."""
-    spec = layer_spec(args)
     vpp = args.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
+        spec = layer_spec(args, config, vp_stage=vp_stage if vpp else None)
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         model = GPTModel(
@@ -118,6 +150,7 @@ def build_model(args, config: TransformerConfig) -> List[DistributedDataParallel
             vp_stage=vp_stage if vpp else None,
         )
         model.model_type = ModelType.encoder_or_decoder
+        cpu_backend.prepare_expert_linears(model, config)  # before DDP: it picks each parameter's buffer
         for param in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         model.to(cpu_backend.device())
@@ -171,7 +204,9 @@ def build_optimizer(args, model):
         initial_loss_scale=args.initial_loss_scale,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    return get_megatron_optimizer(config, model, config_overrides=get_standard_config_overrides(config))
+    optimizer = get_megatron_optimizer(config, model, config_overrides=get_standard_config_overrides(config))
+    cpu_backend.filter_expert_duplicates_over_etp(optimizer)
+    return optimizer
 
 
 def build_scheduler(args, optimizer) -> OptimizerParamScheduler:

@@ -1,0 +1,218 @@
+#!/usr/bin/env python
+"""Print what a `torch_dist` checkpoint stores, so docs/MOE_CHECKPOINTS.md's claims can be re-checked.
+
+Checkpoint listing (one process, reads only .metadata, common.pt and the small pickled objects):
+
+    python tools/dump_checkpoint_keys.py CKPT [--iteration N] [--grep REGEX] [--chunks] [--objects]
+
+  every key of .metadata with its global shape and dtype, the number of saved chunks (--chunks: each
+  chunk's offsets and sizes, i.e. where each rank's shard sits in the global tensor), the pickled
+  byte entries collapsed per key family (--objects: decoded, e.g. the distributed optimizer's param
+  groups and per-bucket sizes), then the structure of common.pt (args summarised, optimizer state).
+
+Parameter and flat-buffer order (run under torchrun at the checkpoint's own layout, gloo on CPU):
+
+    torchrun --nproc-per-node W tools/dump_checkpoint_keys.py CKPT --param-order
+
+  builds the checkpoint's model at its TP/PP/EP/ETP from the args in common.pt (no weights loaded), and
+  prints per rank: the parameters in registration order, each DDP buffer (dense over DP, expert over
+  expert-DP) with its parameters in buffer order and their [start, end) and bucket, and the optimizer's
+  param groups (which chained optimizer, is_expert_parallel, weight-decay multiplier).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _iteration_dir(path: str, iteration) -> Path:
+    from megatron_ucp.formats.common import resolve_iteration_dir
+
+    return resolve_iteration_dir(path, iteration)[0]
+
+
+# --- listing ------------------------------------------------------------------------------------
+
+_SHARD_SUFFIX = re.compile(r"/shard_[0-9_.]+$")
+
+
+def read_objects(iter_dir: Path, keys) -> dict:
+    """Unpickle DCP byte entries (ShardedObjects) with the project's allow-listed unpickler."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from megatron_ucp.formats.common import load_pickled_bytes
+
+    raw = {}
+
+    class _Capture(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            raw[read_item.dest_index.fqn] = value.read()
+
+    import io
+    load({k: io.BytesIO() for k in keys}, storage_reader=FileSystemReader(str(iter_dir)), planner=_Capture(),
+         no_dist=True)
+    return {k: load_pickled_bytes(io.BytesIO(v), what=k) for k, v in raw.items()}
+
+
+def _summary(value, depth: int = 0, max_depth: int = 6) -> str:
+    import torch
+
+    pad = "  " * depth
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    if isinstance(value, dict):
+        if depth >= max_depth:
+            return f"dict({len(value)} keys: {', '.join(map(repr, list(value)[:6]))}{', ...' if len(value) > 6 else ''})"
+        lines = [f"dict({len(value)})"]
+        for k, v in value.items():
+            if k == "params" and isinstance(v, list):
+                lines.append(f"{pad}  {k!r}: list of {len(v)} parameter indices")
+                continue
+            lines.append(f"{pad}  {k!r}: {_summary(v, depth + 1, max_depth)}")
+        return "\n".join(lines)
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(v, dict) for v in value) and depth < max_depth:
+            return f"{type(value).__name__}({len(value)})\n" + "\n".join(
+                f"{pad}  [{i}]: {_summary(v, depth + 1, max_depth)}" for i, v in enumerate(value))
+        text = repr(value)
+        return text if len(text) < 160 else f"{type(value).__name__} of {len(value)}: {text[:150]}..."
+    text = repr(value)
+    return text if len(text) < 160 else text[:150] + "..."
+
+
+def list_checkpoint(iter_dir: Path, pattern, show_chunks: bool, show_objects: bool) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from megatron_ucp.formats.common import load_pickled
+
+    metadata = FileSystemReader(str(iter_dir)).read_metadata().state_dict_metadata
+    print(f"# {iter_dir}/.metadata: {len(metadata)} entries")
+    byte_families = defaultdict(list)
+    for key in sorted(metadata):
+        if pattern and not pattern.search(key):
+            continue
+        item = metadata[key]
+        if not isinstance(item, TensorStorageMetadata):
+            byte_families[_SHARD_SUFFIX.sub("", key)].append(key)
+            continue
+        dtype = str(item.properties.dtype).replace("torch.", "")
+        print(f"{key}  shape={tuple(item.size)} {dtype} chunks={len(item.chunks)}")
+        if show_chunks:
+            for chunk in sorted(item.chunks, key=lambda c: tuple(c.offsets)):
+                print(f"    offsets={tuple(chunk.offsets)} sizes={tuple(chunk.sizes)}")
+    print(f"# byte entries (ShardedObjects), by key: {len(byte_families)}")
+    for family, keys in sorted(byte_families.items()):
+        shards = ", ".join(k[len(family) + 1:] for k in sorted(keys)[:4])
+        print(f"{family}  [{len(keys)} object(s): {shards}{', ...' if len(keys) > 4 else ''}]")
+    if show_objects:
+        keys = [k for ks in byte_families.values() for k in ks
+                if "_extra_state" not in k and not k.startswith("rng_state")]
+        for key, value in sorted(read_objects(iter_dir, keys).items()):
+            print(f"## {key}: {_summary(value, 1)}")
+    common = load_pickled(iter_dir / "common.pt", what="common state")
+    print(f"# {iter_dir}/common.pt")
+    for key, value in common.items():
+        if key == "args":
+            names = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                     "expert_tensor_parallel_size", "data_parallel_size", "num_layers", "num_experts",
+                     "moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "swiglu",
+                     "use_distributed_optimizer", "dist_ckpt_optim_fully_reshardable")
+            print("args: " + ", ".join(f"{n}={getattr(value, n, None)!r}" for n in names))
+        else:
+            print(f"{key!r}: {_summary(value, 0)}")
+
+
+# --- parameter and buffer order (torchrun) --------------------------------------------------------
+
+def dump_parameter_order(iter_dir: Path) -> None:
+    import os
+    from datetime import timedelta
+
+    import torch
+
+    from megatron_ucp import cpu_backend
+
+    cpu_backend.import_megatron_core()
+    from megatron_ucp.formats.common import load_pickled
+    from megatron_ucp.training import model as model_lib
+
+    args = load_pickled(iter_dir / "common.pt", what="common state")["args"]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.world_size:
+        raise SystemExit(f"error: {iter_dir} was saved by {args.world_size} processes; run this with "
+                         f"torchrun --nproc-per-node {args.world_size}")
+    on_cpu = cpu_backend.apply()
+    torch.distributed.init_process_group(backend="gloo" if on_cpu else "nccl", timeout=timedelta(minutes=5))
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
+    model_parallel_cuda_manual_seed(args.seed)
+    args.layout_invariant_init = False  # shapes and order only
+    config = model_lib.transformer_config_from_args(args)
+    chunks = model_lib.build_model(args, config)
+    optimizer = model_lib.build_optimizer(args, chunks)
+
+    rank = torch.distributed.get_rank()
+    lines = [f"=== rank {rank}: tp {mpu.get_tensor_model_parallel_rank()} pp {mpu.get_pipeline_model_parallel_rank()} "
+             f"dp {mpu.get_data_parallel_rank()} | ep {mpu.get_expert_model_parallel_rank()} "
+             f"etp {mpu.get_expert_tensor_parallel_rank()} edp {mpu.get_expert_data_parallel_rank()} | "
+             f"expert-tp-pp rank {mpu.get_expert_tensor_model_pipeline_parallel_group().rank()}"]
+    for index, chunk in enumerate(chunks):
+        module = model_lib.unwrap_model(chunk)
+        names = {param: name for name, param in module.named_parameters()}
+        lines.append(f"-- model chunk {index}: parameters in registration order")
+        for name, param in module.named_parameters():
+            lines.append(f"   {name} {tuple(param.shape)} allreduce={getattr(param, 'allreduce', True)}")
+        for kind, buffers in (("dense", chunk.buffers), ("expert", chunk.expert_parallel_buffers)):
+            for g, buffer in enumerate(buffers):
+                lines.append(f"-- {kind} buffer {g} (data-parallel group of {buffer.data_parallel_world_size}): "
+                             f"numel {buffer.numel}, buckets {buffer.bucket_indices}; parameters in buffer order")
+                for param in sorted(buffer.param_index_map, key=lambda p: buffer.param_index_map[p][0]):
+                    start, end, bucket = buffer.param_index_map[param]
+                    lines.append(f"   [{start:7d}, {end:7d}) bucket {bucket}  {names.get(param, '?')}")
+    for i, opt in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
+        for g, group in enumerate(opt.param_groups):
+            lines.append(f"-- optimizer {i} param group {g}: is_expert_parallel={group.get('is_expert_parallel')} "
+                         f"wd_mult={group.get('wd_mult')} params={len(group['params'])}")
+    # One rank at a time, in rank order.
+    for r in range(torch.distributed.get_world_size()):
+        if r == rank:
+            print("\n".join(lines), flush=True)
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="checkpoint root (with latest_checkpointed_iteration.txt) or an iter_* folder")
+    p.add_argument("--iteration", type=int, default=None)
+    p.add_argument("--grep", default=None, help="only .metadata keys matching this regex")
+    p.add_argument("--chunks", action="store_true", help="print every saved chunk's offsets and sizes")
+    p.add_argument("--objects", action="store_true", help="decode the pickled byte entries (not rng/_extra_state)")
+    p.add_argument("--param-order", action="store_true",
+                   help="under torchrun at the checkpoint's layout: parameters, DDP buffers, param groups per rank")
+    a = p.parse_args(argv)
+    iter_dir = _iteration_dir(a.checkpoint, a.iteration)
+    if a.param_order:
+        dump_parameter_order(iter_dir)
+    else:
+        list_checkpoint(iter_dir, re.compile(a.grep) if a.grep else None, a.chunks, a.objects)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
