@@ -1,4 +1,8 @@
-"""Parallel layouts (TP x PP x DP, virtual pipeline, sequence parallelism) as plain values."""
+"""Parallel layouts (TP x PP x DP, virtual pipeline, sequence parallelism, expert parallelism) as plain values.
+
+Expert parallelism is carved out of the same ranks (megatron-core's rank order tp-cp-ep-dp-pp): the
+dense layers see TP x PP x DP, the routed experts ETP x EP x expert-DP x PP, with
+world = TP*PP*DP = ETP*EP*EDP*PP."""
 
 from __future__ import annotations
 
@@ -18,11 +22,21 @@ class ParallelLayout:
     vpp: Optional[int] = None  # virtual pipeline chunks per stage; None = not interleaved
     sp: bool = False
     ep: int = 1
+    etp: Optional[int] = None  # expert tensor parallel size; None = the dense TP (Megatron-LM's default)
 
     def __post_init__(self):
+        if self.etp is not None and self.etp == self.tp:
+            object.__setattr__(self, "etp", None)  # one spelling of "ETP = TP"
         for name in ("tp", "pp", "dp", "ep"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.etp is not None and self.etp < 1:
+            raise LayoutError(f"etp={self.etp} must be >= 1")
+        if (self.tp * self.dp) % (self.expert_tp * self.ep):
+            raise LayoutError(
+                f"TP x DP = {self.tp} x {self.dp} ranks per pipeline stage cannot be split into ETP x EP = "
+                f"{self.expert_tp} x {self.ep} expert groups; choose EP and ETP whose product divides "
+                f"{self.tp * self.dp}")
         if self.vpp is not None and self.vpp < 1:
             raise LayoutError(f"vpp={self.vpp} must be >= 1 or None")
         if self.sp and self.tp == 1:
@@ -34,6 +48,16 @@ class ParallelLayout:
         return self.tp * self.pp * self.dp
 
     @property
+    def expert_tp(self) -> int:
+        """Tensor-parallel size of the routed experts (--expert-tensor-parallel-size)."""
+        return self.etp or self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Data-parallel size of the routed experts (their replicas)."""
+        return self.tp * self.dp // (self.expert_tp * self.ep)
+
+    @property
     def num_chunks(self) -> int:
         """Model chunks per pipeline stage (1 without VPP)."""
         return self.vpp or 1
@@ -42,13 +66,16 @@ class ParallelLayout:
         s = f"TP{self.tp}PP{self.pp}DP{self.dp}"
         if self.vpp:
             s += f"VPP{self.vpp}"
+        if self.ep > 1 or self.etp is not None:
+            s += f"EP{self.ep}" + (f"ETP{self.etp}" if self.etp is not None else "")
         if self.sp:
             s += "+SP"
         return s
 
     def to_dict(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "vpp": self.vpp, "sp": self.sp, "ep": self.ep}
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "vpp": self.vpp, "sp": self.sp, "ep": self.ep,
+                "etp": self.etp}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ParallelLayout":
-        return cls(**{k: d[k] for k in ("tp", "pp", "dp", "vpp", "sp", "ep") if k in d})
+        return cls(**{k: d[k] for k in ("tp", "pp", "dp", "vpp", "sp", "ep", "etp") if k in d})

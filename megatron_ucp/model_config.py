@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -26,12 +27,42 @@ class GPTModelConfig:
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
+    # Mixture of experts (Megatron-LM's --num-experts ...; None / defaults for a dense model)
     num_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None  # each routed expert's FFN size (default ffn_hidden_size)
+    moe_shared_expert_intermediate_size: Optional[int] = None  # shared experts' FFN size (None: none)
+    moe_shared_expert_gate: bool = False
+    moe_layer_freq: Union[int, Tuple[int, ...]] = 1  # int: every n-th layer is MoE; a tuple: per layer 0/1
+    moe_router_enable_expert_bias: bool = False
 
     def __post_init__(self):
         if self.add_bias_linear and not self.add_qkv_bias:
             # The QKV bias exists with either flag; Megatron-LM keeps the two in sync.
             object.__setattr__(self, "add_qkv_bias", True)
+        if not self.num_experts:
+            object.__setattr__(self, "num_experts", None)
+        freq = self.moe_layer_freq
+        if isinstance(freq, str):  # as Megatron-LM's args may keep it: "[0,1,0,1]" or "2"
+            freq = ast.literal_eval(freq)
+        object.__setattr__(self, "moe_layer_freq", tuple(int(x) for x in freq) if isinstance(freq, (list, tuple))
+                           else int(freq))
+        if self.num_experts and self.moe_ffn_hidden_size is None:
+            object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+
+    @property
+    def moe_layers(self) -> Tuple[bool, ...]:
+        """Per global layer: is it an MoE layer (megatron-core's moe_layer_freq rule)."""
+        if not self.num_experts:
+            return (False,) * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, tuple):
+            if len(freq) != self.num_layers:
+                raise ValueError(f"moe_layer_freq {list(freq)} has {len(freq)} entries, num_layers={self.num_layers}; "
+                                 f"give one 0/1 per layer")
+            return tuple(bool(x) for x in freq)
+        if freq < 1:
+            raise ValueError(f"moe_layer_freq={freq} must be >= 1")
+        return tuple(i % freq == 0 for i in range(self.num_layers))
 
     @property
     def tied(self) -> bool:
@@ -46,7 +77,10 @@ class GPTModelConfig:
         return self.kv_channels * self.num_query_groups
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if isinstance(d["moe_layer_freq"], tuple):
+            d["moe_layer_freq"] = list(d["moe_layer_freq"])
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "GPTModelConfig":
@@ -95,6 +129,11 @@ class GPTModelConfig:
             add_qkv_bias=bool(get("add_qkv_bias", False)) or bool(get("add_bias_linear", True)),
             qk_layernorm=bool(get("qk_layernorm", False)),
             num_experts=get("num_experts"),
+            moe_ffn_hidden_size=get("moe_ffn_hidden_size"),
+            moe_shared_expert_intermediate_size=get("moe_shared_expert_intermediate_size"),
+            moe_shared_expert_gate=bool(get("moe_shared_expert_gate", False)),
+            moe_layer_freq=get("moe_layer_freq", 1) if get("moe_layer_freq") is not None else 1,
+            moe_router_enable_expert_bias=bool(get("moe_router_enable_expert_bias", False)),
         )
 
 

@@ -24,6 +24,10 @@ LLAMA = GPTModelConfig(num_layers=8, hidden_size=48, ffn_hidden_size=128, num_at
 GPT2 = GPTModelConfig(num_layers=8, hidden_size=48, ffn_hidden_size=192, num_attention_heads=4, num_query_groups=4,
                       kv_channels=12, vocab_size=1001, padded_vocab_size=1024, max_position_embeddings=32,
                       add_bias_linear=True, add_qkv_bias=True)
+# GPT-MoE like the harness's llama_moe family: layers 1 and 3 MoE, shared expert with its gate, expert bias.
+MOE = GPTModelConfig(**{**LLAMA.to_dict(), "num_layers": 4, "num_experts": 4, "moe_ffn_hidden_size": 32,
+                        "moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True,
+                        "moe_layer_freq": [0, 1, 0, 1], "moe_router_enable_expert_bias": True})
 LAYOUTS = [ParallelLayout(tp=tp, pp=pp, vpp=vpp) for tp in (1, 2) for pp in (1, 2, 4) for vpp in (None, 2)
            if not (pp == 1 and vpp)]  # VPP needs PP > 1
 
@@ -163,14 +167,20 @@ def test_unknown_and_misplaced_names_raise():
 
 def test_torch_dist_keys():
     assert gpt.torch_dist_key("decoder.layers.3.input_layernorm.weight") == \
-        ("decoder.layers.self_attention.linear_qkv.layer_norm_weight", 3)
-    assert gpt.torch_dist_key(gpt.WORD_EMBEDDINGS) == (gpt.WORD_EMBEDDINGS, None)
-    assert gpt.canonical_from_torch_dist("decoder.layers.mlp.linear_fc1.layer_norm_weight", 3) == [
-        f"decoder.layers.{i}.pre_mlp_layernorm.weight" for i in range(3)]
-    assert gpt.canonical_from_torch_dist("output_layer.weight", 4, tied=True) == [gpt.WORD_EMBEDDINGS]
-    assert gpt.canonical_from_torch_dist("decoder.layers.mlp.linear_fc1._extra_state/shard_0_4", 4) == []
+        ("decoder.layers.self_attention.linear_qkv.layer_norm_weight", (3,))
+    assert gpt.torch_dist_key(gpt.WORD_EMBEDDINGS) == (gpt.WORD_EMBEDDINGS, ())
+    assert gpt.torch_dist_key("decoder.layers.1.mlp.linear_fc1.weight", LLAMA) == ("decoder.layers.mlp.linear_fc1.weight", (1,))
+    # MoE with --moe-layer-freq as a list: every layer under its own key, the expert on a leading axis
+    assert gpt.torch_dist_keys("decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight", MOE) == [
+        ("decoder.layers.1.mlp.experts.experts.linear_fc2.weight", (3,))]
+    assert gpt.torch_dist_keys("decoder.layers.1.pre_mlp_layernorm.weight", MOE) == [
+        ("decoder.layers.1.mlp.linear_fc1.layer_norm_weight", ()), ("decoder.layers.1.pre_mlp_layernorm.weight", ())]
+    every_layer = GPTModelConfig(**{**MOE.to_dict(), "moe_layer_freq": 1})
+    assert gpt.torch_dist_stacked(every_layer) and not gpt.torch_dist_stacked(MOE)
+    assert gpt.torch_dist_key("decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight", every_layer) == \
+        ("decoder.layers.mlp.experts.experts.linear_fc1.weight", (2, 1))
     with pytest.raises(gpt.UnknownParameterError):
-        gpt.canonical_from_torch_dist("decoder.layers.mlp.router.weight", 4)
+        gpt.torch_dist_key("decoder.layers.0.mlp.router.gamma")
 
 
 def test_patterns_per_parameter():
@@ -253,27 +263,23 @@ def test_global_shapes_and_fused_chunks_match_torch_dist_fixture():
     text = _manifest("B_llama_tp2pp2dp2_distopt_sp_torch_dist")
     config = GPTModelConfig.from_megatron_args(_parse_args(_manifest("A_llama_tp2pp2dp2_distopt_sp_torch")))
     block = text.split(".metadata:", 1)[1].split("\n\n", 1)[0]
-    expected = dict(gpt.expected_parameters(config))
-    seen = set()
-    for key, shape, chunks in re.findall(r"^  (\S+): global (\(.*?\)) \S+ chunks\(offsets,sizes\)=(.*)$", block, re.M):
-        if key.startswith("optimizer."):
-            continue
-        shape, chunks = ast.literal_eval(shape), ast.literal_eval(chunks)
-        names = gpt.canonical_from_torch_dist(key, config.num_layers, tied=config.tied)
-        stacked = gpt.torch_dist_key(names[0])[1] is not None
-        for name in names:
-            assert expected[name] == (shape[1:] if stacked else shape), key
-            seen.add(name)
-        # The saved TP chunks of layer 0 are exactly our slice ranges for TP=2.
-        pattern = gpt.pattern_for(names[0], config)
-        global_shape = expected[names[0]]
-        ours = sorted((tuple(r.start for r in rng), tuple(r.stop - r.start for r in rng))
-                      for tp_rank in range(2) for rng in pattern.slice_ranges(global_shape, tp_rank, 2))
-        theirs = sorted((offsets[1:], sizes[1:]) if stacked else (offsets, sizes)
-                        for offsets, sizes in chunks if not stacked or offsets[0] == 0)
+    saved = {key: (ast.literal_eval(shape), ast.literal_eval(chunks)) for key, shape, chunks in
+             re.findall(r"^  (\S+): global (\(.*?\)) \S+ chunks\(offsets,sizes\)=(.*)$", block, re.M)
+             if not key.startswith("optimizer.")}
+    used = set()
+    for name, global_shape in gpt.expected_parameters(config):
+        key, lead = gpt.torch_dist_key(name, config)
+        shape, chunks = saved[key]
+        assert shape[len(lead):] == global_shape and shape[:len(lead)] == (config.num_layers,) * len(lead), key
+        used.add(key)
+        # The saved TP chunks of this parameter are exactly our blocks for TP=2.
+        pattern = gpt.pattern_for(name, config)
+        ours = sorted((lead + tuple(r.start for r in b.dst), (1,) * len(lead) + tuple(r.stop - r.start for r in b.dst))
+                      for tp_rank in range(2) for b in pattern.rank_blocks(global_shape, tp_rank, 2))
+        theirs = sorted((tuple(o), tuple(s)) for o, s in chunks if tuple(o[:len(lead)]) == lead)
         if not isinstance(pattern, Replicated):
             assert ours == theirs, key
-    assert seen == set(expected)
+    assert used == {k for k in saved if not gpt.is_ignorable(k)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -332,8 +338,8 @@ def test_order_and_shapes_match_real_gpt_model_tp1pp1(mcore, config):
     assert all(gpt.is_ignorable(k) for k in model.state_dict() if k not in dict(real))
     # the local spec saves `_extra_state` exactly for the rulebook's linear modules
     extra = {k.rsplit(".", 1)[0] for k in model.state_dict() if k.endswith("._extra_state")}
-    layer_linears = [m for m in gpt.linear_modules() if m != "output_layer"]
-    assert extra == {f"decoder.layers.{i}.{m}" for i in range(2) for m in layer_linears} | {"output_layer"}
+    linear = {n.rsplit(".", 1)[0] for n, _ in real if gpt.rule_for(n).linear}
+    assert extra == linear | {"output_layer"}  # a tied output layer keeps its _extra_state without a weight
 
 
 def test_stage_local_layer_names_match_real_vpp_chunks(mcore, monkeypatch):
@@ -395,3 +401,108 @@ def test_param_group_rule_from_rows():
     assert gpt.group_override(qk, (4,), {"apply_wd_to_qk_layernorm": True}, first_chunk=True, last_chunk=True) is None
     assert gpt.group_identity((("max_lr", 0.1), ("wd_mult", 0.0))) == {
         "wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": True}
+
+
+# ------------------------------------------------------------------------------------------------
+# Mixture of experts: the MoE rows against a real megatron-core MoE model (local spec, sequential experts)
+
+
+def _build_moe(config: GPTModelConfig, monkeypatch):
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_ucp import cpu_backend
+
+    cpu_backend.apply()  # router buffers are allocated on torch.cuda.current_device()
+    tc = TransformerConfig(
+        num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
+        num_attention_heads=config.num_attention_heads, num_query_groups=config.num_query_groups,
+        kv_channels=config.kv_channels, gated_linear_unit=config.swiglu,
+        activation_func=F.silu if config.swiglu else F.gelu, normalization=config.normalization,
+        add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias, use_cpu_initialization=True,
+        num_moe_experts=config.num_experts, moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=config.moe_shared_expert_gate, moe_router_topk=2,
+        moe_layer_freq=list(config.moe_layer_freq) if isinstance(config.moe_layer_freq, tuple) else config.moe_layer_freq,
+        moe_router_enable_expert_bias=config.moe_router_enable_expert_bias,
+        moe_router_score_function="sigmoid" if config.moe_router_enable_expert_bias else "softmax")
+    spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization=config.normalization)
+    return GPTModel(config=tc, transformer_layer_spec=spec, vocab_size=config.padded_vocab_size,
+                    max_sequence_length=config.max_position_embeddings,
+                    position_embedding_type=config.position_embedding_type,
+                    share_embeddings_and_output_weights=config.tied)
+
+
+MOE_GELU_BIAS = GPTModelConfig(**{**GPT2.to_dict(), "num_layers": 3, "num_experts": 2, "moe_ffn_hidden_size": 16,
+                                  "moe_layer_freq": 2})
+
+
+@pytest.mark.parametrize("config", [MOE, MOE_GELU_BIAS], ids=["swiglu_shared_gate_expert_bias", "gelu_biases_freq2"])
+def test_moe_rows_match_a_real_megatron_core_moe_model(mcore, monkeypatch, config):
+    """Order, names and shapes of parameters AND buffers (the state dict), which layers are MoE, and the
+    torch_dist keys with their leading (layer, expert) offsets as megatron-core's sharded_state_dict gives
+    them, for a mixed dense/MoE model at TP1 EP1."""
+    model = _build_moe(config, monkeypatch)
+    real = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    ours = gpt.parameters_for_rank(config, ParallelLayout(), 0)
+    assert [(n, s) for n, s, _ in ours] == real
+    state = [(k, tuple(v.shape)) for k, v in model.state_dict().items() if not gpt.is_ignorable(k)]
+    with_buffers = gpt.parameters_for_rank(config, ParallelLayout(), 0, buffers=True)
+    assert [(n, s) for n, s, _ in with_buffers] == state
+    assert [(n, s) for n, s in gpt.expected_parameters(config)] == state
+    assert config.moe_router_enable_expert_bias == any(gpt.is_buffer(n) for n, _ in state)
+    assert [any(".mlp.router." in n and f"layers.{i}." in n for n, _ in real) for i in range(config.num_layers)] == \
+        list(config.moe_layers)
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    sharded_sd = model.sharded_state_dict()
+    apply_factories(sharded_sd)  # SwiGLU fc1: two ShardedTensors (gate, up) per weight
+    by_key: dict = {}
+    for sh in nested_values(sharded_sd):
+        if isinstance(sh, ShardedTensor):
+            by_key.setdefault(sh.key, []).append(sh)
+    used = set()
+    for name, shape in state:
+        key, lead = gpt.torch_dist_key(name, config)
+        pieces = [sh for sh in by_key[key] if tuple(sh.global_offset[:len(lead)]) == lead]
+        assert pieces and all(tuple(sh.global_shape[len(lead):]) == shape for sh in pieces), name
+        used.add(key)
+    assert used == {k for k in by_key if not gpt.is_ignorable(k)}
+
+
+def test_moe_names_and_placement_over_ep_and_etp():
+    """Local expert j on EP rank r is global expert r*E/EP + j; routed experts split over ETP, shared
+    experts over TP; canonical and local names round-trip at every (pp, ep) rank."""
+    layout = ParallelLayout(tp=2, dp=2, pp=2, ep=2, etp=1)
+    placed = {}
+    for pp_rank in range(2):
+        for ep_rank in range(2):
+            for local, shape, canonical in gpt.parameters_for_rank(MOE, layout, pp_rank, ep_rank=ep_rank):
+                back = gpt.canonical_name(local, layout, pp_rank, None, MOE.num_layers, tied=MOE.tied, config=MOE,
+                                          ep_rank=ep_rank)
+                assert back == canonical
+                assert gpt.canonical_name(gpt.te_name(local), layout, pp_rank, None, MOE.num_layers, config=MOE,
+                                          ep_rank=ep_rank) == canonical
+                if gpt.is_expert(canonical):
+                    assert gpt.local_name(canonical, layout, MOE.num_layers, config=MOE) == [(pp_rank, 0, local)]
+                    assert gpt.expert_location(int(canonical.split(".")[6]), MOE, layout)[0] == ep_rank
+                placed.setdefault(canonical, set()).add((pp_rank, ep_rank, shape))
+    fc1 = "decoder.layers.3.mlp.experts.local_experts.3.linear_fc1.weight"
+    assert placed[fc1] == {(1, 1, (64, 48))}  # ETP1: the whole expert, on EP rank 1 only
+    assert placed["decoder.layers.3.mlp.shared_experts.linear_fc1.weight"] == {(1, 0, (32, 48)), (1, 1, (32, 48))}
+    assert gpt.te_name("decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight") == \
+        "decoder.layers.1.mlp.experts.linear_fc2.weight0"
+    assert {n for n, _ in gpt.expected_parameters(MOE)} == set(placed) | {
+        n for n, _ in gpt.expected_parameters(MOE) if gpt.is_buffer(n)}
+    with pytest.raises(LayoutError, match=r"num_experts=4 is not divisible by EP=3.*choose --expert-model-parallel-size in \[1, 2, 4\]"):
+        gpt.expected_parameters(MOE, ParallelLayout(dp=3, ep=3))
+    with pytest.raises(LayoutError, match="local expert 2 but each EP rank holds 2"):
+        gpt.canonical_name("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight", ParallelLayout(dp=2, ep=2),
+                           0, None, 4, config=MOE)
+    with pytest.raises(LayoutError, match="belongs to an MoE layer but global layer 0 is dense"):
+        gpt.canonical_name("decoder.layers.0.mlp.router.weight", ParallelLayout(), 0, None, 4, config=MOE)
+    with pytest.raises(LayoutError, match="cannot be split into ETP x EP"):
+        ParallelLayout(tp=2, dp=1, ep=2, etp=2)

@@ -21,6 +21,16 @@ norms inside the next linear: `self_attention.linear_qkv.layer_norm_weight` is c
 Tied embeddings: a tied model has one canonical tensor, `embedding.word_embeddings.weight`; when the
 first and last model chunks differ, the last one holds a copy as `output_layer.weight`.
 
+Mixture of experts (docs/MOE_CHECKPOINTS.md): a layer is dense or MoE (`GPTModelConfig.moe_layers`);
+rows say which kind has them. Routed-expert rows are templates over the expert index: the model
+names local experts (`mlp.experts.local_experts.{j}...`, `mlp.experts.linear_fc1.weight{j}` with
+TransformerEngine's grouped GEMM), canonical names use the GLOBAL expert index
+(`decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight`; expert e lives on EP rank
+e // (E/EP) as local expert e % (E/EP)), torch_dist keys put it on an expert axis
+(`mlp.experts.experts.linear_fc1.weight`). Routed experts are split over the expert-TP group (ETP),
+everything else over TP. With `--moe-layer-freq` as a list (or an int > 1) torch_dist saves every
+layer under its own key `decoder.layers.<L>.<suffix>` instead of stacking.
+
 Pure: no file I/O, no torch.distributed.
 """
 
@@ -55,22 +65,39 @@ class UnknownParameterError(ValueError):
 # The table
 
 
+ANY, DENSE, MOE = "any", "dense", "moe"  # which layers have a LAYER row: all, dense ones, MoE ones
+EXPERT = "{e}"  # the expert index in a routed expert row's names
+
+
 @dataclass(frozen=True)
 class ParamRule:
-    """One parameter of megatron-core's GPTModel (see the module docstring)."""
+    """One parameter (or persistent buffer) of megatron-core's GPTModel (see the module docstring)."""
 
-    name: str  # local-spec name; for LAYER rows the suffix after `decoder.layers.<i>.`
+    name: str  # local-spec name; for LAYER rows the suffix after `decoder.layers.<i>.`; EXPERT for experts
     scope: str  # PRE | LAYER | POST
     shape: Callable[[GPTModelConfig], Shape]
     pattern: Callable[[GPTModelConfig], Pattern]
     present: Callable[[GPTModelConfig], bool] = lambda c: True
-    te_name: Optional[str] = None  # TransformerEngine / torch_dist spelling when it differs
+    te_name: Optional[str] = None  # TransformerEngine spelling when it differs
+    dist_name: Optional[str] = None  # torch_dist key spelling when it differs from the TE one
     linear: bool = False  # part of a linear module (saves `<module>._extra_state` in the local spec)
     decoupled_lr: bool = False  # embedding / output weight: Megatron's --decoupled-lr applies
+    kind: str = ANY  # ANY | DENSE | MOE (LAYER rows)
+    expert_tp: bool = False  # split over the expert-TP group (routed experts) instead of TP
+    buffer: bool = False  # a persistent buffer (in state dicts, no gradient, no optimizer state)
 
     @property
     def te(self) -> str:
         return self.te_name or self.name
+
+    @property
+    def dist(self) -> str:
+        return self.dist_name or self.te
+
+    @property
+    def expert(self) -> bool:
+        """A routed expert's row: one parameter per expert."""
+        return EXPERT in self.name
 
     @property
     def module(self) -> str:
@@ -120,6 +147,22 @@ def _bias(c: GPTModelConfig) -> bool:
     return c.add_bias_linear
 
 
+def _moe_fc1_rows(c: GPTModelConfig) -> int:
+    return 2 * c.moe_ffn_hidden_size if c.swiglu else c.moe_ffn_hidden_size
+
+
+def _shared_fc1_rows(c: GPTModelConfig) -> int:
+    size = c.moe_shared_expert_intermediate_size
+    return 2 * size if c.swiglu else size
+
+
+def _shared(c: GPTModelConfig) -> bool:
+    return bool(c.moe_shared_expert_intermediate_size)
+
+
+_EXPERTS = "mlp.experts.local_experts." + EXPERT
+
+
 # Registration order: TransformerLayer.__init__ builds input_layernorm, self_attention (Attention.__init__
 # builds linear_proj, then SelfAttention adds linear_qkv, q_layernorm, k_layernorm), pre_mlp_layernorm,
 # mlp (linear_fc1, linear_fc2); checked against megatron-core and real checkpoints (tests/test_adapter_gpt.py).
@@ -148,31 +191,56 @@ RULES: Tuple[ParamRule, ...] = (
     ParamRule("pre_mlp_layernorm.weight", LAYER, _h, _replicated, te_name="mlp.linear_fc1.layer_norm_weight"),
     ParamRule("pre_mlp_layernorm.bias", LAYER, _h, _replicated, present=_layer_norm_bias,
               te_name="mlp.linear_fc1.layer_norm_bias"),
-    ParamRule("mlp.linear_fc1.weight", LAYER, lambda c: (_fc1_rows(c), c.hidden_size), _fc1_pattern, linear=True),
-    ParamRule("mlp.linear_fc1.bias", LAYER, lambda c: (_fc1_rows(c),), _fc1_pattern, present=_bias, linear=True),
+    ParamRule("mlp.linear_fc1.weight", LAYER, lambda c: (_fc1_rows(c), c.hidden_size), _fc1_pattern, linear=True,
+              kind=DENSE),
+    ParamRule("mlp.linear_fc1.bias", LAYER, lambda c: (_fc1_rows(c),), _fc1_pattern, present=_bias, linear=True,
+              kind=DENSE),
     ParamRule("mlp.linear_fc2.weight", LAYER, lambda c: (c.hidden_size, c.ffn_hidden_size), lambda c: Sharded(1),
-              linear=True),
-    ParamRule("mlp.linear_fc2.bias", LAYER, _h, _replicated, present=_bias, linear=True),
+              linear=True, kind=DENSE),
+    ParamRule("mlp.linear_fc2.bias", LAYER, _h, _replicated, present=_bias, linear=True, kind=DENSE),
+    # MoE layer (MoELayer.__init__: router, experts, shared_experts; SharedExpertMLP registers its gate
+    # before its linears). The router is fp32 and replicated; its expert_bias is a persistent buffer.
+    ParamRule("mlp.router.weight", LAYER, lambda c: (c.num_experts, c.hidden_size), _replicated, kind=MOE),
+    ParamRule("mlp.router.bias", LAYER, lambda c: (c.num_experts,), _replicated, present=_bias, kind=MOE),
+    ParamRule("mlp.router.expert_bias", LAYER, lambda c: (c.num_experts,), _replicated,
+              present=lambda c: c.moe_router_enable_expert_bias, kind=MOE, buffer=True),
+    ParamRule(_EXPERTS + ".linear_fc1.weight", LAYER, lambda c: (_moe_fc1_rows(c), c.hidden_size), _fc1_pattern,
+              te_name="mlp.experts.linear_fc1.weight" + EXPERT, dist_name="mlp.experts.experts.linear_fc1.weight",
+              linear=True, kind=MOE, expert_tp=True),
+    ParamRule(_EXPERTS + ".linear_fc1.bias", LAYER, lambda c: (_moe_fc1_rows(c),), _fc1_pattern, present=_bias,
+              te_name="mlp.experts.linear_fc1.bias" + EXPERT, dist_name="mlp.experts.experts.linear_fc1.bias",
+              linear=True, kind=MOE, expert_tp=True),
+    ParamRule(_EXPERTS + ".linear_fc2.weight", LAYER, lambda c: (c.hidden_size, c.moe_ffn_hidden_size),
+              lambda c: Sharded(1), te_name="mlp.experts.linear_fc2.weight" + EXPERT,
+              dist_name="mlp.experts.experts.linear_fc2.weight", linear=True, kind=MOE, expert_tp=True),
+    ParamRule(_EXPERTS + ".linear_fc2.bias", LAYER, _h, _replicated, present=_bias,
+              te_name="mlp.experts.linear_fc2.bias" + EXPERT, dist_name="mlp.experts.experts.linear_fc2.bias",
+              linear=True, kind=MOE, expert_tp=True),
+    ParamRule("mlp.shared_experts.gate_weight", LAYER, lambda c: (1, c.hidden_size), _replicated,
+              present=lambda c: _shared(c) and c.moe_shared_expert_gate, kind=MOE),
+    ParamRule("mlp.shared_experts.linear_fc1.weight", LAYER, lambda c: (_shared_fc1_rows(c), c.hidden_size),
+              _fc1_pattern, present=_shared, linear=True, kind=MOE),
+    ParamRule("mlp.shared_experts.linear_fc1.bias", LAYER, lambda c: (_shared_fc1_rows(c),), _fc1_pattern,
+              present=lambda c: _shared(c) and c.add_bias_linear, linear=True, kind=MOE),
+    ParamRule("mlp.shared_experts.linear_fc2.weight", LAYER,
+              lambda c: (c.hidden_size, c.moe_shared_expert_intermediate_size), lambda c: Sharded(1),
+              present=_shared, linear=True, kind=MOE),
+    ParamRule("mlp.shared_experts.linear_fc2.bias", LAYER, _h, _replicated,
+              present=lambda c: _shared(c) and c.add_bias_linear, linear=True, kind=MOE),
     ParamRule("decoder.final_layernorm.weight", POST, _h, _replicated),
     ParamRule("decoder.final_layernorm.bias", POST, _h, _replicated, present=_layer_norm_bias),
     ParamRule(OUTPUT_LAYER, POST, lambda c: (c.padded_vocab_size, c.hidden_size), lambda c: VocabSharded(),
               present=lambda c: not c.tied, linear=True, decoupled_lr=True),
 )
 
-_BY_NAME: Dict[Tuple[str, str], ParamRule] = {}
+_BY_NAME: Dict[Tuple[str, str], ParamRule] = {}  # (LAYER | "top", spelling) -> row, for rows without an index
+_EXPERT_SPELLINGS: List[Tuple["re.Pattern[str]", ParamRule]] = []  # routed expert rows, by regex
 for _rule in RULES:
     for _spelling in {_rule.name, _rule.te}:
-        _BY_NAME[(LAYER if _rule.scope == LAYER else "top", _spelling)] = _rule
-
-
-def linear_modules() -> Tuple[str, ...]:
-    """Module paths (layer-relative for layer rows) whose local-spec linears save `_extra_state`."""
-    return tuple(dict.fromkeys(r.module for r in RULES if r.linear))
-
-
-def layer_suffix_order() -> Tuple[str, ...]:
-    """Every layer row's local-spec suffix in registration order."""
-    return tuple(r.name for r in RULES if r.scope == LAYER)
+        if _rule.expert:
+            _EXPERT_SPELLINGS.append((re.compile(re.escape(_spelling).replace(re.escape(EXPERT), r"(\d+)")), _rule))
+        else:
+            _BY_NAME[(LAYER if _rule.scope == LAYER else "top", _spelling)] = _rule
 
 
 # --------------------------------------------------------------------------------------------------
@@ -198,33 +266,68 @@ def _split_layer(name: str) -> Optional[Tuple[int, str]]:
     return (int(m.group(1)), m.group(2)) if m else None
 
 
-def rule_for(name: str) -> ParamRule:
-    """The row of a parameter name in any spelling (local or TE, any layer index)."""
+def _match_suffix(suffix: str) -> Optional[Tuple[ParamRule, Optional[int]]]:
+    """(row, expert index or None) of a layer suffix in any spelling."""
+    rule = _BY_NAME.get((LAYER, suffix))
+    if rule is not None:
+        return rule, None
+    for regex, rule in _EXPERT_SPELLINGS:
+        m = regex.fullmatch(suffix)
+        if m:
+            return rule, int(m.group(1))
+    return None
+
+
+def _resolve(name: str) -> Tuple[ParamRule, Optional[int], Optional[int]]:
+    """(row, layer index or None, expert index or None) of a name in any spelling."""
     layer = _split_layer(name)
-    rule = _BY_NAME.get((LAYER, layer[1])) if layer else _BY_NAME.get(("top", name))
-    if rule is None:
+    if layer is None:
+        rule = _BY_NAME.get(("top", name))
+        if rule is None:
+            raise _unknown(name)
+        return rule, None, None
+    found = _match_suffix(layer[1])
+    if found is None:
         raise _unknown(name)
-    return rule
+    return found[0], layer[0], found[1]
+
+
+def rule_for(name: str) -> ParamRule:
+    """The row of a parameter name in any spelling (local or TE, any layer or expert index)."""
+    return _resolve(name)[0]
+
+
+def _spell(rule: ParamRule, spelling: str, layer: Optional[int], expert: Optional[int]) -> str:
+    if expert is not None:
+        spelling = spelling.replace(EXPERT, str(expert))
+    return spelling if layer is None else f"{LAYER_PREFIX}{layer}.{spelling}"
 
 
 def _local_spelling(name: str) -> str:
-    """A name with its layer suffix in the local-spec spelling."""
-    layer = _split_layer(name)
-    if layer is None:
-        rule_for(name)
-        return name
-    index, suffix = layer
-    return f"{LAYER_PREFIX}{index}.{rule_for(name).name}"
+    """A name in the local-spec spelling (same indices)."""
+    rule, layer, expert = _resolve(name)
+    return _spell(rule, rule.name, layer, expert)
 
 
 def te_name(canonical_or_local: str) -> str:
-    """The TransformerEngine-spec / torch_dist spelling of a local-spec name (norms fused into linears)."""
-    layer = _split_layer(canonical_or_local)
-    if layer is None:
-        return canonical_or_local
-    index, suffix = layer
-    rule = _BY_NAME.get((LAYER, suffix))
-    return f"{LAYER_PREFIX}{index}.{rule.te if rule else suffix}"
+    """The TransformerEngine-spec spelling of a local-spec name (norms fused into linears, grouped experts)."""
+    rule, layer, expert = _resolve(canonical_or_local)
+    return _spell(rule, rule.te, layer, expert)
+
+
+def is_expert(name: str) -> bool:
+    """A routed expert's parameter (split over ETP, placed by EP, its own optimizer groups)."""
+    return rule_for(name).expert
+
+
+def is_buffer(name: str) -> bool:
+    """A persistent buffer (state, but no gradient and no optimizer state)."""
+    return rule_for(name).buffer
+
+
+def tp_size_of(name: str, layout: ParallelLayout) -> int:
+    """The tensor-parallel size a parameter is split over at `layout` (ETP for routed experts)."""
+    return layout.expert_tp if rule_for(name).expert_tp else layout.tp
 
 
 # --------------------------------------------------------------------------------------------------
@@ -315,32 +418,70 @@ def _last_chunk(layout: ParallelLayout) -> Tuple[int, int]:
     return layout.pp - 1, layout.num_chunks - 1
 
 
+def experts_per_rank(config: GPTModelConfig, layout: ParallelLayout) -> int:
+    """Routed experts each EP rank holds (0 for a dense model); LayoutError unless EP divides them."""
+    if not config.num_experts:
+        return 0
+    if config.num_experts % layout.ep:
+        ok = [d for d in range(1, config.num_experts + 1) if config.num_experts % d == 0]
+        raise LayoutError(f"num_experts={config.num_experts} is not divisible by EP={layout.ep} (Megatron-LM refuses "
+                          f"it too); choose --expert-model-parallel-size in {ok}")
+    return config.num_experts // layout.ep
+
+
+def expert_location(expert: int, config: GPTModelConfig, layout: ParallelLayout) -> Tuple[int, int]:
+    """(EP rank, local expert index) holding global expert `expert`."""
+    per = experts_per_rank(config, layout)
+    if not 0 <= expert < (config.num_experts or 0):
+        raise UnknownParameterError(f"expert {expert} does not exist: the model has num_experts={config.num_experts}")
+    return divmod(expert, per)
+
+
 # --------------------------------------------------------------------------------------------------
 # Canonical names <-> where the model keeps them
 
 
+def _check_layer_kind(rule: ParamRule, global_layer: int, config: Optional[GPTModelConfig], name: str) -> None:
+    if config is None or rule.kind == ANY:
+        return
+    moe = config.moe_layers[global_layer]
+    if moe != (rule.kind == MOE):
+        raise LayoutError(f"{name!r} belongs to {'a dense' if rule.kind == DENSE else 'an MoE'} layer but global "
+                          f"layer {global_layer} is {'MoE' if moe else 'dense'} (moe_layer_freq="
+                          f"{config.moe_layer_freq}); the checkpoint and its args disagree")
+
+
 def canonical_name(local_name: str, layout: ParallelLayout, pp_rank: int, vpp_chunk: Optional[int],
-                   num_layers: int, *, tied: bool = False) -> Optional[str]:
-    """Canonical name of a model chunk's parameter (local-spec or TE-spec name, stage-local layer index).
+                   num_layers: int, *, tied: bool = False, config: Optional[GPTModelConfig] = None,
+                   ep_rank: int = 0) -> Optional[str]:
+    """Canonical name of a model chunk's parameter (local-spec or TE-spec name, stage-local layer index,
+    local expert index on EP rank `ep_rank`).
 
     Returns None only for `is_ignorable` entries; unknown names raise UnknownParameterError and names
     that cannot live on this chunk raise LayoutError. With `tied`, the last chunk's
-    `output_layer.weight` is the copy of `embedding.word_embeddings.weight`.
-    """
+    `output_layer.weight` is the copy of `embedding.word_embeddings.weight`. Routed experts need `config`
+    (experts per EP rank)."""
     if is_ignorable(local_name):
         return None
     chunk = _check_chunk(layout, pp_rank, vpp_chunk)
     where = f"pp_rank={pp_rank} vpp_chunk={chunk} of {layout.describe()}"
-    rule = rule_for(local_name)
-    layer = _split_layer(local_name)
-    if layer is not None:
-        local_layer, _ = layer
+    rule, local_layer, expert = _resolve(local_name)
+    if local_layer is not None:
         per_chunk = layers_per_chunk(num_layers, layout)
         if local_layer >= per_chunk:
             raise LayoutError(f"{local_name!r} on {where}: local layer {local_layer} but each chunk holds "
                               f"{per_chunk} of num_layers={num_layers}; the checkpoint has another layout")
         global_layer = layer_offset(num_layers, layout, pp_rank, chunk) + local_layer
-        return f"{LAYER_PREFIX}{global_layer}.{rule.name}"
+        _check_layer_kind(rule, global_layer, config, local_name)
+        if expert is not None:
+            if config is None:
+                raise ValueError(f"{local_name!r} is a routed expert: pass the model config to name it")
+            per = experts_per_rank(config, layout)
+            if expert >= per:
+                raise LayoutError(f"{local_name!r} on EP rank {ep_rank}: local expert {expert} but each EP rank holds "
+                                  f"{per} of num_experts={config.num_experts}; the checkpoint has another EP")
+            expert += ep_rank * per
+        return _spell(rule, rule.name, global_layer, expert)
     if rule.scope == PRE and not is_first_chunk(layout, pp_rank, chunk):
         raise LayoutError(f"{local_name!r} found on {where}, but only pp_rank=0 vpp_chunk=0 holds the "
                           "embedding; the checkpoint has another pipeline layout")
@@ -352,16 +493,19 @@ def canonical_name(local_name: str, layout: ParallelLayout, pp_rank: int, vpp_ch
     return rule.name
 
 
-def local_name(canonical: str, layout: ParallelLayout, num_layers: int, *,
-               tied: bool = False) -> List[Tuple[int, int, str]]:
+def local_name(canonical: str, layout: ParallelLayout, num_layers: int, *, tied: bool = False,
+               config: Optional[GPTModelConfig] = None) -> List[Tuple[int, int, str]]:
     """Where a canonical parameter lives: [(pp_rank, vpp_chunk, local-spec name)] (vpp_chunk is 0
-    without VPP). A tied word embedding has two places when the first and last chunks differ."""
-    rule = rule_for(canonical)
-    layer = _split_layer(canonical)
+    without VPP). A tied word embedding has two places when the first and last chunks differ. A routed
+    expert's local name has its local index (its EP rank: `expert_location`; needs `config`)."""
+    rule, layer, expert = _resolve(canonical)
     if layer is not None:
-        global_layer, _ = layer
-        pp_rank, chunk, local = layer_location(global_layer, num_layers, layout)
-        return [(pp_rank, chunk, f"{LAYER_PREFIX}{local}.{rule.name}")]
+        pp_rank, chunk, local = layer_location(layer, num_layers, layout)
+        if expert is not None:
+            if config is None:
+                raise ValueError(f"{canonical!r} is a routed expert: pass the model config to place it")
+            expert = expert_location(expert, config, layout)[1]
+        return [(pp_rank, chunk, _spell(rule, rule.name, local, expert))]
     layers_per_chunk(num_layers, layout)
     if rule.scope == PRE:
         places = [(0, 0, rule.name)]
@@ -374,29 +518,31 @@ def local_name(canonical: str, layout: ParallelLayout, num_layers: int, *,
     return [(*_last_chunk(layout), rule.name)]
 
 
-def torch_dist_key(canonical: str) -> Tuple[str, Optional[int]]:
-    """(torch_dist key, index on its leading layer axis or None). torch_dist stacks all layers of one
-    parameter into one tensor of shape (num_layers, *shape), indexed by global layer."""
-    rule = rule_for(canonical)
-    layer = _split_layer(canonical)
+def torch_dist_stacked(config: GPTModelConfig) -> bool:
+    """Whether torch_dist stacks each layer parameter over all layers (TransformerBlock's homogeneous
+    layers); with --moe-layer-freq as a list or an int > 1 every layer is saved under its own key."""
+    freq = config.moe_layer_freq
+    return not (config.num_experts and (isinstance(freq, tuple) or freq > 1))
+
+
+def torch_dist_keys(canonical: str, config: Optional[GPTModelConfig] = None) -> List[Tuple[str, Tuple[int, ...]]]:
+    """Where torch_dist saves a canonical parameter: [(key, indices on its leading axes)], the key megatron-core
+    0.16.1's local spec writes first, then other spellings a reader should accept (the TE spec saves an MoE
+    layer's unfused pre-MLP norm under its local name). Leading axes: the global layer when layers are
+    stacked, then the global expert for routed experts."""
+    rule, layer, expert = _resolve(canonical)
     if layer is None:
-        return rule.name, None
-    return LAYER_PREFIX + rule.te, layer[0]
+        return [(rule.name, ())]
+    experts = () if expert is None else (expert,)
+    spellings = [rule.dist] + ([rule.name] if rule.kind == ANY and rule.name != rule.dist else [])
+    if config is None or torch_dist_stacked(config):
+        return [(LAYER_PREFIX + s, (layer,) + experts) for s in spellings]
+    return [(f"{LAYER_PREFIX}{layer}.{s}", experts) for s in spellings]
 
 
-def canonical_from_torch_dist(key: str, num_layers: int, *, tied: bool = False) -> List[str]:
-    """Canonical names held by a torch_dist key: one per global layer (in axis order) for stacked layer
-    keys, one for others, none for ignorable `_extra_state` entries."""
-    if is_ignorable(key):
-        return []
-    m = re.fullmatch(r"decoder\.layers\.([a-z_].*)", key)
-    if m:
-        rule = _BY_NAME.get((LAYER, m.group(1)))
-        if rule is None:
-            raise _unknown(key)
-        return [f"{LAYER_PREFIX}{i}.{rule.name}" for i in range(num_layers)]
-    rule = rule_for(key)
-    return [WORD_EMBEDDINGS if rule.name == OUTPUT_LAYER and tied else rule.name]
+def torch_dist_key(canonical: str, config: Optional[GPTModelConfig] = None) -> Tuple[str, Tuple[int, ...]]:
+    """The torch_dist key megatron-core writes for a canonical parameter, and its leading-axis indices."""
+    return torch_dist_keys(canonical, config)[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -404,13 +550,11 @@ def canonical_from_torch_dist(key: str, num_layers: int, *, tied: bool = False) 
 
 
 def _check_supported(config: GPTModelConfig) -> None:
-    if config.num_experts:
-        raise NotImplementedError(f"num_experts={config.num_experts}: MoE layers are not supported by the "
-                                  "GPT rulebook yet")
     if config.normalization not in ("LayerNorm", "RMSNorm"):
         raise ValueError(f"normalization={config.normalization!r} is not supported; use LayerNorm or RMSNorm")
     if config.position_embedding_type not in ("learned_absolute", "rope", "none"):
         raise ValueError(f"position_embedding_type={config.position_embedding_type!r} is not supported")
+    config.moe_layers  # a bad moe_layer_freq raises here with its fix
 
 
 @functools.lru_cache(maxsize=64)
@@ -419,13 +563,33 @@ def _rows(config: GPTModelConfig) -> Tuple[ParamRule, ...]:
     return tuple(r for r in RULES if r.present(config))
 
 
+def _layer_entries(config: GPTModelConfig, layer: int, experts: Sequence[int]) -> List[Tuple[ParamRule, Optional[int]]]:
+    """(row, expert index) of one layer in registration order: routed experts one after the other, each
+    with all its rows (SequentialMLP's local_experts), for the expert indices given."""
+    moe = config.moe_layers[layer]
+    rows = [r for r in _rows(config) if r.scope == LAYER and (r.kind == ANY or (r.kind == MOE) == moe)]
+    out: List[Tuple[ParamRule, Optional[int]]] = []
+    i = 0
+    while i < len(rows):
+        if not rows[i].expert:
+            out.append((rows[i], None))
+            i += 1
+            continue
+        run = []
+        while i < len(rows) and rows[i].expert:
+            run.append(rows[i])
+            i += 1
+        out += [(r, e) for e in experts for r in run]
+    return out
+
+
 @functools.lru_cache(maxsize=32)
 def _expected(config: GPTModelConfig) -> Tuple[Tuple[str, Shape], ...]:
     rows = _rows(config)
     params: List[Tuple[str, Shape]] = [(r.name, r.shape(config)) for r in rows if r.scope == PRE]
-    layer = [(r.name, r.shape(config)) for r in rows if r.scope == LAYER]
+    experts = range(config.num_experts or 0)
     for index in range(config.num_layers):
-        params += [(f"{LAYER_PREFIX}{index}.{suffix}", shape) for suffix, shape in layer]
+        params += [(_spell(r, r.name, index, e), r.shape(config)) for r, e in _layer_entries(config, index, experts)]
     params += [(r.name, r.shape(config)) for r in rows if r.scope == POST]
     return tuple(params)
 
@@ -437,47 +601,60 @@ def _expected_shapes(config: GPTModelConfig) -> Dict[str, Shape]:
 
 def pattern_for(canonical: str, config: GPTModelConfig) -> Pattern:
     """The parallel pattern of a canonical parameter (also accepts a tied model's `output_layer.weight`).
-    Names that match no row, or that this config does not have, raise UnknownParameterError."""
+    Names that match no row, or that this config does not have, raise UnknownParameterError. Routed
+    experts' patterns split over ETP (tp_size_of), the others over TP."""
     rule = rule_for(canonical)
     if _local_spelling(canonical) not in _expected_shapes(config) and not (
             rule.name == OUTPUT_LAYER and config.tied):
         raise _unknown(canonical, f": not a parameter of this model (num_layers={config.num_layers}, "
                                   f"normalization={config.normalization}, add_bias_linear={config.add_bias_linear}, "
-                                  f"position_embedding_type={config.position_embedding_type})")
+                                  f"position_embedding_type={config.position_embedding_type}, "
+                                  f"num_experts={config.num_experts}, moe_layer_freq={config.moe_layer_freq})")
     return rule.pattern(config)
 
 
 def expected_parameters(config: GPTModelConfig, layout: Optional[ParallelLayout] = None
                         ) -> List[Tuple[str, Shape]]:
-    """Every canonical parameter with its global shape, in a TP1PP1 model's registration order.
-    With a layout, also check that the layout can hold the model (LayoutError with cause and fix)."""
+    """Every canonical parameter (and persistent buffer) with its global shape, in a TP1PP1EP1 model's
+    registration order. With a layout, also check that the layout can hold the model (LayoutError with
+    cause and fix)."""
     params = list(_expected(config))
     if layout is not None:
         layers_per_chunk(config.num_layers, layout)
+        experts_per_rank(config, layout)
         for name, shape in params:
-            pattern_for(name, config).validate(shape, layout.tp, name=name)
+            pattern_for(name, config).validate(shape, tp_size_of(name, layout), name=name)
     return params
 
 
 def parameters_for_rank(config: GPTModelConfig, layout: ParallelLayout, pp_rank: int,
-                        vpp_chunk: Optional[int] = None) -> List[Tuple[str, Shape, str]]:
-    """(local name, TP-local shape, canonical name) of one model chunk, in megatron-core's
-    module.parameters() order; layer indices in local names are stage-local (0-based per chunk)."""
+                        vpp_chunk: Optional[int] = None, *, ep_rank: int = 0, buffers: bool = False
+                        ) -> List[Tuple[str, Shape, str]]:
+    """(local name, TP-local shape, canonical name) of one model chunk on EP rank `ep_rank`, in
+    megatron-core's module.parameters() order; layer indices in local names are stage-local (0-based per
+    chunk), expert indices local to the EP rank. Persistent buffers only with `buffers`."""
     chunk = _check_chunk(layout, pp_rank, vpp_chunk)
     shapes = _expected_shapes(config)
     expected_parameters(config, layout)
+    per = experts_per_rank(config, layout)
+    if per and not 0 <= ep_rank < layout.ep:
+        raise LayoutError(f"ep_rank={ep_rank} is not a rank of EP={layout.ep}")
     first, last = is_first_chunk(layout, pp_rank, chunk), is_last_chunk(layout, pp_rank, chunk)
-    rows = _rows(config)
+    rows = [r for r in _rows(config) if buffers or not r.buffer]
 
     def entry(local: str, canonical: str) -> Tuple[str, Shape, str]:
-        return local, pattern_for(canonical, config).local_shape(shapes[canonical], layout.tp), canonical
+        tp = tp_size_of(canonical, layout)
+        return local, pattern_for(canonical, config).local_shape(shapes[canonical], tp), canonical
 
     out = []
     if first:
         out += [entry(r.name, r.name) for r in rows if r.scope == PRE]
     for local_layer, global_layer in enumerate(chunk_layers(config.num_layers, layout, pp_rank, chunk)):
-        out += [entry(f"{LAYER_PREFIX}{local_layer}.{r.name}", f"{LAYER_PREFIX}{global_layer}.{r.name}")
-                for r in rows if r.scope == LAYER]
+        for r, j in _layer_entries(config, global_layer, range(per)):
+            if r.buffer and not buffers:
+                continue
+            e = None if j is None else ep_rank * per + j
+            out.append(entry(_spell(r, r.name, local_layer, j), _spell(r, r.name, global_layer, e)))
     if last:
         out += [entry(r.name, r.name) for r in rows if r.scope == POST]
         # megatron-core allocates no output weight where it can share the embedding on the same chunk.

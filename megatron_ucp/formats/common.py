@@ -166,6 +166,7 @@ def layout_from_args(args: dict) -> ParallelLayout:
         vpp=args.get("virtual_pipeline_model_parallel_size"),
         sp=bool(args.get("sequence_parallel")),
         ep=args.get("expert_model_parallel_size") or 1,
+        etp=args.get("expert_tensor_parallel_size"),
     )
 
 

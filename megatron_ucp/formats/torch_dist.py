@@ -79,11 +79,12 @@ _BUCKET_KEY = re.compile(
 
 @dataclass(frozen=True)
 class _Piece:
-    """Where a local tensor comes from: saved key, index on the stacked layer axis (or None), and the
-    global (offsets, sizes) regions to concatenate along `axis` (axis counts the stacked axis)."""
+    """Where a local tensor comes from: saved key, how many leading axes of the saved tensor index it
+    (stacked layer, expert: each region has size 1 there), and the global (offsets, sizes) regions to
+    concatenate along `axis` (axis counts the leading axes)."""
 
     key: str
-    layer: Optional[int]
+    lead: int
     regions: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
     axis: int
 
@@ -167,7 +168,7 @@ def _assemble_stored(parts: list[StoredTensor], piece: _Piece, shape: Optional[t
     full = list(parts[0].shape)
     full[piece.axis] = sum(p.shape[piece.axis] for p in parts)
     if shape is None:
-        shape = tuple(full[1:]) if piece.layer is not None else tuple(full)
+        shape = tuple(full[piece.lead:])
     return concat_stored(parts, shape)
 
 
@@ -369,17 +370,19 @@ class TorchDistCheckpoint(CheckpointReader):
 
     def _piece(self, canonical: str, local: str, tp_rank: int) -> _Piece:
         """Where a rank's local tensor is in the saved global tensor: its pattern's blocks, as boxes of
-        the saved key (with the layer index in front for stacked layer keys)."""
-        key, layer = rulebook.torch_dist_key(canonical)
+        the saved key (with the stacked layer / expert indices in front)."""
+        candidates = rulebook.torch_dist_keys(canonical, self.config)
+        key, lead = next(((k, lead) for k, lead in candidates if k in self._keys), candidates[0])
         md = self._keys.get(key)
         where = f"{self.path / '.metadata'}: {key}"
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointFormatError(f"{where} is missing (needed for {local}); the checkpoint is incomplete or "
                                         f"does not match its args")
         size = tuple(md.size)
-        shape = size[1:] if layer is not None else size
-        if layer is not None and not 0 <= layer < size[0]:
-            raise CheckpointFormatError(f"{where} stacks {size[0]} layers, layer {layer} is needed for {local}")
+        shape = size[len(lead):]
+        if len(size) < len(lead) or any(not 0 <= i < n for i, n in zip(lead, size)):
+            raise CheckpointFormatError(f"{where} has shape {size}, no index {lead} on its leading axes (needed for "
+                                        f"{local}); the checkpoint does not match its args")
         want = self._expected_shapes.get(canonical)
         if want is not None and shape != tuple(want):
             raise CheckpointFormatError(f"{where} has global shape {shape} but the model config gives {tuple(want)} "
@@ -389,12 +392,10 @@ class TorchDistCheckpoint(CheckpointReader):
             blocks = pattern.rank_blocks(shape, tp_rank, self.layout.tp, name=canonical)
         except (LayoutError, ValueError) as e:
             raise CheckpointFormatError(f"{where}: {e}") from e
-        front = () if layer is None else (layer,)
-        ones = () if layer is None else (1,)
-        regions = tuple((front + tuple(r.start for r in b.dst), ones + tuple(r.stop - r.start for r in b.dst))
+        ones = (1,) * len(lead)
+        regions = tuple((tuple(lead) + tuple(r.start for r in b.dst), ones + tuple(r.stop - r.start for r in b.dst))
                         for b in blocks)
-        axis = (pattern.dim or 0) + len(front)
-        return _Piece(key, layer, regions, axis)
+        return _Piece(key, len(lead), regions, (pattern.dim or 0) + len(lead))
 
     def _rank_info(self, tp_rank: int, pp_rank: int) -> _RankInfo:
         """The rank's parameters (the rulebook's, in registration order) and where each one is saved."""
@@ -410,8 +411,7 @@ class TorchDistCheckpoint(CheckpointReader):
                 piece = self._piece(canonical, local, tp_rank)
                 shape = list(piece.regions[0][1])
                 shape[piece.axis] = sum(r[1][piece.axis] for r in piece.regions)
-                if piece.layer is not None:
-                    shape = shape[1:]
+                shape = shape[piece.lead:]
                 params.append(BufferParam(local, tuple(shape), self._keys[piece.key].properties.dtype))
                 info.sources[(chunk, local)] = piece
                 self._used_keys.add(piece.key)
@@ -567,7 +567,7 @@ class TorchDistCheckpoint(CheckpointReader):
             out["param"] = assemble(got[piece.key], piece)
         if self._flat_buckets:
             for name, key in req.flat.items():
-                out[name] = assemble(got[key], _Piece(key, None, (), 0), ref.shape)
+                out[name] = assemble(got[key], _Piece(key, 0, (), 0), ref.shape)
             step = self._optimizer_groups(ref.tp_rank, ref.pp_rank).step
             if step is not None:
                 out["step"] = torch.tensor(float(step), dtype=torch.float32)
@@ -680,7 +680,7 @@ class TorchDistCheckpoint(CheckpointReader):
         tensor = torch.cat(parts, dim=piece.axis) if len(parts) > 1 else parts[0]
         if shape is not None:
             return tensor.view(shape)
-        return tensor.squeeze(0) if piece.layer is not None else tensor
+        return tensor.reshape(tensor.shape[piece.lead:]) if piece.lead else tensor
 
     def _flat_request(self, info: _RankInfo, ref: ShardRef) -> dict:
         mp = ref.tp_rank + self.layout.tp * ref.pp_rank

@@ -40,8 +40,8 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 import torch
 
-from megatron_ucp.adapters.gpt import (is_last_chunk, is_vocab_parameter, linear_modules, megatron_param_groups,
-                                      parameters_for_rank)
+from megatron_ucp.adapters.gpt import (is_last_chunk, is_vocab_parameter, megatron_param_groups, parameters_for_rank,
+                                      rule_for)
 from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
                                                 shared_embedding_names)
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
@@ -225,7 +225,7 @@ def _model_state(chunk: list[tuple[str, tuple, str]], tensors: dict, *, last: bo
         sd[local] = tensors[local]
         module = modules[i]
         # megatron-core's local-spec Column/RowParallelLinear save an `_extra_state` (None)
-        is_linear = any(module == m or module.endswith("." + m) for m in linear_modules())
+        is_linear = rule_for(local).linear
         if is_linear and (i + 1 == len(chunk) or modules[i + 1] != module):
             sd[f"{module}._extra_state"] = None
     if last and "output_layer._extra_state" not in sd:  # tied on one chunk: the module has no weight
