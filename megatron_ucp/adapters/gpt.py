@@ -726,48 +726,62 @@ def _group_order(keys) -> list:
     return sorted(keys, key=lambda k: (k is not None, k or ()))
 
 
-def megatron_param_groups(rank_chunks: Mapping[tuple, Sequence[Sequence[Any]]], args: Mapping[str, Any]
-                          ) -> Dict[tuple, List[List[Tuple[int, str]]]]:
-    """Per (tp, pp) rank: the optimizer's param groups as lists of (vpp chunk, local name).
+def experts_in_own_optimizer(config: GPTModelConfig, layout: ParallelLayout) -> bool:
+    """Whether routed experts live in their own DDP buffers (reduced over the expert-DP group) and their own
+    optimizer, megatron-core's ChainedOptimizer [dense, expert]: with experts at EP > 1, or at ETP != TP
+    (megatron-core 0.16.1 marks them only at EP > 1; the harness applies Megatron-LM's later fix, without
+    which their gradients are reduced over the wrong group)."""
+    return bool(config.num_experts) and (layout.ep > 1 or layout.expert_tp != layout.tp)
 
-    `rank_chunks[(tp, pp)]` lists each model chunk's parameters (objects with .name and .shape) in
-    registration order. Groups are keyed by the merged override; keys are unioned over all ranks so every
-    rank has the same groups (some empty), sorted with the no-override group first."""
+
+def megatron_param_groups(rank_chunks: Mapping[tuple, Sequence[Sequence[Any]]], args: Mapping[str, Any], *,
+                          experts: bool = False) -> Dict[tuple, List[List[Tuple[int, str]]]]:
+    """Per rank: one optimizer's param groups as lists of (vpp chunk, local name).
+
+    `rank_chunks[rank]` (rank = (tp, pp) or any key whose last item is the pp rank) lists each model chunk's
+    parameters (objects with .name, .shape and .expert: whether it is in the expert optimizer) in
+    registration order. `experts` selects the expert optimizer's parameters instead of the dense one's.
+    Groups are keyed by the merged override; keys are unioned over all ranks so every rank has the same
+    groups (some empty), sorted with the no-override group first."""
     pp = args.get("pipeline_model_parallel_size") or 1
     per_rank: Dict[tuple, dict] = {}
     all_keys: list = []
-    for (tp_rank, pp_rank), chunks in rank_chunks.items():
+    for rank, chunks in rank_chunks.items():
+        pp_rank = rank[-1]
         groups: dict = {}
         for chunk, params in enumerate(chunks):
             first, last = pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == len(chunks) - 1
             for p in params:
-                if getattr(p, "expert", False):
+                if bool(getattr(p, "expert", False)) != experts:
                     continue
                 key = group_override(p.name, p.shape, args, first_chunk=first, last_chunk=last)
                 groups.setdefault(key, []).append((chunk, p.name))
                 if key not in all_keys:
                     all_keys.append(key)
-        per_rank[(tp_rank, pp_rank)] = groups
+        per_rank[rank] = groups
     ordered = _group_order(all_keys)
     return {rank: [groups.get(k, []) for k in ordered] for rank, groups in per_rank.items()}
 
 
-def group_identity(override: Optional[tuple]) -> dict:
+def group_identity(override: Optional[tuple], *, expert: bool = False) -> dict:
     """What identifies a group in the universal metadata (megatron-core's ParamKey fields) for an override."""
-    rule = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+    rule = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": expert, "is_decoupled_lr": False}
     rule.update({k: v for k, v in (override or ()) if k in rule})
     if override and any(k in ("max_lr", "min_lr") for k, _ in override):
         rule["is_decoupled_lr"] = True
     return rule
 
 
-def group_overrides(rank_chunks: Mapping[tuple, Sequence[Sequence[Any]]], args: Mapping[str, Any]) -> list:
+def group_overrides(rank_chunks: Mapping[tuple, Sequence[Sequence[Any]]], args: Mapping[str, Any], *,
+                    experts: bool = False) -> list:
     """The sorted override keys megatron_param_groups orders its groups by (one per group)."""
     pp = args.get("pipeline_model_parallel_size") or 1
     found = set()
-    for (_, pp_rank), chunks in rank_chunks.items():
+    for rank, chunks in rank_chunks.items():
+        pp_rank = rank[-1]
         for chunk, params in enumerate(chunks):
             first, last = pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == len(chunks) - 1
             for p in params:
-                found.add(group_override(p.name, p.shape, args, first_chunk=first, last_chunk=last))
+                if bool(getattr(p, "expert", False)) == experts:
+                    found.add(group_override(p.name, p.shape, args, first_chunk=first, last_chunk=last))
     return _group_order(found)
