@@ -91,8 +91,8 @@ def check_dtype(record: Any, allowed: tuple, *, path: Any, what: str) -> TensorR
         raise structure_error(path, f"{what} (a tensor)", record)
     if record.dtype not in allowed:
         raise CheckpointFormatError(
-            f"{path}: {what} is a {record.dtype} tensor, expected {' or '.join(allowed)} (what Megatron-LM saves "
-            f"for it); the file is corrupt or from another kind of run; re-copy it from the original checkpoint.")
+            f"{path}: {what} is {record.dtype}, expected {' or '.join(allowed)} (what Megatron-LM saves for it); "
+            f"the file is corrupt or from another kind of run; re-copy it from the original checkpoint.")
     return record
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Collection, Mapping, Optional
 
-from megatron_ucp.adapters.gpt import is_ignorable, megatron_param_groups
+from megatron_ucp.adapters.gpt import UnknownParameterError, canonical_name, is_ignorable, megatron_param_groups
 from megatron_ucp.formats.archive import read_tensor, stored_tensor, sub_record
 from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef, unknown_shard
 from megatron_ucp.formats.bucket_layout import (
@@ -34,6 +34,7 @@ from megatron_ucp.formats.common import (
     PARAM_DTYPES, STATE_DTYPE, CheckpointFormatError, args_to_dict, build_common_state, check_dtype, entry,
     inside, layout_from_args, load_archive_file, model_config_from_args, scalar, structure_error)
 from megatron_ucp.formats.safe_pickle import TensorRecord, TorchDType
+from megatron_ucp.layout import LayoutError
 
 MODEL_FILENAME = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
@@ -204,11 +205,12 @@ class LegacyCheckpoint(CheckpointReader):
                 f"{file}: has model entries {keys} but args ask for {self.layout.num_chunks} model chunk(s); the file "
                 f"is incomplete or belongs to another run. Re-copy the rank folder.")
         chunks = []
-        for k in keys:
+        for chunk, k in enumerate(keys):
             params = chunk_parameters(entry(state, k, dict, path=file, what=f"'{k}'"), path=file)
             if not params:
                 raise CheckpointFormatError(f"{file}: '{k}' holds no parameter tensors; the file is corrupt or not a "
                                             f"model checkpoint. Re-copy the rank folder.")
+            self._check_names(file, params, p, chunk)
             chunks.append(params)
         meta = _RankMeta(t, p, file, state, keys, chunks)
         if self._param_groups is None and self.optimizer_kind != "none":
@@ -225,6 +227,18 @@ class LegacyCheckpoint(CheckpointReader):
                                            "--use-distributed-optimizer; re-copy the rank folder.")
             self._check_distributed(meta)
         return meta
+
+    def _check_names(self, file: Path, params: list[BufferParam], pp_rank: int, chunk: int) -> None:
+        """Every parameter is one the rulebook knows, on the pipeline stage that holds it."""
+        for param in params:
+            try:
+                canonical_name(param.name, self.layout, pp_rank, chunk if self.layout.vpp else None,
+                               self.config.num_layers, tied=self.config.tied)
+            except UnknownParameterError as e:
+                raise CheckpointFormatError(f"{file}: {e}") from e
+            except LayoutError as e:
+                raise CheckpointFormatError(f"{file}: {e} (were rank folders renamed, or copied from another run? "
+                                            f"re-copy the iteration folder)") from e
 
     def _check_distributed(self, meta: _RankMeta) -> None:
         file, distopt = meta.optim_file, meta.distopt

@@ -244,7 +244,9 @@ class TorchDistCheckpoint(CheckpointReader):
         sharding = content.get("distrib_optim_sharding_type")
         common_file = self.path / "common.pt"
         if self.args.get("num_experts"):
-            raise CheckpointFormatError(f"{self.path}: MoE optimizer state is not supported yet.")
+            raise CheckpointFormatError(f"{self.path / 'common.pt'}: a mixture-of-experts model (args.num_experts="
+                                        f"{self.args.get('num_experts')}); MoE checkpoints are not supported yet, "
+                                        f"convert a dense GPT checkpoint.")
         if self.args.get("optimizer", "adam") != "adam":
             raise CheckpointFormatError(f"{common_file}: args.optimizer={self.args.get('optimizer')!r}; only Adam "
                                         f"state (exp_avg, exp_avg_sq) can be read.")
@@ -663,10 +665,10 @@ class TorchDistCheckpoint(CheckpointReader):
         plain = (isinstance(record, TensorRecord) and record.storage_offset == 0 and record.is_c_contiguous()
                  and record.storage_nbytes == record.nbytes)
         if not (plain and record.dtype == md.dtype and record.shape == sizes):
-            held = (f"a {record.dtype} tensor of shape {record.shape}" + ("" if plain else " (not a plain contiguous "
+            held = (f"{record.dtype} data of shape {record.shape}" + ("" if plain else " (not a plain contiguous "
                     "tensor over its own storage)") if isinstance(record, TensorRecord) else f"a {type(record).__name__}")
             raise CheckpointFormatError(
-                f"{where} holds {held} but {self.path / '.metadata'} declares a {md.dtype} chunk of shape {sizes}; "
+                f"{where} holds {held} but {self.path / '.metadata'} declares {md.dtype} data of shape {sizes}; "
                 f"the .distcp file is corrupt or belongs to another checkpoint (files swapped?); re-copy the "
                 f"iteration folder.")
         self._records[index] = record
