@@ -220,8 +220,8 @@ def strictly_equal(a, b) -> bool:
 @pytest.mark.parametrize("path", [p for p in LEGACY_FILES if "iter_0000008" in str(p)],
                          ids=lambda p: str(p.relative_to(FIXTURES)))
 def test_materialize_gives_what_torch_load_gives(path):
-    """materialize(load_archive(f)) gives what torch.load(weights_only=True) gives: same types (argparse.Namespace, torch
-    dtypes as dict keys, signal.Signals, numpy arrays, torch tensors) and values."""
+    """materialize(load_archive(f)) gives what torch.load(weights_only=True) gives: same types (argparse.Namespace,
+    torch dtypes as dict keys, signal.Signals, numpy arrays, torch tensors) and values."""
     got = sp.materialize(sp.load_archive(path, what="fixture"))
     assert strictly_equal(got, _torch_load(path))
     copied = sp.materialize(sp.load_archive(path, what="fixture"), mmap=False)

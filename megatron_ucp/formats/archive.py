@@ -2,9 +2,8 @@
 says about a tensor, found without torch) to a byteio.StoredTensor (where its bytes are, for the
 converter's byte copies) or a torch tensor (its values).
 
-This is the only place the readers turn records into torch objects, so torch (and byteio, which needs
-it) are imported here on first use: opening a checkpoint, listing its shards and its common state
-never import them.
+torch and byteio (which needs torch) are imported on first use, as everywhere in the readers: only read()
+and locate() need them; opening a checkpoint, listing its shards and its common state never import them.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional
 
-from megatron_ucp.formats.safe_pickle import SafeLoadError, TensorRecord, TorchDType, to_torch
+from megatron_ucp.formats.safe_pickle import SafeLoadError, TensorRecord, to_torch
 
 
 def torch_dtype(dtype: Any):
@@ -73,4 +72,4 @@ def stored_tensor(record: TensorRecord) -> Optional[Any]:
     return StoredTensor(tuple(record.shape), torch_dtype(record.dtype), regions)
 
 
-__all__ = ["TensorRecord", "TorchDType", "box_record", "read_tensor", "stored_tensor", "sub_record", "torch_dtype"]
+__all__ = ["box_record", "read_tensor", "stored_tensor", "sub_record", "torch_dtype"]

@@ -255,7 +255,8 @@ def resolve_iteration_dir(path: Union[str, Path], iteration: Optional[int] = Non
             iteration = int(text)
         except ValueError:
             raise CheckpointFormatError(f"{tracker}: holds {text[:40]!r}, expected an iteration number; write the "
-                                        f"number of a saved iter_XXXXXXX folder into it, or pass --iteration N.") from None
+                                        f"number of a saved iter_XXXXXXX folder into it, or pass --iteration N."
+                                        ) from None
         if iteration < 0:
             raise CheckpointFormatError(f"{tracker}: holds {iteration}, not an iteration; write the number of a saved "
                                         f"iter_XXXXXXX folder into it, or pass --iteration N.")

@@ -53,7 +53,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Collection, Optional
+from typing import Collection, Optional
 
 from megatron_ucp.adapters import gpt as rulebook
 from megatron_ucp.formats.archive import box_record, read_tensor, stored_tensor, torch_dtype
@@ -142,11 +142,12 @@ def _assemble_stored(parts: list, piece: _Piece, shape: Optional[tuple] = None):
 
 
 def _intersect(a: Box, b: Box) -> Optional[Box]:
+    """The common part of two boxes, or None."""
     lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
     hi = tuple(min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1]))
-    if any(h <= l for l, h in zip(lo, hi)):
+    if any(end <= start for start, end in zip(lo, hi)):
         return None
-    return lo, tuple(h - l for l, h in zip(lo, hi))
+    return lo, tuple(end - start for start, end in zip(lo, hi))
 
 
 class TorchDistCheckpoint(CheckpointReader):
@@ -494,8 +495,8 @@ class TorchDistCheckpoint(CheckpointReader):
             index = DcpIndex(keys[0])
             item = self._metadata.storage_data.get(index)
             if item is None:
-                raise CheckpointFormatError(f"{self.path / '.metadata'}: lists {keys[0]} but not where it is saved; the "
-                                            f"metadata is corrupt, re-copy the iteration folder.")
+                raise CheckpointFormatError(f"{self.path / '.metadata'}: lists {keys[0]} but not where it is saved; "
+                                            f"the metadata is corrupt, re-copy the iteration folder.")
             where = f"{item.path} (item {keys[0]})"
             try:
                 obj = load_dcp_item(self._metadata, index)
@@ -665,8 +666,11 @@ class TorchDistCheckpoint(CheckpointReader):
         plain = (isinstance(record, TensorRecord) and record.storage_offset == 0 and record.is_c_contiguous()
                  and record.storage_nbytes == record.nbytes)
         if not (plain and record.dtype == md.dtype and record.shape == sizes):
-            held = (f"{record.dtype} data of shape {record.shape}" + ("" if plain else " (not a plain contiguous "
-                    "tensor over its own storage)") if isinstance(record, TensorRecord) else f"a {type(record).__name__}")
+            if isinstance(record, TensorRecord):
+                held = f"{record.dtype} data of shape {record.shape}" + (
+                    "" if plain else " (not a plain contiguous tensor over its own storage)")
+            else:
+                held = f"a {type(record).__name__}"
             raise CheckpointFormatError(
                 f"{where} holds {held} but {self.path / '.metadata'} declares {md.dtype} data of shape {sizes}; "
                 f"the .distcp file is corrupt or belongs to another checkpoint (files swapped?); re-copy the "
