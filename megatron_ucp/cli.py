@@ -5,7 +5,10 @@ parser built with `parents=[common]` for --quiet/--debug/--json, and `set_defaul
 handler takes the parsed namespace and returns a JSON-safe dict, whose "message" is printed unless
 --quiet (the whole dict is printed with --json). A result that is not an error but must fail the
 command (checkpoints differ, a layout is incompatible) carries "exit_code" (non-zero). Register the
-module in SUBCOMMAND_MODULES.
+module in SUBCOMMANDS with the one-line help `megatron-ucp --help` lists.
+
+Only the module of the command being run is imported (some import torch, seconds): `megatron-ucp --help`
+lists the commands from SUBCOMMANDS alone, and `megatron-ucp inspect ...` never imports the converter.
 """
 
 from __future__ import annotations
@@ -16,18 +19,31 @@ import importlib
 import json
 import sys
 import traceback
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
-# Subcommand modules, in help order; each defines add_cli_parser(subparsers, common).
-SUBCOMMAND_MODULES = (
-    "megatron_ucp.convert.cli",  # to-universal
-    "megatron_ucp.from_universal",  # from-universal
-    "megatron_ucp.inspect_cmd",  # inspect
-    "megatron_ucp.verify",  # verify
-    "megatron_ucp.plan",  # plan
-    "megatron_ucp.hf_export",  # export-hf
-    "megatron_ucp.plot_cmd",  # plot-loss
+
+@dataclass(frozen=True)
+class Subcommand:
+    name: str
+    module: str  # defines add_cli_parser(subparsers, common); imported only when the command runs
+    help: str  # what `megatron-ucp --help` lists (the module's own parser says the same)
+
+
+SUBCOMMANDS = (  # in help order
+    Subcommand("to-universal", "megatron_ucp.convert.cli",
+               "convert a Megatron-LM checkpoint into a universal checkpoint"),
+    Subcommand("from-universal", "megatron_ucp.from_universal",
+               "write a universal checkpoint as a Megatron checkpoint at any layout"),
+    Subcommand("inspect", "megatron_ucp.inspect_cmd",
+               "show what a checkpoint holds (format, layout, config, parameters)"),
+    Subcommand("verify", "megatron_ucp.verify", "compare two checkpoints of any formats and layouts"),
+    Subcommand("plan", "megatron_ucp.plan", "check a target layout and show what each rank would read"),
+    Subcommand("export-hf", "megatron_ucp.hf_export",
+               "write a Hugging Face transformers model from a universal checkpoint"),
+    Subcommand("plot-loss", "megatron_ucp.plot_cmd", "plot loss curves of --log-jsonl files, resume point marked"),
 )
+SUBCOMMAND_MODULES = tuple(c.module for c in SUBCOMMANDS)
 
 
 def common_options() -> argparse.ArgumentParser:
@@ -39,14 +55,26 @@ def common_options() -> argparse.ArgumentParser:
     return common
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_in(argv: Sequence[str]) -> Optional[str]:
+    """The subcommand named in argv: its first word that is not an option (the top-level parser has
+    only -h/--help, which takes no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(argv: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
+    """The parser of `megatron-ucp`. Only the sub-parser of the command named in `argv` is built (its module
+    imported); the others are listed by name and help. argv=None builds every sub-parser."""
     parser = argparse.ArgumentParser(
         prog="megatron-ucp", description="Universal Checkpointing for megatron-core GPT training.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     common = common_options()
-    for module in SUBCOMMAND_MODULES:
-        importlib.import_module(module).add_cli_parser(subparsers, common)
+    chosen = None if argv is None else _command_in(argv)
+    for command in SUBCOMMANDS:
+        if argv is None or command.name == chosen:
+            importlib.import_module(command.module).add_cli_parser(subparsers, common)
+        else:
+            subparsers.add_parser(command.name, help=command.help, add_help=False)
     return parser
 
 
@@ -64,7 +92,8 @@ def _one_line(error: BaseException) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point (`megatron-ucp`, `python -m megatron_ucp.cli`); returns the exit status."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         result = args.handler(args) or {}
     except KeyboardInterrupt:

@@ -8,7 +8,9 @@ the project comes from them: the converter's byte placements, the torch_dist rea
 the loader's and lazy checkpoints' slice reads (`local_reads`), `plan`'s byte counts. Patterns
 round-trip through JSON because the universal format stores each parameter's pattern in its metadata.
 
-Pure: tensors in, tensors out; no file I/O, no torch.distributed.
+Pure: tensors in, tensors out; no file I/O, no torch.distributed. torch is imported inside the functions
+that take or return tensors, so the pattern language (and the rulebook, the readers' open, inspect and
+plan) loads without it.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import ClassVar, Dict, List, Optional, Sequence, Tuple, Type
-
-import torch
 
 from megatron_ucp.layout import LayoutError
 
@@ -54,6 +54,7 @@ def _along(global_shape: Shape, dim: int, start: int, stop: int) -> Ranges:
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape, dtype and bytes (NaNs with equal bits compare equal; -0.0 != 0.0)."""
+    import torch
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.numel() == 0:
@@ -65,6 +66,7 @@ def check_copies_agree(copies: Sequence[torch.Tensor], *, name: Optional[str] = 
                        labels: Optional[Sequence[str]] = None) -> None:
     """Raise PatternError unless all copies are bitwise equal; the message names the first mismatch.
     `labels` name the copies in messages (default "TP rank i")."""
+    import torch
     if not copies:
         raise PatternError(f"{_label(name)}no copies given")
     labels = list(labels) if labels is not None else [f"TP rank {i}" for i in range(len(copies))]
@@ -162,6 +164,7 @@ class Pattern:
     def slice_for_rank(self, full: torch.Tensor, tp_rank: int, tp_size: int, *,
                        name: Optional[str] = None) -> torch.Tensor:
         """The rank's shard as a new tensor (a view would make torch.save write the whole global tensor)."""
+        import torch
         pieces = [full[r] for r in self.slice_ranges(tuple(full.shape), tp_rank, tp_size, name=name)]
         if len(pieces) == 1:
             return pieces[0].clone(memory_format=torch.contiguous_format)
@@ -204,6 +207,7 @@ class Replicated(Pattern):
 
     def consolidate(self, shards, *, name=None, check: bool = True, average: bool = False):
         """One copy; with check (default) all copies must be bitwise equal; with average, their mean."""
+        import torch
         self._check_shards(shards, name)
         if average:
             if not shards[0].is_floating_point():
@@ -251,6 +255,7 @@ class Sharded(Pattern):
         return [_along(global_shape, self.dim, tp_rank * block, (tp_rank + 1) * block)]
 
     def consolidate(self, shards, *, name=None):
+        import torch
         self._check_shards(shards, name)
         return torch.cat(list(shards), dim=self.dim)
 
@@ -329,6 +334,7 @@ class FusedSubParams(Pattern):
         return ranges
 
     def consolidate(self, shards, *, name=None):
+        import torch
         self._check_shards(shards, name)
         local_sizes = self.part_sizes(shards[0].shape[self.dim], name=name)
         split = [s.split(local_sizes, dim=self.dim) for s in shards]
@@ -388,6 +394,7 @@ class GroupedQKV(Pattern):
         return [_along(global_shape, 0, tp_rank * block, (tp_rank + 1) * block)]
 
     def consolidate(self, shards, *, name=None):
+        import torch
         self._check_shards(shards, name)
         full = torch.cat(list(shards), dim=0)
         self.validate(tuple(full.shape), len(shards), name=name)
@@ -405,6 +412,7 @@ class GroupedQKV(Pattern):
 
     def merge_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Inverse of split_qkv."""
+        import torch
         groups, hpg, hd = self.num_query_groups, self.heads_per_group, self.head_dim
         rest = tuple(q.shape[1:])
         want = {"q": groups * hpg * hd, "k": groups * hd, "v": groups * hd}
@@ -467,6 +475,7 @@ def resize_vocab(full: torch.Tensor, new_padded_rows: int, true_vocab_size: int,
       average softmax mass — unlike a zero row, whose logit 0 can outweigh trained padding rows.
     Returns (tensor, warning); warning is None when the size is unchanged, else says the loss shifts.
     """
+    import torch
     stored = full.shape[0]
     if new_padded_rows < true_vocab_size:
         raise PatternError(f"cannot resize vocabulary to {new_padded_rows} rows: the true vocabulary has "

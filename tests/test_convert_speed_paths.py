@@ -60,13 +60,13 @@ def test_torch_dist_read_keys_rejects_unknown(b_ckpt):
 def test_converter_does_not_read_the_model_weight(b_ckpt, monkeypatch):
     """With optimizer state the converter requests only the optimizer buckets' bytes."""
     requested: list[str] = []
-    real = TorchDistCheckpoint._read
+    real = TorchDistCheckpoint._read_box
 
-    def spy(self, tensor_requests, byte_keys):
-        requested.extend(tensor_requests)
-        return real(self, tensor_requests, byte_keys)
+    def spy(self, fqn, box):
+        requested.append(fqn)
+        return real(self, fqn, box)
 
-    monkeypatch.setattr(TorchDistCheckpoint, "_read", spy)
+    monkeypatch.setattr(TorchDistCheckpoint, "_read_box", spy)
     for ref in b_ckpt.shards():
         got = b_ckpt.read(ref, keys=source_keys(b_ckpt))
         assert set(got) == set(source_keys(b_ckpt)) | {"step"}

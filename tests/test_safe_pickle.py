@@ -42,15 +42,58 @@ import pytest
 import torch
 
 from megatron_ucp.formats import safe_pickle as sp
-from megatron_ucp.formats.common import PickledEnum as TorchSidePickledEnum
-from megatron_ucp.formats.common import load_pickled, load_pickled_bytes
-from megatron_ucp.formats.stored import meta_load, stored_tensor
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "megatron-lm"
 FIXTURE_ITERS = sorted(FIXTURES.glob("*/ckpt/iter_*"))
 LEGACY_FILES = sorted(p for d in FIXTURE_ITERS for p in d.glob("**/*.pt"))
 DCP_ITERS = [d for d in FIXTURE_ITERS if (d / ".metadata").is_file()]
+
+
+# --------------------------------------------------------------------------------------------------
+# The oracle: torch's own reading (torch.load(weights_only=True) with the allow-list the readers gave torch
+# before safe_pickle replaced it; torch.load on the meta device for byte offsets)
+
+
+def _enum_rebuild(qualname: str):
+    def rebuild(value):
+        return sp.PickledEnum(qualname, value)
+
+    rebuild.__name__ = qualname.rsplit(".", 1)[1]
+    return rebuild
+
+
+def _torch_allow_list() -> list:
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    import numpy.dtypes as npd
+
+    allowed: list = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, signal.Signals, np.ndarray, np.dtype,
+                     (_reconstruct, "numpy._core.multiarray._reconstruct"),
+                     (_reconstruct, "numpy.core.multiarray._reconstruct")]
+    allowed += [getattr(npd, n) for n in ("UInt32DType", "Int64DType", "Float64DType") if hasattr(npd, n)]
+    allowed += [(_enum_rebuild(q), q) for q in sp.MEGATRON_ENUMS]
+    return allowed
+
+
+def torch_load(source, **kwargs):
+    with torch.serialization.safe_globals(_torch_allow_list()):
+        return torch.load(source, map_location=kwargs.pop("map_location", "cpu"), weights_only=True, **kwargs)
+
+
+def meta_load(path: str):
+    """torch.load with every tensor on the meta device: storages carry `_checkpoint_offset`."""
+    return torch_load(path, map_location="meta")
+
+
+def torch_region(path: str, meta: torch.Tensor):
+    """(path, offset, nbytes) of a meta-loaded tensor's bytes, as torch places them; None if not contiguous."""
+    record = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+    if record is None or not meta.is_contiguous():
+        return None
+    return path, int(record) + meta.storage_offset() * meta.element_size(), meta.numel() * meta.element_size()
 
 
 def _dcp():
@@ -93,7 +136,7 @@ def norm(x):
         return ("dtype", str(x).removeprefix("torch."))
     if isinstance(x, sp.TorchDType):
         return ("dtype", x.name)
-    if isinstance(x, (TorchSidePickledEnum, sp.PickledEnum)):
+    if isinstance(x, sp.PickledEnum):
         return ("enum", x.qualname, x.value)
     if isinstance(x, enum.Enum):
         return ("enum", f"{type(x).__module__}.{type(x).__qualname__}", x.value)
@@ -101,7 +144,7 @@ def norm(x):
 
 
 def _torch_load(path: Path):
-    return load_pickled(path, what="fixture")
+    return torch_load(path, mmap=True)
 
 
 @pytest.mark.parametrize("path", LEGACY_FILES, ids=lambda p: str(p.relative_to(FIXTURES)))
@@ -130,7 +173,7 @@ def test_fixture_archive_equals_torch(path):
                          ids=lambda p: str(p.relative_to(FIXTURES)))
 def test_record_regions_equal_torch_offsets(path):
     """TensorRecord.region() is where torch itself says each tensor's bytes are (meta-load offsets that
-    formats/stored.py uses today), for every tensor of the file."""
+    the readers used before safe_pickle), for every tensor of the file."""
     ours, meta = sp.load_archive(path, what="fixture"), meta_load(str(path))
     pairs = []
 
@@ -147,11 +190,10 @@ def test_record_regions_equal_torch_offsets(path):
     walk({k: v for k, v in ours.items() if k != "rng_state"}, meta)
     assert len(pairs) >= 3  # param, exp_avg, exp_avg_sq of a distrib_optim.pt; dozens in a model file
     for record, tensor in pairs:
-        expected = stored_tensor(str(path), 0, tensor)
+        expected = torch_region(str(path), tensor)
         region = record.region()
         assert expected is not None and region is not None
-        assert (expected.regions[0].path, expected.regions[0].offset, expected.regions[0].nbytes) == tuple(region) \
-            if expected.regions else region.nbytes == 0
+        assert expected == tuple(region) if expected[2] else region.nbytes == 0
 
 
 def strictly_equal(a, b) -> bool:
@@ -160,8 +202,8 @@ def strictly_equal(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return (type(a) is type(b) and (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride())
                 and torch.equal(a, b))
-    if isinstance(a, (sp.PickledEnum, TorchSidePickledEnum)):
-        return isinstance(b, (sp.PickledEnum, TorchSidePickledEnum)) and (a.qualname, a.value) == (b.qualname, b.value)
+    if isinstance(a, sp.PickledEnum):
+        return isinstance(b, sp.PickledEnum) and (a.qualname, a.value) == (b.qualname, b.value)
     if type(a) is not type(b):
         return False
     if isinstance(a, argparse.Namespace):
@@ -178,8 +220,8 @@ def strictly_equal(a, b) -> bool:
 @pytest.mark.parametrize("path", [p for p in LEGACY_FILES if "iter_0000008" in str(p)],
                          ids=lambda p: str(p.relative_to(FIXTURES)))
 def test_materialize_gives_what_torch_load_gives(path):
-    """materialize(load_archive(f)) can replace load_pickled(f): same types (argparse.Namespace, torch
-    dtypes as dict keys, signal.Signals, numpy arrays, torch tensors) and values."""
+    """materialize(load_archive(f)) gives what torch.load(weights_only=True) gives: same types (argparse.Namespace,
+    torch dtypes as dict keys, signal.Signals, numpy arrays, torch tensors) and values."""
     got = sp.materialize(sp.load_archive(path, what="fixture"))
     assert strictly_equal(got, _torch_load(path))
     copied = sp.materialize(sp.load_archive(path, what="fixture"), mmap=False)
@@ -212,7 +254,7 @@ def test_fixture_dcp_metadata_and_items_equal_torch(iter_dir):
         got = sp.load_dcp_item(ours, index)
         with open(item.path, "rb") as f:
             f.seek(item.offset)
-            want = load_pickled_bytes(io.BytesIO(f.read(item.length)), what=index.fqn)
+            want = torch_load(io.BytesIO(f.read(item.length)))
         assert norm(got) == norm(want), index
         kinds[type(got).__name__] += 1
     assert kinds["TensorRecord"] > 200 and len(kinds) > 1  # tensor chunks and pickled objects both seen
@@ -544,13 +586,7 @@ def _sparse_huge_archive(path: Path, pickle_size: int) -> None:
         f.write(central + tail)
 
 
-# megatron_ucp/formats/__init__.py imports common.py (torch) eagerly; subprocesses that check torch stays out
-# load the formats package without running that __init__, which is what a lazy __init__ will do.
-_LAZY_FORMATS_PACKAGE = (
-    "import sys, types; pkg = types.ModuleType('megatron_ucp.formats'); "
-    f"pkg.__path__ = [{str(REPO / 'megatron_ucp' / 'formats')!r}]; sys.modules['megatron_ucp.formats'] = pkg\n")
-
-_NO_ALLOCATION_CHECK = _LAZY_FORMATS_PACKAGE + r"""
+_NO_ALLOCATION_CHECK = r"""
 import json, os, resource, sys, time
 from megatron_ucp.formats import safe_pickle as sp
 assert "torch" not in sys.modules and "numpy" not in sys.modules
@@ -717,9 +753,9 @@ print(f"{elapsed * 1e3:.1f}")
 
 def test_parses_every_fixture_without_importing_torch_or_numpy():
     """The module and every parse (legacy files, .metadata, every .distcp item) import neither torch nor
-    numpy (see _LAZY_FORMATS_PACKAGE)."""
+    numpy (the formats package imports neither)."""
     files = [str(p) for p in LEGACY_FILES[:4]] + [str(DCP_ITERS[0])]
-    run = subprocess.run([sys.executable, "-c", _LAZY_FORMATS_PACKAGE + _IMPORT_CHECK, *files], capture_output=True,
+    run = subprocess.run([sys.executable, "-c", _IMPORT_CHECK, *files], capture_output=True,
                          text=True,
                          timeout=120, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert run.returncode == 0, run.stderr

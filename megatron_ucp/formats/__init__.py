@@ -2,7 +2,8 @@
 model weights and exact optimizer state, behind one declared interface (`base.CheckpointReader`).
 
 A format registers here with a cheap file-level test; its module is imported only when a checkpoint
-of that format is opened (the torch_dist reader needs torch.distributed.checkpoint, seconds to import).
+of that format is opened. Nothing here imports torch: opening a checkpoint, its shards and its common
+state are torch-free (every pickle is parsed by formats/safe_pickle.py); reading tensors imports it.
 """
 
 from __future__ import annotations

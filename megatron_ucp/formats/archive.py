@@ -1,118 +1,75 @@
-"""Where tensors' bytes are inside torch.save archives (legacy `*.pt` files; each tensor item of a
-`torch_dist` `.distcp` file is one such archive), found without reading tensor data.
+"""Saved tensors, as the readers hand them out: from safe_pickle's `TensorRecord` (what a torch.save archive
+says about a tensor, found without torch) to a byteio.StoredTensor (where its bytes are, for the
+converter's byte copies) or a torch tensor (its values).
 
-Offsets come from torch and the standard library: `torch.load(..., map_location="meta")` reads only
-the pickle and tags each storage with `_checkpoint_offset`, the byte offset of its record in the
-archive (legacy files); for the many small `.distcp` items, each saved key's first item is checked
-that way and every item's record offset is read from its zip directory (`zipfile`).
+torch and byteio (which needs torch) are imported on first use, as everywhere in the readers: only read()
+and locate() need them; opening a checkpoint, listing its shards and its common state never import them.
 """
 
 from __future__ import annotations
 
-import io
-import os
-import re
-import struct
-import zipfile
-from typing import Optional
+from dataclasses import replace
+from typing import Any, Optional
 
-import torch
-
-from megatron_ucp.byteio import FileRegion, StoredTensor
-from megatron_ucp.formats.common import safe_unpickling
+from megatron_ucp.formats.safe_pickle import SafeLoadError, TensorRecord, to_torch
 
 
+def torch_dtype(dtype: Any):
+    """The torch dtype for a dtype name, a TorchDType, or a torch dtype (imports torch)."""
+    import torch
+
+    name = str(dtype).removeprefix("torch.")
+    found = getattr(torch, name, None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"{dtype!r} is not a torch dtype")
+    return found
 
 
-class _FileWindow(io.RawIOBase):
-    """Read-only file object over bytes [offset, offset + length) of a file (one DCP item)."""
-
-    def __init__(self, path: str, offset: int, length: int):
-        super().__init__()
-        self._fd = os.open(path, os.O_RDONLY)
-        self._start, self._length, self._pos = offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, buffer) -> int:
-        n = max(0, min(len(buffer), self._length - self._pos))
-        if n == 0:
-            return 0
-        data = os.pread(self._fd, n, self._start + self._pos)
-        memoryview(buffer)[:len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def close(self) -> None:
-        if not self.closed:
-            os.close(self._fd)
-        super().close()
+def sub_record(record: TensorRecord, start: int, shape: tuple[int, ...]) -> TensorRecord:
+    """Elements [start, start + numel(shape)) of a C-contiguous 1-D saved tensor (a flat optimizer buffer) seen
+    as a C-contiguous tensor of `shape`: the bytes of one parameter, nothing else (checked to lie inside)."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    if len(record.shape) != 1 or not record.is_c_contiguous() or start < 0 or start + numel > record.numel:
+        raise ValueError(f"elements [{start}, {start + numel}) of a tensor of shape {record.shape}")
+    stride, strides = 1, []
+    for s in reversed(shape):
+        strides.append(stride)
+        stride *= s
+    return replace(record, shape=tuple(shape), stride=tuple(reversed(strides)),
+                   storage_offset=record.storage_offset + start)
 
 
-def meta_load(path: str, offset: int = 0, length: Optional[int] = None, *, allow_megatron: bool = True):
-    """torch.load of the archive at [offset, offset + length) of `path` (default: the whole file) with
-    every tensor on the meta device: only the zip directory and the pickle are read. Use `stored_tensor`
-    on the result's tensors. allow_megatron=False loads with torch's own allow-list only (a DCP tensor
-    item pickles nothing else), which needs no lock, so threads load items in parallel."""
-    if length is None:
-        source = path
-    else:  # unbuffered: torch's zip reader seeks to a few small records; a buffer would read ahead
-        source = _FileWindow(path, offset, length)
+def box_record(record: TensorRecord, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> TensorRecord:
+    """The box `offsets`/`lengths` of a saved tensor, as a (strided) record of the same storage."""
+    if len(offsets) != len(record.shape) or any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, record.shape)):
+        raise ValueError(f"box at {offsets} of size {lengths} outside a tensor of shape {record.shape}")
+    start = record.storage_offset + sum(o * st for o, st in zip(offsets, record.stride))
+    return replace(record, shape=tuple(lengths), storage_offset=start)
+
+
+def read_tensor(record: TensorRecord):
+    """The saved tensor's values as a new CPU torch tensor (only its bytes are read; the file was checked to
+    hold them before anything was allocated)."""
     try:
-        if allow_megatron:
-            with safe_unpickling():
-                return torch.load(source, map_location="meta", weights_only=True)
-        return torch.load(source, map_location="meta", weights_only=True)
-    finally:
-        if length is not None:
-            source.close()
+        return to_torch(record)
+    except SafeLoadError as e:  # the file changed or shrank since it was opened
+        from megatron_ucp.formats.common import CheckpointFormatError
+
+        raise CheckpointFormatError(str(e)) from e
 
 
-_DATA_RECORD = re.compile(r"[^/]+/data/\d+")
-
-
-def archive_data_record(path: str, offset: int, length: int) -> Optional[tuple[int, int]]:
-    """(file offset, size) of the single data record of the torch.save archive at [offset, offset + length)
-    of `path`, read from its zip directory with the standard library (no unpickling: ~40 us); None
-    unless there is exactly one stored (uncompressed) record. Which tensor the record holds (dtype,
-    shape, strides) is what the caller knows from elsewhere and has checked with meta_load."""
-    with _FileWindow(path, offset, length) as window:
-        try:
-            with zipfile.ZipFile(window) as archive:
-                records = [i for i in archive.infolist() if _DATA_RECORD.fullmatch(i.filename)]
-        except zipfile.BadZipFile:
-            return None
-        if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
-            return None
-        record = records[0]
-        header = os.pread(window.fileno(), 30, offset + record.header_offset)
-    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+def stored_tensor(record: TensorRecord) -> Optional[Any]:
+    """Where a saved tensor's C-order bytes are (a byteio.StoredTensor with a torch dtype); None when they are
+    not one contiguous run (read it as a tensor then)."""
+    region = record.region()
+    if region is None:
         return None
-    name_len, extra_len = struct.unpack("<HH", header[26:30])
-    return offset + record.header_offset + 30 + name_len + extra_len, record.file_size
+    from megatron_ucp.byteio import FileRegion, StoredTensor
+
+    regions = (FileRegion(region.path, region.offset, region.nbytes),) if region.nbytes else ()
+    return StoredTensor(tuple(record.shape), torch_dtype(record.dtype), regions)
 
 
-def stored_tensor(path: str, archive_offset: int, meta: torch.Tensor) -> Optional[StoredTensor]:
-    """Where the (meta) tensor `meta`, loaded by meta_load from the archive at `archive_offset` of
-    `path`, keeps its bytes; None when they are not one C-contiguous run (then read it normally)."""
-    record = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
-    if record is None or not meta.is_contiguous():
-        return None
-    start = archive_offset + int(record) + meta.storage_offset() * meta.element_size()
-    nbytes = meta.numel() * meta.element_size()
-    return StoredTensor(tuple(meta.shape), meta.dtype, (FileRegion(str(path), start, nbytes),) if nbytes else ())
+__all__ = ["box_record", "read_tensor", "stored_tensor", "sub_record", "torch_dtype"]

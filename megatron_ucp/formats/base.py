@@ -5,6 +5,9 @@ A reader opens one iteration folder and yields one `ShardRef` per parameter per 
 (`read`) or says where their bytes are in its files (`locate`, for the byte-copy converter), plus the
 state shared by all ranks (`common_state`). Readers register in `megatron_ucp.formats` (READERS);
 the converter never branches on the format.
+
+Opening a checkpoint, listing its shards and its common state import no torch and run no code from its
+files (they are parsed through formats/safe_pickle.py's allow-list); read() and locate() import torch.
 """
 
 from __future__ import annotations
@@ -32,7 +35,15 @@ class ShardRef:
     vpp_chunk: int  # 0 without virtual pipeline parallelism
     local_name: str  # as in that rank's model state dict (stage-local layer index)
     shape: tuple[int, ...]  # local (per-TP-rank) shape
-    dtype: Any  # torch.dtype of the model parameter
+    # the model parameter's dtype: a safe_pickle.TorchDType (no torch needed to list shards; str() is
+    # 'torch.float32'), equal to the torch dtype of the same name
+    dtype: Any
+
+
+def unknown_shard(ref: ShardRef, path: Path) -> LookupError:
+    """A ShardRef the reader does not hold (not one of its shards())."""
+    return LookupError(f"{path}: holds no shard {ref.local_name} on tp={ref.tp_rank} pp={ref.pp_rank} "
+                       f"chunk={ref.vpp_chunk}; pass one of the reader's shards()")
 
 
 class CheckpointReader(abc.ABC):
@@ -56,7 +67,7 @@ class CheckpointReader(abc.ABC):
     @abc.abstractmethod
     def read(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> dict:
         """The shard's tensors among READ_KEYS (default: all it has; only the bytes of those asked for
-        are read) and, with Adam state, its 'step' (a 0-d float32 tensor)."""
+        are read, into new torch tensors) and, with Adam state, its 'step' (a 0-d float32 tensor)."""
 
     @abc.abstractmethod
     def locate(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> Optional[dict]:

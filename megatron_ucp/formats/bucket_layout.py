@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-import torch
+from megatron_ucp.formats.safe_pickle import TorchDType
 
 PARAM_START_ALIGNMENT = 64  # elements: 128-byte aligned starts for >= 16-bit params
 BUCKET_END_ALIGNMENT = 128  # elements, combined with the DP size via lcm
@@ -41,7 +41,7 @@ class BufferParam:
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: Any  # a torch dtype, or a reader's torch-free safe_pickle.TorchDType
     shared_embedding: bool = False
     expert: bool = False
 
@@ -115,8 +115,8 @@ class Bucket:
 class BufferLayout:
     """One DDP param/grad buffer: parameter spans (buffer order) and buckets."""
 
-    param_dtype: torch.dtype
-    grad_dtype: torch.dtype
+    param_dtype: Any  # of the kind its BufferParams have (torch dtype or TorchDType)
+    grad_dtype: Any
     params: tuple[ParamSpan, ...]  # in buffer order (reverse registration order)
     buckets: tuple[Bucket, ...]
 
@@ -148,13 +148,22 @@ def _round_up(n: int, divisor: int) -> int:
     return -(-n // divisor) * divisor
 
 
+def _float32_like(dtype: Any) -> Any:
+    """float32 as the same kind of value as `dtype`: a TorchDType, or a torch dtype (torch is imported then)."""
+    if isinstance(dtype, TorchDType):
+        return TorchDType("float32")
+    import torch
+
+    return torch.float32
+
+
 def build_buffer_layout(params: Sequence[BufferParam], config: DDPBucketConfig,
-                        grad_dtype: Optional[torch.dtype] = None) -> BufferLayout:
+                        grad_dtype: Any = None) -> BufferLayout:
     """Index map of one buffer holding `params` (given in registration order, one dtype pair)."""
     if not params:
         raise ValueError("a DDP buffer needs at least one parameter")
     param_dtype = params[0].dtype
-    grad_dtype = grad_dtype or (torch.float32 if config.grad_reduce_in_fp32 else param_dtype)
+    grad_dtype = grad_dtype or (_float32_like(param_dtype) if config.grad_reduce_in_fp32 else param_dtype)
     distopt = config.use_distributed_optimizer
     if config.pad_buckets_for_high_nccl_busbw:
         end_divisor = math.lcm(config.dp_size, BUCKET_END_ALIGNMENT, HIGH_NCCL_BUSBW_ALIGNMENT)
@@ -204,11 +213,11 @@ def build_buffer_layout(params: Sequence[BufferParam], config: DDPBucketConfig,
 def build_chunk_buffers(params: Sequence[BufferParam], config: DDPBucketConfig) -> list[BufferLayout]:
     """All dense buffers of one model chunk, in DDP creation order (first appearance of each
     (param dtype, grad dtype)). Expert-parallel parameters live in separate buffers (not returned)."""
-    groups: dict[tuple[torch.dtype, torch.dtype], list[BufferParam]] = {}
+    groups: dict[tuple[Any, Any], list[BufferParam]] = {}
     for p in params:
         if p.expert:
             continue
-        grad_dtype = torch.float32 if config.grad_reduce_in_fp32 else p.dtype
+        grad_dtype = _float32_like(p.dtype) if config.grad_reduce_in_fp32 else p.dtype
         groups.setdefault((p.dtype, grad_dtype), []).append(p)
     return [build_buffer_layout(ps, config, grad_dtype=g) for (_, g), ps in groups.items()]
 

@@ -1,134 +1,128 @@
-"""What every Megatron checkpoint reader shares: errors, safe unpickling, args and layout, the common
-state, and locating iteration folders. A leaf module: it imports no reader."""
+"""What every Megatron checkpoint reader shares: errors, loading pickled files through the allow-list
+(formats/safe_pickle.py), keeping every path inside the checkpoint, args and layout, the common state,
+and locating iteration folders. A leaf module: it imports no reader, and not torch (only `load_pickled`,
+which gives tensors, imports it).
+"""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import enum
-import pathlib
+import os
 import signal
-import threading
-import types
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
-import torch
-
+from megatron_ucp.formats import safe_pickle
+from megatron_ucp.formats.safe_pickle import MEGATRON_ENUMS, PickledEnum, SafeLoadError, TensorRecord, TorchDType
 from megatron_ucp.layout import ParallelLayout
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+# What a Megatron-LM GPT checkpoint trains in, and what its optimizer state is kept in.
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
+STATE_DTYPE = "float32"
 
 
 class CheckpointFormatError(ValueError):
-    """A checkpoint that cannot be read; the message names the file and the fix."""
+    """A checkpoint that cannot be read; the message is one line naming the file, the cause and the fix."""
 
 
 # ---------------------------------------------------------------------------------------------
-# Safe unpickling
-
-@dataclass(frozen=True)
-class PickledEnum:
-    """A Megatron enum member found in pickled args, kept as (class path, value) without importing
-    megatron (e.g. args.attention_backend = PickledEnum('megatron.core.transformer.enums.AttnBackend', 5))."""
-
-    qualname: str
-    value: Any
+# Files: inside the checkpoint, parsed through the allow-list
 
 
-def _enum_stand_in(qualname: str):
-    """A callable that unpickles `Enum(value)` for the class named `qualname` as a PickledEnum."""
-
-    def rebuild(value):
-        return PickledEnum(qualname, value)
-
-    rebuild.__name__ = qualname.rsplit(".", 1)[1]
-    return rebuild
-
-
-# Megatron-LM pickles these enums inside `args` (see megatron/core/safe_globals.py for its own list).
-_MEGATRON_ENUMS = (
-    "megatron.core.enums.ModelType",
-    "megatron.core.transformer.enums.AttnBackend",
-    "megatron.core.transformer.enums.CudaGraphScope",
-    "megatron.core.rerun_state_machine.RerunMode",
-    "megatron.core.rerun_state_machine.RerunState",
-    "megatron.core.rerun_state_machine.RerunDiagnostic",
-)
+def inside(root: Path, path: Path) -> Path:
+    """`path`, checked to resolve inside the folder `root` (the iteration folder, itself resolved): no `..`,
+    no absolute path, no symbolic link out of it, so a checkpoint can only make a reader open its own files."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    if real != real_root and os.path.commonpath([real_root, real]) != real_root:
+        raise CheckpointFormatError(
+            f"{path}: resolves to {real}, outside the checkpoint folder {root}; it was NOT read (a checkpoint may only "
+            f"name its own files). Replace the link or path with the real file, copied into the folder.")
+    return path
 
 
-def _safe_globals() -> list:
-    import numpy
-
-    allowed: list = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, signal.Signals,
-                     numpy.ndarray, numpy.dtype]
-    # numpy arrays in RNG states pickle `_reconstruct` and dtype classes under numpy-version paths.
+def load_archive_file(path: Path, *, what: str, fix: str = "") -> Any:
+    """A torch.save file (legacy rank files, common.pt) parsed without torch and without running its code:
+    tensors are safe_pickle.TensorRecords (where their bytes are). Every failure is one CheckpointFormatError
+    line naming the file; a file whose pickle would run code says so and is not loaded."""
+    path = Path(path)
+    if not path.is_file():
+        if path.is_symlink() or path.exists():
+            raise CheckpointFormatError(f"{path}: {what} is not a regular file (a dangling link or a folder); "
+                                        f"{fix or 're-copy it from the original checkpoint.'}")
+        raise CheckpointFormatError(f"{path}: missing {what}. {fix}".strip())
     try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct
-    allowed += [(_reconstruct, "numpy._core.multiarray._reconstruct"),
-                (_reconstruct, "numpy.core.multiarray._reconstruct")]
-    import numpy.dtypes as npd
-
-    allowed += [getattr(npd, n) for n in ("UInt32DType", "Int64DType", "Float64DType") if hasattr(npd, n)]
-    allowed += [(_enum_stand_in(q), q) for q in _MEGATRON_ENUMS]
-    allowed.append(PickledEnum)  # args re-saved by our own tools
-    return allowed
-
-
-_UNPICKLING = threading.RLock()
-
-
-@contextlib.contextmanager
-def safe_unpickling():
-    """Allow exactly the classes Megatron-LM checkpoints pickle (never weights_only=False). torch keeps
-    that allow-list process-wide and restores it on exit, so unpickling threads take turns (a lock):
-    loads are pickles and mmaps, quick."""
-    with _UNPICKLING, torch.serialization.safe_globals(_safe_globals()):
-        yield
+        return safe_pickle.load_archive(path, what=what)
+    except SafeLoadError as e:
+        raise CheckpointFormatError(str(e)) from e
 
 
 def load_pickled(path: Path, *, what: str, fix: str = "") -> Any:
-    """torch.load(weights_only=True, mmap=True) with Megatron's allow-list; tensors stay on disk
-    until touched. Every failure becomes a CheckpointFormatError naming the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointFormatError(f"{path}: missing {what}. {fix}".strip())
+    """What torch.load(weights_only=True, mmap=True) gives (imports torch): load_archive_file with every tensor
+    materialised as a memory-mapped torch tensor (read when touched), dtypes as torch dtypes."""
+    tree = load_archive_file(path, what=what, fix=fix)
     try:
-        with safe_unpickling():
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # truncated zip, bad pickle, disallowed global
-        text = str(e)
-        blocked = next((line.strip() for line in text.splitlines() if "Unsupported global" in line), None)
-        if blocked:
-            raise CheckpointFormatError(
-                f"{path}: cannot read {what}: it pickles a class outside the allow-list ({blocked[:300]}). "
-                f"Only plain Megatron-LM checkpoints can be read safely.") from e
+        return safe_pickle.materialize(tree)
+    except SafeLoadError as e:
+        raise CheckpointFormatError(str(e)) from e
+
+
+def structure_error(path: Any, what: str, found: Any) -> CheckpointFormatError:
+    """A file whose content does not have the structure Megatron-LM writes (a key missing, a wrong type)."""
+    kind = "nothing" if found is None else f"a {type(found).__name__}"
+    return CheckpointFormatError(f"{path}: {what} is missing or malformed (found {kind}); the file is corrupt or was "
+                                 f"not written by Megatron-LM's save_checkpoint; re-copy it from the original "
+                                 f"checkpoint.")
+
+
+def entry(container: Any, key: Any, kind: Union[type, tuple], *, path: Any, what: str) -> Any:
+    """container[key], checked to exist and to be a `kind`; else structure_error naming `what`."""
+    found = container.get(key) if isinstance(container, Mapping) else None
+    if not isinstance(found, kind):
+        raise structure_error(path, what, found)
+    return found
+
+
+def check_dtype(record: Any, allowed: tuple, *, path: Any, what: str) -> TensorRecord:
+    """A saved tensor (a TensorRecord) of one of the `allowed` dtype names; else one line saying what was found."""
+    if not isinstance(record, TensorRecord):
+        raise structure_error(path, f"{what} (a tensor)", record)
+    if record.dtype not in allowed:
         raise CheckpointFormatError(
-            f"{path}: cannot read {what} ({type(e).__name__}: {text.splitlines()[0][:300] if text else ''}); "
-            f"the file is truncated, corrupt or not a torch.save file. "
-            f"{fix or 'Re-copy it from the original checkpoint.'}") from e
+            f"{path}: {what} is {record.dtype}, expected {' or '.join(allowed)} (what Megatron-LM saves for it); "
+            f"the file is corrupt or from another kind of run; re-copy it from the original checkpoint.")
+    return record
 
 
-def load_pickled_bytes(data, *, what: str) -> Any:
-    """Unpickle a torch.save'd object held in memory (DCP BytesIO items)."""
-    try:
-        with safe_unpickling():
-            return torch.load(data, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointFormatError(f"cannot unpickle {what}: {type(e).__name__}: {e}") from e
+def scalar(value: Any, *, path: Any, what: str) -> float:
+    """A saved number (a Python number or a one-element tensor, e.g. an Adam step), as a float."""
+    if isinstance(value, TensorRecord):
+        try:
+            value = safe_pickle.read_scalar(value)
+        except SafeLoadError as e:
+            raise CheckpointFormatError(f"{path}: {what}: {e}") from e
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise structure_error(path, f"{what} (a number)", value)
+    return float(value)
 
 
 # ---------------------------------------------------------------------------------------------
 # Args, layout, common state
 
 def _plain(value: Any) -> Any:
+    """Args as plain values: a Namespace becomes a dict, a torch dtype its spelling 'torch.float32' (as
+    metadata.json keeps it), signal numbers signal.Signals, Megatron enums stay PickledEnum."""
     if isinstance(value, argparse.Namespace):
         return {k: _plain(v) for k, v in vars(value).items()}
+    if isinstance(value, TorchDType) or type(value).__name__ == "dtype" and type(value).__module__ == "torch":
+        return str(value)
+    if isinstance(value, PickledEnum) and value.qualname == "signal.Signals":
+        return signal.Signals(value.value)
     if isinstance(value, enum.Enum) and not isinstance(value, int):
-        return PickledEnum(f"{type(value).__module__}.{type(value).__qualname__}", value.value)
+        qualname = f"{type(value).__module__}.{type(value).__qualname__}"
+        return PickledEnum(qualname, value.value) if qualname in MEGATRON_ENUMS else value
     if isinstance(value, (list, tuple)):
         return type(value)(_plain(v) for v in value)
     if isinstance(value, dict):
@@ -151,8 +145,26 @@ UNEVEN_PIPELINE_ARGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipel
                         "account_for_loss_in_pipeline_split")
 
 
-def layout_from_args(args: dict) -> ParallelLayout:
+_LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "world_size",
+                "data_parallel_size", "virtual_pipeline_model_parallel_size", "expert_model_parallel_size")
+# args every GPT checkpoint has, as positive integers (the model config is built from them)
+_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads")
+
+
+def _check_sizes(args: dict, names: tuple, source: Any, *, required: bool) -> None:
+    for name in names:
+        value = args.get(name)
+        if value is None and not required:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointFormatError(
+                f"{source}: args.{name}={value!r} is not a positive integer; the checkpoint's args are corrupt or it "
+                f"was not written by Megatron-LM; re-copy it from the original checkpoint.")
+
+
+def layout_from_args(args: dict, source: Any = "args") -> ParallelLayout:
     """The parallel layout a Megatron-LM run had (raises CheckpointFormatError for what is unsupported)."""
+    _check_sizes(args, _LAYOUT_ARGS, source, required=False)
     uneven = [name for name in UNEVEN_PIPELINE_ARGS if args.get(name)]
     if uneven:
         raise CheckpointFormatError(f"args.{uneven[0]}={args[uneven[0]]!r}: uneven pipeline splits are not "
@@ -162,12 +174,24 @@ def layout_from_args(args: dict) -> ParallelLayout:
     cp = args.get("context_parallel_size") or 1
     world = args.get("world_size") or tp * pp * cp
     return ParallelLayout(
-        tp=tp, pp=pp, dp=args.get("data_parallel_size") or world // (tp * pp * cp),
+        tp=tp, pp=pp, dp=args.get("data_parallel_size") or max(1, world // (tp * pp * cp)),
         vpp=args.get("virtual_pipeline_model_parallel_size"),
         sp=bool(args.get("sequence_parallel")),
         ep=args.get("expert_model_parallel_size") or 1,
         etp=args.get("expert_tensor_parallel_size"),
     )
+
+
+def model_config_from_args(args: dict, source: Any):
+    """The GPT model config of a checkpoint's args, or one CheckpointFormatError naming the file."""
+    from megatron_ucp.model_config import GPTModelConfig
+
+    _check_sizes(args, _MODEL_ARGS, source, required=True)
+    try:
+        return GPTModelConfig.from_megatron_args(args)
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise CheckpointFormatError(f"{source}: its args do not describe a GPT model ({e}); the checkpoint is corrupt "
+                                    f"or not a Megatron-LM GPT checkpoint.") from e
 
 
 def hyper_parameters(param_groups: list) -> list[dict]:
@@ -219,20 +243,28 @@ def resolve_iteration_dir(path: Union[str, Path], iteration: Optional[int] = Non
         tracker = path / TRACKER_FILENAME
         if not tracker.is_file():
             iters = sorted(p.name for p in path.glob("iter_*") if p.is_dir())
-            hint = f" Found {', '.join(iters)}: pass iteration=N or one of them." if iters else ""
+            hint = f" Found {', '.join(iters)}: pass --iteration N or one of those folders." if iters else ""
             raise CheckpointFormatError(f"{tracker}: missing, so {path} is not a Megatron-LM checkpoint root.{hint}")
-        text = tracker.read_text().strip()
+        with open(tracker, "rb") as f:  # a number: a few bytes (never read a huge or endless file whole)
+            text = f.read(64).decode("utf-8", "replace").strip()
         if text == "release":
             raise CheckpointFormatError(
                 f"{tracker}: says 'release' (a converted/released checkpoint in {path / 'release'}); "
-                f"iteration, optimizer and scheduler state are absent. Pass iteration=N of a training "
+                f"iteration, optimizer and scheduler state are absent. Pass --iteration N of a training "
                 f"checkpoint instead.")
         try:
             iteration = int(text)
         except ValueError:
-            raise CheckpointFormatError(f"{tracker}: holds {text!r}, expected an iteration number.") from None
+            raise CheckpointFormatError(f"{tracker}: holds {text[:40]!r}, expected an iteration number; write the "
+                                        f"number of a saved iter_XXXXXXX folder into it, or pass --iteration N."
+                                        ) from None
+        if iteration < 0:
+            raise CheckpointFormatError(f"{tracker}: holds {iteration}, not an iteration; write the number of a saved "
+                                        f"iter_XXXXXXX folder into it, or pass --iteration N.")
     iter_dir = path / iteration_dir_name(iteration)
     if not iter_dir.is_dir():
-        raise CheckpointFormatError(f"{iter_dir}: missing; the tracker or iteration={iteration} points to an "
-                                    f"iteration that was not saved (or was deleted).")
+        iters = sorted(p.name for p in path.glob("iter_*") if p.is_dir())
+        raise CheckpointFormatError(f"{iter_dir}: missing; the tracker or --iteration {iteration} points to an "
+                                    f"iteration that was not saved (or was deleted); pass --iteration N of a saved one"
+                                    f"{' (' + ', '.join(iters) + ')' if iters else ''}.")
     return iter_dir, iteration

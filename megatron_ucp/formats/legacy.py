@@ -11,33 +11,34 @@ Without it `optimizer` is the torch optimizer state dict (FP32Optimizer), or
 {'optimizer': ..., 'fp32_from_fp16_params': ...} (Float16OptimizerWithFloat16Params); state
 indices run group by group over Megatron's param groups (adapters.gpt.megatron_param_groups).
 
-Opening scans every rank's files once (torch.load with mmap=True: pickles only, tensor bytes stay
-on disk) to validate iterations, shapes and buffer sizes; reads keep at most two ranks' files
-mapped and return copies. Do not rewrite those files in place while a reader is open.
+Opening parses every rank's files once through the allow-list (formats/safe_pickle.py: the pickles only,
+without torch; nothing in them runs) and checks iterations, structure, dtypes, shapes and buffer sizes;
+the parsed trees (where each tensor's bytes are) are kept, so read() reads exactly the bytes of the
+tensors asked for and locate() reads nothing. Every file opened resolves inside the iteration folder.
+Do not rewrite those files while a reader is open.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
+import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Collection, Mapping, Optional
 
-import torch
-
-from megatron_ucp.adapters.gpt import is_ignorable, megatron_param_groups
-from megatron_ucp.formats.archive import meta_load, stored_tensor
-from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef
+from megatron_ucp.adapters.gpt import UnknownParameterError, canonical_name, is_ignorable, megatron_param_groups
+from megatron_ucp.formats.archive import read_tensor, stored_tensor, sub_record
+from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef, unknown_shard
 from megatron_ucp.formats.bucket_layout import (
     BufferLayout, BufferParam, DDPBucketConfig, build_chunk_buffers, shared_embedding_names)
 from megatron_ucp.formats.common import (
-    CheckpointFormatError, args_to_dict, build_common_state, layout_from_args, load_pickled)
-from megatron_ucp.model_config import GPTModelConfig
+    PARAM_DTYPES, STATE_DTYPE, CheckpointFormatError, args_to_dict, build_common_state, check_dtype, entry,
+    inside, layout_from_args, load_archive_file, model_config_from_args, scalar, structure_error)
+from megatron_ucp.formats.safe_pickle import TensorRecord, TorchDType
+from megatron_ucp.layout import LayoutError
 
 MODEL_FILENAME = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
-_CACHED_RANKS = 2  # (tp, pp) ranks whose files stay open (mmap'd) at once
+_TENSOR_KEYS = ("param", "fp32", "exp_avg", "exp_avg_sq")
 
 
 def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
@@ -56,14 +57,18 @@ def model_chunk_keys(state: Mapping[str, Any]) -> list[str]:
     return keys
 
 
-def chunk_parameters(model_state: Mapping[str, Any], *, dtype_hint: Optional[torch.dtype] = None) -> list[BufferParam]:
+def chunk_parameters(model_state: Mapping[str, Any], *, path: Any = "model") -> list[BufferParam]:
     """Parameters of one model chunk in registration order: the state dict's tensors minus
-    `_extra_state` entries (state_dict and named_parameters visit modules in the same order)."""
+    `_extra_state` entries (state_dict and named_parameters visit modules in the same order), each checked
+    to be a floating-point tensor Megatron trains (dtypes as torch-free TorchDTypes)."""
     params = []
     for name, value in model_state.items():
-        if is_ignorable(name) or not torch.is_tensor(value):
+        if not isinstance(name, str):
+            raise structure_error(path, f"a model entry named {name!r}", value)
+        if is_ignorable(name) or not isinstance(value, TensorRecord):
             continue
-        params.append(BufferParam(name, tuple(value.shape), value.dtype))
+        check_dtype(value, PARAM_DTYPES, path=path, what=f"parameter {name}")
+        params.append(BufferParam(name, tuple(value.shape), TorchDType(value.dtype)))
     return params
 
 
@@ -71,12 +76,16 @@ def chunk_parameters(model_state: Mapping[str, Any], *, dtype_hint: Optional[tor
 
 @dataclass
 class _RankMeta:
-    """What open() learned about one (tp, pp) rank; no tensors."""
+    """What open() learned about one (tp, pp) rank: its parsed files (tensor records, no tensor data)."""
 
     tp_rank: int
     pp_rank: int
+    model_file: Path
+    state: dict  # model_optim_rng.pt
     model_keys: list[str]
     chunks: list[list[BufferParam]]
+    optim_file: Optional[Path] = None
+    distopt: Optional[dict] = None  # distrib_optim.pt
     buffers: list[list[BufferLayout]] = field(default_factory=list)  # per chunk (distributed optimizer)
     gbuf_base: list[int] = field(default_factory=list)  # first gbuf index of each chunk
     state_index: dict = field(default_factory=dict)  # (chunk, name) -> (group, state idx, fp16 position)
@@ -87,21 +96,21 @@ class LegacyCheckpoint(CheckpointReader):
     """A legacy `torch` format checkpoint; see the module docstring."""
 
     format = "torch"
-    # read()/locate() may be called from several threads: file loads are serialised by a lock, tensors
-    # returned by read() are copies
+    # everything is parsed at open and only read afterwards; read() returns new tensors
     thread_safe_reads = True
 
     def __init__(self, iter_dir: Path, iteration: int):
         self.path = Path(iter_dir)
         self.iteration = iteration
+        self._parsed: dict[Path, dict] = {}
         first = self._expected_dir(0, 0, pp=None) / MODEL_FILENAME
-        state = load_pickled(first, what="the first rank's model/optimizer file",
-                             fix="Every legacy checkpoint has one per (tp, pp) rank; re-copy the iteration folder.")
+        state = self._parse(first, what="the first rank's model/optimizer file",
+                            fix="Every legacy checkpoint has one per (tp, pp) rank; re-copy the iteration folder.")
         if "args" not in state:
             raise CheckpointFormatError(f"{first}: has no 'args'; it was not written by Megatron-LM's save_checkpoint.")
         self.args = args_to_dict(state["args"], source=first)
-        self.layout = layout_from_args(self.args)
-        self.config = GPTModelConfig.from_megatron_args(self.args)
+        self.layout = layout_from_args(self.args, first)
+        self.config = model_config_from_args(self.args, first)
         self._checkpoint_version = state.get("checkpoint_version")
         self._scheduler = state.get("opt_param_scheduler")
         self._num_flops = state.get("num_floating_point_operations_so_far")
@@ -121,13 +130,10 @@ class LegacyCheckpoint(CheckpointReader):
                 f"MoE optimizers) are supported.")
         if self.optimizer_kind in ("adam", "mixed_precision", "distributed") and self.args.get("optimizer", "adam") != "adam":
             raise CheckpointFormatError(f"{first}: args.optimizer={self.args.get('optimizer')!r}; only Adam state is supported.")
-        del state
         self._ranks: dict[tuple[int, int], _RankMeta] = {}
         self._param_groups: Optional[list] = None
-        self._cache: "OrderedDict[tuple[int, int], tuple[dict, Optional[dict]]]" = OrderedDict()
-        self._meta_cache: dict[tuple[int, int], tuple[dict, Optional[dict]]] = {}
-        self._lock = threading.RLock()  # reads may come from several conversion threads
         self._scan()
+        self._parsed.clear()
 
     # -- files ------------------------------------------------------------------------------
 
@@ -144,27 +150,15 @@ class LegacyCheckpoint(CheckpointReader):
     def _rank_file(self, tp_rank: int, pp_rank: int, filename: str) -> Path:
         return self._expected_dir(tp_rank, pp_rank, self.layout.pp) / filename
 
-    def _load_rank(self, tp_rank: int, pp_rank: int) -> tuple[dict, Optional[dict]]:
-        with self._lock:
-            return self._load_rank_locked(tp_rank, pp_rank)
-
-    def _load_rank_locked(self, tp_rank: int, pp_rank: int) -> tuple[dict, Optional[dict]]:
-        key = (tp_rank, pp_rank)
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
-        model_file = self._rank_file(tp_rank, pp_rank, MODEL_FILENAME)
-        state = load_pickled(model_file, what=f"model/optimizer state of rank tp={tp_rank} pp={pp_rank}")
-        distopt = None
-        if self.optimizer_kind == "distributed":
-            distopt = load_pickled(self._rank_file(tp_rank, pp_rank, DISTRIB_OPTIM_FILENAME),
-                                   what=f"distributed optimizer state of rank tp={tp_rank} pp={pp_rank}",
-                                   fix="Megatron-LM writes it next to model_optim_rng.pt with "
-                                       "--use-distributed-optimizer; re-copy the rank folder.")
-        self._cache[key] = (state, distopt)
-        while len(self._cache) > _CACHED_RANKS:
-            self._cache.popitem(last=False)
-        return state, distopt
+    def _parse(self, path: Path, *, what: str, fix: str = "") -> dict:
+        """A rank file parsed through the allow-list (once per open), checked to be inside the folder."""
+        found = self._parsed.get(path)
+        if found is None:
+            found = load_archive_file(inside(self.path, path), what=what, fix=fix)
+            if not isinstance(found, dict):
+                raise structure_error(path, f"{what} (a dict)", found)
+            self._parsed[path] = found
+        return found
 
     # -- open-time validation -----------------------------------------------------------------
 
@@ -185,33 +179,70 @@ class LegacyCheckpoint(CheckpointReader):
                 f"checkpoints are not supported, or folders of another run were copied in).")
         for t in range(tp):
             for p in range(pp):
-                state, distopt = self._load_rank(t, p)
-                file = self._rank_file(t, p, MODEL_FILENAME)
-                if state.get("iteration") != self.iteration:
-                    raise CheckpointFormatError(
-                        f"{file}: holds iteration {state.get('iteration')} but lives in {self.path.name} "
-                        f"(iteration {self.iteration}); rank folders of different iterations were mixed. "
-                        f"Re-copy this rank folder from the same save.")
-                args = vars(state["args"]) if hasattr(state.get("args"), "__dict__") else {}
-                if (args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size")) != (tp, pp):
-                    raise CheckpointFormatError(f"{file}: written with a different TP/PP than {self._rank_file(0, 0, MODEL_FILENAME)}.")
-                keys = model_chunk_keys(state)
-                if not keys or len(keys) != self.layout.num_chunks:
-                    raise CheckpointFormatError(
-                        f"{file}: has model entries {keys} but args ask for {self.layout.num_chunks} model chunk(s).")
-                chunks = [chunk_parameters(state[k]) for k in keys]
-                self._ranks[(t, p)] = _RankMeta(t, p, keys, chunks)
-                if self._param_groups is None and isinstance(state.get("optimizer"), dict):
-                    inner = state["optimizer"].get("optimizer", state["optimizer"])
-                    self._param_groups = inner.get("param_groups")
-                if self.optimizer_kind == "distributed":
-                    self._check_distributed(self._ranks[(t, p)], state, distopt)
+                self._ranks[(t, p)] = self._scan_rank(t, p)
         if self.optimizer_kind in ("adam", "mixed_precision"):
             self._map_optimizer_indices()
 
-    def _check_distributed(self, meta: _RankMeta, state: dict, distopt: dict) -> None:
-        file = self._rank_file(meta.tp_rank, meta.pp_rank, DISTRIB_OPTIM_FILENAME)
-        if not isinstance(distopt, dict) or not distopt.get("buckets_coalesced"):
+    def _scan_rank(self, t: int, p: int) -> _RankMeta:
+        tp, pp = self.layout.tp, self.layout.pp
+        file = self._rank_file(t, p, MODEL_FILENAME)
+        state = self._parse(file, what=f"model/optimizer state of rank tp={t} pp={p}",
+                            fix="Megatron-LM writes one per (tp, pp) rank; re-copy the rank folder.")
+        if state.get("iteration") != self.iteration:
+            raise CheckpointFormatError(
+                f"{file}: holds iteration {state.get('iteration')} but lives in {self.path.name} "
+                f"(iteration {self.iteration}); rank folders of different iterations were mixed. "
+                f"Re-copy this rank folder from the same save.")
+        args = vars(state["args"]) if isinstance(state.get("args"), argparse.Namespace) else {}
+        if (args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size")) != (tp, pp):
+            raise CheckpointFormatError(
+                f"{file}: written with TP={args.get('tensor_model_parallel_size')} PP="
+                f"{args.get('pipeline_model_parallel_size')}, but {self._rank_file(0, 0, MODEL_FILENAME)} says "
+                f"TP={tp} PP={pp}; rank folders of different runs were mixed. Re-copy the iteration folder.")
+        keys = model_chunk_keys(state)
+        if not keys or len(keys) != self.layout.num_chunks:
+            raise CheckpointFormatError(
+                f"{file}: has model entries {keys} but args ask for {self.layout.num_chunks} model chunk(s); the file "
+                f"is incomplete or belongs to another run. Re-copy the rank folder.")
+        chunks = []
+        for chunk, k in enumerate(keys):
+            params = chunk_parameters(entry(state, k, dict, path=file, what=f"'{k}'"), path=file)
+            if not params:
+                raise CheckpointFormatError(f"{file}: '{k}' holds no parameter tensors; the file is corrupt or not a "
+                                            f"model checkpoint. Re-copy the rank folder.")
+            self._check_names(file, params, p, chunk)
+            chunks.append(params)
+        meta = _RankMeta(t, p, file, state, keys, chunks)
+        if self._param_groups is None and self.optimizer_kind != "none":
+            opt = entry(state, "optimizer", dict, path=file, what="'optimizer'")
+            inner = opt.get("optimizer", opt)
+            groups = entry(inner, "param_groups", list, path=file, what="the optimizer's 'param_groups'")
+            if not all(isinstance(g, dict) for g in groups):
+                raise structure_error(file, "the optimizer's 'param_groups' (a list of dicts)", groups)
+            self._param_groups = groups
+        if self.optimizer_kind == "distributed":
+            meta.optim_file = self._rank_file(t, p, DISTRIB_OPTIM_FILENAME)
+            meta.distopt = self._parse(meta.optim_file, what=f"distributed optimizer state of rank tp={t} pp={p}",
+                                       fix="Megatron-LM writes it next to model_optim_rng.pt with "
+                                           "--use-distributed-optimizer; re-copy the rank folder.")
+            self._check_distributed(meta)
+        return meta
+
+    def _check_names(self, file: Path, params: list[BufferParam], pp_rank: int, chunk: int) -> None:
+        """Every parameter is one the rulebook knows, on the pipeline stage that holds it."""
+        for param in params:
+            try:
+                canonical_name(param.name, self.layout, pp_rank, chunk if self.layout.vpp else None,
+                               self.config.num_layers, tied=self.config.tied)
+            except UnknownParameterError as e:
+                raise CheckpointFormatError(f"{file}: {e}") from e
+            except LayoutError as e:
+                raise CheckpointFormatError(f"{file}: {e} (were rank folders renamed, or copied from another run? "
+                                            f"re-copy the iteration folder)") from e
+
+    def _check_distributed(self, meta: _RankMeta) -> None:
+        file, distopt = meta.optim_file, meta.distopt
+        if not distopt.get("buckets_coalesced"):
             raise CheckpointFormatError(
                 f"{file}: distributed optimizer state without 'buckets_coalesced' (written by an older "
                 f"Megatron-LM with per-bucket lists, or not a distrib_optim.pt); resave it with "
@@ -228,39 +259,55 @@ class LegacyCheckpoint(CheckpointReader):
             meta.gbuf_base.append(gbuf)
             meta.buffers.append(buffers)
             for buf in buffers:
-                entry = distopt.get(gbuf, {}).get((buf.param_dtype, buf.grad_dtype))
-                if entry is None:
+                dtypes = (buf.param_dtype, buf.grad_dtype)
+                saved = distopt.get(gbuf)
+                found = saved.get(dtypes) if isinstance(saved, dict) else None
+                if not isinstance(found, dict):
+                    held = [(k, [tuple(map(str, d)) if isinstance(d, tuple) else str(d) for d in v])
+                            for k, v in distopt.items() if k != "buckets_coalesced" and isinstance(v, dict)]
                     raise CheckpointFormatError(
-                        f"{file}: no buffer {gbuf} with dtypes {(buf.param_dtype, buf.grad_dtype)} "
-                        f"(found {[(k, list(v)) for k, v in distopt.items() if k != 'buckets_coalesced']}); "
+                        f"{file}: no buffer {gbuf} with dtypes {tuple(map(str, dtypes))} (found {held}); "
                         f"the DDP settings in args do not match the saved buffers.")
                 for key in ("param", "exp_avg", "exp_avg_sq"):
-                    t = entry.get(key)
-                    if not torch.is_tensor(t) or t.numel() != buf.numel_unpadded or entry.get("numel_unpadded") != buf.numel_unpadded:
+                    t = check_dtype(found.get(key), (STATE_DTYPE,), path=file, what=f"buffer {gbuf} '{key}'")
+                    if (len(t.shape) != 1 or not t.is_c_contiguous() or t.numel != buf.numel_unpadded
+                            or found.get("numel_unpadded") != buf.numel_unpadded):
                         raise CheckpointFormatError(
-                            f"{file}: buffer {gbuf} '{key}' has {t.numel() if torch.is_tensor(t) else t} elements "
-                            f"(numel_unpadded={entry.get('numel_unpadded')}) but the model's parameters with "
-                            f"64-element alignment need {buf.numel_unpadded}; the file does not belong to this "
+                            f"{file}: buffer {gbuf} '{key}' has shape {t.shape} (numel_unpadded="
+                            f"{found.get('numel_unpadded')}) but the model's parameters with 64-element alignment "
+                            f"need {buf.numel_unpadded} elements in one flat tensor; the file does not belong to this "
                             f"model or uses an unsupported buffer layout.")
                 gbuf += 1
-        if gbuf != len([k for k in distopt if k != "buckets_coalesced"]):
-            raise CheckpointFormatError(f"{file}: holds {len(distopt) - 1} buffers, the model needs {gbuf} "
+        held = [k for k in distopt if k != "buckets_coalesced"]
+        if gbuf != len(held):
+            raise CheckpointFormatError(f"{file}: holds {len(held)} buffers, the model needs {gbuf} "
                                         f"(expert-parallel buffers are not supported).")
-        groups = state["optimizer"].get("optimizer", {}).get("param_groups", [])
-        steps = {g.get("step") for g in groups if g.get("step") is not None}
+        opt = entry(meta.state, "optimizer", dict, path=meta.model_file, what="'optimizer'")
+        inner = entry(opt, "optimizer", dict, path=meta.model_file, what="the distributed optimizer's 'optimizer'")
+        groups = entry(inner, "param_groups", list, path=meta.model_file, what="the optimizer's 'param_groups'")
+        steps = {scalar(g["step"], path=meta.model_file, what="a param group's Adam 'step'")
+                 for g in groups if isinstance(g, dict) and g.get("step") is not None}
         if len(steps) > 1:
-            raise CheckpointFormatError(f"{self._rank_file(meta.tp_rank, meta.pp_rank, MODEL_FILENAME)}: param groups "
-                                        f"disagree on the Adam step: {sorted(steps)}.")
+            raise CheckpointFormatError(f"{meta.model_file}: param groups disagree on the Adam step: {sorted(steps)}; "
+                                        f"the file is corrupt, re-copy it.")
         meta.step = steps.pop() if steps else None
 
     def _map_optimizer_indices(self) -> None:
         groups_by_rank = megatron_param_groups({k: m.chunks for k, m in self._ranks.items()}, self.args)
         for key, meta in self._ranks.items():
-            state, _ = self._load_rank(*key)
-            file = self._rank_file(*key, MODEL_FILENAME)
-            opt = state["optimizer"]
-            inner = opt["optimizer"] if self.optimizer_kind == "mixed_precision" else opt
-            saved = inner["param_groups"]
+            file = meta.model_file
+            opt = entry(meta.state, "optimizer", dict, path=file, what="'optimizer'")
+            if self.optimizer_kind == "mixed_precision":
+                inner = entry(opt, "optimizer", dict, path=file, what="the Float16 optimizer's 'optimizer'")
+                masters = entry(opt, "fp32_from_fp16_params", list, path=file, what="'fp32_from_fp16_params'")
+            else:
+                inner, masters = opt, []
+            saved = entry(inner, "param_groups", list, path=file, what="the optimizer's 'param_groups'")
+            states = entry(inner, "state", dict, path=file, what="the optimizer's 'state'")
+            for g in saved:
+                params = g.get("params") if isinstance(g, dict) else None
+                if not isinstance(params, list) or not all(isinstance(i, int) for i in params):
+                    raise structure_error(file, "a param group's 'params' (a list of state indices)", params)
             mine = groups_by_rank[key]
             if [len(g["params"]) for g in saved] != [len(g) for g in mine]:
                 raise CheckpointFormatError(
@@ -271,14 +318,30 @@ class LegacyCheckpoint(CheckpointReader):
             for g, (saved_group, my_group) in enumerate(zip(saved, mine)):
                 halves = 0  # fp32_from_fp16_params[g] lists only the group's 16-bit params, in order
                 for idx, ref in zip(saved_group["params"], my_group):
-                    st = inner["state"].get(idx)
-                    if st is not None and tuple(st["exp_avg"].shape) != specs[ref].shape:
-                        raise CheckpointFormatError(
-                            f"{file}: optimizer state {idx} has shape {tuple(st['exp_avg'].shape)} but maps to "
-                            f"{ref[1]} of shape {specs[ref].shape}; the param-group order does not match.")
+                    spec = specs[ref]
+                    st = states.get(idx)
+                    if st is not None:  # no state before the first optimizer step
+                        what = f"optimizer state {idx} ({ref[1]})"
+                        if not isinstance(st, dict) or "step" not in st:
+                            raise structure_error(file, f"{what}: exp_avg, exp_avg_sq and step", st)
+                        for name in ("exp_avg", "exp_avg_sq"):
+                            rec = check_dtype(st.get(name), (STATE_DTYPE,), path=file, what=f"{what} {name}")
+                            if tuple(rec.shape) != spec.shape:
+                                raise CheckpointFormatError(
+                                    f"{file}: {what} has {name} of shape {tuple(rec.shape)} but maps to {ref[1]} of "
+                                    f"shape {spec.shape}; the param-group order does not match.")
+                        scalar(st["step"], path=file, what=f"{what} step")
                     half = None
-                    if self.optimizer_kind == "mixed_precision" and specs[ref].dtype in (torch.float16, torch.bfloat16):
+                    if self.optimizer_kind == "mixed_precision" and spec.dtype.name in ("float16", "bfloat16"):
                         half, halves = halves, halves + 1
+                        group_masters = masters[g] if g < len(masters) else None
+                        master = group_masters[half] if isinstance(group_masters, list) and half < len(
+                            group_masters) else None
+                        check_dtype(master, (STATE_DTYPE,), path=file, what=f"the fp32 main weight of {ref[1]}")
+                        if tuple(master.shape) != spec.shape:
+                            raise CheckpointFormatError(
+                                f"{file}: the fp32 main weight of {ref[1]} has shape {tuple(master.shape)}, expected "
+                                f"{spec.shape}; the param-group order does not match.")
                     meta.state_index[ref] = (g, idx, half)
 
     # -- API ----------------------------------------------------------------------------------
@@ -290,119 +353,93 @@ class LegacyCheckpoint(CheckpointReader):
                 refs += [ShardRef(t, p, chunk, q.name, q.shape, q.dtype) for q in params]
         return refs
 
-    def read(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> dict[str, torch.Tensor]:
-        """See CheckpointReader.read; the rank's files are mmapped, so tensors not asked for cost nothing."""
-        out = self._read_all(ref)
-        if keys is None:
-            return out
-        want = set(keys)
-        if not want <= set(READ_KEYS):
-            raise ValueError(f"keys={sorted(keys)}: choose from {READ_KEYS}")
-        return {k: v for k, v in out.items() if k in want or k == "step"}
-
-    def _read_all(self, ref: ShardRef) -> dict[str, torch.Tensor]:
+    def _records(self, ref: ShardRef) -> dict:
+        """The shard's saved tensors as records ('param', and 'fp32', 'exp_avg', 'exp_avg_sq' with optimizer
+        state) and its Adam 'step' (a number or a record)."""
         meta = self._ranks.get((ref.tp_rank, ref.pp_rank))
-        if meta is None or ref.vpp_chunk >= len(meta.chunks):
-            raise KeyError(f"{ref}: no such rank/chunk in {self.path}")
-        state, distopt = self._load_rank(ref.tp_rank, ref.pp_rank)
-        model = state[meta.model_keys[ref.vpp_chunk]]
-        if ref.local_name not in model:
-            raise KeyError(f"{ref.local_name} not in {self._rank_file(ref.tp_rank, ref.pp_rank, MODEL_FILENAME)}")
-        param = model[ref.local_name]
-        out = {"param": param.clone()}
+        model = (meta.state.get(meta.model_keys[ref.vpp_chunk])
+                 if meta is not None and 0 <= ref.vpp_chunk < len(meta.chunks) else None)
+        param = model.get(ref.local_name) if model is not None else None
+        if not isinstance(param, TensorRecord):
+            raise unknown_shard(ref, self.path)
+        out: dict = {"param": param}
         if self.optimizer_kind == "distributed":
-            out.update(self._read_distributed(meta, distopt, ref))
+            out.update(self._distributed_records(meta, ref))
         elif self.optimizer_kind in ("adam", "mixed_precision"):
-            out.update(self._read_adam(meta, state["optimizer"], ref, param))
+            out.update(self._adam_records(meta, ref, param))
         return out
 
-    def _distributed_views(self, meta: _RankMeta, distopt: dict, ref: ShardRef) -> dict:
+    def _distributed_records(self, meta: _RankMeta, ref: ShardRef) -> dict:
         for i, buf in enumerate(meta.buffers[ref.vpp_chunk]):
             try:
                 span = buf.span(ref.local_name)
             except KeyError:
                 continue
-            entry = distopt[meta.gbuf_base[ref.vpp_chunk] + i][(buf.param_dtype, buf.grad_dtype)]
+            saved = meta.distopt[meta.gbuf_base[ref.vpp_chunk] + i][(buf.param_dtype, buf.grad_dtype)]
             start = buf.coalesced_offset(span)
-            numel = span.end - span.start
-            out = {("fp32" if key == "param" else key): entry[key][start:start + numel].view(span.shape)
+            out = {("fp32" if key == "param" else key): sub_record(saved[key], start, span.shape)
                    for key in ("param", "exp_avg", "exp_avg_sq")}
             if meta.step is not None:
-                out["step"] = torch.tensor(float(meta.step), dtype=torch.float32)
+                out["step"] = meta.step
             return out
-        raise KeyError(f"{ref.local_name} is in no DDP buffer of rank tp={ref.tp_rank} pp={ref.pp_rank}")
+        raise CheckpointFormatError(f"{meta.optim_file}: {ref.local_name} is in no DDP buffer of rank "
+                                    f"tp={ref.tp_rank} pp={ref.pp_rank}; the file does not match the model.")
 
-    def _read_distributed(self, meta: _RankMeta, distopt: dict, ref: ShardRef) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self._distributed_views(meta, distopt, ref).items()}
-
-    def _adam_views(self, meta: _RankMeta, opt: dict, ref: ShardRef, param: Optional[torch.Tensor]) -> dict:
+    def _adam_records(self, meta: _RankMeta, ref: ShardRef, param: TensorRecord) -> dict:
         group, idx, half = meta.state_index[(ref.vpp_chunk, ref.local_name)]
+        opt = meta.state["optimizer"]
         inner = opt["optimizer"] if self.optimizer_kind == "mixed_precision" else opt
         # FP32Optimizer and fp32 params of Float16Optimizer step the model weight itself
         out = {"fp32": opt["fp32_from_fp16_params"][group][half] if half is not None else param}
         st = inner["state"].get(idx)
         if st is not None:  # no state before the first optimizer step
-            out["exp_avg"] = st["exp_avg"]
-            out["exp_avg_sq"] = st["exp_avg_sq"]
-            out["step"] = st["step"]
+            out.update(exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"], step=st["step"])
         return out
 
-    def _read_adam(self, meta: _RankMeta, opt: dict, ref: ShardRef, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        views = self._adam_views(meta, opt, ref, param)
-        out = {k: v.clone() for k, v in views.items() if k != "step"}
-        if "step" in views:
-            out["step"] = torch.as_tensor(views["step"], dtype=torch.float32).clone().reshape(())
+    def _step(self, meta_step: Any, ref: ShardRef):
+        import torch
+
+        where = self._rank_file(ref.tp_rank, ref.pp_rank, MODEL_FILENAME)
+        return torch.tensor(scalar(meta_step, path=where, what=f"the Adam step of {ref.local_name}"),
+                            dtype=torch.float32)
+
+    @staticmethod
+    def _wanted(keys: Optional[Collection[str]]) -> set:
+        want = set(READ_KEYS if keys is None else keys)
+        if not want <= set(READ_KEYS):
+            raise ValueError(f"keys={sorted(keys)}: choose from {READ_KEYS}")
+        return want
+
+    def read(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> dict:
+        """See CheckpointReader.read; only the bytes of the tensors asked for are read (each checked to be in
+        the file before anything is allocated)."""
+        want = self._wanted(keys)
+        records = self._records(ref)
+        out: dict = {}
+        by_record: dict = {}  # id(record) -> tensor: the weight is its own fp32 main copy in fp32 training
+        for key in _TENSOR_KEYS:
+            record = records.get(key)
+            if record is None or key not in want:
+                continue
+            done = by_record.get(id(record))
+            out[key] = done.clone() if done is not None else read_tensor(record)
+            by_record[id(record)] = out[key]
+        if "step" in records:
+            out["step"] = self._step(records["step"], ref)
         return out
 
     # -- byte locations (conversion without materialising tensors) ------------------------------
 
-    def _meta_rank(self, tp_rank: int, pp_rank: int) -> tuple[dict, Optional[dict]]:
-        """The rank's files loaded with every tensor on the meta device (pickles only), cached."""
-        key = (tp_rank, pp_rank)
-        with self._lock:
-            found = self._meta_cache.get(key)
-        if found is not None:
-            return found
-        model_file = self._rank_file(tp_rank, pp_rank, MODEL_FILENAME)
-        files = [model_file] + ([self._rank_file(tp_rank, pp_rank, DISTRIB_OPTIM_FILENAME)]
-                                if self.optimizer_kind == "distributed" else [])
-        loaded = []
-        for f in files:
-            try:
-                loaded.append(meta_load(str(f)))
-            except Exception as e:  # noqa: BLE001 - the mmap load at open worked; report, do not guess
-                raise CheckpointFormatError(f"{f}: cannot read its pickle ({type(e).__name__}: {e}); re-copy it") from e
-        found = (loaded[0], loaded[1] if len(loaded) > 1 else None)
-        with self._lock:
-            self._meta_cache[key] = found
-        return found
-
     def locate(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> Optional[dict]:
         """Like read(), but each tensor is a StoredTensor (where its bytes are in the rank's files);
-        None when one is not a contiguous run of bytes (read() it then). Locations of all tensors cost
-        nothing to compute, so `keys` only filters."""
-        meta = self._ranks.get((ref.tp_rank, ref.pp_rank))
-        if meta is None or ref.vpp_chunk >= len(meta.chunks):
-            raise KeyError(f"{ref}: no such rank/chunk in {self.path}")
-        state, distopt = self._meta_rank(ref.tp_rank, ref.pp_rank)
-        model_file = str(self._rank_file(ref.tp_rank, ref.pp_rank, MODEL_FILENAME))
-        param = state[meta.model_keys[ref.vpp_chunk]][ref.local_name]
-        out = {"param": stored_tensor(model_file, 0, param)}
-        if self.optimizer_kind == "distributed":
-            optim_file = str(self._rank_file(ref.tp_rank, ref.pp_rank, DISTRIB_OPTIM_FILENAME))
-            views = self._distributed_views(meta, distopt, ref)
-            out.update({k: v if k == "step" else stored_tensor(optim_file, 0, v) for k, v in views.items()})
-        elif self.optimizer_kind in ("adam", "mixed_precision"):
-            views = self._adam_views(meta, state["optimizer"], ref, param)
-            if "step" in views:  # the value itself, from the mapped (not meta) state
-                real, _ = self._load_rank(ref.tp_rank, ref.pp_rank)
-                real_views = self._adam_views(meta, real["optimizer"], ref, None)
-                views["step"] = torch.as_tensor(real_views["step"], dtype=torch.float32).clone().reshape(())
-            out.update({k: v if k == "step" else stored_tensor(model_file, 0, v) for k, v in views.items()})
-        if keys is not None:
-            out = {k: v for k, v in out.items() if k in set(keys) or k == "step"}
+        None when one is not a contiguous run of bytes (read() it then)."""
+        want = self._wanted(keys)
+        records = self._records(ref)
+        out: dict = {key: stored_tensor(records[key]) for key in _TENSOR_KEYS if key in records and key in want}
         if any(v is None for v in out.values()):
             return None
+        if "step" in records:
+            out["step"] = self._step(records["step"], ref)
         return out
 
     def common_state(self) -> dict:

@@ -41,7 +41,7 @@ __all__ = [
     "ARCHIVE_GLOBALS", "DCP_METADATA_GLOBALS", "ByteRegion", "DcpBytesMeta", "DcpChunk", "DcpIndex", "DcpMetadata",
     "DcpStorageItem", "DcpTensorMeta", "NumpyArray", "NumpyDType", "PickledEnum", "SafeLoadError", "StorageRef",
     "TensorRecord", "TorchDType", "TorchDevice", "UnsafePickleError", "iter_region_bytes", "load_archive",
-    "load_dcp_item", "load_dcp_metadata", "materialize", "read_tensor_bytes", "to_torch",
+    "load_dcp_item", "load_dcp_metadata", "materialize", "read_scalar", "read_tensor_bytes", "to_torch",
 ]
 
 FIX = "re-copy the checkpoint from a trusted source; megatron-ucp never disables this check"
@@ -66,8 +66,8 @@ class UnsafePickleError(SafeLoadError):
 
 def _unsafe(where: str, global_name: str) -> UnsafePickleError:
     return UnsafePickleError(
-        f"{where}: the pickle tries to load {global_name!r}, which is outside the allow-list of what a Megatron "
-        f"checkpoint holds and could run code; the file was NOT loaded. {FIX[0].upper()}{FIX[1:]}.",
+        f"{where}: tried to run code: its pickle loads {global_name!r}, which is outside the allow-list of what a "
+        f"Megatron checkpoint holds; the file was NOT loaded and nothing in it ran. {FIX[0].upper()}{FIX[1:]}.",
         where, global_name)
 
 
@@ -143,6 +143,7 @@ DTYPE_ITEMSIZE = {
     "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "uint16": 2, "uint32": 4, "uint64": 8,
     "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
 }
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 # torch.<Name>Storage, as torch.save names a tensor's typed storage -> dtype name
 _TYPED_STORAGES = {
     "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
@@ -212,13 +213,26 @@ class StorageRef:
 
 @_frozen_record
 class TorchDType:
-    """A torch dtype (e.g. args.params_dtype) without torch; str() is torch's spelling."""
+    """A torch dtype (e.g. args.params_dtype, a reader's ShardRef.dtype) without torch; str() is torch's
+    spelling. It compares equal to the torch dtype of the same name (`ref.dtype == torch.float32`), but
+    hashes by its name: as a dict or set key it only meets other TorchDTypes."""
 
     name: str
 
     @property
     def itemsize(self) -> int:
         return DTYPE_ITEMSIZE[self.name]
+
+    @property
+    def is_floating_point(self) -> bool:
+        return self.name in FLOAT_DTYPES
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, TorchDType):
+            return self.name == other.name
+        if type(other).__name__ == "dtype" and type(other).__module__ == "torch":  # without importing torch
+            return str(other) == f"torch.{self.name}"
+        return NotImplemented
 
     def __str__(self) -> str:
         return f"torch.{self.name}"
@@ -245,11 +259,16 @@ class TorchMemoryFormat:
 
 @dataclass(frozen=True, slots=True)
 class PickledEnum:
-    """An enum member found in a pickle, kept as (class path, value) without importing its module (same
-    fields as formats.common.PickledEnum), e.g. PickledEnum('megatron.core.transformer.enums.AttnBackend', 5)."""
+    """An enum member found in a pickle, kept as (class path, value) without importing its module, e.g.
+    PickledEnum('megatron.core.transformer.enums.AttnBackend', 5): only the enums of ENUM_CLASSES, with a
+    plain value (checked when made, also when a pickle makes one)."""
 
     qualname: str
     value: Any
+
+    def __post_init__(self) -> None:
+        _expect(self.qualname in ENUM_CLASSES, lambda: f"a PickledEnum of {_short(self.qualname)}, not an allowed enum")
+        _expect(_is_scalar(self.value), lambda: f"a PickledEnum with value {_short(self.value)}")
 
     def __setstate__(self, state) -> None:
         # Only PickledEnums pickled by megatron-ucp itself arrive by NEWOBJ + BUILD: fill an empty one, once.
@@ -677,7 +696,8 @@ ARCHIVE_GLOBALS: Mapping[str, Any] = types.MappingProxyType({
     "pathlib._local.PosixPath": _Global("pathlib._local.PosixPath", _posix_path),  # Python >= 3.13
     "signal.Signals": _Global("signal.Signals", _enum("signal.Signals", _is_int)),
     **{q: _Global(q, _enum(q)) for q in MEGATRON_ENUMS},
-    "megatron_ucp.formats.common.PickledEnum": PickledEnum,
+    "megatron_ucp.formats.common.PickledEnum": PickledEnum,  # where the class lived before (NEWOBJ + BUILD)
+    "megatron_ucp.formats.safe_pickle.PickledEnum": PickledEnum,  # trees re-saved with torch.save (REDUCE)
     "_codecs.encode": _Global("_codecs.encode", _codecs_encode),
     "builtins.set": _Global("builtins.set", _collection(set)),
     "builtins.frozenset": _Global("builtins.frozenset", _collection(frozenset)),
@@ -780,8 +800,8 @@ def _unpickle(data: bytes, where: str, allowed: Mapping[str, Any], archive: Opti
         raise _refused(where, e) from None
     except Exception as e:  # truncated or invalid opcodes, wrong argument types
         text = str(e).splitlines()[0][:200] if str(e) else ""
-        raise SafeLoadError(f"{where}: not a valid pickle ({type(e).__name__}: {text}): the file is corrupt or "
-                            f"crafted; {FIX}.") from None
+        raise SafeLoadError(f"{where}: not a valid pickle ({type(e).__name__}: {text}): the file is truncated, "
+                            f"corrupt or crafted; {FIX}.") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1235,6 +1255,23 @@ def read_tensor_bytes(source: Union[TensorRecord, ByteRegion]) -> bytearray:
         return buf
     finally:
         os.close(fd)
+
+
+# dtype name -> struct format of one little-endian value (bfloat16 is read as the top half of a float32)
+_VALUE_FORMATS = {"float64": "<d", "float32": "<f", "float16": "<e", "int64": "<q", "int32": "<i", "int16": "<h",
+                  "int8": "<b", "uint8": "<B", "bool": "<?", "uint16": "<H", "uint32": "<I", "uint64": "<Q"}
+
+
+def read_scalar(record: TensorRecord) -> Union[int, float, bool]:
+    """The value of a one-element tensor (e.g. a saved Adam step) as a Python number, without torch."""
+    if record.numel != 1 or (record.dtype not in _VALUE_FORMATS and record.dtype != "bfloat16"):
+        raise SafeLoadError(f"{record.path}: a {record.dtype} tensor of shape {record.shape} where one number is "
+                            f"expected: {RECOPY}.")
+    data = bytes(read_tensor_bytes(ByteRegion(record.path, record.data_offset + record.storage_offset
+                                              * record.itemsize, record.itemsize)))
+    if record.dtype == "bfloat16":
+        return struct.unpack("<f", b"\0\0" + data)[0]
+    return struct.unpack(_VALUE_FORMATS[record.dtype], data)[0]
 
 
 def to_torch(record: TensorRecord, *, mmap: bool = False):

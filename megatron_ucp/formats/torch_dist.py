@@ -3,8 +3,12 @@ torch.distributed.checkpoint).
 
 Layout of iter_XXXXXXX/: metadata.json ({"sharded_backend": "torch_dist", ...}), common.pt (args,
 iteration, opt_param_scheduler, checkpoint_version, content_metadata with
-'distrib_optim_sharding_type'), .metadata + __<rank>_<n>.distcp (DCP). Bytes are read through
-torch's own FileSystemReader with a small LoadPlanner that asks only for the chunks one shard needs.
+'distrib_optim_sharding_type'), .metadata + __<rank>_<n>.distcp (DCP). Everything is parsed through the
+allow-list of formats/safe_pickle.py, without torch.distributed.checkpoint (and without torch until a
+tensor is read): `.metadata` into plain records (every data file it names is a plain file of the
+iteration folder holding the bytes it points to), each saved item on first use. A read asks only for the
+saved chunks one shard needs; each chunk item is verified (dtype, shape, storage size, contiguity against
+the metadata) before its bytes are used, and the chunks must tile the requested box exactly.
 
 Model keys hold GLOBAL tensors:
 - Transformer layers are stacked on a leading axis of size num_layers under 'decoder.layers.<suffix>'
@@ -49,25 +53,19 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Collection, Optional
-
-import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, create_read_items_for_chunk_list
+from typing import Collection, Optional
 
 from megatron_ucp.adapters import gpt as rulebook
-from megatron_ucp.byteio import FileRegion, StoredTensor, box_bytes, concat_stored
-from megatron_ucp.formats.archive import archive_data_record, meta_load
-from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef
+from megatron_ucp.formats.archive import box_record, read_tensor, stored_tensor, torch_dtype
+from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef, unknown_shard
 from megatron_ucp.formats.bucket_layout import (
     BufferLayout, BufferParam, DDPBucketConfig, build_chunk_buffers, shared_embedding_names)
 from megatron_ucp.formats.common import (
-    CheckpointFormatError, args_to_dict, build_common_state, layout_from_args, load_pickled, load_pickled_bytes)
+    PARAM_DTYPES, STATE_DTYPE, CheckpointFormatError, args_to_dict, build_common_state, inside, layout_from_args,
+    load_archive_file, model_config_from_args, scalar, structure_error)
+from megatron_ucp.formats.safe_pickle import (
+    DcpBytesMeta, DcpIndex, DcpTensorMeta, SafeLoadError, TensorRecord, TorchDType, load_dcp_item, load_dcp_metadata)
 from megatron_ucp.layout import LayoutError
-from megatron_ucp.model_config import GPTModelConfig
 
 # optimizer state in model space: fully_reshardable distributed optimizer, FP32 / Float16 optimizers
 _MODEL_SPACE_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
@@ -75,6 +73,10 @@ _MODEL_SPACE_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(param|fp32
 _BUCKET_KEY = re.compile(
     r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+), (.+)\)\.bucket_idx_(\d+)\."
     r"(param|exp_avg|exp_avg_sq)$")
+
+_MAX_JSON_BYTES = 1 << 20  # metadata.json is a few hundred bytes; never read a huge one whole
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in a saved tensor
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ class _Piece:
 
     key: str
     lead: int
-    regions: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    regions: tuple[Box, ...]
     axis: int
 
 
@@ -99,55 +101,24 @@ class _RankInfo:
     param_groups: Optional[list] = None
 
 
-class _SliceLoadPlanner(LoadPlanner):
-    """Reads requested regions of saved tensors into fresh tensors, and pickled byte items."""
+@dataclass(frozen=True)
+class _Overlap:
+    """The part of a requested box that one saved chunk holds: `lengths` elements per dim, at `src` in the
+    saved chunk and at `dst` in the requested box."""
 
-    def __init__(self, metadata, tensor_requests: dict[str, list[ChunkStorageMetadata]], byte_keys: list[str]):
-        self.metadata = metadata
-        self.tensor_requests = tensor_requests
-        self.byte_keys = byte_keys
-        self.tensors: dict[str, list[torch.Tensor]] = {}
-        self.objects: dict[str, Any] = {}
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
-        pass
-
-    def create_local_plan(self) -> LoadPlan:
-        items: list[ReadItem] = []
-        for fqn, chunks in self.tensor_requests.items():
-            md = self.metadata.state_dict_metadata[fqn]
-            self.tensors[fqn] = [torch.empty(tuple(c.sizes), dtype=md.properties.dtype) for c in chunks]
-            items += create_read_items_for_chunk_list(fqn, md, chunks)
-        for fqn in self.byte_keys:
-            items.append(_create_read_item_for_byteio(MetadataIndex(fqn), 0, MetadataIndex(fqn), 0, 0))
-        return LoadPlan(items)
-
-    def create_global_plan(self, global_plan):
-        return global_plan
-
-    def finish_plan(self, central_plan):
-        return central_plan
-
-    def load_bytes(self, read_item, value) -> None:
-        self.objects[read_item.dest_index.fqn] = load_pickled_bytes(value, what=read_item.dest_index.fqn)
-
-    def resolve_tensor(self, read_item) -> torch.Tensor:
-        dest = self.tensors[read_item.dest_index.fqn][read_item.dest_index.index]
-        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            dest = dest.narrow(dim, offset, length)
-        return dest
-
-    def commit_tensor(self, read_item, tensor) -> None:
-        pass  # resolve_tensor handed out a view of the destination
+    chunk: tuple[int, ...]  # the saved chunk's offsets (its item key)
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+    lengths: tuple[int, ...]
 
 
 @dataclass
 class _Requests:
-    """What one read()/locate() asks of the checkpoint: chunks per saved key, and how to name them."""
+    """What one read()/locate() asks of the checkpoint: boxes per saved key, and how to name them."""
 
     piece: _Piece
     want: set
-    tensors: dict = field(default_factory=dict)  # saved key -> [ChunkStorageMetadata]
+    tensors: dict = field(default_factory=dict)  # saved key -> [Box]
     flat: dict = field(default_factory=dict)  # out name -> saved key (flat buckets)
     states: dict = field(default_factory=dict)  # out name -> saved key (model-space state)
     weight_is_main: bool = False
@@ -157,12 +128,11 @@ class _NotContiguous(Exception):
     pass
 
 
-_UNSET = object()
-
-
-def _assemble_stored(parts: list[StoredTensor], piece: _Piece, shape: Optional[tuple] = None) -> StoredTensor:
+def _assemble_stored(parts: list, piece: _Piece, shape: Optional[tuple] = None):
     """_assemble for StoredTensors: chunks concatenated along the piece's axis are one run of bytes only
     when every dim before that axis has size 1."""
+    from megatron_ucp.byteio import concat_stored
+
     if len(parts) > 1 and math.prod(parts[0].shape[:piece.axis]) != 1:
         raise _NotContiguous(piece.key)
     full = list(parts[0].shape)
@@ -172,11 +142,20 @@ def _assemble_stored(parts: list[StoredTensor], piece: _Piece, shape: Optional[t
     return concat_stored(parts, shape)
 
 
+def _intersect(a: Box, b: Box) -> Optional[Box]:
+    """The common part of two boxes, or None."""
+    lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
+    hi = tuple(min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1]))
+    if any(end <= start for start, end in zip(lo, hi)):
+        return None
+    return lo, tuple(end - start for start, end in zip(lo, hi))
+
+
 class TorchDistCheckpoint(CheckpointReader):
     """A `torch_dist` format checkpoint; see the module docstring."""
 
     format = "torch_dist"
-    # read() keeps no per-call state (each call plans and opens its own streams): threads may share one
+    # everything is parsed at open; reads only fill caches of verified item records: threads may share one
     thread_safe_reads = True
 
     def __init__(self, iter_dir: Path, iteration: int):
@@ -184,8 +163,8 @@ class TorchDistCheckpoint(CheckpointReader):
         self.iteration = iteration
         self._check_backend()
         common_file = self.path / "common.pt"
-        common = load_pickled(common_file, what="the common state (args, iteration, scheduler)",
-                              fix="Every torch_dist checkpoint has one; re-copy the iteration folder.")
+        common = load_archive_file(inside(self.path, common_file), what="the common state (args, iteration, scheduler)",
+                                   fix="Every torch_dist checkpoint has one; re-copy the iteration folder.")
         if not isinstance(common, dict) or "args" not in common:
             raise CheckpointFormatError(f"{common_file}: has no 'args'; not written by Megatron-LM's save_checkpoint.")
         if common.get("iteration") != iteration:
@@ -193,11 +172,11 @@ class TorchDistCheckpoint(CheckpointReader):
                 f"{common_file}: holds iteration {common.get('iteration')} but lives in {self.path.name}; files of "
                 f"different iterations were mixed. Re-copy the iteration folder from one save.")
         self.args = args_to_dict(common["args"], source=common_file)
-        self.layout = layout_from_args(self.args)
-        self.config = GPTModelConfig.from_megatron_args(self.args)
+        self.layout = layout_from_args(self.args, common_file)
+        self.config = model_config_from_args(self.args, common_file)
         self._common = {k: v for k, v in common.items() if k not in ("args", "rng_state")}
         del common
-        self._reader, self._metadata = self._open_dcp()
+        self._metadata = self._open_dcp()
         self._keys = self._metadata.state_dict_metadata
         # 'dp_reshardable' | 'fully_reshardable' with the distributed optimizer, else None
         self.distrib_optim_sharding: Optional[str] = None
@@ -207,10 +186,8 @@ class TorchDistCheckpoint(CheckpointReader):
         self._state_keys = self._index_model_space_state() if self._model_space else {}
         self._model_space_groups, self._model_space_step = (
             self._model_space_common() if self._model_space else (None, None))
-        self._item_cache: dict = {}  # MetadataIndex -> Optional[StoredTensor]
-        self._plain_keys: dict[str, bool] = {}  # saved key -> its chunks are plain contiguous tensors
+        self._records: dict = {}  # DcpIndex -> the verified TensorRecord of a saved chunk
         self._chunks_by_offset: dict[str, dict] = {}  # saved key -> {chunk offsets: chunk sizes}
-        self._chunks_by_layer: dict[str, dict] = {}  # stacked saved key -> {layer: [chunks]}
         self._ranks: dict[tuple[int, int], _RankInfo] = {}
         try:
             self._expected_shapes = dict(rulebook.expected_parameters(self.config))
@@ -228,8 +205,13 @@ class TorchDistCheckpoint(CheckpointReader):
         meta_json = self.path / "metadata.json"
         if not meta_json.is_file():
             raise CheckpointFormatError(f"{meta_json}: missing; re-copy the torch_dist iteration folder.")
+        with open(inside(self.path, meta_json), "rb") as f:
+            text = f.read(_MAX_JSON_BYTES + 1)
         try:
-            backend = json.loads(meta_json.read_text()).get("sharded_backend")
+            if len(text) > _MAX_JSON_BYTES:
+                raise ValueError(f"over {_MAX_JSON_BYTES} bytes")
+            found = json.loads(text)
+            backend = found.get("sharded_backend") if isinstance(found, dict) else None
         except ValueError as e:
             raise CheckpointFormatError(f"{meta_json}: not valid JSON ({e}); re-copy it.") from e
         if backend != "torch_dist":
@@ -237,27 +219,16 @@ class TorchDistCheckpoint(CheckpointReader):
                                         f"(convert zarr checkpoints with Megatron-LM first).")
 
     def _open_dcp(self):
+        """.metadata parsed through the allow-list; load_dcp_metadata checks that every data file it names is a
+        plain file of this folder (no path, no link out) holding every item it points to."""
         meta_file = self.path / ".metadata"
         if not meta_file.is_file():
             raise CheckpointFormatError(f"{meta_file}: missing DCP metadata; re-copy the iteration folder.")
-        reader = FileSystemReader(str(self.path))
+        inside(self.path, meta_file)
         try:
-            metadata = reader.read_metadata()
-        except Exception as e:
-            raise CheckpointFormatError(f"{meta_file}: cannot read DCP metadata ({type(e).__name__}: {e}); the "
-                                        f"file is truncated or corrupt, re-copy it.") from e
-        reader.set_up_storage_reader(metadata, is_coordinator=True)
-        needed: dict[str, int] = {}
-        for info in metadata.storage_data.values():
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-        for rel, size in sorted(needed.items()):
-            f = self.path / rel
-            if not f.is_file():
-                raise CheckpointFormatError(f"{f}: missing data file listed in {meta_file}; re-copy the iteration folder.")
-            if f.stat().st_size < size:
-                raise CheckpointFormatError(f"{f}: truncated ({f.stat().st_size} bytes, the metadata needs {size}); "
-                                            f"re-copy it.")
-        return reader, metadata
+            return load_dcp_metadata(self.path)
+        except SafeLoadError as e:
+            raise CheckpointFormatError(str(e)) from e
 
     @property
     def _model_space(self) -> bool:
@@ -270,10 +241,14 @@ class TorchDistCheckpoint(CheckpointReader):
         if not opt_keys and opt_common is None:
             return "none"
         content = self._common.get("content_metadata") or {}
+        if not isinstance(content, dict):
+            raise structure_error(self.path / "common.pt", "'content_metadata' (a dict)", content)
         sharding = content.get("distrib_optim_sharding_type")
         common_file = self.path / "common.pt"
         if self.args.get("num_experts"):
-            raise CheckpointFormatError(f"{self.path}: MoE optimizer state is not supported yet.")
+            raise CheckpointFormatError(f"{self.path / 'common.pt'}: a mixture-of-experts model (args.num_experts="
+                                        f"{self.args.get('num_experts')}); MoE checkpoints are not supported yet, "
+                                        f"convert a dense GPT checkpoint.")
         if self.args.get("optimizer", "adam") != "adam":
             raise CheckpointFormatError(f"{common_file}: args.optimizer={self.args.get('optimizer')!r}; only Adam "
                                         f"state (exp_avg, exp_avg_sq) can be read.")
@@ -308,17 +283,22 @@ class TorchDistCheckpoint(CheckpointReader):
         if not isinstance(opt, dict):
             raise CheckpointFormatError(f"{self.path / 'common.pt'}: 'optimizer' is a {type(opt).__name__}, "
                                         f"expected the dict megatron-core's optimizer.sharded_state_dict leaves.")
-        return [opt[k] for k in sorted(opt)] if opt and all(isinstance(k, int) for k in opt) else [opt]
+        parts = [opt[k] for k in sorted(opt)] if opt and all(isinstance(k, int) for k in opt) else [opt]
+        for part in parts:
+            if not isinstance(part, dict):
+                raise structure_error(self.path / "common.pt", "an optimizer entry of 'optimizer' (a dict)", part)
+        return parts
 
     def _index_model_space_state(self) -> dict[str, dict[str, str]]:
         """model key -> {'param' | 'fp32_param' | 'exp_avg' | 'exp_avg_sq': saved key}."""
         out: dict[str, dict[str, str]] = {}
         for key, md in self._keys.items():
             m = _MODEL_SPACE_KEY.match(key)
-            if not m or not isinstance(md, TensorStorageMetadata):
+            if not m or not isinstance(md, DcpTensorMeta):
                 continue
             what, model_key = m.groups()
-            if model_key not in self._keys:
+            self._check_dtype(key, (STATE_DTYPE,))
+            if not isinstance(self._keys.get(model_key), DcpTensorMeta):
                 raise CheckpointFormatError(f"{self.path / '.metadata'}: optimizer state {key} belongs to no saved "
                                             f"model tensor {model_key!r}.")
             if tuple(md.size) != tuple(self._keys[model_key].size):
@@ -344,13 +324,19 @@ class TorchDistCheckpoint(CheckpointReader):
         """(param groups, Adam step) from common.pt for model-space optimizer state."""
         groups: list = []
         steps: set = set()
+        common_file = self.path / "common.pt"
         for sub in self._optimizer_common_parts():
             inner = sub.get("optimizer", sub)  # Float16 optimizer and distributed optimizer nest it
-            groups += list(inner.get("param_groups") or [])
-            steps |= {float(g["step"]) for g in inner.get("param_groups") or [] if g.get("step") is not None}
-            common_step = (inner.get("state") or {}).get("common_step")
+            found = inner.get("param_groups") if isinstance(inner, dict) else None
+            if not isinstance(found, list) or not all(isinstance(g, dict) for g in found):
+                raise structure_error(common_file, "the optimizer's 'param_groups' (a list of dicts)", found)
+            groups += found
+            steps |= {scalar(g["step"], path=common_file, what="a param group's Adam 'step'")
+                      for g in found if g.get("step") is not None}
+            state = inner.get("state") or {}
+            common_step = state.get("common_step") if isinstance(state, dict) else None
             if common_step is not None:
-                steps.add(float(common_step))
+                steps.add(scalar(common_step, path=common_file, what="the optimizer's 'common_step'"))
         if len(steps) > 1:
             raise CheckpointFormatError(f"{self.path / 'common.pt'}: the optimizer state disagrees on the Adam step "
                                         f"{sorted(steps)}.")
@@ -363,6 +349,7 @@ class TorchDistCheckpoint(CheckpointReader):
             m = _BUCKET_KEY.match(key)
             if m:
                 mp, g, pd, gd, b, what = m.groups()
+                self._check_dtype(key, (STATE_DTYPE,))
                 out.setdefault((int(mp), int(g), (pd, gd), int(b)), {})[what] = key
         if not out:
             raise CheckpointFormatError(f"{self.path / '.metadata'}: no optimizer.distributed.*bucket_idx_* tensors.")
@@ -375,9 +362,10 @@ class TorchDistCheckpoint(CheckpointReader):
         key, lead = next(((k, lead) for k, lead in candidates if k in self._keys), candidates[0])
         md = self._keys.get(key)
         where = f"{self.path / '.metadata'}: {key}"
-        if not isinstance(md, TensorStorageMetadata):
+        if not isinstance(md, DcpTensorMeta):
             raise CheckpointFormatError(f"{where} is missing (needed for {local}); the checkpoint is incomplete or "
                                         f"does not match its args")
+        self._check_dtype(key, PARAM_DTYPES)
         size = tuple(md.size)
         shape = size[len(lead):]
         if len(size) < len(lead) or any(not 0 <= i < n for i, n in zip(lead, size)):
@@ -412,7 +400,7 @@ class TorchDistCheckpoint(CheckpointReader):
                 shape = list(piece.regions[0][1])
                 shape[piece.axis] = sum(r[1][piece.axis] for r in piece.regions)
                 shape = shape[piece.lead:]
-                params.append(BufferParam(local, tuple(shape), self._keys[piece.key].properties.dtype))
+                params.append(BufferParam(local, tuple(shape), TorchDType(self._keys[piece.key].dtype)))
                 info.sources[(chunk, local)] = piece
                 self._used_keys.add(piece.key)
             info.params.append(params)
@@ -424,7 +412,7 @@ class TorchDistCheckpoint(CheckpointReader):
 
     def _check_all_keys_used(self) -> None:
         """Every saved model tensor belongs to a parameter the rulebook knows (nothing silently dropped)."""
-        unused = sorted(k for k, v in self._keys.items() if isinstance(v, TensorStorageMetadata)
+        unused = sorted(k for k, v in self._keys.items() if isinstance(v, DcpTensorMeta)
                         and not k.startswith(("optimizer.", "chained_", "rng_state")) and not rulebook.is_ignorable(k)
                         and k not in self._used_keys)
         if unused:
@@ -479,7 +467,7 @@ class TorchDistCheckpoint(CheckpointReader):
             need = {"exp_avg", "exp_avg_sq"}
             if self.distrib_optim_sharding == "fully_reshardable":
                 need.add("param")
-            elif self._keys[piece.key].properties.dtype in (torch.float16, torch.bfloat16):
+            elif self._keys[piece.key].dtype in ("float16", "bfloat16"):
                 need.add("fp32_param")
             if not need <= set(found):
                 raise CheckpointFormatError(
@@ -487,38 +475,48 @@ class TorchDistCheckpoint(CheckpointReader):
                     f"{piece.key}) has optimizer state {sorted(found)}, expected {sorted(need)}; the checkpoint is "
                     f"incomplete.")
 
-    def _optimizer_groups(self, tp_rank: int, pp_rank: int) -> dict:
+    def _check_dtype(self, key: str, allowed: tuple) -> None:
+        dtype = self._keys[key].dtype
+        if dtype not in allowed:
+            raise CheckpointFormatError(
+                f"{self.path / '.metadata'}: {key} is saved as {dtype}, expected {' or '.join(allowed)} (what "
+                f"Megatron-LM saves for it); the metadata is corrupt or from another kind of run; re-copy the "
+                f"iteration folder.")
+
+    def _optimizer_groups(self, tp_rank: int, pp_rank: int) -> _RankInfo:
         info = self._ranks[(tp_rank, pp_rank)]
         if info.param_groups is None:
             mp = tp_rank + self.layout.tp * pp_rank
             prefix = f"optimizer.distributed.dp_group_idx_{mp}.optimizer/"
-            keys = [k for k, v in self._keys.items() if k.startswith(prefix) and isinstance(v, BytesStorageMetadata)]
+            keys = [k for k, v in self._keys.items() if k.startswith(prefix) and isinstance(v, DcpBytesMeta)]
             if not keys:
-                raise CheckpointFormatError(f"{self.path / '.metadata'}: missing {prefix}* (optimizer param groups).")
-            obj = self._read({}, keys[:1]).objects[keys[0]]
-            obj = obj[0] if isinstance(obj, list) else obj
-            groups = obj.get("optimizer", obj).get("param_groups", [])
-            steps = {g.get("step") for g in groups if g.get("step") is not None}
+                raise CheckpointFormatError(f"{self.path / '.metadata'}: missing {prefix}* (optimizer param groups); "
+                                            f"the checkpoint is incomplete, re-copy the iteration folder.")
+            index = DcpIndex(keys[0])
+            item = self._metadata.storage_data.get(index)
+            if item is None:
+                raise CheckpointFormatError(f"{self.path / '.metadata'}: lists {keys[0]} but not where it is saved; "
+                                            f"the metadata is corrupt, re-copy the iteration folder.")
+            where = f"{item.path} (item {keys[0]})"
+            try:
+                obj = load_dcp_item(self._metadata, index)
+            except SafeLoadError as e:
+                raise CheckpointFormatError(str(e)) from e
+            obj = obj[0] if isinstance(obj, list) and obj else obj
+            inner = obj.get("optimizer", obj) if isinstance(obj, dict) else None
+            groups = inner.get("param_groups") if isinstance(inner, dict) else None
+            if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+                raise structure_error(where, "the optimizer's 'param_groups' (a list of dicts)", groups)
+            steps = {scalar(g["step"], path=where, what="a param group's Adam 'step'")
+                     for g in groups if g.get("step") is not None}
             if len(steps) > 1:
-                raise CheckpointFormatError(f"{keys[0]}: param groups disagree on the Adam step {sorted(steps)}.")
+                raise CheckpointFormatError(f"{where}: param groups disagree on the Adam step {sorted(steps)}; the "
+                                            f"file is corrupt, re-copy it.")
             info.step = steps.pop() if steps else None
             info.param_groups = groups  # set last: other threads take a set param_groups as done
         return info
 
     # -- reading ------------------------------------------------------------------------------
-
-    def _read(self, tensor_requests: dict, byte_keys: list) -> _SliceLoadPlanner:
-        planner = _SliceLoadPlanner(self._metadata, tensor_requests, byte_keys)
-        plan = self._reader.prepare_local_plan(planner.create_local_plan())
-        plan = planner.finish_plan(self._reader.prepare_global_plan([plan])[0])
-        try:
-            self._reader.read_data(plan, planner).wait()
-        except CheckpointFormatError:
-            raise
-        except Exception as e:
-            raise CheckpointFormatError(f"{self.path}: reading {sorted(tensor_requests) + byte_keys} failed "
-                                        f"({type(e).__name__}: {e}); a .distcp file is corrupt, re-copy it.") from e
-        return planner
 
     def shards(self) -> list[ShardRef]:
         refs = []
@@ -527,22 +525,22 @@ class TorchDistCheckpoint(CheckpointReader):
                 refs += [ShardRef(t, p, chunk, q.name, q.shape, q.dtype) for q in params]
         return refs
 
-    def _requests(self, ref: ShardRef, keys: Optional[Collection[str]]) -> "_Requests":
+    def _requests(self, ref: ShardRef, keys: Optional[Collection[str]]) -> _Requests:
         want = set(READ_KEYS if keys is None else keys)
         if not want <= set(READ_KEYS):
             raise ValueError(f"keys={sorted(keys)}: choose from {READ_KEYS}")
         info = self._ranks.get((ref.tp_rank, ref.pp_rank))
         piece = info.sources.get((ref.vpp_chunk, ref.local_name)) if info else None
         if piece is None:
-            raise KeyError(f"{ref}: not in {self.path}")
-        regions = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in piece.regions]
+            raise unknown_shard(ref, self.path)
+        regions = list(piece.regions)
         req = _Requests(piece=piece, want=want)
         if self._flat_buckets:
             for what, (key, start, numel) in self._flat_request(info, ref).items():
                 name = "fp32" if what == "param" else what
                 if name in want:
                     req.flat[name] = key
-                    req.tensors[key] = [ChunkStorageMetadata(torch.Size([start]), torch.Size([numel]))]
+                    req.tensors[key] = [((start,), (numel,))]
         elif self._model_space:
             saved = dict(self._state_keys.get(piece.key, {}))
             # fully_reshardable saves the main weight as 'param', the Float16 optimizer as 'fp32_param'
@@ -559,8 +557,10 @@ class TorchDistCheckpoint(CheckpointReader):
             req.tensors[piece.key] = regions
         return req
 
-    def _outputs(self, ref: ShardRef, req: "_Requests", got: dict, assemble) -> dict:
-        """read()/locate() results from the requested chunks `got` (fqn -> list of parts)."""
+    def _outputs(self, ref: ShardRef, req: _Requests, got: dict, assemble) -> dict:
+        """read()/locate() results from the requested boxes `got` (saved key -> list of parts)."""
+        import torch
+
         piece, want = req.piece, req.want
         out: dict = {}
         if piece.key in got and "param" in want:
@@ -579,12 +579,12 @@ class TorchDistCheckpoint(CheckpointReader):
                 out["step"] = torch.tensor(self._model_space_step, dtype=torch.float32)
         return out
 
-    def read(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> dict[str, torch.Tensor]:
+    def read(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> dict:
         """The shard's tensors: 'param' (model weight), and with optimizer state 'fp32' (main weight),
         'exp_avg', 'exp_avg_sq', 'step'. `keys` (a subset of READ_KEYS, default all) names the tensors
         wanted; only their bytes are read ('step' comes along whenever Adam state exists)."""
         req = self._requests(ref, keys)
-        got = self._read(req.tensors, []).tensors if req.tensors else {}
+        got = {fqn: [self._read_box(fqn, box) for box in boxes] for fqn, boxes in req.tensors.items()}
         out = self._outputs(ref, req, got, self._assemble)
         if "fp32" in out and "param" in out and out["fp32"] is out["param"]:
             out["fp32"] = out["param"].clone()
@@ -592,74 +592,124 @@ class TorchDistCheckpoint(CheckpointReader):
 
     def locate(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> Optional[dict]:
         """Like read(), but each tensor is a StoredTensor (where its bytes are in the .distcp files)
-        and nothing but pickles is read; None when some tensor is not one contiguous run of bytes
-        per saved chunk (read() it then)."""
+        and nothing but the items' pickles is read; None when some tensor is not one contiguous run of
+        bytes per saved chunk (read() it then)."""
         req = self._requests(ref, keys)
         got = {}
-        for fqn, chunks in req.tensors.items():
-            parts = [self._locate_chunk(fqn, c) for c in chunks]
+        for fqn, boxes in req.tensors.items():
+            parts = [self._locate_box(fqn, box) for box in boxes]
             if any(p is None for p in parts):
                 return None
             got[fqn] = parts
         try:
-            out = self._outputs(ref, req, got, _assemble_stored)
+            return self._outputs(ref, req, got, _assemble_stored)
         except _NotContiguous:
             return None
-        return out
+
+    # -- saved chunks ---------------------------------------------------------------------------
 
     def _saved_chunks(self, fqn: str) -> dict:
         """{offsets: sizes} of the key's saved chunks, built once per key."""
         found = self._chunks_by_offset.get(fqn)
         if found is None:
-            found = self._chunks_by_offset[fqn] = {tuple(c.offsets): tuple(c.sizes) for c in self._keys[fqn].chunks}
+            found = self._chunks_by_offset[fqn] = {c.offsets: c.sizes for c in self._keys[fqn].chunks}
         return found
 
-    def _saved_item(self, index: MetadataIndex) -> Optional[StoredTensor]:
-        """Where one saved chunk's bytes are (cached). Each saved key's first chunk is meta-loaded with
-        torch (pickle only) to check it is a plain C-contiguous tensor whose storage is exactly its bytes;
-        every chunk's record offset then comes from its zip directory (archive_data_record)."""
-        found = self._item_cache.get(index, _UNSET)
-        if found is not _UNSET:
-            return found
-        info = self._metadata.storage_data.get(index)
-        md = self._keys[index.fqn]
-        sizes = self._saved_chunks(index.fqn).get(tuple(index.offset))
-        stored = None
-        if info is not None and sizes is not None and not getattr(info, "transform_descriptors", None):
-            path = str(self.path / info.relative_path)
-            nbytes = math.prod(sizes) * md.properties.dtype.itemsize
-            try:
-                if self._plain_keys.get(index.fqn) is None:
-                    meta = meta_load(path, info.offset, info.length, allow_megatron=False)
-                    self._plain_keys[index.fqn] = bool(
-                        torch.is_tensor(meta) and meta.is_contiguous() and meta.storage_offset() == 0
-                        and meta.untyped_storage().nbytes() == nbytes and meta.dtype == md.properties.dtype
-                        and tuple(meta.shape) == sizes)
-                record = archive_data_record(path, info.offset, info.length) if self._plain_keys[index.fqn] else None
-            except Exception as e:
-                raise CheckpointFormatError(f"{path}: item {index.fqn} at byte {info.offset} cannot be read "
-                                            f"({type(e).__name__}: {e}); the file is corrupt, re-copy it.") from e
-            if record is not None and record[1] == nbytes:
-                regions = (FileRegion(path, record[0], nbytes),) if nbytes else ()
-                stored = StoredTensor(sizes, md.properties.dtype, regions)
-        self._item_cache[index] = stored
-        return stored
+    def _overlaps(self, fqn: str, box: Box) -> list[_Overlap]:
+        """The saved chunks holding the box, each with the part it holds; they must tile the box exactly
+        (no gap: nothing of the result is left unread; no overlap)."""
+        offsets, sizes = box
+        chunks = self._saved_chunks(fqn)
+        # most boxes are exactly one saved chunk (a TP shard of one layer, a slice of a flat bucket in one DP
+        # shard): a dict lookup, not a scan over every saved chunk of the key
+        if chunks.get(offsets) == sizes:
+            zeros = (0,) * len(sizes)
+            return [_Overlap(offsets, zeros, zeros, sizes)]
+        found = []
+        for chunk_offsets, chunk_sizes in chunks.items():
+            common = _intersect(box, (chunk_offsets, chunk_sizes))
+            if common is not None:
+                lo, lengths = common
+                found.append(_Overlap(chunk_offsets, tuple(a - b for a, b in zip(lo, chunk_offsets)),
+                                      tuple(a - b for a, b in zip(lo, offsets)), lengths))
+        covered = sum(math.prod(o.lengths) for o in found)
+        disjoint = all(_intersect((a.dst, a.lengths), (b.dst, b.lengths)) is None
+                       for i, a in enumerate(found) for b in found[i + 1:])
+        if covered != math.prod(sizes) or not disjoint:
+            raise CheckpointFormatError(
+                f"{self.path / '.metadata'}: the saved chunks of {fqn} do not cover the box at {offsets} of size "
+                f"{sizes} exactly once ({'gaps' if disjoint else 'overlapping chunks'}); the metadata is corrupt, "
+                f"re-copy the iteration folder.")
+        return found
 
-    def _locate_chunk(self, fqn: str, chunk: ChunkStorageMetadata) -> Optional[StoredTensor]:
+    def _record(self, fqn: str, chunk_offsets: tuple[int, ...]) -> TensorRecord:
+        """The saved chunk's tensor record, verified against the metadata before any of its bytes is used:
+        a plain C-contiguous tensor of the declared dtype and chunk shape whose storage is exactly its bytes."""
+        index = DcpIndex(fqn, chunk_offsets)
+        found = self._records.get(index)
+        if found is not None:
+            return found
         md = self._keys[fqn]
-        itemsize = md.properties.dtype.itemsize
-        # Most requests are exactly one saved chunk (a TP shard of one layer, a parameter's slice of a
-        # flat bucket): a dict lookup, not DCP's scan over every saved chunk of the key (which is
-        # quadratic for stacked layers: layers x TP chunks, each requested once).
-        if self._saved_chunks(fqn).get(tuple(chunk.offsets)) == tuple(chunk.sizes):
-            return self._saved_item(MetadataIndex(fqn, torch.Size(chunk.offsets)))
+        sizes = self._saved_chunks(fqn)[chunk_offsets]
+        item = self._metadata.storage_data.get(index)
+        if item is None:
+            raise CheckpointFormatError(f"{self.path / '.metadata'}: lists a chunk of {fqn} at {chunk_offsets} but not "
+                                        f"where it is saved; the metadata is corrupt, re-copy the iteration folder.")
+        where = f"{item.path}: item {fqn} at {chunk_offsets} (bytes {item.offset}..{item.offset + item.length})"
+        if item.transform_descriptors:
+            raise CheckpointFormatError(f"{where} was saved with transforms {list(item.transform_descriptors)} (e.g. "
+                                        f"compression), which megatron-ucp does not read; re-save without them.")
+        try:
+            record = load_dcp_item(self._metadata, index)
+        except SafeLoadError as e:
+            raise CheckpointFormatError(str(e)) from e
+        plain = (isinstance(record, TensorRecord) and record.storage_offset == 0 and record.is_c_contiguous()
+                 and record.storage_nbytes == record.nbytes)
+        if not (plain and record.dtype == md.dtype and record.shape == sizes):
+            if isinstance(record, TensorRecord):
+                held = f"{record.dtype} data of shape {record.shape}" + (
+                    "" if plain else " (not a plain contiguous tensor over its own storage)")
+            else:
+                held = f"a {type(record).__name__}"
+            raise CheckpointFormatError(
+                f"{where} holds {held} but {self.path / '.metadata'} declares {md.dtype} data of shape {sizes}; "
+                f"the .distcp file is corrupt or belongs to another checkpoint (files swapped?); re-copy the "
+                f"iteration folder.")
+        self._records[index] = record
+        return record
+
+    def _read_box(self, fqn: str, box: Box):
+        """The box of a saved key as a new contiguous tensor: only the bytes of the chunks it overlaps are
+        read, each chunk verified first; the result is allocated after that (its size is then bounded by
+        the files)."""
+        import torch
+
+        overlaps = self._overlaps(fqn, box)
+        parts = [(o, box_record(self._record(fqn, o.chunk), o.src, o.lengths)) for o in overlaps]
+        if len(parts) == 1 and parts[0][0].lengths == box[1]:
+            return read_tensor(parts[0][1]).contiguous()
+        out = torch.empty(box[1], dtype=torch_dtype(self._keys[fqn].dtype))
+        for o, record in parts:
+            view = out
+            for dim, (start, length) in enumerate(zip(o.dst, o.lengths)):
+                view = view.narrow(dim, start, length)
+            view.copy_(read_tensor(record))
+        return out
+
+    def _locate_box(self, fqn: str, box: Box):
+        """Where the box's bytes are (a StoredTensor), or None when they are not one run per saved chunk."""
+        from megatron_ucp.byteio import StoredTensor, box_bytes, concat_stored
+
+        overlaps = self._overlaps(fqn, box)
+        if len(overlaps) == 1 and overlaps[0].lengths == box[1]:
+            return stored_tensor(self._record(fqn, overlaps[0].chunk))
+        dtype = torch_dtype(self._keys[fqn].dtype)
+        itemsize = dtype.itemsize
         placed = []
-        for item in create_read_items_for_chunk_list(fqn, md, [chunk]):
-            saved = self._saved_item(item.storage_index)
-            if saved is None:
-                return None
-            src = box_bytes(saved.shape, item.storage_offsets, item.lengths, itemsize)
-            dst = box_bytes(tuple(chunk.sizes), item.dest_offsets, item.lengths, itemsize)
+        for o in overlaps:
+            saved = stored_tensor(self._record(fqn, o.chunk))
+            src = box_bytes(saved.shape, o.src, o.lengths, itemsize) if saved is not None else None
+            dst = box_bytes(box[1], o.dst, o.lengths, itemsize)
             if src is None or dst is None:
                 return None
             placed.append((dst[0], saved.byte_slice(src[0], src[0] + src[1]), src[1]))
@@ -669,14 +719,13 @@ class TorchDistCheckpoint(CheckpointReader):
             if dst_start != pos:
                 return None
             pos += nbytes
-        if pos != math.prod(chunk.sizes) * itemsize:
-            return None
-        parts = [StoredTensor((nbytes // itemsize,), md.properties.dtype, tuple(regions))
-                 for _, regions, nbytes in placed]
-        return concat_stored(parts, tuple(chunk.sizes)) if parts else None
+        parts = [StoredTensor((nbytes // itemsize,), dtype, tuple(regions)) for _, regions, nbytes in placed]
+        return concat_stored(parts, box[1]) if parts else None
 
     @staticmethod
-    def _assemble(parts: list[torch.Tensor], piece: _Piece, shape: Optional[tuple] = None) -> torch.Tensor:
+    def _assemble(parts: list, piece: _Piece, shape: Optional[tuple] = None):
+        import torch
+
         tensor = torch.cat(parts, dim=piece.axis) if len(parts) > 1 else parts[0]
         if shape is not None:
             return tensor.view(shape)
@@ -693,7 +742,8 @@ class TorchDistCheckpoint(CheckpointReader):
             keys = self._buckets[(mp, gbuf, (str(buf.param_dtype), str(buf.grad_dtype)), span.bucket)]
             start = buf.offset_in_bucket(span)
             return {what: (keys[what], start, math.prod(span.shape)) for what in ("param", "exp_avg", "exp_avg_sq")}
-        raise KeyError(f"{ref.local_name} is in no DDP buffer of rank tp={ref.tp_rank} pp={ref.pp_rank}")
+        raise CheckpointFormatError(f"{self.path / '.metadata'}: {ref.local_name} is in no DDP buffer of rank "
+                                    f"tp={ref.tp_rank} pp={ref.pp_rank}; the checkpoint does not match its args.")
 
     def common_state(self) -> dict:
         if self._flat_buckets:

@@ -46,6 +46,7 @@ from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, bu
                                                 shared_embedding_names)
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
 from megatron_ucp.formats.legacy import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, rank_dir_name
+from megatron_ucp.formats.safe_pickle import DTYPE_ITEMSIZE, MEGATRON_ENUMS
 from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.patterns import repadded_shard
@@ -67,12 +68,15 @@ class LegacyWriteError(WriteError):
 def _restore_json_value(key: str, value: Any) -> Any:
     """Undo convert.json_safe where Megatron needs the real type: dtypes, enums, non-finite floats."""
     if isinstance(value, str):
-        if value.startswith("torch.") and isinstance(getattr(torch, value[len("torch."):], None), torch.dtype):
+        if value.startswith("torch.") and value[len("torch."):] in DTYPE_ITEMSIZE:  # dtype names only
             return getattr(torch, value[len("torch."):])
         if value in ("nan", "inf", "-inf"):
             return float(value)
         return value
     if isinstance(value, dict) and set(value) == {"enum", "value"}:
+        # only the Megatron enums a checkpoint may hold: metadata.json must not make us import any module
+        if value["enum"] not in MEGATRON_ENUMS:
+            return _DROP
         module, _, cls = value["enum"].rpartition(".")
         try:
             enum_cls = getattr(importlib.import_module(module), cls)
