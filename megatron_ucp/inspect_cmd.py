@@ -155,7 +155,7 @@ def parameter_rows(ckpt) -> list[ParameterRow]:
     dtypes = {}
     for ref in ckpt.shards():  # shard metadata only (names, shapes, dtypes)
         name = canonical_name(ref.local_name, layout, ref.pp_rank, ref.vpp_chunk, config.num_layers,
-                              tied=config.tied)
+                              tied=config.tied, config=config)
         if name is not None:
             dtypes.setdefault(name, dtype_name(ref.dtype))
     missing = [n for n, _ in expected if n not in dtypes]

@@ -174,7 +174,7 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
         module = unwrap_model(chunk)
         for local, param in module.named_parameters():
             name = rulebook.canonical_name(local, layout, pp_rank, vpp_chunk if layout.vpp else None,
-                                           config.num_layers, tied=config.tied)
+                                           config.num_layers, tied=config.tied, config=config)
             if name is None:
                 continue
             if name not in ucp.parameters:

@@ -413,9 +413,9 @@ def _build_moe(config: GPTModelConfig, monkeypatch):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_ucp import cpu_backend
-
-    cpu_backend.apply()  # router buffers are allocated on torch.cuda.current_device()
+    # The router's buffers are allocated on torch.cuda.current_device(): the CPU here, for this test only
+    # (cpu_backend.apply() would patch the process for every later test).
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     tc = TransformerConfig(
         num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
         num_attention_heads=config.num_attention_heads, num_query_groups=config.num_query_groups,

@@ -274,6 +274,16 @@ def unknown_parameter(root, outside, marker):
         resave(root / ITER / f"mp_rank_0{t}_000" / "model_optim_rng.pt", change)
 
 
+def unknown_name(root, outside, marker):
+    """A parameter name the rulebook has no row for."""
+    def change(state):
+        model = dict(state["model"])
+        model["decoder.layers.1.mlp.linear_fc3.weight"] = model["decoder.layers.1.mlp.linear_fc1.weight"].clone()
+        state["model"] = model
+    for t in (0, 1):
+        resave(root / ITER / f"mp_rank_0{t}_000" / "model_optim_rng.pt", change)
+
+
 def int8_weight(root, outside, marker):
     import torch
 
@@ -373,8 +383,10 @@ CASES = [
     # keys, dtypes, args the model does not have
     Case("MoE args", "B", moe_args, ("args.num_experts=8", "not supported", "convert a dense GPT checkpoint"),
          "common.pt", ("to-universal", "inspect")),
-    Case("an expert weight in a dense model", "C", unknown_parameter, ("no rule in the megatron-core GPT rulebook",
-         "add a row"), "mp_rank_00_000/model_optim_rng.pt"),
+    Case("an expert weight in a dense model", "C", unknown_parameter, ("belongs to an MoE layer", "layer 1 is dense",
+         "args disagree"), "mp_rank_00_000/model_optim_rng.pt"),
+    Case("a parameter no rule knows", "C", unknown_name, ("no rule in the megatron-core GPT rulebook", "add a row"),
+         "mp_rank_00_000/model_optim_rng.pt"),
     Case("int8 weight", "C", int8_weight, ("is int8, expected float32 or bfloat16 or float16", "re-copy"),
          "mp_rank_00_000/model_optim_rng.pt", ("to-universal", "inspect")),
     Case("args without hidden_size", "C", corrupt_args, ("args.hidden_size=None", "re-copy"),

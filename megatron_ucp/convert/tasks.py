@@ -90,7 +90,7 @@ def conversion_tasks(ckpt: CheckpointReader) -> list[ParamTask]:
     for ref in refs:
         try:
             name = canonical_name(ref.local_name, layout, ref.pp_rank, ref.vpp_chunk, config.num_layers,
-                                  tied=config.tied)
+                                  tied=config.tied, config=config)
         except (UnknownParameterError, LayoutError) as e:
             raise ConversionError(f"{ckpt.path}: rank tp={ref.tp_rank} pp={ref.pp_rank}: {e}") from e
         if name is None:

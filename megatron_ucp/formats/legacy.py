@@ -233,7 +233,7 @@ class LegacyCheckpoint(CheckpointReader):
         for param in params:
             try:
                 canonical_name(param.name, self.layout, pp_rank, chunk if self.layout.vpp else None,
-                               self.config.num_layers, tied=self.config.tied)
+                               self.config.num_layers, tied=self.config.tied, config=self.config)
             except UnknownParameterError as e:
                 raise CheckpointFormatError(f"{file}: {e}") from e
             except LayoutError as e:
