@@ -16,40 +16,33 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-import random
-
-import numpy as np
 import torch
 
 from megatron_ucp import cpu_backend
 
 cpu_backend.import_megatron_core()  # first: on CPU, megatron-core without torch.compile (saves ~10 s)
 
-from megatron_ucp.training import arguments, checkpointing, data, loop  # noqa: E402
+from megatron_ucp.training import arguments, checkpointing, data, flops, loop, seeding  # noqa: E402
 
 
 def initialize(args):
     """Process groups, parallel state and seeds (Megatron-LM's initialize_megatron)."""
     on_cpu = cpu_backend.apply()
-    backend = args.distributed_backend or ("gloo" if on_cpu else "nccl")
+    backend = args.distributed_backend = args.distributed_backend or ("gloo" if on_cpu else "nccl")
     if not on_cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.distributed.init_process_group(backend=backend,
                                          timeout=timedelta(minutes=args.distributed_timeout_minutes))
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
     )
-    # Megatron-LM's _set_random_seed: a different seed per pipeline stage.
-    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    seeding.seed_everything(args.seed, parallel_state.get_pipeline_model_parallel_rank())
+    # Megatron-LM's pretrain() warms its fused kernels up on random inputs before building the model.
+    seeding.advance_like_megatron_lm_warmup(args, args.tensor_model_parallel_size)
     return parallel_state
 
 
@@ -59,6 +52,7 @@ def main(argv=None):
     from megatron_ucp.training import model as model_lib
 
     rank = torch.distributed.get_rank()
+    args.transformer_impl = model_lib.transformer_impl(args)  # resolved, as Megatron-LM's args record it
     tokenizer = data.build_tokenizer(args)
     args.padded_vocab_size = arguments.padded_vocab_size(tokenizer.vocab_size, args)
     ucp = None
@@ -82,6 +76,10 @@ def main(argv=None):
     scheduler = model_lib.build_scheduler(args, optimizer)
     model_lib.finalize_config_for_training(config, model)
     config.grad_scale_func = optimizer.scale_loss
+    # Before any load (Megatron-LM draws them after it): a resume then continues the RNG streams exactly.
+    seeding.advance_like_megatron_lm_data_loaders(
+        mpu.get_tensor_model_parallel_rank(),
+        mpu.is_pipeline_first_stage(ignore_virtual=True) or mpu.is_pipeline_last_stage(ignore_virtual=True))
 
     # Resume.
     if ucp is not None:
@@ -118,6 +116,7 @@ def main(argv=None):
         loss, grad_norm, lr, ok = loop.train_step(args, forward_step, data_iterators, model, optimizer, scheduler)
         iteration += 1
         args.consumed_train_samples += args.global_batch_size
+        args.num_floating_point_operations_so_far += flops.num_floating_point_operations(args, args.global_batch_size)
         logger.log(iteration, loss, grad_norm, lr, args.consumed_train_samples, skipped=not ok)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler)

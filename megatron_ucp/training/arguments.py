@@ -114,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", type=str, default=None)
     g.add_argument("--ckpt-step", type=int, default=None)
-    g.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist")
+    g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+                   help="torch_dist (megatron-core dist_checkpointing) or torch (Megatron-LM's legacy "
+                        "mp_rank_* files, distrib_optim.pt with the distributed optimizer); --load reads both")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--no-save-optim", action="store_true")
@@ -236,10 +238,10 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         raise ArgumentError("--universal-checkpoint needs --load pointing at a universal checkpoint directory")
     if args.ckpt_step is not None and not args.load:
         raise ArgumentError("--ckpt-step needs --load")
-    args.ckpt_format = "torch_dist"
-    args.use_dist_ckpt = True
+    args.use_dist_ckpt = args.ckpt_format == "torch_dist"
     args.iteration = 0
     args.consumed_train_samples = 0
+    args.num_floating_point_operations_so_far = 0
     return args
 
 
