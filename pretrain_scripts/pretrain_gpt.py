@@ -76,6 +76,7 @@ def main(argv=None):
     scheduler = model_lib.build_scheduler(args, optimizer)
     model_lib.finalize_config_for_training(config, model)
     config.grad_scale_func = optimizer.scale_loss
+    loop.set_overlap_sync_funcs(args, config, model)
     # Before any load (Megatron-LM draws them after it): a resume then continues the RNG streams exactly.
     seeding.advance_like_megatron_lm_data_loaders(
         mpu.get_tensor_model_parallel_rank(),
@@ -110,15 +111,18 @@ def main(argv=None):
     forward_step = loop.make_forward_step(device)
     logger = loop.TrainingLogger(args)
 
+    param_gather = loop.ParamGatherHooks(args, config, model)
     iteration = start_iteration
     saved_at = None
     while iteration < args.train_iters:
         loss, grad_norm, lr, ok = loop.train_step(args, forward_step, data_iterators, model, optimizer, scheduler)
+        param_gather.after_step(ok)
         iteration += 1
         args.consumed_train_samples += args.global_batch_size
         args.num_floating_point_operations_so_far += flops.num_floating_point_operations(args, args.global_batch_size)
         logger.log(iteration, loss, grad_norm, lr, args.consumed_train_samples, skipped=not ok)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
+            param_gather.before_save()
             checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler)
             saved_at = iteration
             if rank == 0:
@@ -127,6 +131,7 @@ def main(argv=None):
             break
     # As Megatron-LM: the final state is saved even off the interval (and right after a load
     # with nothing left to train, which re-saves a checkpoint at this run's layout).
+    param_gather.close()
     if args.save and saved_at != iteration:
         checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler)
         if rank == 0:

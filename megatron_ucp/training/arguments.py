@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ddp-bucket-size", type=int, default=None)
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
 
+    g = p.add_argument_group("data-parallel buckets (Megatron-LM's distributed args)")
+    g.add_argument("--ddp-num-buckets", type=int, default=None)
+    g.add_argument("--ddp-pad-buckets-for-high-nccl-busbw", action="store_true")
+    g.add_argument("--no-align-grad-reduce", action="store_false", dest="align_grad_reduce")
+    g.add_argument("--no-align-param-gather", action="store_false", dest="align_param_gather")
+
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, required=True)
     g.add_argument("--hidden-size", type=int, required=True)
@@ -225,6 +231,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
                 f"the interleaved schedule needs the number of micro-batches ({args.num_microbatches}) "
                 f"divisible by PP={pp}; raise --global-batch-size")
 
+    _validate_ddp_buckets(args)
+
     # Schedule.
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
@@ -243,6 +251,21 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     args.consumed_train_samples = 0
     args.num_floating_point_operations_so_far = 0
     return args
+
+
+def _validate_ddp_buckets(args: argparse.Namespace) -> None:
+    """Megatron-LM's checks on overlapped DP communication (validate_args / get_model)."""
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (Megatron-LM asserts it)")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        raise ArgumentError("--overlap-param-gather needs --overlap-grad-reduce (Megatron-LM asserts it)")
+    if args.ddp_num_buckets is not None:
+        if args.ddp_bucket_size is not None:
+            raise ArgumentError("--ddp-num-buckets and --ddp-bucket-size are exclusive; pass one")
+        if args.ddp_num_buckets <= 0:
+            raise ArgumentError(f"--ddp-num-buckets {args.ddp_num_buckets} must be greater than 0")
+    if args.virtual_pipeline_model_parallel_size is None:
+        args.align_param_gather = False  # as Megatron-LM: only the interleaved schedule aligns param AG
 
 
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:

@@ -137,13 +137,25 @@ def build_model(args, config: TransformerConfig) -> List[DistributedDataParallel
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         check_for_nan_in_grad=True,
-        bucket_size=args.ddp_bucket_size if args.overlap_grad_reduce else None,
+        bucket_size=ddp_bucket_size(args, sum(p.numel() for chunk in chunks for p in chunk.parameters())),
+        pad_buckets_for_high_nccl_busbw=args.ddp_pad_buckets_for_high_nccl_busbw,
     )
     return [
         DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                 disable_bucketing=(i > 0))
         for i, chunk in enumerate(chunks)
     ]
+
+
+def ddp_bucket_size(args, rank_num_parameters: int):
+    """Megatron-LM's get_model: --ddp-num-buckets splits this rank's parameters, else --ddp-bucket-size;
+    None (one bucket per buffer) without --overlap-grad-reduce. megatron-core's DDP fills the default
+    (max(4e7, 1e6 x DP)) and uses one bucket anyway on pipeline stages > 0 and VPP chunks > 0."""
+    if not args.overlap_grad_reduce:
+        return None
+    if args.ddp_num_buckets is not None:
+        return rank_num_parameters // args.ddp_num_buckets
+    return args.ddp_bucket_size
 
 
 def unwrap_model(chunk):
