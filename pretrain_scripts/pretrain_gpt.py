@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch
 
-from megatron_ucp import cpu_backend
+from megatron_ucp import cpu_backend, layer_placement
 
 cpu_backend.import_megatron_core()  # first: on CPU, megatron-core without torch.compile (saves ~10 s)
 
@@ -65,6 +65,9 @@ def main(argv=None):
                                                if args.virtual_pipeline_model_parallel_size else "")
               + (" SP" if args.sequence_parallel else "") + f", {model_lib.transformer_impl(args)} spec, "
               f"{'CPU/gloo' if not torch.cuda.is_available() else 'GPU/nccl'}", flush=True)
+        if args.pipeline_model_parallel_size > 1:
+            print(" > pipeline split: " + layer_placement.describe_placements(layer_placement.split_from_args(args)),
+                  flush=True)
         print(f" > padded vocab (size: {tokenizer.vocab_size}) with "
               f"{args.padded_vocab_size - tokenizer.vocab_size} dummy tokens (new size: {args.padded_vocab_size})",
               flush=True)
@@ -120,7 +123,8 @@ def main(argv=None):
         iteration += 1
         args.consumed_train_samples += args.global_batch_size
         args.num_floating_point_operations_so_far += flops.num_floating_point_operations(args, args.global_batch_size)
-        logger.log(iteration, loss, grad_norm, lr, args.consumed_train_samples, skipped=not ok)
+        logger.log(iteration, loss, grad_norm, lr, args.consumed_train_samples, skipped=not ok,
+                   loss_scale=optimizer.get_loss_scale().item())
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             param_gather.before_save()
             checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler)

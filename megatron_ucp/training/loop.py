@@ -103,14 +103,14 @@ class TrainingLogger:
         self.last_time = time.time()
 
     def log(self, iteration: int, loss: float, grad_norm: float, lr: float, consumed_samples: int,
-            skipped: bool) -> None:
+            skipped: bool, loss_scale: float = 1.0) -> None:
         now = time.time()
         elapsed_ms = (now - self.last_time) * 1000.0
         self.last_time = now
         if not self.is_logging_rank:
             return
         record = {"iteration": iteration, "lm_loss": loss, "grad_norm": grad_norm, "lr": lr,
-                  "consumed_samples": consumed_samples, "skipped": skipped,
+                  "consumed_samples": consumed_samples, "skipped": skipped, "loss_scale": loss_scale,
                   "elapsed_ms": round(elapsed_ms, 3)}
         if self.jsonl:
             self.jsonl.write(json.dumps(record) + "\n")
@@ -124,7 +124,7 @@ class TrainingLogger:
                   f" consumed samples: {consumed_samples:12d} |"
                   f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
                   f" learning rate: {lr:.6E} | global batch size: {self.args.global_batch_size:5d} |"
-                  f" lm loss: {loss:.6E} | grad norm: {grad_norm:.3f} |"
+                  f" lm loss: {loss:.6E} | loss scale: {loss_scale:.1f} | grad norm: {grad_norm:.3f} |"
                   f" number of skipped iterations: {int(skipped):3d} | number of nan iterations: "
                   f"{int(math.isnan(loss)):3d} |", flush=True)
 
