@@ -82,7 +82,6 @@ def main(argv=None):
     loop.set_overlap_sync_funcs(args, config, model)
     # Before any load (Megatron-LM draws them after it): a resume then continues the RNG streams exactly.
     seeding.advance_like_megatron_lm_data_loaders(
-        mpu.get_tensor_model_parallel_rank(),
         mpu.is_pipeline_first_stage(ignore_virtual=True) or mpu.is_pipeline_last_stage(ignore_virtual=True))
 
     # Resume.

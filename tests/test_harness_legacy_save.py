@@ -6,7 +6,9 @@ flags and saved at iteration 4. Every file of every rank must equal Megatron-LM'
 tests/fixtures/megatron-lm/*/ckpt/iter_0000004: the same nested keys in the same order, every tensor
 bitwise (dtype, shape, bytes: weights, Adam moments and steps, the flat distrib_optim.pt buffers, RNG
 generator states), every other value equal; only `args` may differ, and only in the harness's extras
-and run-specific values listed below. Then the harness resumes from its own legacy files and must
+and run-specific values listed below, and on TP rank 1 the CPU generator state is Megatron-LM's
+advanced by exactly 3 draws (seeding.py: data-loader draws on every TP rank, so that hidden dropout
+stays TP-consistent on CPU). Then the harness resumes from its own legacy files and must
 continue Megatron-LM's uninterrupted run (iterations 5..8, 1e-5 relative: its log prints 7 digits).
 Negative controls: the comparison reports the iteration-8 files as different, and a resume without the
 optimizer state leaves the curve by more than 1e-3.
@@ -75,6 +77,32 @@ def args_differences(ours: argparse.Namespace, theirs: argparse.Namespace) -> di
             "differing": {k for k in ours if k in theirs and ours[k] != theirs[k]}}
 
 
+def advanced(generator_state: torch.Tensor, draws: int) -> torch.Tensor:
+    """A CPU generator state after `draws` more 64-bit draws (a DataLoader's base seed each)."""
+    generator = torch.Generator()
+    generator.set_state(generator_state)
+    for _ in range(draws):
+        torch.empty((), dtype=torch.int64).random_(generator=generator)
+    return generator.get_state()
+
+
+def harness_rng_deviation(rel: Path, ours: dict, theirs: dict) -> list:
+    """megatron_ucp/training/seeding.py draws Megatron-LM's 3 DataLoader seeds on every TP rank of the
+    data stages (Megatron-LM: TP rank 0 only), so that hidden dropout stays TP-consistent on CPU. On
+    TP rank >= 1 the CPU generator (saved as torch_ and cuda_rng_state) is then exactly 3 draws ahead.
+    Returns the differences left after accounting for that (and substitutes the advanced state)."""
+    tp_rank = int(rel.parts[0].split("_")[2])
+    if tp_rank == 0 or "rng_state" not in ours:
+        return []
+    diffs = []
+    for key in ("torch_rng_state", "cuda_rng_state"):
+        expected = advanced(theirs["rng_state"][0][key], 3)
+        if not torch.equal(ours["rng_state"][0][key], expected):
+            diffs.append(f"/rng_state[0]/{key}: not Megatron-LM's state advanced by 3 draws")
+        theirs["rng_state"][0][key] = ours["rng_state"][0][key]
+    return diffs
+
+
 def compare_iteration_dirs(ours: Path, theirs: Path) -> dict:
     """{relative file: differences} over every file of both iteration directories."""
     files = sorted({p.relative_to(ours) for p in ours.rglob("*.pt")} | {p.relative_to(theirs) for p in theirs.rglob("*.pt")})
@@ -85,7 +113,8 @@ def compare_iteration_dirs(ours: Path, theirs: Path) -> dict:
             continue
         a = torch.load(ours / rel, map_location="cpu", weights_only=False)
         b = torch.load(theirs / rel, map_location="cpu", weights_only=False)
-        diffs = tree_differences(a, b)
+        diffs = harness_rng_deviation(rel, a, b) if isinstance(a, dict) else []
+        diffs += tree_differences(a, b)
         if isinstance(a, dict) and "args" in a:
             args = args_differences(a["args"], b["args"])
             diffs += [f"args only in ours: {k}" for k in sorted(args["only_ours"] - HARNESS_ONLY_ARGS)]

@@ -15,18 +15,24 @@ is_dataset_built_on_rank), and each draws a base seed from the default generator
 
 The harness does not run the warm-up (its kernels are fused with torch.compile, ~40 s per process
 on CPU) and has no DataLoader; `advance_like_megatron_lm_warmup` and
-`advance_like_megatron_lm_data_loaders` move the default generator exactly as far, so that runs
-start from Megatron-LM's initial model and save Megatron-LM's RNG state. Checked against
+`advance_like_megatron_lm_data_loaders` move the default generator as far. Checked against
 Megatron-LM's own checkpoints (tests/fixtures/megatron-lm, core_v0.16.1, torch.compile'd fusions on
-CPU): their saved generator states are the seed advanced by exactly the draws counted here (3653
-on fixture A's TP-rank-0 ranks, 3650 on its TP-rank-1 ranks, 6229 on C's last stage), and
-checkpoints written by the harness for their runs are bitwise equal to theirs
-(tests/test_harness_legacy_save.py), GPT-2's learned position embeddings included.
+CPU): their saved generator states are the seed advanced by exactly these draws (3653 on fixture
+A's TP-rank-0 ranks, 6229 on C's last stage), and the harness's checkpoints of their runs are
+bitwise equal to theirs (tests/test_harness_legacy_save.py), GPT-2's learned position embeddings
+included.
 
-One deliberate difference: Megatron-LM builds its data iterators *after* restoring the RNG state,
-so a resumed run draws 3 more times than the uninterrupted one did at that point and its dropout
-masks (hidden dropout without SP uses the default generator) differ. The harness draws them before
-a load, so a same-layout resume continues the uninterrupted run's streams exactly.
+Two deliberate differences, both for the RNG streams the training itself uses:
+- The data-loader draws happen on every TP rank of the first and last stages, not only on TP rank 0.
+  On GPUs they move the CPU generator while dropout draws from the CUDA one; on CPU both are the
+  same generator, and hidden dropout without SP must draw the same masks on every TP rank (its
+  activations are replicated across TP). With Megatron-LM's TP-rank-0-only draws the TP ranks'
+  masks differ and their copies of replicated weights (norms, biases, position embeddings) drift
+  apart. So on fixture A/C's TP-rank-1 ranks the harness's saved generator state is 3 draws ahead
+  of Megatron-LM's (3653 instead of 3650).
+- Megatron-LM builds its data iterators *after* restoring the RNG state, so its resumed runs draw 3
+  more times than the uninterrupted run did at that point and their dropout masks differ. The
+  harness draws before a load, so a same-layout resume continues the uninterrupted streams exactly.
 """
 
 from __future__ import annotations
@@ -84,9 +90,10 @@ def advance_like_megatron_lm_warmup(args, tp_size: int) -> None:
         torch.randint(2 ** 63 - 1, (1,), device=device)
 
 
-def advance_like_megatron_lm_data_loaders(tp_rank: int, first_or_last_stage: bool) -> None:
-    """Draw the base seeds of Megatron-LM's three DataLoader iterators on the ranks that build them."""
-    if tp_rank != 0 or not first_or_last_stage:
+def advance_like_megatron_lm_data_loaders(first_or_last_stage: bool) -> None:
+    """Draw the base seeds of Megatron-LM's three DataLoader iterators on the stages that build them
+    (every TP rank: see the module doc)."""
+    if not first_or_last_stage:
         return
     for _ in range(DATA_LOADER_ITERATORS):
         torch.empty((), dtype=torch.int64).random_()
