@@ -384,10 +384,12 @@ def fix_shared_adam_step() -> None:
     - then, for the `dp_reshardable` format, copies the *template's* `step` (whatever the fresh
       optimizer held) over it, losing the restored value.
     The checkpoint's step is in the param groups; we restore it per parameter after the load.
+    - asserts in state_dict() before the first successful Adam step (no `step` anywhere yet).
     """
     global _adam_fix_applied
     if _adam_fix_applied:
         return
+    from megatron.core.optimizer import distrib_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = DistributedOptimizer.load_state_dict
@@ -415,6 +417,21 @@ def fix_shared_adam_step() -> None:
         return original_set(self, model_param, tensors)
 
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+    # Before torch Adam's first successful step its state is empty and state_dict() asserts on the
+    # missing `step` (fp16: every step so far skipped by the loss scaler, then a checkpoint save).
+    # Allocate what that first step would create (zeros, step 0); the step then proceeds unchanged.
+    original_state_dict = DistributedOptimizer.state_dict
+
+    @functools.wraps(original_state_dict)
+    def state_dict(self):
+        inner = self.optimizer
+        if (not distrib_optimizer.HAVE_APEX_OR_TE and isinstance(inner, torch.optim.Optimizer) and not inner.state
+                and any(g["params"] for g in inner.param_groups)):
+            init_adam_state_for_loading(self)
+        return original_state_dict(self)
+
+    DistributedOptimizer.state_dict = state_dict
     _adam_fix_applied = True
 
 

@@ -16,28 +16,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-import random
-
-import numpy as np
 import torch
 
-from megatron_ucp import cpu_backend
+from megatron_ucp import cpu_backend, layer_placement
 
 cpu_backend.import_megatron_core()  # first: on CPU, megatron-core without torch.compile (saves ~10 s)
 
-from megatron_ucp.training import arguments, checkpointing, data, loop  # noqa: E402
+from megatron_ucp.training import arguments, checkpointing, data, flops, loop, seeding  # noqa: E402
 
 
 def initialize(args):
     """Process groups, parallel state and seeds (Megatron-LM's initialize_megatron)."""
     on_cpu = cpu_backend.apply()
-    backend = args.distributed_backend or ("gloo" if on_cpu else "nccl")
+    backend = args.distributed_backend = args.distributed_backend or ("gloo" if on_cpu else "nccl")
     if not on_cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.distributed.init_process_group(backend=backend,
                                          timeout=timedelta(minutes=args.distributed_timeout_minutes))
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -46,12 +42,9 @@ def initialize(args):
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
-    # Megatron-LM's _set_random_seed: a different seed per pipeline stage.
-    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    seeding.seed_everything(args.seed, parallel_state.get_pipeline_model_parallel_rank())
+    # Megatron-LM's pretrain() warms its fused kernels up on random inputs before building the model.
+    seeding.advance_like_megatron_lm_warmup(args, args.tensor_model_parallel_size)
     return parallel_state
 
 
@@ -61,6 +54,7 @@ def main(argv=None):
     from megatron_ucp.training import model as model_lib
 
     rank = torch.distributed.get_rank()
+    args.transformer_impl = model_lib.transformer_impl(args)  # resolved, as Megatron-LM's args record it
     tokenizer = data.build_tokenizer(args)
     args.padded_vocab_size = arguments.padded_vocab_size(tokenizer.vocab_size, args)
     ucp = None
@@ -77,6 +71,9 @@ def main(argv=None):
                  f"{args.moe_token_dispatcher_type} dispatcher)" if args.num_experts else "")
               + f", {model_lib.transformer_impl(args)} spec, "
               f"{'CPU/gloo' if not torch.cuda.is_available() else 'GPU/nccl'}", flush=True)
+        if args.pipeline_model_parallel_size > 1:
+            print(" > pipeline split: " + layer_placement.describe_placements(layer_placement.split_from_args(args)),
+                  flush=True)
         print(f" > padded vocab (size: {tokenizer.vocab_size}) with "
               f"{args.padded_vocab_size - tokenizer.vocab_size} dummy tokens (new size: {args.padded_vocab_size})",
               flush=True)
@@ -88,6 +85,10 @@ def main(argv=None):
     scheduler = model_lib.build_scheduler(args, optimizer)
     model_lib.finalize_config_for_training(config, model)
     config.grad_scale_func = optimizer.scale_loss
+    loop.set_overlap_sync_funcs(args, config, model)
+    # Before any load (Megatron-LM draws them after it): a resume then continues the RNG streams exactly.
+    seeding.advance_like_megatron_lm_data_loaders(
+        mpu.is_pipeline_first_stage(ignore_virtual=True) or mpu.is_pipeline_last_stage(ignore_virtual=True))
 
     # Resume.
     if ucp is not None:
@@ -118,16 +119,20 @@ def main(argv=None):
     forward_step = loop.make_forward_step(device)
     logger = loop.TrainingLogger(args)
 
+    param_gather = loop.ParamGatherHooks(args, config, model)
     iteration = start_iteration
     saved_at = None
     while iteration < args.train_iters:
         loss, grad_norm, lr, ok = loop.train_step(args, forward_step, data_iterators, model, optimizer, scheduler)
+        param_gather.after_step(ok)
         iteration += 1
         args.consumed_train_samples += args.global_batch_size
         aux_losses = loop.moe_aux_losses(args, iteration, logger.tb) if args.num_experts else {}
+        args.num_floating_point_operations_so_far += flops.num_floating_point_operations(args, args.global_batch_size)
         logger.log(iteration, loss, grad_norm, lr, args.consumed_train_samples, skipped=not ok,
-                   aux_losses=aux_losses)
+                   loss_scale=optimizer.get_loss_scale().item(), aux_losses=aux_losses)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
+            param_gather.before_save()
             checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler)
             saved_at = iteration
             if rank == 0:
@@ -136,6 +141,7 @@ def main(argv=None):
             break
     # As Megatron-LM: the final state is saved even off the interval (and right after a load
     # with nothing left to train, which re-saves a checkpoint at this run's layout).
+    param_gather.close()
     if args.save and saved_at != iteration:
         checkpointing.save_checkpoint(args, iteration, model, optimizer, scheduler)
         if rank == 0:

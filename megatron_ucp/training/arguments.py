@@ -37,6 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ddp-bucket-size", type=int, default=None)
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
 
+    g = p.add_argument_group("data-parallel buckets (Megatron-LM's distributed args)")
+    g.add_argument("--ddp-num-buckets", type=int, default=None)
+    g.add_argument("--ddp-pad-buckets-for-high-nccl-busbw", action="store_true")
+    g.add_argument("--no-align-grad-reduce", action="store_false", dest="align_grad_reduce")
+    g.add_argument("--no-align-param-gather", action="store_false", dest="align_param_gather")
+
+    g = p.add_argument_group("pipeline split (Megatron-LM's uneven pipeline flags)")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, required=True)
     g.add_argument("--hidden-size", type=int, required=True)
@@ -122,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--loss-scale", type=float, default=None)
     g.add_argument("--initial-loss-scale", type=float, default=2 ** 32)
 
+    g = p.add_argument_group("mixed precision (Megatron-LM's names and defaults)")
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--grad-reduce-in-bf16", action="store_true")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad")
+
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-path", nargs="*", default=None)
@@ -140,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", type=str, default=None)
     g.add_argument("--ckpt-step", type=int, default=None)
-    g.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist")
+    g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+                   help="torch_dist (megatron-core dist_checkpointing) or torch (Megatron-LM's legacy "
+                        "mp_rank_* files, distrib_optim.pt with the distributed optimizer); --load reads both")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--no-save-optim", action="store_true")
@@ -200,9 +223,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         args.sequence_parallel = False  # as Megatron-LM: SP needs TP > 1
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 are exclusive; pick one")
-    if args.fp16:
-        raise ArgumentError("--fp16 is not supported by this harness yet; use --bf16 or fp32")
-    args.params_dtype = "bfloat16" if args.bf16 else "float32"
+    _validate_mixed_precision(args)
 
     # Data source.
     if args.mock_data and args.data_path:
@@ -254,25 +275,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     _validate_moe(args, world_size)
 
     # Pipeline layout.
-    vpp_layers = args.num_layers_per_virtual_pipeline_stage
-    if args.num_layers % pp != 0:
-        raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by PP={pp}")
-    args.virtual_pipeline_model_parallel_size = None
-    if vpp_layers is not None:
-        if pp == 1:
-            raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-        layers_per_stage = args.num_layers // pp
-        if layers_per_stage % vpp_layers != 0:
-            raise ArgumentError(
-                f"{layers_per_stage} layers per pipeline stage are not divisible by "
-                f"--num-layers-per-virtual-pipeline-stage {vpp_layers}")
-        args.virtual_pipeline_model_parallel_size = layers_per_stage // vpp_layers
-        if args.virtual_pipeline_model_parallel_size == 1:
-            args.virtual_pipeline_model_parallel_size = None
-        elif args.num_microbatches % pp != 0:
-            raise ArgumentError(
-                f"the interleaved schedule needs the number of micro-batches ({args.num_microbatches}) "
-                f"divisible by PP={pp}; raise --global-batch-size")
+    _validate_pipeline_split(args)
+
+    _validate_ddp_buckets(args)
 
     # Schedule.
     if args.lr_decay_iters is None:
@@ -287,10 +292,10 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         raise ArgumentError("--universal-checkpoint needs --load pointing at a universal checkpoint directory")
     if args.ckpt_step is not None and not args.load:
         raise ArgumentError("--ckpt-step needs --load")
-    args.ckpt_format = "torch_dist"
-    args.use_dist_ckpt = True
+    args.use_dist_ckpt = args.ckpt_format == "torch_dist"
     args.iteration = 0
     args.consumed_train_samples = 0
+    args.num_floating_point_operations_so_far = 0
     return args
 
 
@@ -399,6 +404,88 @@ def _validate_moe(args: argparse.Namespace, world_size: int) -> None:
         if args.moe_shared_expert_overlap:
             raise ArgumentError("--moe-shared-expert-overlap runs the shared expert on a side CUDA stream; on "
                                 "CPU drop it (same math)")
+
+
+def _validate_pipeline_split(args: argparse.Namespace) -> None:
+    """Megatron-LM's validate_args for the virtual pipeline size, then megatron-core's placement rules
+    (megatron_ucp.layer_placement, which also refuses splits megatron-core 0.16.1 builds wrongly)."""
+    from megatron_ucp.layer_placement import PlacementError, split_from_args, validate
+
+    pp = args.pipeline_model_parallel_size
+    vpp_layers, vpp_stages = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+    counted = (args.num_layers + args.account_for_embedding_in_pipeline_split
+               + args.account_for_loss_in_pipeline_split)
+    if not uneven and counted % pp != 0:
+        extras = counted - args.num_layers
+        raise ArgumentError(f"--num-layers {args.num_layers}{f' + {extras} (embedding/loss)' if extras else ''} "
+                            f"is not divisible by PP={pp}")
+    if vpp_layers is not None and vpp_stages is not None:
+        raise ArgumentError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+                            "are exclusive; pass one")
+    args.virtual_pipeline_model_parallel_size = None
+    if vpp_layers is not None or vpp_stages is not None:
+        if pp == 1:
+            flag = "--num-layers-per-virtual-pipeline-stage" if vpp_layers else "--num-virtual-stages-per-pipeline-rank"
+            raise ArgumentError(f"{flag} needs --pipeline-model-parallel-size > 1")
+        if vpp_layers is not None:
+            if uneven:
+                raise ArgumentError("with --decoder-first/last-pipeline-num-layers give the virtual pipeline size "
+                                    "as --num-virtual-stages-per-pipeline-rank (Megatron-LM's rule)")
+            layers_per_stage = counted // pp
+            if layers_per_stage % vpp_layers != 0:
+                raise ArgumentError(
+                    f"{layers_per_stage} layers per pipeline stage are not divisible by "
+                    f"--num-layers-per-virtual-pipeline-stage {vpp_layers}")
+            args.virtual_pipeline_model_parallel_size = layers_per_stage // vpp_layers
+        else:
+            args.virtual_pipeline_model_parallel_size = vpp_stages
+        if args.virtual_pipeline_model_parallel_size == 1:
+            args.virtual_pipeline_model_parallel_size = None
+        elif args.num_microbatches % pp != 0:
+            raise ArgumentError(
+                f"the interleaved schedule needs the number of micro-batches ({args.num_microbatches}) "
+                f"divisible by PP={pp}; raise --global-batch-size")
+    try:
+        validate(split_from_args(args))
+    except PlacementError as e:
+        raise ArgumentError(str(e)) from None
+    if args.universal_checkpoint and (uneven or counted != args.num_layers):
+        raise ArgumentError("--universal-checkpoint loads an even pipeline split only (the loader places layers "
+                            "evenly); drop --decoder-first/last-pipeline-num-layers and "
+                            "--account-for-embedding/loss-in-pipeline-split")
+
+
+def _validate_mixed_precision(args: argparse.Namespace) -> None:
+    """Megatron-LM's validate_args for --fp16 / --bf16."""
+    args.params_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+    if args.fp16 and not args.loss_scale:
+        # NaN/inf gradients are the dynamic loss scaler's signal to skip the step and back off.
+        args.check_for_nan_in_loss_and_grad = False
+    if args.bf16 and not args.grad_reduce_in_bf16:
+        args.accumulate_allreduce_grads_in_fp32 = True  # Megatron-LM's default for bf16
+    if args.grad_reduce_in_bf16:
+        if not args.bf16:
+            raise ArgumentError("--grad-reduce-in-bf16 needs --bf16")
+        args.accumulate_allreduce_grads_in_fp32 = False
+    if args.min_loss_scale > args.initial_loss_scale:
+        raise ArgumentError(f"--min-loss-scale {args.min_loss_scale} exceeds --initial-loss-scale "
+                            f"{args.initial_loss_scale}")
+
+
+def _validate_ddp_buckets(args: argparse.Namespace) -> None:
+    """Megatron-LM's checks on overlapped DP communication (validate_args / get_model)."""
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (Megatron-LM asserts it)")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        raise ArgumentError("--overlap-param-gather needs --overlap-grad-reduce (Megatron-LM asserts it)")
+    if args.ddp_num_buckets is not None:
+        if args.ddp_bucket_size is not None:
+            raise ArgumentError("--ddp-num-buckets and --ddp-bucket-size are exclusive; pass one")
+        if args.ddp_num_buckets <= 0:
+            raise ArgumentError(f"--ddp-num-buckets {args.ddp_num_buckets} must be greater than 0")
+    if args.virtual_pipeline_model_parallel_size is None:
+        args.align_param_gather = False  # as Megatron-LM: only the interleaved schedule aligns param AG
 
 
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:

@@ -72,14 +72,20 @@ def _sharded_sd_metadata(args) -> dict:
     return metadata
 
 
-def _rng_state(args) -> ShardedObject:
-    state = {
+def rng_state_dict() -> dict:
+    """This rank's RNG state, as Megatron-LM's get_rng_state collects it (the CPU generator stands in
+    for CUDA's on CPU)."""
+    return {
         "random_rng_state": random.getstate(),
         "np_rng_state": np.random.get_state(),
         "torch_rng_state": torch.get_rng_state(),
         "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state(),
         "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
+
+
+def _rng_state(args) -> ShardedObject:
+    state = rng_state_dict()
     pp, tp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
     if args.expert_model_parallel_size > 1:
         # As Megatron-LM: with EP the DP ranks hold different expert-parallel RNG streams, so the
@@ -113,20 +119,20 @@ def unwrap(chunk):
     return unwrap_model(chunk)
 
 
-def _model_keys(model) -> list:
+def model_keys(model) -> list:
     return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
 
 
 def _state_dict(args, model, optimizer, scheduler, iteration, metadata, is_loading, with_optim, with_rng):
     sd = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
-    for key, chunk in zip(_model_keys(model), model):
+    for key, chunk in zip(model_keys(model), model):
         sd[key] = unwrap(chunk).sharded_state_dict(metadata=metadata)
     if with_optim:
         sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=metadata)
         sd["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
         sd["rng_state"] = _rng_state(args)
-    sd["num_floating_point_operations_so_far"] = 0
+    sd["num_floating_point_operations_so_far"] = args.num_floating_point_operations_so_far
     return sd
 
 
@@ -137,6 +143,9 @@ def saveable_args(args) -> argparse.Namespace:
 
 
 def save_checkpoint(args, iteration: int, model, optimizer, scheduler) -> Path:
+    if args.ckpt_format == "torch":
+        from megatron_ucp.training.legacy_checkpointing import save_legacy_checkpoint  # imports this module
+        return save_legacy_checkpoint(args, iteration, model, optimizer, scheduler, rng_state_dict())
     ckpt_dir = iteration_dir(args.save, iteration)
     rank = torch.distributed.get_rank()
     if rank == 0:
@@ -252,7 +261,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Optional[int]:
         parallel_state.get_data_parallel_group(with_context_parallel=True))
     with torch.no_grad():  # optimizer-state restore copies into leaf tensors
         state = dist_checkpointing.load(sd, str(ckpt_dir), strategy)
-        for key, chunk in zip(_model_keys(model), model):
+        for key, chunk in zip(model_keys(model), model):
             unwrap(chunk).load_state_dict(state[key], strict=True)
         if load_optim:
             optimizer.load_state_dict(state["optimizer"])
@@ -270,6 +279,7 @@ def _finish_load(args, optimizer, state, ckpt_args, load_optim: bool, load_rng: 
     if not args.finetune:
         args.iteration = state["iteration"]
         args.consumed_train_samples = getattr(ckpt_args, "consumed_train_samples", 0)
+        args.num_floating_point_operations_so_far = state.get("num_floating_point_operations_so_far", 0)
     torch.distributed.barrier()
     return args.iteration
 
@@ -298,7 +308,7 @@ def load_legacy_checkpoint(args, model, optimizer, scheduler, ckpt_dir: Path) ->
                 "--load UCP_DIR --universal-checkpoint")
     load_optim = not args.no_load_optim and not args.finetune and "optimizer" in state
     with torch.no_grad():
-        for key, chunk in zip(_model_keys(model), model):
+        for key, chunk in zip(model_keys(model), model):
             unwrap(chunk).load_state_dict(state[key], strict=False)
         if load_optim:
             cpu_backend.init_adam_state_for_loading(optimizer)

@@ -56,6 +56,7 @@ def layout_invariant_init(chunks, args) -> None:
     for vpp_chunk, chunk in enumerate(chunks):
         vpp = vpp_chunk if layout.vpp else None
         for local, param in chunk.named_parameters():
+            # any pipeline split, uneven included: the rulebook places layers (layer_placement)
             name = rulebook.canonical_name(local, layout, pp_rank, vpp, config.num_layers, tied=config.tied,
                                            config=config, ep_rank=ep_rank)
             if name is None:

@@ -133,14 +133,14 @@ class TrainingLogger:
         self.last_time = time.time()
 
     def log(self, iteration: int, loss: float, grad_norm: float, lr: float, consumed_samples: int,
-            skipped: bool, aux_losses: Optional[Dict[str, float]] = None) -> None:
+            skipped: bool, loss_scale: float = 1.0, aux_losses: Optional[Dict[str, float]] = None) -> None:
         now = time.time()
         elapsed_ms = (now - self.last_time) * 1000.0
         self.last_time = now
         if not self.is_logging_rank:
             return
         record = {"iteration": iteration, "lm_loss": loss, "grad_norm": grad_norm, "lr": lr,
-                  "consumed_samples": consumed_samples, "skipped": skipped,
+                  "consumed_samples": consumed_samples, "skipped": skipped, "loss_scale": loss_scale,
                   "elapsed_ms": round(elapsed_ms, 3)}
         aux_losses = aux_losses or {}
         record.update(aux_losses)
@@ -158,7 +158,7 @@ class TrainingLogger:
                   f" learning rate: {lr:.6E} | global batch size: {self.args.global_batch_size:5d} |"
                   f" lm loss: {loss:.6E} |"
                   + "".join(f" {name}: {value:.6E} |" for name, value in aux_losses.items() if value > 0.0)
-                  + f" grad norm: {grad_norm:.3f} |"
+                  + f" loss scale: {loss_scale:.1f} | grad norm: {grad_norm:.3f} |"
                   f" number of skipped iterations: {int(skipped):3d} | number of nan iterations: "
                   f"{int(math.isnan(loss)):3d} |", flush=True)
 
@@ -167,3 +167,50 @@ class TrainingLogger:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+
+
+def set_overlap_sync_funcs(args, config, model) -> None:
+    """Megatron-LM's train(): with overlapped DP communication the pipeline schedules launch each
+    chunk's grad reduce / param gather themselves (aligned across pipeline stages by default)."""
+    def per_chunk(funcs):
+        return funcs[0] if len(funcs) == 1 else funcs
+
+    if args.overlap_grad_reduce and args.align_grad_reduce:
+        config.grad_sync_func = per_chunk([chunk.start_grad_sync for chunk in model])
+    if args.overlap_param_gather and args.align_param_gather:
+        config.param_sync_func = per_chunk([chunk.start_param_sync for chunk in model])
+
+
+class ParamGatherHooks:
+    """--overlap-param-gather: megatron-core all-gathers updated parameters lazily, in forward
+    pre-hooks of the next iteration. As Megatron-LM's train(): hooks off (and the schedules' param
+    sync off) until one step has succeeded, a forced all-gather before every checkpoint save (else
+    the saved model holds stale shards), and a synchronous all-gather when training ends."""
+
+    def __init__(self, args, config, model):
+        self.active = args.use_distributed_optimizer and args.overlap_param_gather
+        self.config, self.model = config, model
+        self.enabled = False
+        self.param_sync_func = None
+        if self.active:
+            for chunk in model:
+                chunk.disable_forward_pre_hook(param_sync=False)
+            self.param_sync_func, config.param_sync_func = config.param_sync_func, None
+
+    def after_step(self, update_successful: bool) -> None:
+        if self.active and not self.enabled and update_successful:
+            for chunk in self.model:
+                chunk.enable_forward_pre_hook()
+            self.config.param_sync_func = self.param_sync_func
+            self.enabled = True
+
+    def before_save(self) -> None:
+        if self.active:
+            for chunk in self.model:
+                chunk.start_param_sync(force_sync=True)
+
+    def close(self) -> None:
+        if self.active and self.enabled:
+            for chunk in self.model:
+                chunk.disable_forward_pre_hook(param_sync=True)
+            self.enabled = False

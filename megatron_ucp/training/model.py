@@ -24,6 +24,10 @@ from megatron.core.transformer import TransformerConfig
 from megatron_ucp import cpu_backend
 
 
+def params_dtype(args) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
 def transformer_impl(args) -> str:
     if args.transformer_impl:
         if args.transformer_impl == "transformer_engine" and not _have_te():
@@ -43,7 +47,7 @@ def _have_te() -> bool:
 
 def transformer_config_from_args(args) -> TransformerConfig:
     on_gpu = torch.cuda.is_available()
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    dtype = params_dtype(args)
     kwargs = dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -54,6 +58,10 @@ def transformer_config_from_args(args) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
         sequence_parallel=args.sequence_parallel,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
@@ -65,6 +73,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         bf16=args.bf16,
+        fp16=args.fp16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         deallocate_pipeline_outputs=True,
@@ -159,7 +168,7 @@ def build_model(args, config: TransformerConfig) -> List[DistributedDataParallel
     if args.layout_invariant_init:
         from megatron_ucp.training.init import layout_invariant_init
         layout_invariant_init(chunks, args)
-    if args.bf16:
+    if args.bf16 or args.fp16:
         # As Megatron-LM's get_model: casts the remaining fp32 params (norms) and the forward's inputs/outputs.
         from megatron.core.transformer.module import Float16Module
         chunks = [Float16Module(config, chunk) for chunk in chunks]
@@ -169,14 +178,26 @@ def build_model(args, config: TransformerConfig) -> List[DistributedDataParallel
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        check_for_nan_in_grad=True,
-        bucket_size=args.ddp_bucket_size if args.overlap_grad_reduce else None,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+        bucket_size=ddp_bucket_size(args, sum(p.numel() for chunk in chunks for p in chunk.parameters())),
+        pad_buckets_for_high_nccl_busbw=args.ddp_pad_buckets_for_high_nccl_busbw,
     )
     return [
         DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                 disable_bucketing=(i > 0))
         for i, chunk in enumerate(chunks)
     ]
+
+
+def ddp_bucket_size(args, rank_num_parameters: int):
+    """Megatron-LM's get_model: --ddp-num-buckets splits this rank's parameters, else --ddp-bucket-size;
+    None (one bucket per buffer) without --overlap-grad-reduce. megatron-core's DDP fills the default
+    (max(4e7, 1e6 x DP)) and uses one bucket anyway on pipeline stages > 0 and VPP chunks > 0."""
+    if not args.overlap_grad_reduce:
+        return None
+    if args.ddp_num_buckets is not None:
+        return rank_num_parameters // args.ddp_num_buckets
+    return args.ddp_bucket_size
 
 
 def unwrap_model(chunk):
@@ -199,9 +220,13 @@ def build_optimizer(args, model):
         adam_eps=args.adam_eps,
         clip_grad=args.clip_grad,
         bf16=args.bf16,
-        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        fp16=args.fp16,
+        params_dtype=params_dtype(args),
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, model, config_overrides=get_standard_config_overrides(config))

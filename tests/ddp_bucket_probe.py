@@ -1,0 +1,76 @@
+"""Under torchrun: build the harness's model at pretrain_gpt.py's flags and write, per rank, megatron-core's
+live DDP buffer layout next to what megatron_ucp/formats/bucket_layout.py predicts from args alone.
+
+    torchrun --nproc-per-node N tests/ddp_bucket_probe.py OUT_DIR <pretrain_gpt.py flags>
+
+OUT_DIR/rank{R}.json = {"pp_rank", "tp_rank", "chunks": [{"live": [buffer...], "predicted": [buffer...]}]},
+buffer = {"dtypes", "params": [[name, start, end, bucket]...], "buckets": [[start, end, numel_unpadded]...]}.
+The prediction uses what a converter knows: args, and each chunk's parameter names, shapes and
+dtypes in registration order (the checkpoint's state dict); nothing from the live buffers.
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+spec = importlib.util.spec_from_file_location("pretrain_gpt", REPO / "pretrain_scripts" / "pretrain_gpt.py")
+pretrain_gpt = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pretrain_gpt)  # imports megatron-core the harness's way (CPU patches first)
+
+import torch  # noqa: E402
+
+from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,  # noqa: E402
+                                                shared_embedding_names)
+from megatron_ucp.training import arguments, data  # noqa: E402
+
+
+def live_buffers(chunk, names):
+    out = []
+    for buffer in chunk.buffers:
+        params = sorted(([names[p], *buffer.param_index_map[p]] for p in buffer.params), key=lambda r: r[1])
+        buckets = [[*buffer.bucket_indices[b.bucket_id], b.numel_unpadded] for b in buffer.buckets]
+        out.append({"dtypes": [str(buffer.param_dtype), str(buffer.grad_dtype)], "params": params,
+                    "buckets": buckets})
+    return out
+
+
+def predicted_buffers(args, pp_rank, vpp_chunk, params, rank_num_parameters):
+    config = DDPBucketConfig.from_megatron_args(vars(args), pp_rank=pp_rank, vpp_chunk=vpp_chunk,
+                                                rank_num_parameters=rank_num_parameters)
+    shared = shared_embedding_names(vars(args), pp_rank=pp_rank, vpp_chunk=vpp_chunk, names=[n for n, _ in params])
+    buffer_params = [BufferParam(n, tuple(p.shape), p.dtype, shared_embedding=n in shared) for n, p in params]
+    return [{"dtypes": [str(b.param_dtype), str(b.grad_dtype)],
+             "params": [[s.name, s.start, s.end, s.bucket] for s in b.params],
+             "buckets": [[k.start, k.end, k.numel_unpadded] for k in b.buckets]}
+            for b in build_chunk_buffers(buffer_params, config)]
+
+
+def main():
+    out_dir = Path(sys.argv[1])
+    args = arguments.parse_args(sys.argv[2:])
+    mpu = pretrain_gpt.initialize(args)
+    from megatron_ucp.training import model as model_lib
+
+    args.padded_vocab_size = arguments.padded_vocab_size(data.build_tokenizer(args).vocab_size, args)
+    model = model_lib.build_model(args, model_lib.transformer_config_from_args(args))
+    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    chunk_params = [[(n, p) for n, p in model_lib.unwrap_model(c).named_parameters() if p.requires_grad] for c in model]
+    rank_num_parameters = sum(p.numel() for params in chunk_params for _, p in params)
+    report = {"pp_rank": pp_rank, "tp_rank": mpu.get_tensor_model_parallel_rank(), "chunks": []}
+    for vpp_chunk, (chunk, params) in enumerate(zip(model, chunk_params)):
+        names = {p: n for n, p in params}
+        report["chunks"].append({"live": live_buffers(chunk, names),
+                                 "predicted": predicted_buffers(args, pp_rank, vpp_chunk, params,
+                                                                rank_num_parameters)})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(report))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
