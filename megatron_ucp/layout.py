@@ -23,6 +23,12 @@ class ParallelLayout:
     sp: bool = False
     ep: int = 1
     etp: Optional[int] = None  # expert tensor parallel size; None = the dense TP (Megatron-LM's default)
+    # Uneven pipelines (Megatron-LM's --decoder-first/last-pipeline-num-layers,
+    # --account-for-embedding/loss-in-pipeline-split); layers per chunk: adapters.gpt.chunk_layers
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    embedding_in_split: bool = False
+    loss_in_split: bool = False
 
     def __post_init__(self):
         if self.etp is not None and self.etp == self.tp:
@@ -58,6 +64,12 @@ class ParallelLayout:
         return self.tp * self.dp // (self.expert_tp * self.ep)
 
     @property
+    def even_pipeline(self) -> bool:
+        """Layers split evenly over the pipeline chunks (none of the uneven-split settings)."""
+        return (self.first_stage_layers is None and self.last_stage_layers is None and not self.embedding_in_split
+                and not self.loss_in_split)
+
+    @property
     def num_chunks(self) -> int:
         """Model chunks per pipeline stage (1 without VPP)."""
         return self.vpp or 1
@@ -68,14 +80,24 @@ class ParallelLayout:
             s += f"VPP{self.vpp}"
         if self.ep > 1 or self.etp is not None:
             s += f"EP{self.ep}" + (f"ETP{self.etp}" if self.etp is not None else "")
+        if not self.even_pipeline:
+            split = [f"first stage {self.first_stage_layers} layers" if self.first_stage_layers is not None else "",
+                     f"last stage {self.last_stage_layers} layers" if self.last_stage_layers is not None else "",
+                     "embedding counted" if self.embedding_in_split else "", "loss counted" if self.loss_in_split else ""]
+            s += "[" + ", ".join(x for x in split if x) + "]"
         if self.sp:
             s += "+SP"
         return s
 
     def to_dict(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "vpp": self.vpp, "sp": self.sp, "ep": self.ep,
-                "etp": self.etp}
+        d = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "vpp": self.vpp, "sp": self.sp, "ep": self.ep,
+             "etp": self.etp}
+        if not self.even_pipeline:
+            d.update(first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers,
+                     embedding_in_split=self.embedding_in_split, loss_in_split=self.loss_in_split)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ParallelLayout":
-        return cls(**{k: d[k] for k in ("tp", "pp", "dp", "vpp", "sp", "ep", "etp") if k in d})
+        return cls(**{k: d[k] for k in ("tp", "pp", "dp", "vpp", "sp", "ep", "etp", "first_stage_layers",
+                                         "last_stage_layers", "embedding_in_split", "loss_in_split") if k in d})

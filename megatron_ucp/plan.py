@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_ucp.adapters.gpt import (expected_parameters, is_vocab_parameter, layers_per_chunk, padded_vocab_at,
+from megatron_ucp.adapters.gpt import (check_pipeline, expected_parameters, is_vocab_parameter, padded_vocab_at,
                                       parameters_for_rank, virtual_chunks)
 from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
                                                 shared_embedding_names)
@@ -103,7 +103,7 @@ def check_target(source: Source, target: Target) -> tuple[list[str], list[str], 
     vpp = None
     try:
         vpp = virtual_chunks(c.num_layers, target.pp, target.layers_per_virtual_stage)
-        layers_per_chunk(c.num_layers, ParallelLayout(pp=target.pp, vpp=vpp))
+        check_pipeline(c.num_layers, ParallelLayout(pp=target.pp, vpp=vpp))
     except LayoutError as e:
         problems.append(str(e))
     padded = padded_vocab_at(c, t)

@@ -30,6 +30,10 @@ MOE = GPTModelConfig(**{**LLAMA.to_dict(), "num_layers": 4, "num_experts": 4, "m
                         "moe_layer_freq": [0, 1, 0, 1], "moe_router_enable_expert_bias": True})
 LAYOUTS = [ParallelLayout(tp=tp, pp=pp, vpp=vpp) for tp in (1, 2) for pp in (1, 2, 4) for vpp in (None, 2)
            if not (pp == 1 and vpp)]  # VPP needs PP > 1
+# Uneven pipelines (8 layers): first stage 3 of 8; embedding and loss each counted as a layer (4 + 4);
+# PP3 x VPP2 with 2 layers on the first and on the last stage.
+LAYOUTS += [ParallelLayout(tp=2, pp=2, first_stage_layers=3), ParallelLayout(pp=2, embedding_in_split=True,
+            loss_in_split=True), ParallelLayout(pp=3, vpp=2, first_stage_layers=2, last_stage_layers=2)]
 
 
 def _chunks(layout):
@@ -506,3 +510,28 @@ def test_moe_names_and_placement_over_ep_and_etp():
         gpt.canonical_name("decoder.layers.0.mlp.router.weight", ParallelLayout(), 0, None, 4, config=MOE)
     with pytest.raises(LayoutError, match="cannot be split into ETP x EP"):
         ParallelLayout(tp=2, dp=1, ep=2, etp=2)
+
+
+def test_uneven_pipelines_place_layers_as_megatron_core():
+    """The rulebook's placement of uneven pipelines is megatron-core's (layer_placement, itself checked
+    exhaustively against megatron-core in tests/test_layer_placement.py)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    for layout in LAYOUTS[-3:]:
+        config = SimpleNamespace(**{**vars(_mcore_config(8, layout.pp, layout.vpp)),
+                                    "num_layers_in_first_pipeline_stage": layout.first_stage_layers,
+                                    "num_layers_in_last_pipeline_stage": layout.last_stage_layers,
+                                    "account_for_embedding_in_pipeline_split": layout.embedding_in_split,
+                                    "account_for_loss_in_pipeline_split": layout.loss_in_split})
+        seen = []
+        for pp_rank, chunk in _chunks(layout):
+            vp_stage = chunk if layout.vpp else None
+            layers = gpt.chunk_layers(8, layout, pp_rank, vp_stage)
+            assert layers.start == get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+            assert len(layers) == get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+            seen += layers
+        assert sorted(seen) == list(range(8)), layout.describe()
+    assert [len(gpt.chunk_layers(8, LAYOUTS[-3], p)) for p in range(2)] == [3, 5]
+    with pytest.raises(LayoutError, match="not divisible by PP=3"):
+        gpt.expected_parameters(GPT2, ParallelLayout(pp=3, embedding_in_split=True, loss_in_split=True))

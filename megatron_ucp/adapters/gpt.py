@@ -42,6 +42,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from megatron_ucp.layer_placement import PipelineSplit, PlacementError, chunk_placement
+from megatron_ucp.layer_placement import layer_location as split_layer_location
+from megatron_ucp.layer_placement import validate as validate_split
 from megatron_ucp.layout import LayoutError, ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig, pad_vocab_size
 from megatron_ucp.patterns import (FusedSubParams, GroupedQKV, Pattern, PatternError, Replicated, Sharded,
@@ -334,19 +337,38 @@ def tp_size_of(name: str, layout: ParallelLayout) -> int:
 # Pipeline placement of layers
 
 
-def layers_per_chunk(num_layers: int, layout: ParallelLayout) -> int:
-    """Transformer layers in each model chunk (megatron-core's even split over PP x VPP)."""
+def _split(num_layers: int, layout: ParallelLayout) -> PipelineSplit:
+    return PipelineSplit(num_layers, layout.pp, layout.vpp, layout.first_stage_layers, layout.last_stage_layers,
+                         layout.embedding_in_split, layout.loss_in_split)
+
+
+def check_pipeline(num_layers: int, layout: ParallelLayout) -> None:
+    """LayoutError (cause + fix) unless megatron-core places num_layers on this pipeline correctly."""
     if layout.num_chunks > 1 and layout.pp == 1:
         raise LayoutError(f"{layout.describe()}: an interleaved pipeline (VPP={layout.vpp}) needs PP > 1 "
                           "(Megatron-LM asserts it; megatron-core ignores VPP at PP=1); drop VPP or raise PP")
+    if not layout.even_pipeline:
+        try:
+            validate_split(_split(num_layers, layout))
+        except PlacementError as e:
+            raise LayoutError(str(e)) from None
+        return
     chunks = layout.pp * layout.num_chunks
     if num_layers < 1 or num_layers % chunks:
         ok = [f"PP{p}" + (f"xVPP{v}" if v > 1 else "") for p in range(1, num_layers + 1)
               for v in range(1, num_layers // p + 1) if num_layers % (p * v) == 0 and p * v <= 8][:8]
         raise LayoutError(
             f"num_layers={num_layers} is not divisible by PP x VPP = {layout.pp} x {layout.num_chunks}; "
-            f"megatron-core splits layers evenly over model chunks: choose e.g. {', '.join(ok)}")
-    return num_layers // chunks
+            f"megatron-core splits layers evenly over model chunks (or use --decoder-first/last-pipeline-num-layers): "
+            f"choose e.g. {', '.join(ok)}")
+
+
+def layers_per_chunk(num_layers: int, layout: ParallelLayout) -> int:
+    """Transformer layers in each model chunk of an even pipeline (megatron-core's split over PP x VPP)."""
+    check_pipeline(num_layers, layout)
+    if not layout.even_pipeline:
+        raise LayoutError(f"{layout.describe()}: chunks hold different numbers of layers; use chunk_layers")
+    return num_layers // (layout.pp * layout.num_chunks)
 
 
 def virtual_chunks(num_layers: int, pp: int, layers_per_virtual_stage: Optional[int]) -> Optional[int]:
@@ -380,28 +402,35 @@ def _check_chunk(layout: ParallelLayout, pp_rank: int, vpp_chunk: Optional[int])
     return chunk
 
 
+def chunk_layers(num_layers: int, layout: ParallelLayout, pp_rank: int, vpp_chunk: Optional[int] = None) -> range:
+    """Global layers held by one model chunk, in local order (megatron-core's get_transformer_layer_offset
+    and get_num_layers_to_build, even or uneven: layer_placement)."""
+    chunk = _check_chunk(layout, pp_rank, vpp_chunk)
+    if layout.even_pipeline:
+        per_chunk = layers_per_chunk(num_layers, layout)
+        # Chunks are ordered chunk-major: VPP chunk v of stage p is block v * PP + p.
+        offset = (chunk * layout.pp + pp_rank) * per_chunk
+        return range(offset, offset + per_chunk)
+    check_pipeline(num_layers, layout)
+    return chunk_placement(_split(num_layers, layout), pp_rank, chunk).layers
+
+
 def layer_offset(num_layers: int, layout: ParallelLayout, pp_rank: int, vpp_chunk: Optional[int] = None) -> int:
     """Global index of the chunk's local layer 0 (megatron-core's get_transformer_layer_offset)."""
-    chunk = _check_chunk(layout, pp_rank, vpp_chunk)
-    per_chunk = layers_per_chunk(num_layers, layout)
-    # Chunks are ordered chunk-major: VPP chunk v of stage p is block v * PP + p.
-    return (chunk * layout.pp + pp_rank) * per_chunk
-
-
-def chunk_layers(num_layers: int, layout: ParallelLayout, pp_rank: int, vpp_chunk: Optional[int] = None) -> range:
-    """Global layers held by one model chunk, in local order."""
-    offset = layer_offset(num_layers, layout, pp_rank, vpp_chunk)
-    return range(offset, offset + layers_per_chunk(num_layers, layout))
+    return chunk_layers(num_layers, layout, pp_rank, vpp_chunk).start
 
 
 def layer_location(global_layer: int, num_layers: int, layout: ParallelLayout) -> Tuple[int, int, int]:
     """(pp_rank, vpp_chunk, local_layer) holding `global_layer`."""
     if not 0 <= global_layer < num_layers:
         raise UnknownParameterError(f"layer {global_layer} does not exist: the model has num_layers={num_layers}")
-    per_chunk = layers_per_chunk(num_layers, layout)
-    block, local = divmod(global_layer, per_chunk)
-    vpp_chunk, pp_rank = divmod(block, layout.pp)
-    return pp_rank, vpp_chunk, local
+    if layout.even_pipeline:
+        per_chunk = layers_per_chunk(num_layers, layout)
+        block, local = divmod(global_layer, per_chunk)
+        vpp_chunk, pp_rank = divmod(block, layout.pp)
+        return pp_rank, vpp_chunk, local
+    check_pipeline(num_layers, layout)
+    return split_layer_location(_split(num_layers, layout), global_layer)
 
 
 def is_first_chunk(layout: ParallelLayout, pp_rank: int, vpp_chunk: Optional[int] = None) -> bool:
@@ -467,11 +496,11 @@ def canonical_name(local_name: str, layout: ParallelLayout, pp_rank: int, vpp_ch
     where = f"pp_rank={pp_rank} vpp_chunk={chunk} of {layout.describe()}"
     rule, local_layer, expert = _resolve(local_name)
     if local_layer is not None:
-        per_chunk = layers_per_chunk(num_layers, layout)
-        if local_layer >= per_chunk:
-            raise LayoutError(f"{local_name!r} on {where}: local layer {local_layer} but each chunk holds "
-                              f"{per_chunk} of num_layers={num_layers}; the checkpoint has another layout")
-        global_layer = layer_offset(num_layers, layout, pp_rank, chunk) + local_layer
+        layers = chunk_layers(num_layers, layout, pp_rank, chunk)
+        if local_layer >= len(layers):
+            raise LayoutError(f"{local_name!r} on {where}: local layer {local_layer} but this chunk holds "
+                              f"{len(layers)} of num_layers={num_layers}; the checkpoint has another layout")
+        global_layer = layers[local_layer]
         _check_layer_kind(rule, global_layer, config, local_name)
         if expert is not None:
             if config is None:
@@ -506,7 +535,7 @@ def local_name(canonical: str, layout: ParallelLayout, num_layers: int, *, tied:
                 raise ValueError(f"{canonical!r} is a routed expert: pass the model config to place it")
             expert = expert_location(expert, config, layout)[1]
         return [(pp_rank, chunk, _spell(rule, rule.name, local, expert))]
-    layers_per_chunk(num_layers, layout)
+    check_pipeline(num_layers, layout)
     if rule.scope == PRE:
         places = [(0, 0, rule.name)]
         if rule.name == WORD_EMBEDDINGS and tied and _last_chunk(layout) != (0, 0):
@@ -620,7 +649,7 @@ def expected_parameters(config: GPTModelConfig, layout: Optional[ParallelLayout]
     cause and fix)."""
     params = list(_expected(config))
     if layout is not None:
-        layers_per_chunk(config.num_layers, layout)
+        check_pipeline(config.num_layers, layout)
         experts_per_rank(config, layout)
         for name, shape in params:
             pattern_for(name, config).validate(shape, tp_size_of(name, layout), name=name)

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional, Union
 
 from megatron_ucp.formats import safe_pickle
 from megatron_ucp.formats.safe_pickle import MEGATRON_ENUMS, PickledEnum, SafeLoadError, TensorRecord, TorchDType
-from megatron_ucp.layout import ParallelLayout
+from megatron_ucp.layout import LayoutError, ParallelLayout
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 # What a Megatron-LM GPT checkpoint trains in, and what its optimizer state is kept in.
@@ -139,14 +139,9 @@ def args_to_dict(args: Any, *, source: Path) -> dict:
                                 f"written by Megatron-LM's save_checkpoint.")
 
 
-# Megatron-LM args that make pipeline stages uneven (not supported by the rulebook's placement yet).
-UNEVEN_PIPELINE_ARGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                        "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
-                        "account_for_loss_in_pipeline_split")
-
-
 _LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "world_size",
-                "data_parallel_size", "virtual_pipeline_model_parallel_size", "expert_model_parallel_size")
+                "data_parallel_size", "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+                "expert_tensor_parallel_size", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
 # args every GPT checkpoint has, as positive integers (the model config is built from them)
 _MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads")
 
@@ -165,21 +160,28 @@ def _check_sizes(args: dict, names: tuple, source: Any, *, required: bool) -> No
 def layout_from_args(args: dict, source: Any = "args") -> ParallelLayout:
     """The parallel layout a Megatron-LM run had (raises CheckpointFormatError for what is unsupported)."""
     _check_sizes(args, _LAYOUT_ARGS, source, required=False)
-    uneven = [name for name in UNEVEN_PIPELINE_ARGS if args.get(name)]
-    if uneven:
-        raise CheckpointFormatError(f"args.{uneven[0]}={args[uneven[0]]!r}: uneven pipeline splits are not "
-                                    f"supported yet; convert a checkpoint saved with evenly split stages")
+    if args.get("pipeline_model_parallel_layout"):
+        raise CheckpointFormatError(f"{source}: args.pipeline_model_parallel_layout="
+                                    f"{args['pipeline_model_parallel_layout']!r}: explicit pipeline layouts are not "
+                                    "supported; use --decoder-first/last-pipeline-num-layers or an even split")
     tp = args.get("tensor_model_parallel_size") or 1
     pp = args.get("pipeline_model_parallel_size") or 1
     cp = args.get("context_parallel_size") or 1
     world = args.get("world_size") or tp * pp * cp
-    return ParallelLayout(
-        tp=tp, pp=pp, dp=args.get("data_parallel_size") or max(1, world // (tp * pp * cp)),
-        vpp=args.get("virtual_pipeline_model_parallel_size"),
-        sp=bool(args.get("sequence_parallel")),
-        ep=args.get("expert_model_parallel_size") or 1,
-        etp=args.get("expert_tensor_parallel_size"),
-    )
+    try:
+        return ParallelLayout(
+            tp=tp, pp=pp, dp=args.get("data_parallel_size") or max(1, world // (tp * pp * cp)),
+            vpp=args.get("virtual_pipeline_model_parallel_size"),
+            sp=bool(args.get("sequence_parallel")),
+            ep=args.get("expert_model_parallel_size") or 1,
+            etp=args.get("expert_tensor_parallel_size"),
+            first_stage_layers=args.get("decoder_first_pipeline_num_layers"),
+            last_stage_layers=args.get("decoder_last_pipeline_num_layers"),
+            embedding_in_split=bool(args.get("account_for_embedding_in_pipeline_split")),
+            loss_in_split=bool(args.get("account_for_loss_in_pipeline_split")),
+        )
+    except LayoutError as e:
+        raise CheckpointFormatError(f"{source}: {e}") from e
 
 
 def model_config_from_args(args: dict, source: Any):

@@ -450,10 +450,6 @@ def _validate_pipeline_split(args: argparse.Namespace) -> None:
         validate(split_from_args(args))
     except PlacementError as e:
         raise ArgumentError(str(e)) from None
-    if args.universal_checkpoint and (uneven or counted != args.num_layers):
-        raise ArgumentError("--universal-checkpoint loads an even pipeline split only (the loader places layers "
-                            "evenly); drop --decoder-first/last-pipeline-num-layers and "
-                            "--account-for-embedding/loss-in-pipeline-split")
 
 
 def _validate_mixed_precision(args: argparse.Namespace) -> None:
