@@ -26,6 +26,7 @@ SUBCOMMAND_MODULES = (
     "megatron_ucp.verify",  # verify
     "megatron_ucp.plan",  # plan
     "megatron_ucp.hf_export",  # export-hf
+    "megatron_ucp.check_cmd",  # check
     "megatron_ucp.plot_cmd",  # plot-loss
 )
 
