@@ -31,6 +31,11 @@ A write to DST goes through `Staging`:
 Readers call `check_not_staging(path)` before opening anything: a staging directory is never a
 checkpoint, whatever it holds (even a killed writer's completion marker).
 
+Write failures whose cause lies outside the tool become one line with the cause and the fix
+(`write_failure`): a full disk however the writing library words it (ENOSPC, torch.save's "file write
+failed"), and failed allocations. Crash tests stop a writer at a named phase with PAUSE_ENV
+(`pause_if_asked`).
+
 Fallbacks (documented, not silent): where renameat2 is missing or refused (non-Linux, NFS answers
 EINVAL), publication checks DST under the lock and uses os.rename, and a replacement moves the old
 output aside first (a crash in that window is undone by the next run, see 2). flock must work across
@@ -735,9 +740,11 @@ PAUSE_SECONDS = 600.0
 
 
 def pause_if_asked(phase: str) -> None:
-    """Fault injection for crash tests: when PAUSE_ENV is "PHASE:FIFO" and `phase` is PHASE, announce it on
-    the fifo (blocks until the test reads it) and sleep, so the test kills the process at exactly this
-    point (kill -9). Without the variable (always, outside tests) this does nothing."""
+    """Fault injection for crash and concurrency tests: when PAUSE_ENV is "PHASE:FIFO" and `phase` is
+    PHASE, announce "PHASE PID" on the fifo (blocks until the test reads it), then wait until the file
+    FIFO.go exists (the test lets the write go on) or PAUSE_SECONDS pass; meanwhile the test may kill
+    the process at exactly this point (kill -9). Without the variable (always, outside tests) this does
+    nothing."""
     spec = os.environ.get(PAUSE_ENV)
     if not spec:
         return
@@ -746,7 +753,9 @@ def pause_if_asked(phase: str) -> None:
         return
     with open(fifo, "w") as f:
         f.write(f"{phase} {os.getpid()}\n")
-    time.sleep(PAUSE_SECONDS)
+    deadline = time.monotonic() + PAUSE_SECONDS
+    while not os.path.exists(fifo + ".go") and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _host_token() -> str:

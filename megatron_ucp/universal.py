@@ -698,13 +698,45 @@ class UniversalCheckpoint:
 
     def _check_backed(self, info: ParamInfo) -> None:
         """Refuse (one line) a tensor file that cannot hold the declared tensors, before anything the size
-        of a declared shape is allocated; once per parameter."""
+        of a declared shape is allocated: its size (stat), then its safetensors header (read from checked
+        blocks in version 2) against metadata.json; once per parameter."""
         if info.file is None or info.name in self._backed:
             return
         problem = self._backing_problem(info)
         if problem:
             raise UniversalFormatError(problem)
+        file = self.path / info.file
+        if info.checksum is not None:
+            try:
+                with integrity.VerifiedTensorFile(file, info.checksum, integrity.tensor_file_label(info.name),
+                                                  cache=self._verified, headers=self._headers) as f:
+                    header = {k: (t[0], tuple(t[1])) for k, t in f.tensors.items()}
+            except ChecksumError as e:
+                raise _as_format_error(e) from None
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise UniversalFormatError(f"{file}: unreadable safetensors header ({type(e).__name__}: {e}); "
+                                           f"restore the file from a copy or reconvert") from None
+        else:
+            header = self._unverified_header(file)
+        want = {key: ("F32", info.shape) for key in info.tensors}
+        if header != want:
+            got = ", ".join(f"{k} {d} {list(s)}" for k, (d, s) in sorted(header.items()))
+            raise UniversalFormatError(f"{file}: holds {got}; metadata.json says {', '.join(sorted(want))} F32 "
+                                       f"{list(info.shape)}; restore the file from a copy or reconvert")
         self._backed.add(info.name)
+
+    @staticmethod
+    def _unverified_header(file: Path) -> dict:
+        """{key: (dtype, shape)} of a version-1 tensor file, by safetensors (which checks the header against
+        the file's size)."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                return {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+        except Exception as e:  # noqa: BLE001 - any failure to parse is a damaged file
+            raise UniversalFormatError(f"{file}: not a readable safetensors file ({type(e).__name__}: "
+                                       f"{' '.join(str(e).split())}); restore it from a copy or reconvert") from None
 
     def _source_files(self) -> FileHandles:
         files = getattr(self._files, "handles", None)
