@@ -687,7 +687,8 @@ _ALLOCATION = re.compile(r"(?:tried to allocate|allocate memory:?[^0-9]*)\s*([0-
 
 def write_failure(e: Optional[BaseException]) -> tuple[Optional[str], Optional[str]]:
     """Why a write failed when the cause lies outside the tool: ("space", file or None) for ENOSPC/EDQUOT
-    anywhere in the exception's chain, ("write", None) for torch.save's zip writer failing (it words a full
+    anywhere in the exception's chain (or its text, as safetensors reports it), ("write", None) for
+    torch.save's zip writer failing (it words a full
     disk as "file write failed" / "inline_container.cc ... unexpected pos"), ("memory", bytes or None) for
     an allocation that failed (MemoryError, torch's "DefaultCPUAllocator: can't allocate memory"); else
     (None, None)."""
@@ -699,6 +700,8 @@ def write_failure(e: Optional[BaseException]) -> tuple[Optional[str], Optional[s
         if isinstance(e, MemoryError):
             return "memory", None
         text = str(e)
+        if "No space left on device" in text or "os error 28" in text or "StorageFull" in text:
+            return "space", None  # libraries that wrap the OSError in their own type (safetensors)
         if isinstance(e, RuntimeError):
             if "can't allocate memory" in text or "not enough memory" in text or "DefaultCPUAllocator" in text:
                 m = _ALLOCATION.search(text)
