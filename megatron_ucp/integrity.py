@@ -969,8 +969,9 @@ def check_universal(path: PathLike, metadata: Mapping[str, Any], workers: int = 
         except FileNotFoundError:
             failures.append(Failure(file, "missing", f"{file}: missing ({label}); {_fix(FILE_REMEDY)}"))
             continue
-        try:
-            problem = _safetensors_problems(fd, file, entry, record, label)
+        try:  # a file of the wrong size is reported once, by the size check below
+            resized = record is not None and os.fstat(fd).st_size != record.stop
+            problem = None if resized else _safetensors_problems(fd, file, entry, record, label)
         except ChecksumError:
             problem = None  # the block check below reports it with the others
         except OSError as e:
@@ -988,8 +989,12 @@ def check_universal(path: PathLike, metadata: Mapping[str, Any], workers: int = 
     if lazy is not None:
         failures.extend(_lazy_failures(lazy, params, checks, notes))
     report = check_files(checks, workers)
+    # one list in the order of metadata.json's parameters (then source files), each file's blocks in order
+    order = {str(root / e["file"]): i for i, e in enumerate(params.values()) if e.get("file")}
+    found = sorted(tuple(failures) + report.failures,
+                   key=lambda f: (order.get(f.path, len(order)), f.block if f.block is not None else -1))
     return CheckReport(files=len(checks), blocks=report.blocks, bytes=report.bytes,
-                       seconds=time.perf_counter() - start, failures=tuple(failures) + report.failures,
+                       seconds=time.perf_counter() - start, failures=tuple(found),
                        checks=UNIVERSAL_CHECKS, notes=tuple(notes))
 
 
