@@ -217,3 +217,54 @@ def test_a_resume_from_a_damaged_checkpoint_stops_with_one_line(fixture_ucp, tmp
                       f"its checksum: the file was damaged after it was written; restore it from a copy or reconvert"]
     assert "Traceback" not in proc.stdout.split(errors[0])[0]  # the rank printed its line, no traceback
     assert "] iteration" not in proc.stdout  # stopped before any step
+
+
+def test_the_write_side_modules_import_no_torch():
+    """universal, byteio, integrity, staging and the check / inspect commands import torch only where they
+    make tensors, so a checkpoint's bytes and metadata are handled without it (the remaining import of torch
+    on `check` / `inspect` comes from the pattern language, megatron_ucp.patterns, when metadata is parsed)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import megatron_ucp.universal, megatron_ucp.byteio, megatron_ucp.integrity, "
+            "megatron_ucp.staging, megatron_ucp.check_cmd, megatron_ucp.inspect_cmd; "
+            "print(sorted(m for m in ('torch', 'safetensors.torch', 'numpy') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1], env=dict(os.environ, PYTHONPATH=str(
+                              Path(__file__).resolve().parents[1])))
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", (proc.stdout, proc.stderr)
+
+
+def test_the_tensor_path_and_the_byte_path_write_the_same_file_and_digests(tmp_path):
+    """write_tensor_file (tensors in memory, integrity.write_file_hashed) and write_tensor_file_placed (bytes
+    copied from shards, hashed while copied) give byte-identical files and equal checksum records, equal to
+    a second pass over the file; safetensors reads them."""
+    from safetensors import safe_open
+
+    from megatron_ucp.byteio import FileHandles, FileRegion, StoredTensor
+    from megatron_ucp.convert import placement_for
+    from megatron_ucp.integrity import DigestRecord, hash_file
+    from megatron_ucp.patterns import Sharded
+    from megatron_ucp.universal import write_tensor_file, write_tensor_file_placed
+
+    name, shape = "decoder.layers.0.self_attention.linear_proj.weight", (512, 768)  # 4.5 MiB: 5 blocks
+    g = torch.Generator().manual_seed(0)
+    full = {k: torch.randn(shape, generator=g) for k in ("fp32", "exp_avg", "exp_avg_sq")}
+    placements = {}
+    for key, tensor in full.items():  # row-parallel: two TP shards of the columns, the banded path
+        shards = []
+        for rank, part in enumerate(tensor.chunk(2, dim=1)):
+            path = tmp_path / f"{key}{rank}.bin"
+            path.write_bytes(b"\0" * 100 + part.contiguous().numpy().tobytes())
+            shards.append(StoredTensor(tuple(part.shape), "float32", (FileRegion(str(path), 100, part.numel() * 4),)))
+        placements[key] = placement_for(Sharded(1), shape, shards)
+    info = {"pattern": Sharded(1), "step": 2, "param_group": {"index": 0}}
+    tensor_entry = write_tensor_file(tmp_path / "a", name, full, info)
+    with FileHandles() as files:
+        placed_entry = write_tensor_file_placed(tmp_path / "b", name, placements, info, files)
+    a, b = tmp_path / "a" / tensor_entry["file"], tmp_path / "b" / placed_entry["file"]
+    assert a.read_bytes() == b.read_bytes() and tensor_entry == placed_entry
+    assert DigestRecord.from_json(tensor_entry["checksum"]) == hash_file(a)
+    assert len(tensor_entry["checksum"]["blocks"]) == 5
+    with safe_open(str(b), framework="pt") as f:
+        assert all(torch.equal(f.get_tensor(k), t) for k, t in full.items())
