@@ -377,3 +377,33 @@ def test_overwrite_replaces_the_tools_own_output_and_short_flags_work(ucp, tmp_p
     plan = cli("plan", ucp, "-t", "2", "-p", "2", "-d", "1", "--json", "--quiet")
     assert_ok(plan)
     assert json.loads(plan.stdout)["target"]["layout"]["pp"] == 2
+
+
+# --------------------------------------------------------------------------------------------------
+# Failures from outside the tool, as the libraries word them
+
+
+def test_allocator_and_zip_writer_failures_become_one_line(tmp_path):
+    """torch's allocator text becomes "out of memory" with the size; torch.save's zip-writer text is a full
+    disk only when the disk is (nearly) full, else it is raised as it is; both leave nothing behind."""
+    from megatron_ucp.staging import Staging, StagingError, write_failure
+
+    oom = RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you "
+                       "tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)")
+    assert write_failure(oom) == ("memory", "68719476736")
+    zip_error = RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file "
+                             "data/3: file write failed")
+    assert write_failure(zip_error) == ("write", None)
+    assert write_failure(ValueError("something else")) == (None, None)
+    dst = tmp_path / "out"
+    with pytest.raises(StagingError) as caught:
+        with Staging(dst, kind="megatron", report=lambda m: None) as stage:
+            (stage.path / "x").write_bytes(b"1")
+            raise oom
+    assert str(caught.value) == (f"{dst}: out of memory while writing (an allocation of 64.0 GiB failed); the partial "
+                                 f"output was removed, free memory (other jobs) or run on a machine with more")
+    assert_nothing_left(dst)
+    with pytest.raises(RuntimeError, match="file write failed"):  # this disk has room: not a full disk
+        with Staging(dst, kind="megatron", report=lambda m: None):
+            raise zip_error
+    assert_nothing_left(dst)
