@@ -11,6 +11,8 @@ order of the steps rotating from round to round, each step a fresh process tree 
 dropped before it (`sync; echo 3 > /proc/sys/vm/drop_caches` when allowed; the report says whether):
 
   cp -r                        the source checkpoint copied (what the disk costs)
+  cp -r + sync                 the same, until the copy is on disk (`sync -f`): to-universal fsyncs its
+                               output before the completion marker, so this is the like-for-like copy
   to-universal                 the CLI as shipped: checksums, lock, staging, fsync before the marker
   to-universal, no checksums   the same CLI with the digests switched off (this script's --no-checksums
                                mode: BlockHasher replaced by a no-op, copies without hashing), so the
@@ -135,6 +137,7 @@ class Bench:
         workers = str(self.args.workers)
         steps = {
             "cp -r": (["cp", "-r", str(src), str(copy)], copy),
+            "cp -r + sync": (["sh", "-c", 'cp -r "$0" "$1" && sync -f "$1"', str(src), str(copy)], copy),
             "to-universal": (me + ["--cli", "to-universal", str(src), str(ucp), "--workers", workers, "--quiet",
                                    "--json"], ucp),
             "to-universal, no checksums": (me + ["--cli-no-checksums", "to-universal", str(src), str(ucp), "--workers",
@@ -175,6 +178,8 @@ class Bench:
         summary = {
             "cli / cp -r": ratio(m["to-universal"]["wall_s"], cp),
             "cli without checksums / cp -r": ratio(m["to-universal, no checksums"]["wall_s"], cp),
+            "cli / (cp -r + sync)": ratio(m["to-universal"]["wall_s"], m["cp -r + sync"]["wall_s"]),
+            "conversion itself / cp -r": ratio(m["to-universal"]["seconds"], cp),
             "checksums / none, CLI wall": ratio(m["to-universal"]["wall_s"], m["to-universal, no checksums"]["wall_s"]),
             "checksums / none, conversion itself": ratio(m["to-universal"]["seconds"],
                                                          m["to-universal, no checksums"]["seconds"]),
