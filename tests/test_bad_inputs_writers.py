@@ -23,8 +23,8 @@ import pytest
 
 from megatron_ucp.convert import to_universal
 from megatron_ucp.universal import UniversalCheckpoint
-from writer_cli import (B_FIXTURE, C_FIXTURE, Paused, assert_nothing_left, assert_ok, assert_one_line_error, cli,
-                        flip_bit, tree_digest)
+from writer_cli import (B_FIXTURE, C_FIXTURE, REPO, Paused, assert_nothing_left, assert_ok, assert_one_line_error,
+                        cli, command, env, flip_bit, tree_digest)
 
 FROM = ("--ckpt-format", "torch", "--rng-state", "cpu", "--quiet")  # from-universal at TP1 PP1 DP1
 HF = ("--model-type", "gpt2", "--quiet")
@@ -308,20 +308,10 @@ def test_two_writers_at_once_exactly_one_wins(ucp, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("ucp", ".ucp"))) == ["ucp"]
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 512 KiB tmpfs when this process may mount one; else None (the test injects ENOSPC instead)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)],
-                      capture_output=True).returncode:
-        yield None
-        return
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
-
+ON_SMALL_DISK = (  # in a private mount namespace (unshare -rm: no root needed), a 512 KiB tmpfs at $1, then the
+    # command; what is left on the tmpfs is listed next to it before the namespace (and the tmpfs) goes away
+    'disk="$1"; shift; mount -t tmpfs -o size=512k tmpfs "$disk" || exit 97; "$@"; rc=$?; '
+    'ls -A "$disk" > "$disk.left"; exit $rc')
 
 ENOSPC_AFTER_512K = (  # the CLI with writes failing once 512 KiB went out (where no tmpfs can be mounted)
     "import errno, os, sys\n"
@@ -338,26 +328,49 @@ ENOSPC_AFTER_512K = (  # the CLI with writes failing once 512 KiB went out (wher
     "sys.exit(cli.main(sys.argv[1:]))\n")
 
 
-@pytest.mark.parametrize("command", ["to-universal", "from-universal", "export-hf"])
-def test_a_full_disk_gives_one_line_and_leaves_nothing(command, ucp, small_disk, tmp_path):
-    """Outputs of 2.0 MB (universal, legacy torch.save files) and 0.7 MB (HF) into a 512 KiB tmpfs: torch.save
-    words it "file write failed", safetensors "os error 28"; each becomes the same one line."""
-    if small_disk is None and command != "to-universal":
-        pytest.skip("no tmpfs here: torch.save and safetensors write outside os.write, ENOSPC cannot be injected")
-    disk = small_disk or tmp_path
+def run_on_small_disk(disk: Path, args: tuple) -> tuple[subprocess.CompletedProcess, list]:
+    """`megatron-ucp ARGS` writing onto a 512 KiB tmpfs mounted at `disk` (a private mount namespace, or a
+    plain mount where namespaces are off and this process may mount); what it left there."""
+    disk.mkdir()
+    cmd = command(*args)
+    if shutil.which("unshare"):
+        proc = subprocess.run(["unshare", "-rm", "sh", "-c", ON_SMALL_DISK, "sh", str(disk), *cmd], cwd=REPO,
+                              env=env(), capture_output=True, text=True, timeout=300)
+        if proc.returncode != 97:
+            return proc, Path(f"{disk}.left").read_text().split()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(disk)],
+                      capture_output=True).returncode:
+        pytest.skip("no mount namespace and no permission to mount a tmpfs here")
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+        return proc, os.listdir(disk)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("command_name", ["to-universal", "from-universal", "export-hf"])
+def test_a_full_disk_gives_one_line_and_leaves_nothing(command_name, ucp, tmp_path):
+    """Outputs of 2.0 MB (universal; legacy torch.save files) and 0.7 MB (HF) onto a 512 KiB tmpfs: copies
+    fail with ENOSPC, torch.save words it "file write failed", safetensors "os error 28"; each becomes the
+    same one line, and nothing is left on the disk (no staging directory, no lock file)."""
+    disk = tmp_path / "disk"
     dst = disk / "out"
     args = {"to-universal": (C_FIXTURE, dst, "--iteration", "4", "--quiet"), "from-universal": (ucp, dst, *FROM),
-            "export-hf": (ucp, dst, "--model-type", "gpt2", "--dtype", "float32", "--quiet")}[command]
-    if small_disk is None:
-        proc = subprocess.run([sys.executable, "-c", ENOSPC_AFTER_512K, command, *map(str, args)],
-                              capture_output=True, text=True, timeout=300,
-                              cwd=Path(__file__).resolve().parents[1], env=dict(os.environ, OMP_NUM_THREADS="1"))
-    else:
-        proc = cli(command, *args)
+            "export-hf": (ucp, dst, "--model-type", "gpt2", "--dtype", "float32", "--quiet")}[command_name]
+    before = tree_digest(ucp)
+    proc, left = run_on_small_disk(disk, (command_name, *args))
     assert_one_line_error(proc, "no space left on ", "free space or choose ")
+    assert left == [] and tree_digest(ucp) == before
+
+
+def test_a_full_disk_without_any_tmpfs_is_simulated(tmp_path):
+    """The same one line where no tmpfs can be had at all: ENOSPC injected into the writes of to-universal."""
+    dst = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", ENOSPC_AFTER_512K, "to-universal", str(C_FIXTURE), str(dst),
+                           "--iteration", "4", "--quiet"], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=env())
+    assert_one_line_error(proc, "no space left on the device while writing", "free space or choose ")
     assert_nothing_left(dst)
-    if small_disk is not None:
-        assert os.listdir(small_disk) == []
 
 
 # --------------------------------------------------------------------------------------------------
