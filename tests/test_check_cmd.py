@@ -26,7 +26,7 @@ from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError, UniversalWriter
 from pretrain_runs import FAMILIES, Layout, run_pretrain
-from writer_cli import C_FIXTURE, assert_ok, assert_one_line_error, cli, flip_bit
+from writer_cli import C_FIXTURE, assert_ok, cli, flip_bit
 
 # vocabulary 8192 x hidden 64 x 3 tensors x 4 bytes = 6 MiB: blocks 0..5 of the embedding's file
 CONFIG = GPTModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
