@@ -10,8 +10,8 @@ Measures, on `--gib` GiB (default 1):
   through mmap), page cache cold (both files evicted with posix_fadvise DONTNEED) and warm;
 - the band path: 8 MiB pwrites alone vs pwrite_hashed (BlockHasher fed each band);
 - converter-like writes (header, a copy_file_range tensor, a banded row-parallel tensor per file, 2
-  threads): formats.stored.write_placement vs the same with checksums (write_placement_hashed below, the
-  wiring proposed for stored.py), records checked against a second pass over the files;
+  threads): byteio.write_placement without and with a BlockHasher (what the converter does), records
+  checked against a second pass over the files;
 - verified reads of a 4096x4096 fp32 tensor (64 MiB) in a safetensors file: a row slice (512 rows: TP 8), a
   data-parallel piece (64 rows) and a column slice (512 columns: every row), plain safetensors get_slice
   vs verified_pread of the covering blocks, 1 MiB and 4 MiB blocks;
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from megatron_ucp import integrity  # noqa: E402
-from megatron_ucp.formats.stored import FileHandles, FileRegion, copy_region  # noqa: E402
+from megatron_ucp.byteio import FileHandles, FileRegion, copy_region  # noqa: E402
 from megatron_ucp.staging import fsync_tree  # noqa: E402
 
 MiB = 1 << 20
@@ -186,44 +186,14 @@ def bench_bands(dst: Path, nbytes: int) -> dict:
     return out
 
 
-def write_placement_hashed(files, dst_fd: int, data_offset: int, placement, hasher) -> None:
-    """formats.stored.write_placement with a BlockHasher: the wiring the integrator adds there (copy runs
-    through integrity.copy_and_hash, each band given to the hasher right after its pwrite)."""
-    from megatron_ucp.formats import stored
-
-    runs = [placement._runs(b) for b in placement.blocks]
-    if all(r is not None for r in runs):
-        for block, ((src_start, nbytes), (dst_start, _)) in zip(placement.blocks, runs):
-            pos = data_offset + dst_start
-            for region in placement.shards[block.shard].byte_slice(src_start, src_start + nbytes):
-                integrity.copy_and_hash(files, region, dst_fd, pos, hasher)
-                pos += region.nbytes
-        return
-    shape, dtype = placement.shape, placement.dtype
-    row_bytes = math.prod(shape[1:]) * dtype.itemsize
-    band_rows = max(1, stored.BAND_BYTES // row_bytes)
-    whole = tuple(slice(0, n) for n in shape[1:])
-    with stored._mapped_shards(files, placement, range(len(placement.shards)), readahead=True) as sources:
-        for r0 in range(0, shape[0], band_rows):
-            r1 = min(shape[0], r0 + band_rows)
-            band = stored._staging((r1 - r0) * row_bytes).view(dtype).view((r1 - r0,) + tuple(shape[1:]))
-            stored._fill_box(band, (slice(r0, r1),) + whole, placement, sources)
-            integrity.pwrite_hashed(dst_fd, band.view(-1).view(torch_uint8()).numpy(), data_offset + r0 * row_bytes,
-                                    hasher)
-
-
-def torch_uint8():
-    import torch
-    return torch.uint8
-
-
 def bench_converter_like(workdir: Path, nbytes: int) -> dict:
     """One tensor file per "parameter" written as the converter writes it: header pwrite, then a dim-0
     (column-parallel) tensor copied from 2 TP shards with copy_file_range, and a dim-1 (row-parallel)
     tensor assembled from 2 shards in 8 MiB bands; 2 threads over 8 files. Without checksums
-    (formats.stored.write_placement) vs with (write_placement_hashed + BlockHasher)."""
+    (byteio.write_placement without a hasher) vs with (a BlockHasher)."""
     import torch
-    from megatron_ucp.formats.stored import Block, Placement, StoredTensor, write_placement
+    from megatron_ucp.byteio import Placement, StoredTensor, write_placement
+    from megatron_ucp.patterns import Block
 
     per_tensor = nbytes // 16  # 8 files x 2 tensors
     rows, cols = per_tensor // (4096 * 4), 4096
@@ -253,12 +223,8 @@ def bench_converter_like(workdir: Path, nbytes: int) -> dict:
             hasher = integrity.BlockHasher(size, name=str(path)) if hashed else None
             with FileHandles() as files:
                 integrity.pwrite_hashed(fd, prefix, 0, hasher)
-                if hashed:
-                    write_placement_hashed(files, fd, len(prefix), col, hasher)
-                    write_placement_hashed(files, fd, len(prefix) + per_tensor, row, hasher)
-                else:
-                    write_placement(files, fd, len(prefix), col)
-                    write_placement(files, fd, len(prefix) + per_tensor, row)
+                write_placement(files, fd, len(prefix), col, hasher)  # hasher None: no checksums
+                write_placement(files, fd, len(prefix) + per_tensor, row, hasher)
             return hasher.record() if hashed else None
         finally:
             os.close(fd)

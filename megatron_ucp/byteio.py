@@ -8,7 +8,10 @@ where the filesystem has them), assembles row-interleaved outputs (row-parallel 
 mmaps of the shards, and compares replicas through bounded mmaps. A lazy universal checkpoint keeps the
 same descriptions (`Placement`, as JSON) and reads slices through them (`read_box`).
 
-Readers say where a format's tensors are (`locate`); this module only moves bytes.
+Readers say where a format's tensors are (`locate`); this module only moves bytes. It imports torch only
+inside the functions that make tensors (dtypes are torch dtypes or their names, e.g. "float32"), so
+describing, checking and copying bytes needs no torch. Copies into a universal tensor file take a
+`integrity.BlockHasher`, which digests the bytes as they are written (docs/FORMAT.md, checksums).
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
-import torch
+from megatron_ucp import integrity
 
-from megatron_ucp.patterns import Block
+if TYPE_CHECKING:  # only for annotations: patterns and torch are imported where tensors are made
+    import torch
+
+    from megatron_ucp.patterns import Block
 
 CHUNK_BYTES = 4 * 2 ** 20  # bounded buffers for reads and fallback copies
 COMPARE_BYTES = 64 * 2 ** 20  # mapped at once per side when comparing
@@ -32,6 +38,34 @@ _PAGE = mmap.ALLOCATIONGRANULARITY
 
 class StorageError(ValueError):
     """A file too short for the bytes it should hold (truncated or replaced); the message says which."""
+
+
+# Bytes per element, by the dtype's name (torch's spelling without "torch.").
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
+            "int8": 1, "uint8": 1, "bool": 1}
+
+
+def dtype_name(dtype: Any) -> str:
+    """'float32' for torch.float32 or 'float32' (the spelling of metadata.json and of safe_pickle records)."""
+    return str(dtype).replace("torch.", "")
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes per element of a torch dtype or a dtype name."""
+    size = getattr(dtype, "itemsize", None)
+    if isinstance(size, int):
+        return size
+    try:
+        return ITEMSIZE[dtype_name(dtype)]
+    except KeyError:
+        raise StorageError(f"dtype {dtype!r} is not a plain number type") from None
+
+
+def torch_dtype(dtype: Any) -> "torch.dtype":
+    """The torch dtype of a torch dtype or a dtype name (imports torch)."""
+    import torch
+
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype_name(dtype))
 
 
 @dataclass(frozen=True)
@@ -48,7 +82,7 @@ class StoredTensor:
     """A tensor whose C-order bytes are the concatenation of `regions`."""
 
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: Any  # a torch.dtype or its name ("float32")
     regions: tuple[FileRegion, ...]
 
     @property
@@ -73,7 +107,7 @@ def concat_stored(parts: Sequence[StoredTensor], shape: Sequence[int]) -> Stored
     dtype = parts[0].dtype
     regions: list[FileRegion] = []
     for part in parts:
-        if part.dtype != dtype:
+        if dtype_name(part.dtype) != dtype_name(dtype):
             raise ValueError(f"cannot concatenate {part.dtype} with {dtype}")
         for r in part.regions:
             if regions and regions[-1].path == r.path and regions[-1].offset + regions[-1].nbytes == r.offset:
@@ -81,7 +115,7 @@ def concat_stored(parts: Sequence[StoredTensor], shape: Sequence[int]) -> Stored
             else:
                 regions.append(r)
     stored = StoredTensor(tuple(int(s) for s in shape), dtype, tuple(regions))
-    if stored.nbytes != _numel(stored.shape) * dtype.itemsize:
+    if stored.nbytes != _numel(stored.shape) * itemsize(dtype):
         raise ValueError(f"{stored.nbytes} bytes cannot be a {dtype} tensor of shape {tuple(shape)}")
     return stored
 
@@ -212,6 +246,8 @@ def _aligned_segments(a: Sequence[FileRegion], b: Sequence[FileRegion], size: in
 def regions_equal(files: FileHandles, a: Sequence[FileRegion], b: Sequence[FileRegion]) -> bool:
     """Whether two byte sequences (each a list of regions) are identical: compared through mmaps of at
     most COMPARE_BYTES at a time (no copies; memory bounded)."""
+    import torch
+
     if sum(r.nbytes for r in a) != sum(r.nbytes for r in b):
         return False
     for ra, oa, rb, ob, n in _aligned_segments(a, b, COMPARE_BYTES):
@@ -222,9 +258,11 @@ def regions_equal(files: FileHandles, a: Sequence[FileRegion], b: Sequence[FileR
     return True
 
 
-def read_stored(files: FileHandles, stored: StoredTensor) -> torch.Tensor:
+def read_stored(files: FileHandles, stored: StoredTensor) -> "torch.Tensor":
     """The tensor as a new CPU tensor (bounded by its own size)."""
-    out = torch.empty(stored.shape, dtype=stored.dtype)
+    import torch
+
+    out = torch.empty(stored.shape, dtype=torch_dtype(stored.dtype))
     view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
     pos = 0
     for piece in _chunks(files, stored.regions, CHUNK_BYTES):
@@ -236,8 +274,11 @@ def read_stored(files: FileHandles, stored: StoredTensor) -> torch.Tensor:
 class MappedTensor:
     """A tensor over a file region through mmap; `close()` (or the with-block) unmaps it."""
 
-    def __init__(self, fd: int, offset: int, shape: Sequence[int], dtype: torch.dtype, *, writable: bool,
+    def __init__(self, fd: int, offset: int, shape: Sequence[int], dtype: Any, *, writable: bool,
                  readahead: bool = True, name: str = "a checkpoint file"):
+        import torch
+
+        dtype = torch_dtype(dtype)
         nbytes = _numel(shape) * dtype.itemsize
         start = offset - offset % _PAGE
         self._mm = None
@@ -282,9 +323,9 @@ class Placement:
     """A consolidated tensor of `shape` assembled from stored shards, block by block."""
 
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: Any  # a torch.dtype or its name ("float32")
     shards: tuple[StoredTensor, ...]
-    blocks: tuple[Block, ...]
+    blocks: tuple["Block", ...]
 
     def regions(self) -> Optional[list[FileRegion]]:
         """The output's bytes as file regions in order, or None when some block is strided."""
@@ -298,8 +339,8 @@ class Placement:
         runs.sort(key=lambda r: r[0])
         return [region for _, regions in runs for region in regions]
 
-    def _runs(self, block: Block):
-        size = self.dtype.itemsize
+    def _runs(self, block: "Block"):
+        size = itemsize(self.dtype)
         shard = self.shards[block.shard]
         lengths = [s.stop - s.start for s in block.src]
         src = box_bytes(shard.shape, [s.start for s in block.src], lengths, size)
@@ -311,29 +352,41 @@ BAND_BYTES = 8 * 2 ** 20  # rows of a strided output assembled per write
 _STAGING = threading.local()  # per-thread reusable band buffer (first-touch page faults paid once)
 
 
-def _staging(nbytes: int) -> torch.Tensor:
+def _staging(nbytes: int) -> "torch.Tensor":
+    import torch
+
     buf = getattr(_STAGING, "buf", None)
     if buf is None or buf.numel() < nbytes:
         buf = _STAGING.buf = torch.empty(max(nbytes, BAND_BYTES), dtype=torch.uint8)
     return buf[:nbytes]
 
 
-def write_placement(files: FileHandles, dst_fd: int, data_offset: int, placement: Placement) -> None:
+def write_placement(files: FileHandles, dst_fd: int, data_offset: int, placement: Placement,
+                    hasher: Optional[integrity.BlockHasher] = None) -> None:
     """Write the consolidated tensor at `data_offset` of the open file `dst_fd` (already long enough).
 
     When every block is one run of bytes in both the shard and the output (dim-0 layouts: column-parallel,
     vocabulary, QKV, SwiGLU, replicated), the runs are copied file to file (copy_region). Otherwise (a
     row-parallel weight: each output row interleaves the TP shards) bands of output rows are assembled in
-    a reused buffer from mmaps of the shards and written with one pwrite each."""
+    a reused buffer from mmaps of the shards and written with one pwrite each.
+
+    With a `hasher` (the output file's BlockHasher) every byte written is digested on the way: a copied
+    run from the source right after its copy (integrity.copy_and_hash: still in the page cache), a band
+    from the buffer before it is reused. Nothing is read back from the output."""
     runs = [placement._runs(b) for b in placement.blocks]
     if all(r is not None for r in runs):
         for block, ((src_start, nbytes), (dst_start, _)) in zip(placement.blocks, runs):
             pos = data_offset + dst_start
             for region in placement.shards[block.shard].byte_slice(src_start, src_start + nbytes):
-                copy_region(files, region, dst_fd, pos)
+                if hasher is None:
+                    copy_region(files, region, dst_fd, pos)
+                else:
+                    integrity.copy_and_hash(files, region, dst_fd, pos, hasher)
                 pos += region.nbytes
         return
-    shape, dtype = placement.shape, placement.dtype
+    import torch
+
+    shape, dtype = placement.shape, torch_dtype(placement.dtype)
     row_bytes = _numel(shape[1:]) * dtype.itemsize
     if not shape or row_bytes == 0 or shape[0] == 0:
         return
@@ -345,9 +398,7 @@ def write_placement(files: FileHandles, dst_fd: int, data_offset: int, placement
             band = _staging((r1 - r0) * row_bytes).view(dtype).view((r1 - r0,) + tuple(shape[1:]))
             _fill_box(band, (slice(r0, r1),) + whole, placement, sources)
             view = band.view(-1).view(torch.uint8).numpy()
-            pos, done = data_offset + r0 * row_bytes, 0
-            while done < view.size:
-                done += os.pwrite(dst_fd, memoryview(view[done:]), pos + done)
+            integrity.pwrite_hashed(dst_fd, memoryview(view), data_offset + r0 * row_bytes, hasher)
 
 
 @contextlib.contextmanager
@@ -356,7 +407,7 @@ def _mapped_shards(files: FileHandles, placement: Placement, indices, *, readahe
     all of it at once; else only the pages touched are read), a bounded copy of a shard split over saved
     chunks. Unmapped on exit."""
     mapped: list[MappedTensor] = []
-    sources: dict[int, torch.Tensor] = {}
+    sources: dict[int, "torch.Tensor"] = {}
     try:
         for i in indices:
             shard = placement.shards[i]
@@ -375,7 +426,7 @@ def _mapped_shards(files: FileHandles, placement: Placement, indices, *, readahe
             m.close()
 
 
-def _fill_box(out: torch.Tensor, box: Sequence[slice], placement: Placement, sources: dict) -> None:
+def _fill_box(out: "torch.Tensor", box: Sequence[slice], placement: Placement, sources: dict) -> None:
     """out := the region `box` (one slice per dim) of the consolidated tensor, from the blocks it overlaps."""
     for b in placement.blocks:
         lo = [max(x.start, d.start) for x, d in zip(box, b.dst)]
@@ -407,15 +458,34 @@ def placement_to_json(placement: Placement, root: str) -> dict:
     }
 
 
+def relative_inside(path: Any) -> str:
+    """`path` if it is a plain relative path that stays inside its root (no absolute path, no '..', no
+    empty part); ValueError otherwise. Lazy indexes name source files this way, so an edited index
+    cannot make a reader follow it out of the source checkpoint."""
+    text = str(path)
+    parts = text.split("/")
+    if not text or text.startswith("/") or "\0" in text or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"file {text!r} is not a plain relative path inside the source checkpoint")
+    return text
+
+
 def placement_from_json(d: dict, root: str) -> Placement:
-    """Inverse of placement_to_json (float32 tensors); raises ValueError on malformed input."""
+    """Inverse of placement_to_json (float32 tensors); raises ValueError on malformed input, including a
+    file path that would leave `root` (relative_inside)."""
+    from megatron_ucp.patterns import Block
+
     shape = tuple(int(n) for n in d["shape"])
-    shards = tuple(StoredTensor(tuple(int(n) for n in s["shape"]), torch.float32,
-                                tuple(FileRegion(os.path.join(root, str(p)), int(o), int(n)) for p, o, n in s["regions"]))
+    shards = tuple(StoredTensor(tuple(int(n) for n in s["shape"]), "float32",
+                                tuple(FileRegion(os.path.join(root, relative_inside(p)), int(o), int(n))
+                                      for p, o, n in s["regions"]))
                    for s in d["shards"])
     blocks = tuple(Block(int(i), tuple(slice(int(a), int(b)) for a, b in dst), tuple(slice(int(a), int(b)) for a, b in src))
                    for i, dst, src in d["blocks"])
+    if any(n < 0 for n in shape) or any(n < 0 for s in shards for n in s.shape):
+        raise ValueError(f"negative dimension in shape {shape}")
     for s in shards:
+        if any(r.offset < 0 or r.nbytes < 0 for r in s.regions):
+            raise ValueError("negative region offset or size")
         if s.nbytes != _numel(s.shape) * 4:
             raise ValueError(f"shard of shape {s.shape} has {s.nbytes} bytes")
     covered = 0
@@ -423,23 +493,25 @@ def placement_from_json(d: dict, root: str) -> Placement:
         if not 0 <= b.shard < len(shards) or len(b.dst) != len(shape) or len(b.src) != len(shards[b.shard].shape):
             raise ValueError(f"block {b} does not fit shape {shape}")
         lengths = [x.stop - x.start for x in b.dst]
-        if lengths != [x.stop - x.start for x in b.src] or any(
+        if lengths != [x.stop - x.start for x in b.src] or any(n < 0 for n in lengths) or any(
                 x.start < 0 or x.stop > n for x, n in zip(b.dst, shape)) or any(
                 x.start < 0 or x.stop > n for x, n in zip(b.src, shards[b.shard].shape)):
             raise ValueError(f"block {b} is out of bounds")
         covered += _numel(lengths)
     if covered != _numel(shape):
         raise ValueError(f"blocks cover {covered} of {_numel(shape)} elements")
-    return Placement(shape, torch.float32, shards, blocks)
+    return Placement(shape, "float32", shards, blocks)
 
 
-def read_box(files: FileHandles, placement: Placement, index: Optional[Sequence[slice]] = None) -> torch.Tensor:
+def read_box(files: FileHandles, placement: Placement, index: Optional[Sequence[slice]] = None) -> "torch.Tensor":
     """The region `index` (step-1 slices over leading dims; None = all) of the consolidated tensor, read
     from the shards' files: only the shards it overlaps, through mmaps (only the touched pages are read)."""
+    import torch
+
     shape = placement.shape
     box = [slice(*s.indices(n)[:2]) for s, n in zip(index or (), shape)]
     box += [slice(0, n) for n in shape[len(box):]]
-    out = torch.empty([max(0, s.stop - s.start) for s in box], dtype=placement.dtype)
+    out = torch.empty([max(0, s.stop - s.start) for s in box], dtype=torch_dtype(placement.dtype))
     if out.numel() == 0:
         return out
     needed = sorted({b.shard for b in placement.blocks

@@ -1,26 +1,31 @@
 """Universal checkpoint -> Megatron checkpoint at any layout (the `from-universal` command).
 
-    megatron-ucp from-universal UCP DST --tensor-model-parallel-size T --pipeline-model-parallel-size P
-        --data-parallel-size D [--num-layers-per-virtual-pipeline-stage V] [--use-distributed-optimizer]
-        [--sequence-parallel] --ckpt-format {torch,torch_dist} [--dry-run] [--overwrite]
+    megatron-ucp from-universal UCP DST -t T -p P -d D [--num-layers-per-virtual-pipeline-stage V]
+        [--use-distributed-optimizer] [--sequence-parallel] --ckpt-format {torch,torch_dist} [--dry-run]
+        [--overwrite] [--clean-stale]
 
 The target layout is validated against the model before anything is written. The vocabulary keeps its
 stored padded size when Megatron-LM would compute the same one at TP=T (it recomputes
 padded_vocab_size from its args and never reads it from a checkpoint); otherwise it is re-padded
 (padding rows only) with a warning.
 
-Output is built in `DST.partial-<pid>` (tracker file last) and renamed to DST at the end, so DST is
-either absent or complete; the universal checkpoint is only read. The format's writer (writers/,
-one declared interface) plans and writes the files; this module only checks what every format shares.
+Output goes through `staging.Staging` (kind "megatron"): DST's lock is taken before the universal
+checkpoint is opened, files are written into `DST.partial-<host>-<pid>-<random>`, fsynced, marked
+complete with `megatron-ucp.json` and renamed to DST, so DST is either absent, the previous output, or
+complete; an existing DST is replaced only with --overwrite and only when this tool wrote it. The
+universal checkpoint is only read, every block checked against its checksums. The format's writer
+(writers/, one declared interface) plans and writes the files; this module only checks what every
+format shares.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
-import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Union
@@ -31,7 +36,8 @@ from megatron_ucp.adapters.gpt import expected_parameters, megatron_padded_vocab
 from megatron_ucp.formats.common import TRACKER_FILENAME
 from megatron_ucp.layout import LayoutError, ParallelLayout
 from megatron_ucp.patterns import PatternError
-from megatron_ucp import universal
+from megatron_ucp.staging import TOOL_MARKER_FILENAME, Staging, StagingError, tool_marker
+from megatron_ucp.staging import check_destination as check_staging_destination
 from megatron_ucp.universal import UniversalCheckpoint
 from megatron_ucp.writers import CKPT_FORMATS, WriteError, WriteTarget, make_writer
 from megatron_ucp.writers.base import target_args
@@ -144,27 +150,17 @@ def _numel(shape) -> int:
 # Destination handling
 
 
-def _is_megatron_root(path: Path) -> bool:
-    return (path / TRACKER_FILENAME).is_file() or any(p.name.startswith("iter_") for p in path.iterdir())
-
-
 def check_destination(dst: Path, ucp_path: Path, overwrite: bool) -> None:
+    """DST must lie outside the universal checkpoint (and it outside DST), and be absent or, with
+    overwrite, a Megatron checkpoint this tool wrote (checked again under the lock)."""
     dst_r, src_r = dst.resolve(), ucp_path.resolve()
     if dst_r == src_r or src_r in dst_r.parents or dst_r in src_r.parents:
         raise FromUniversalError(f"{dst}: overlaps the universal checkpoint {ucp_path}; write outside it "
                                  f"(the input is never modified)")
-    universal.check_destination(dst, overwrite, replaceable=_is_megatron_root, kind="Megatron checkpoint",
-                                error=FromUniversalError)
-
-
-def _move_into_place(staging: Path, dst: Path) -> None:
-    old = None
-    if dst.exists():
-        old = dst.parent / f"{dst.name}.old-{os.getpid()}"
-        os.rename(dst, old)
-    os.rename(staging, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    try:
+        check_staging_destination(dst, "megatron", overwrite)
+    except StagingError as e:
+        raise FromUniversalError(str(e)) from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,59 +184,75 @@ class FromUniversalSummary:
                 "bytes_written": self.bytes_written, "seconds": round(self.seconds, 3), "dry_run": self.dry_run}
 
 
+HALF_WRITTEN = "half-written"  # the staging phase once half the files are written (crash tests)
+
+
 def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_size: int = 1,
                    pipeline_model_parallel_size: int = 1, data_parallel_size: int = 1,
                    num_layers_per_virtual_pipeline_stage: Optional[int] = None,
                    use_distributed_optimizer: bool = False, sequence_parallel: bool = False,
                    ckpt_format: str = "torch_dist", dry_run: bool = False, overwrite: bool = False,
                    rng_state: str = "cuda", timeout_s: int = DEFAULT_TIMEOUT_S,
-                   progress: bool = True, warn=None) -> FromUniversalSummary:
+                   progress: bool = True, warn=None, clean_stale: bool = False) -> FromUniversalSummary:
     """Write the universal checkpoint at `ucp_path` as a Megatron checkpoint root `dst` at the given layout.
 
     Validation (layout, vocabulary, batch, destination) happens before any file is created; on any error
-    nothing is left at `dst` (nor its staging directory)."""
+    nothing is left at `dst` (nor its staging directory). DST's lock is held from before the universal
+    checkpoint is opened until the output is published; leftovers of killed writes to DST are reported
+    (`warn`) and removed with `clean_stale`."""
     start = time.perf_counter()
     ucp_path, dst = Path(ucp_path), Path(dst).absolute()
     if rng_state not in RNG_STATE_KINDS:
         raise FromUniversalError(f"rng_state={rng_state!r}: choose one of {', '.join(RNG_STATE_KINDS)}")
-    ucp = UniversalCheckpoint.open(ucp_path)
-    layout = target_layout(ucp, tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size,
-                           num_layers_per_virtual_pipeline_stage, sequence_parallel)
-    writer = make_writer(ckpt_format, timeout_s=timeout_s)
-    plan = plan_target(ucp, layout, vpp_layers=num_layers_per_virtual_pipeline_stage, ckpt_format=ckpt_format,
-                       use_distributed_optimizer=use_distributed_optimizer, rng_state=rng_state, writer=writer)
-    check_destination(dst, ucp_path, overwrite)
+    check_destination(dst, ucp_path, overwrite)  # fails fast; checked again under the lock
     emit = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
-    for message in plan.warnings:
-        emit(message)
+    writer = make_writer(ckpt_format, timeout_s=timeout_s)
+
+    def plan_for(ucp: UniversalCheckpoint) -> TargetPlan:
+        layout = target_layout(ucp, tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size,
+                               num_layers_per_virtual_pipeline_stage, sequence_parallel)
+        plan = plan_target(ucp, layout, vpp_layers=num_layers_per_virtual_pipeline_stage, ckpt_format=ckpt_format,
+                           use_distributed_optimizer=use_distributed_optimizer, rng_state=rng_state, writer=writer)
+        for message in plan.warnings:
+            emit(message)
+        return plan
+
     if dry_run:
+        ucp = UniversalCheckpoint.open(ucp_path)
+        plan = plan_for(ucp)
         return FromUniversalSummary(dst, plan, ucp.iteration, 0, time.perf_counter() - start, True)
 
-    staging = dst.parent / f"{dst.name}.partial-{os.getpid()}"
-    if staging.exists():  # left by a killed run that had our pid
-        shutil.rmtree(staging)
-    dst.parent.mkdir(parents=True, exist_ok=True)
     written = 0
     try:
-        staging.mkdir()
-        bar = tqdm(total=sum(1 for p, _ in plan.files if p != TRACKER_FILENAME), unit="file",
-                   desc="from-universal", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+        with Staging(dst, kind="megatron", overwrite=overwrite, clean_stale=clean_stale, report=emit) as stage:
+            ucp = UniversalCheckpoint.open(ucp_path)
+            plan = plan_for(ucp)
+            planned = sum(1 for p, _ in plan.files if p != TRACKER_FILENAME)
+            bar = tqdm(total=planned, unit="file", desc="from-universal", disable=not progress, file=sys.stderr,
+                       dynamic_ncols=True)
+            done = 0
 
-        def on_file(path: Path, size: int) -> None:
-            nonlocal written
-            written += size
-            bar.update(1)
+            def on_file(path: Path, size: int) -> None:
+                nonlocal written, done
+                written += size
+                done += 1
+                bar.update(1)
+                if done == math.ceil(planned / 2):
+                    stage.phase(HALF_WRITTEN)
 
-        try:
-            writer.write(ucp, plan.target, staging, on_file=on_file)
-        except WriteError as e:
-            raise FromUniversalError(str(e)) from e
-        finally:
-            bar.close()
-        _move_into_place(staging, dst)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+            try:
+                with warnings.catch_warnings():  # megatron-core's import-time notice, meaningless offline
+                    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+                    writer.write(ucp, plan.target, stage.path, on_file=on_file)
+            except WriteError as e:
+                raise FromUniversalError(str(e)) from e
+            finally:
+                bar.close()
+            stage.publish(TOOL_MARKER_FILENAME, tool_marker(
+                "megatron", ckpt_format=ckpt_format, iteration=ucp.iteration, layout=plan.layout.to_dict(),
+                use_distributed_optimizer=plan.use_distributed_optimizer, source=str(ucp_path.resolve())))
+    except StagingError as e:
+        raise FromUniversalError(str(e)) from e
     return FromUniversalSummary(dst, plan, ucp.iteration, written, time.perf_counter() - start, False)
 
 
@@ -256,9 +268,9 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
                     "the given TP x PP x DP (x VPP) layout, with the full optimizer state.")
     p.add_argument("ucp", help="universal checkpoint directory")
     p.add_argument("dst", help="Megatron checkpoint root to create (must not exist unless --overwrite)")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("-t", "--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("-p", "--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("-d", "--data-parallel-size", type=int, default=1)
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--sequence-parallel", action="store_true")
@@ -271,7 +283,12 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S,
                    help="torch_dist: seconds the harness run may take")
     p.add_argument("--dry-run", action="store_true", help="print the files that would be written; write nothing")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing Megatron checkpoint at DST")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing Megatron checkpoint at DST (only one megatron-ucp wrote: it has "
+                        "megatron-ucp.json)")
+    p.add_argument("--clean-stale", action="store_true",
+                   help="remove leftovers of killed writes to DST (DST.partial-*, DST.old-*), which are otherwise "
+                        "only reported")
     p.set_defaults(handler=run_cli)
 
 
@@ -282,7 +299,7 @@ def run_cli(args: argparse.Namespace) -> dict:
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         use_distributed_optimizer=args.use_distributed_optimizer, sequence_parallel=args.sequence_parallel,
         ckpt_format=args.ckpt_format, dry_run=args.dry_run, overwrite=args.overwrite, rng_state=args.rng_state,
-        timeout_s=args.timeout, progress=not args.quiet)
+        timeout_s=args.timeout, progress=not args.quiet, clean_stale=args.clean_stale)
     result = summary.to_dict()
     plan = summary.plan
     what = f"{plan.ckpt_format} at {plan.layout.describe()}" + (" with the distributed optimizer"

@@ -6,7 +6,10 @@ Writes `config.json` and `model.safetensors` (HF parameter names) for two famili
 - gpt2: LayerNorm, learned positions, GELU, tied embeddings, biases; HF's Conv1D stores weights
   transposed ([in, out]) and c_attn is [q; k; v] concatenated on the output axis.
 Vocabulary padding rows are dropped (HF vocab_size = the true vocabulary). Only weights are exported
-(the fp32 master weights, cast to --dtype); the universal checkpoint itself is never modified.
+(the fp32 master weights, cast to --dtype, every block read checked against its checksums); the
+universal checkpoint itself is never modified. The output goes through `staging.Staging` (kind "hf":
+locked, staged, fsynced, marked with `megatron-ucp.json`, renamed into place; an existing DST is
+replaced only with --overwrite and only when this tool wrote it).
 Needs only torch and safetensors; transformers is needed to load the result, not to write it.
 """
 
@@ -16,14 +19,14 @@ import argparse
 import json
 import math
 import os
-import shutil
 from pathlib import Path
 from typing import Callable, Optional, Union
 
 import torch
 
 from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.universal import check_destination
+from megatron_ucp.staging import TOOL_MARKER_FILENAME, Staging, StagingError, tool_marker
+from megatron_ucp.staging import check_destination as check_staging_destination
 
 PathLike = Union[str, os.PathLike]
 MODEL_TYPES = ("llama", "gpt2")
@@ -177,17 +180,21 @@ def hf_state_dict(read: Callable[[str], torch.Tensor], config: GPTModelConfig, m
     return out
 
 
-def _is_export_dir(path: Path) -> bool:
-    return all(p.name in {"config.json", "model.safetensors", "generation_config.json"} for p in path.iterdir())
-
-
-def _check_destination(dst: Path, overwrite: bool) -> None:
-    check_destination(dst, overwrite, replaceable=_is_export_dir, kind="Hugging Face export", error=ExportError)
+def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+    resolved_src, resolved_dst = src.resolve(), dst.resolve()
+    if resolved_dst == resolved_src or resolved_src in resolved_dst.parents or resolved_dst in resolved_src.parents:
+        raise ExportError(f"{dst}: overlaps the universal checkpoint {src}; write the export elsewhere "
+                          f"(the input is never modified)")
+    try:
+        check_staging_destination(dst, "hf", overwrite)
+    except StagingError as e:
+        raise ExportError(str(e)) from None
 
 
 def export_hf(src: PathLike, dst: PathLike, model_type: str, *, dtype: Optional[str] = None,
-              overwrite: bool = False, progress: bool = True) -> dict:
-    """Write the HF model directory `dst` from the universal checkpoint `src`; returns a summary."""
+              overwrite: bool = False, progress: bool = True, clean_stale: bool = False) -> dict:
+    """Write the HF model directory `dst` from the universal checkpoint `src`; returns a summary. DST's lock
+    is held from before `src` is opened until the export is published."""
     import sys
 
     from safetensors.torch import save_file
@@ -195,51 +202,43 @@ def export_hf(src: PathLike, dst: PathLike, model_type: str, *, dtype: Optional[
 
     from megatron_ucp.inspect_cmd import is_universal, open_any
 
-    src, dst = Path(src), Path(dst)
-    _check_destination(dst, overwrite)
-    ucp = open_any(src)
-    if not is_universal(ucp):
-        raise ExportError(f"{src}: is a Megatron-LM {ucp.format} checkpoint; convert it first "
-                          f"(megatron-ucp to-universal {src} UCP_DIR) and export UCP_DIR")
-    config = ucp.config
-    check_exportable(config, ucp.args, model_type)
-    if dtype in (None, "auto"):
-        dtypes = {p.model_dtype for p in ucp.parameters.values()}
-        dtype = dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes), None) in DTYPES else "float32"
-    if dtype not in DTYPES:
+    src, dst = Path(src), Path(dst).absolute()
+    _check_destination(src, dst, overwrite)  # fails fast; checked again under the lock
+    if dtype not in (None, "auto") and dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: choose one of auto, {', '.join(DTYPES)}")
-    resolved_src, resolved_dst = src.resolve(), dst.resolve()
-    if resolved_dst == resolved_src or resolved_src in resolved_dst.parents:
-        raise ExportError(f"{dst}: is inside the universal checkpoint {src}; write the export elsewhere "
-                          f"(the input is never modified)")
-    bar = tqdm(total=sum(math.prod(p.shape) * 4 for p in ucp.parameters.values()), unit="B",
-               unit_scale=True, unit_divisor=1024, desc="export-hf", disable=not progress, file=sys.stderr,
-               dynamic_ncols=True)
-
-    def read(name: str) -> torch.Tensor:
-        tensor = ucp.read(name, "fp32")
-        bar.update(tensor.numel() * 4)
-        return tensor
-
     try:
-        tensors = hf_state_dict(read, config, model_type, has=lambda n: n in ucp.parameters)
-    finally:
-        bar.close()
-    torch_dtype = DTYPES[dtype]
-    tensors = {k: v.to(torch_dtype).contiguous() for k, v in tensors.items()}
-    hf_config = _hf_config(config, ucp.args, model_type, dtype)
-    staging = dst.parent / f"{dst.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.rename(staging, dst)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        with Staging(dst, kind="hf", overwrite=overwrite, clean_stale=clean_stale) as stage:
+            ucp = open_any(src)
+            if not is_universal(ucp):
+                raise ExportError(f"{src}: is a Megatron-LM {ucp.format} checkpoint; convert it first "
+                                  f"(megatron-ucp to-universal {src} UCP_DIR) and export UCP_DIR")
+            config = ucp.config
+            check_exportable(config, ucp.args, model_type)
+            if dtype in (None, "auto"):
+                dtypes = {p.model_dtype for p in ucp.parameters.values()}
+                dtype = dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes), None) in DTYPES else "float32"
+            bar = tqdm(total=sum(math.prod(p.shape) * 4 for p in ucp.parameters.values()), unit="B",
+                       unit_scale=True, unit_divisor=1024, desc="export-hf", disable=not progress, file=sys.stderr,
+                       dynamic_ncols=True)
+
+            def read(name: str) -> torch.Tensor:
+                tensor = ucp.read(name, "fp32")
+                bar.update(tensor.numel() * 4)
+                return tensor
+
+            try:
+                tensors = hf_state_dict(read, config, model_type, has=lambda n: n in ucp.parameters)
+            finally:
+                bar.close()
+            torch_dtype = DTYPES[dtype]
+            tensors = {k: v.to(torch_dtype).contiguous() for k, v in tensors.items()}
+            hf_config = _hf_config(config, ucp.args, model_type, dtype)
+            save_file(tensors, str(stage.path / "model.safetensors"), metadata={"format": "pt"})
+            (stage.path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+            stage.publish(TOOL_MARKER_FILENAME, tool_marker("hf", model_type=model_type, dtype=dtype,
+                                                            iteration=ucp.iteration, source=str(src.resolve())))
+    except StagingError as e:
+        raise ExportError(str(e)) from e
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return {"path": str(dst), "source": str(src.resolve()), "model_type": model_type, "dtype": dtype,
             "iteration": ucp.iteration, "vocab_size": config.vocab_size,
@@ -258,13 +257,17 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--model-type", required=True, choices=MODEL_TYPES)
     p.add_argument("--dtype", default="auto", choices=("auto",) + tuple(DTYPES),
                    help="dtype of the exported weights (default: the model's training dtype)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing export at DST")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing export at DST (only one megatron-ucp wrote: it has megatron-ucp.json)")
+    p.add_argument("--clean-stale", action="store_true",
+                   help="remove leftovers of killed writes to DST (DST.partial-*, DST.old-*), which are otherwise "
+                        "only reported")
     p.set_defaults(handler=run_cli)
 
 
 def run_cli(args: argparse.Namespace) -> dict:
     result = export_hf(args.src, args.dst, args.model_type, dtype=args.dtype, overwrite=args.overwrite,
-                       progress=not args.quiet)
+                       progress=not args.quiet, clean_stale=args.clean_stale)
     result["message"] = (f"wrote {result['path']}: {args.model_type} ({result['num_tensors']} tensors, "
                          f"{result['bytes_written'] / 2 ** 20:.1f} MiB, {result['dtype']}), iteration "
                          f"{result['iteration']}, vocab {result['vocab_size']} ({result['dropped_padding_rows']} "

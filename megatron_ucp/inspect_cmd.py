@@ -1,8 +1,12 @@
 """`megatron-ucp inspect`: what a checkpoint holds, from metadata only (no tensor is read).
 
 Owns `open_any`, which opens any checkpoint this project reads (universal, Megatron-LM `torch` or
-`torch_dist`, as a root or an iteration folder) and is shared with `verify` and `plan`. For Megatron
-checkpoints the global shapes come from the GPT adapter (model config + layout), not from tensors.
+`torch_dist`, as a root or an iteration folder) and is shared with `verify` and `plan`; a staging
+directory of an unfinished or killed write is refused whatever it holds. For Megatron checkpoints the
+global shapes come from the GPT adapter (model config + layout), not from tensors. For a universal
+checkpoint it also reports, from stat() and metadata alone, tensor files missing or of the wrong size and
+parameters the model lacks or has with another shape (`universal_problems`); inspect then exits 1.
+`megatron-ucp check` reads every byte.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from megatron_ucp.formats.common import TRACKER_FILENAME, CheckpointFormatError
+from megatron_ucp.staging import check_not_staging
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"  # Megatron-LM's (formats.common.TRACKER_FILENAME)
 
 PathLike = Union[str, os.PathLike]
 UNIVERSAL = "universal"
@@ -42,6 +48,7 @@ def _looks_universal(path: Path) -> bool:
 def open_any(path: PathLike, iteration: Optional[int] = None):
     """A UniversalCheckpoint or a MegatronCheckpoint for `path` (see the module docstring)."""
     path = Path(path)
+    check_not_staging(path, error=NotACheckpointError)
     if not path.exists():
         raise NotACheckpointError(f"{path}: no such file or directory; pass a universal checkpoint directory, a "
                                   f"Megatron-LM --save directory or one of its iter_XXXXXXX folders")
@@ -144,8 +151,9 @@ def parameter_rows(ckpt) -> list[ParameterRow]:
         return [ParameterRow(p.name, p.shape, p.model_dtype, p.pattern.to_json(), p.tensors)
                 for p in ckpt.parameters.values()]
     from megatron_ucp.adapters.gpt import canonical_name, expected_parameters, pattern_for
+    from megatron_ucp.byteio import dtype_name
+    from megatron_ucp.formats.common import CheckpointFormatError
     from megatron_ucp.layout import LayoutError
-    from megatron_ucp.universal import dtype_name
 
     config, layout = ckpt.config, ckpt.layout
     try:
@@ -166,10 +174,28 @@ def parameter_rows(ckpt) -> list[ParameterRow]:
     return [ParameterRow(n, tuple(s), dtypes[n], pattern_for(n, config).to_json(), tensors) for n, s in expected]
 
 
+def universal_problems(ucp) -> list[str]:
+    """What a universal checkpoint's metadata and file sizes show to be wrong, one line each: tensor files
+    missing, not regular files inside it, or of the wrong size; parameters of its model (the GPT
+    rulebook, from its model_config) missing, of another shape, or extra: what from-universal and a
+    resume would refuse. No tensor byte is read (`megatron-ucp check` reads them all)."""
+    from megatron_ucp.adapters.gpt import expected_parameters
+    from megatron_ucp.layout import LayoutError
+    from megatron_ucp.patterns import PatternError
+
+    problems = ucp.file_problems()
+    try:
+        expected = expected_parameters(ucp.config)
+    except (LayoutError, PatternError, ValueError, NotImplementedError) as e:
+        return problems + [f"{ucp.path}: its model_config describes no model this tool knows ({e}); reconvert"]
+    return problems + ucp.model_problems(expected)
+
+
 def describe(ckpt) -> dict:
     """Everything `inspect` reports, as a JSON-safe dict."""
     rows = parameter_rows(ckpt)
     universal = is_universal(ckpt)
+    problems: list[str] = []
     if universal:
         meta = ckpt.metadata
         layout = ckpt.source_layout.to_dict()
@@ -177,7 +203,9 @@ def describe(ckpt) -> dict:
         optimizer_kind = (meta.get("source") or {}).get("optimizer_kind")
         extra = {"format_version": meta.get("version"), "source": meta.get("source"),
                  "optimizer_type": (meta.get("optimizer") or {}).get("type"),
-                 "lazy_source": (meta.get("lazy") or {}).get("source")}
+                 "lazy_source": (meta.get("lazy") or {}).get("source"),
+                 "checksums": ckpt.version >= 2}
+        problems = universal_problems(ckpt)
     else:
         common = ckpt.common_state()
         layout = ckpt.layout.to_dict()
@@ -201,6 +229,7 @@ def describe(ckpt) -> dict:
         "consolidated_bytes": sum(r.numel * 4 * len(r.tensors) for r in rows),
         "total_bytes": disk_bytes(Path(ckpt.path)),
         "parameters": [r.to_dict() for r in rows],
+        "problems": problems,
     }
 
 
@@ -244,6 +273,17 @@ def format_report(info: dict) -> str:
     lines += ["", f"{info['num_parameters']} parameters, {info['num_elements']:,} elements; "
                   f"weights {human_bytes(info['model_bytes'])}, consolidated fp32 state "
                   f"{human_bytes(info['consolidated_bytes'])}, on disk {human_bytes(info['total_bytes'])}"]
+    if info.get("format") == UNIVERSAL and not info.get("checksums"):
+        lines.append(f"no block checksums (format version {info.get('format_version')}): reads are not verified; "
+                     f"convert again with this megatron-ucp to get them")
+    problems = info.get("problems") or []
+    if problems:
+        shown = 20
+        lines += ["", f"{len(problems)} problem(s) found from metadata and file sizes (nothing loads this "
+                      f"checkpoint as it is):"]
+        lines += [f"  problem: {p}" for p in problems[:shown]]
+        if len(problems) > shown:
+            lines.append(f"  ... {len(problems) - shown} more (--json lists all)")
     return "\n".join(lines)
 
 
@@ -266,4 +306,6 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
 def run_cli(args: argparse.Namespace) -> dict:
     info = describe(open_any(args.path, args.iteration))
     info["message"] = format_report(info)
+    if info["problems"]:
+        info["exit_code"] = 1
     return info

@@ -13,7 +13,7 @@ Writing (nothing is read back from the output):
   crossing block boundaries included; a block is hashed as soon as it is fully covered (straight from
   the caller's buffer when one piece covers it, else from a small reassembly buffer). It fits the header
   pwrite, the 8 MiB bands (hash the band before it is reused) and a safetensors file written by pwrite.
-- `copy_and_hash` copies a source region with copy_file_range (`formats.stored.copy_region`, bytes
+- `copy_and_hash` copies a source region with copy_file_range (`byteio.copy_region`, bytes
   never in user space) in 64 MiB steps and hashes each step's source bytes through mmap right after
   the copy, while they are in the page cache.
 - `hash_regions` hashes copied source regions after the fact; `write_file_hashed` writes a file from
@@ -29,7 +29,7 @@ Reading:
 - `VerifiedTensorFile(path, record, label).read(key, index)` is `safe_open(...).get_slice(key)[index]`
   with every block it touches checked (the universal reader's tensor path).
 - `SourceDigests` holds a lazy checkpoint's source checksums; `verify_box_sources(files, placement,
-  index, digests)` checks every source byte `formats.stored.read_box` will read for that box.
+  index, digests)` checks every source byte `byteio.read_box` will read for that box.
 - `check_files(entries, workers)` checks every block of many files in parallel (threads: xxhash and
   pread release the GIL), and sizes, and missing files; `check_universal(path, metadata)` applies it to a
   universal checkpoint and also checks each tensor file's safetensors header against metadata.json.
@@ -82,6 +82,7 @@ ALGORITHM = "xxh3-128"
 BLOCK_SIZE = 1 << 20
 COPY_STEP = 64 << 20  # copy_and_hash: bytes copied, then hashed while still in the page cache
 CHECK_READ = 16 << 20  # check_files: bytes read per pread
+MAX_HEADER = 100_000_000  # a safetensors header larger than this is refused (safetensors' own limit)
 _PAGE = mmap.ALLOCATIONGRANULARITY
 _HEX = frozenset("0123456789abcdef")
 
@@ -358,10 +359,10 @@ def hash_source(hasher: BlockHasher, dst_pos: int, src_fd: int, src_offset: int,
 
 def copy_and_hash(files, region, dst_fd: int, dst_pos: int, hasher: Optional[BlockHasher], *,
                   step: int = COPY_STEP) -> None:
-    """formats.stored.copy_region (copy_file_range: the bytes never enter user space) in `step` pieces, each
+    """byteio.copy_region (copy_file_range: the bytes never enter user space) in `step` pieces, each
     hashed from the source right after it is copied (still in the page cache). `files` is a
-    formats.stored.FileHandles, `region` a FileRegion."""
-    from megatron_ucp.formats.stored import FileRegion, copy_region
+    byteio.FileHandles, `region` a FileRegion."""
+    from megatron_ucp.byteio import FileRegion, copy_region
 
     done = 0
     while done < region.nbytes:
@@ -375,7 +376,7 @@ def copy_and_hash(files, region, dst_fd: int, dst_pos: int, hasher: Optional[Blo
 
 def hash_regions(hasher: BlockHasher, files, pieces: Iterable[tuple[Any, int]]) -> None:
     """Give `hasher` source regions copied (or about to be copied) into its file: `pieces` are
-    (formats.stored.FileRegion, destination offset), hashed from the source through mmap. For writers
+    (byteio.FileRegion, destination offset), hashed from the source through mmap. For writers
     that copy first and hash after (copy_and_hash interleaves the two, which keeps the page cache hot
     for regions larger than memory)."""
     for region, dst_pos in pieces:
@@ -567,7 +568,7 @@ def verified_view(fd: int, offset: int, nbytes: int, record: DigestRecord, *, pa
 
 class SourceDigests:
     """The checksummed regions of a lazy checkpoint's source files ({path: records}) and the check of a
-    byte range of one of them before it is read (formats.stored.read_box's shards)."""
+    byte range of one of them before it is read (byteio.read_box's shards)."""
 
     def __init__(self, records: Mapping[str, Sequence[DigestRecord]]):
         self._records = {str(p): sorted(r, key=lambda x: x.offset) for p, r in records.items()}
@@ -624,7 +625,9 @@ class VerifiedTensorFile:
     thread; `cache` (VerifiedBlocks) lets readers share checked blocks (the header block, neighbours)."""
 
     def __init__(self, path: PathLike, record: DigestRecord, label: str, *, remedy: str = FILE_REMEDY,
-                 cache: Optional[VerifiedBlocks] = None):
+                 cache: Optional[VerifiedBlocks] = None, headers: Optional[dict] = None):
+        """`headers`: a dict shared by one reader's opens of the same files, {file identity: parsed header},
+        so a file's header is parsed (and its blocks checked) once, not on every read."""
         self.path, self.record, self.label, self.remedy = str(path), record, label, remedy
         self.cache = cache if cache is not None else VerifiedBlocks()
         self._fd = os.open(self.path, os.O_RDONLY)
@@ -633,22 +636,28 @@ class VerifiedTensorFile:
             if size != record.stop:
                 raise ChecksumError(f"{self.path}: {size} bytes, {label} was written with {record.stop}; "
                                     f"{_fix(remedy)}", self.path)
+            key = VerifiedBlocks.file_key(self._fd) if headers is not None else None
+            if key is not None and key in headers:
+                self.tensors = headers[key]
+                return
             n = int.from_bytes(self._pread(0, 8), "little")
-            if not 0 < n <= size - 8:
+            if not 0 < n <= min(size - 8, MAX_HEADER):
                 raise ChecksumError(f"{self.path}: safetensors header length {n} does not fit the file; "
                                     f"{_fix(remedy)}", self.path)
             header = json.loads(bytes(self._pread(8, n)))
             self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
-            for key, t in header.items():
-                if key == "__metadata__":
+            for name, t in header.items():
+                if name == "__metadata__":
                     continue
                 a, b = (8 + n + int(x) for x in t["data_offsets"])
                 shape = tuple(int(d) for d in t["shape"])
                 itemsize = _ITEMSIZE.get(t["dtype"])
                 if itemsize is None or b - a != math.prod(shape) * itemsize or not 8 + n <= a <= b <= size:
-                    raise ChecksumError(f"{self.path}: '{key}' ({t['dtype']} {list(shape)}) does not fit its bytes "
+                    raise ChecksumError(f"{self.path}: '{name}' ({t['dtype']} {list(shape)}) does not fit its bytes "
                                         f"{a}..{b} of the file; {_fix(remedy)}", self.path)
-                self.tensors[key] = (t["dtype"], shape, a, b)
+                self.tensors[name] = (t["dtype"], shape, a, b)
+            if key is not None:
+                headers[key] = self.tensors
         except BaseException:
             os.close(self._fd)
             raise
@@ -697,7 +706,7 @@ class VerifiedTensorFile:
 def verify_box_sources(files, placement, index: Optional[Sequence[slice]], digests: SourceDigests, *, label: str,
                        cache: Optional[VerifiedBlocks] = None) -> int:
     """Check, against a lazy checkpoint's source checksums, every source byte that
-    formats.stored.read_box(files, placement, index) will read: for each shard the box overlaps, the
+    byteio.read_box(files, placement, index) will read: for each shard the box overlaps, the
     shard rows it touches (whole rows: a column box reads every row's part of the shard). Call it
     right before read_box (same page-cache pages). Returns the bytes checked."""
     shape = placement.shape
@@ -715,10 +724,12 @@ def verify_box_sources(files, placement, index: Optional[Sequence[slice]], diges
         s0, s1 = b.src[0].start + lo[0] - b.dst[0].start, b.src[0].start + hi[0] - b.dst[0].start
         old = rows.get(b.shard)
         rows[b.shard] = (s0, s1) if old is None else (min(old[0], s0), max(old[1], s1))
+    from megatron_ucp.byteio import itemsize
+
     checked = 0
     for i, (s0, s1) in sorted(rows.items()):
         shard = placement.shards[i]
-        row_bytes = math.prod(shard.shape[1:]) * placement.dtype.itemsize
+        row_bytes = math.prod(shard.shape[1:]) * itemsize(placement.dtype)
         for region in shard.byte_slice(s0 * row_bytes, s1 * row_bytes):
             digests.verify(files.fd(region.path), region.path, region.offset, region.offset + region.nbytes,
                            label=label, cache=cache)
@@ -898,7 +909,7 @@ def _safetensors_problems(fd: int, path: str, entry: Mapping[str, Any], record: 
     if size < 8:
         return f"{path}: {size} bytes, too short for a safetensors file; {FILE_REMEDY}"
     n = int.from_bytes(read(0, 8), "little")
-    if 8 + n > size:
+    if 8 + n > size or n > MAX_HEADER:
         return f"{path}: safetensors header of {n} bytes runs past the end ({size} bytes); {FILE_REMEDY}"
     try:
         header = json.loads(bytes(read(8, n)))
@@ -958,8 +969,9 @@ def check_universal(path: PathLike, metadata: Mapping[str, Any], workers: int = 
         except FileNotFoundError:
             failures.append(Failure(file, "missing", f"{file}: missing ({label}); {_fix(FILE_REMEDY)}"))
             continue
-        try:
-            problem = _safetensors_problems(fd, file, entry, record, label)
+        try:  # a file of the wrong size is reported once, by the size check below
+            resized = record is not None and os.fstat(fd).st_size != record.stop
+            problem = None if resized else _safetensors_problems(fd, file, entry, record, label)
         except ChecksumError:
             problem = None  # the block check below reports it with the others
         except OSError as e:
@@ -977,8 +989,12 @@ def check_universal(path: PathLike, metadata: Mapping[str, Any], workers: int = 
     if lazy is not None:
         failures.extend(_lazy_failures(lazy, params, checks, notes))
     report = check_files(checks, workers)
+    # one list in the order of metadata.json's parameters (then source files), each file's blocks in order
+    order = {str(root / e["file"]): i for i, e in enumerate(params.values()) if e.get("file")}
+    found = sorted(tuple(failures) + report.failures,
+                   key=lambda f: (order.get(f.path, len(order)), f.block if f.block is not None else -1))
     return CheckReport(files=len(checks), blocks=report.blocks, bytes=report.bytes,
-                       seconds=time.perf_counter() - start, failures=tuple(failures) + report.failures,
+                       seconds=time.perf_counter() - start, failures=tuple(found),
                        checks=UNIVERSAL_CHECKS, notes=tuple(notes))
 
 

@@ -6,6 +6,8 @@ rank, the parameters it loads and the bytes it reads from the universal checkpoi
 `megatron_ucp.loader` reads them: the TP slice of each fp32 weight, and the Adam moments of the TP slice
 (without the distributed optimizer) or only of the rows covering the rank's DP shard of megatron-core's
 DDP buffer (with it). For a Megatron-LM source the plan is conversion (to-universal) and then that load.
+A universal checkpoint whose tensor files are missing or of the wrong size, or whose parameters do not
+match its model (inspect_cmd.universal_problems, from stat() and metadata alone), makes the plan fail.
 """
 
 from __future__ import annotations
@@ -18,9 +20,7 @@ from typing import Optional
 
 from megatron_ucp.adapters.gpt import (check_pipeline, expected_parameters, is_vocab_parameter, padded_vocab_at,
                                       parameters_for_rank, virtual_chunks)
-from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
-                                                shared_embedding_names)
-from megatron_ucp.inspect_cmd import human_bytes, is_universal, open_any, text_table
+from megatron_ucp.inspect_cmd import human_bytes, is_universal, open_any, text_table, universal_problems
 from megatron_ucp.layout import LayoutError, ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 
@@ -60,6 +60,7 @@ class Source:
     model_dtypes: dict
     has_moments: bool
     args: dict
+    problems: tuple[str, ...] = ()  # what makes the checkpoint unloadable whatever the layout
 
 
 def read_source(path, iteration: Optional[int] = None) -> Source:
@@ -69,7 +70,8 @@ def read_source(path, iteration: Optional[int] = None) -> Source:
         return Source(str(ckpt.path), "universal", ckpt.iteration, ckpt.config,
                       {n: p.shape for n, p in params.items()}, {n: p.pattern for n, p in params.items()},
                       {n: p.model_dtype for n, p in params.items()},
-                      all("exp_avg" in p.tensors for p in params.values()), dict(ckpt.args))
+                      all("exp_avg" in p.tensors for p in params.values()), dict(ckpt.args),
+                      tuple(universal_problems(ckpt)))
     from megatron_ucp.convert import conversion_tasks
     from megatron_ucp.universal import dtype_name
 
@@ -83,7 +85,9 @@ def read_source(path, iteration: Optional[int] = None) -> Source:
 def check_target(source: Source, target: Target) -> tuple[list[str], list[str], Optional[ParallelLayout], int]:
     """(problems, warnings, layout or None, padded vocab at the target); a problem makes the load impossible."""
     c = source.config
-    problems, warnings = [], []
+    problems, warnings = list(source.problems), []
+    if problems:
+        return problems, warnings, None, c.padded_vocab_size
     for name, value in (("--tensor-model-parallel-size", target.tp), ("--pipeline-model-parallel-size", target.pp),
                         ("--data-parallel-size", target.dp)):
         if value < 1:
@@ -183,6 +187,9 @@ def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, tp_rank:
                        resized: dict, opt_bytes: list, moments: int) -> None:
     """Moments read per DP rank: megatron-core's DistributedOptimizer gives DP rank r the r-th equal part of
     every bucket of the chunk's DDP buffer (bucket_layout reproduces the buffer's index map)."""
+    from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
+                                                    shared_embedding_names)
+
     args = {**source.args, "pipeline_model_parallel_size": layout.pp,
             "virtual_pipeline_model_parallel_size": layout.vpp}
     local_names = [local for local, _, _ in entries]
@@ -290,9 +297,9 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
                     "when the layout is incompatible.")
     p.add_argument("src", help="universal checkpoint (or a Megatron-LM checkpoint: conversion + load)")
     p.add_argument("--iteration", type=int, default=None, help="iteration of a Megatron-LM root")
-    p.add_argument("--tensor-model-parallel-size", type=int, required=True)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("-t", "--tensor-model-parallel-size", type=int, required=True)
+    p.add_argument("-p", "--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("-d", "--data-parallel-size", type=int, default=1)
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--sequence-parallel", action="store_true")

@@ -31,6 +31,11 @@ A write to DST goes through `Staging`:
 Readers call `check_not_staging(path)` before opening anything: a staging directory is never a
 checkpoint, whatever it holds (even a killed writer's completion marker).
 
+Write failures whose cause lies outside the tool become one line with the cause and the fix
+(`write_failure`): a full disk however the writing library words it (ENOSPC, torch.save's "file write
+failed"), and failed allocations. Crash tests stop a writer at a named phase with PAUSE_ENV
+(`pause_if_asked`).
+
 Fallbacks (documented, not silent): where renameat2 is missing or refused (non-Linux, NFS answers
 EINVAL), publication checks DST under the lock and uses os.rename, and a replacement moves the old
 output aside first (a crash in that window is undone by the next run, see 2). flock must work across
@@ -479,7 +484,8 @@ class Staging:
     Leaving the block without publish() (an exception, KeyboardInterrupt, or simply not publishing)
     removes the staging directory. `report` receives the one-line notes about leftovers (default:
     stderr); `on_phase` is called with "staged", "fsynced", "marker-written", "renaming", "replaced",
-    "published" as publication proceeds (progress display; tests kill the writer at these points).
+    "published" as publication proceeds, and with the writer's own points (`phase()`, e.g. "half-written"):
+    progress display, and the points crash tests stop the writer at (PAUSE_ENV).
     """
 
     def __init__(self, dst: PathLike, *, kind: str, overwrite: bool = False, clean_stale: bool = False,
@@ -503,6 +509,11 @@ class Staging:
         self.published = False
         self._dst_existed = False
 
+    def phase(self, name: str) -> None:
+        """A point of the write was reached: tell on_phase, and pause here when PAUSE_ENV asks to."""
+        self.on_phase(name)
+        pause_if_asked(name)
+
     # -- entry ------------------------------------------------------------------------------------
 
     def __enter__(self) -> "Staging":
@@ -516,11 +527,12 @@ class Staging:
             _write_durable(self.path / OWNER_FILENAME, json.dumps(self.owner.to_json()).encode())
             fsync_path(self.dst.parent)
         except BaseException as e:
+            failure = self._explain(e)
             self._discard()
-            if _is_no_space(e):
-                raise self._translate(e) from e
+            if failure is not None:
+                raise failure.finish() from e
             raise
-        self.on_phase("staged")
+        self.phase("staged")
         return self
 
     def _handle_leftovers(self) -> None:
@@ -565,25 +577,26 @@ class Staging:
             raise ValueError(f"marker name {marker_name!r}: a plain file name")
         try:
             fsync_tree(self.path, self.fsync_workers)
-            self.on_phase("fsynced")
+            self.phase("fsynced")
             os.unlink(self.path / OWNER_FILENAME)
             _write_durable(self.path / marker_name, marker)
             fsync_path(self.path)
-            self.on_phase("marker-written")
+            self.phase("marker-written")
             self._rename_into_place()
         except BaseException as e:
             if self.published:  # DST is already the new output: leave what remains to the next run's report
                 self._lock.release()
                 raise
+            failure = self._explain(e)
             self._discard()
-            if _is_no_space(e):
-                raise self._translate(e) from e
+            if failure is not None:
+                raise failure.finish() from e
             raise
         try:
             self._remove_old()
         finally:
             self._lock.release()
-        self.on_phase("published")
+        self.phase("published")
         return self.dst
 
     def _remove_old(self) -> None:
@@ -596,7 +609,7 @@ class Staging:
                         f"delete it yourself (or pass --clean-stale next time)")
 
     def _rename_into_place(self) -> None:
-        self.on_phase("renaming")
+        self.phase("renaming")
         if not os.path.lexists(self.dst):
             try:
                 rename_noreplace(self.path, self.dst)
@@ -615,12 +628,12 @@ class Staging:
         if rename_exchange(self.path, self.dst):
             self.published = True
             fsync_path(self.dst.parent)
-            self.on_phase("replaced")
+            self.phase("replaced")
             os.rename(self.path, self._old)  # the staging name now holds the old output
         else:  # no RENAME_EXCHANGE: move aside, then in (a crash between is undone by the next run)
             os.rename(self.dst, self._old)
             fsync_path(self.dst.parent)
-            self.on_phase("replaced")
+            self.phase("replaced")
             try:
                 rename_noreplace(self.path, self.dst)
             except BaseException:
@@ -639,14 +652,20 @@ class Staging:
         finally:
             self._lock.release()
 
-    def _translate(self, e: OSError) -> StagingError:
+    def _explain(self, e: BaseException) -> Optional[StagingError]:
+        """One line for a write that failed for a reason outside the tool (a full disk, however the writing
+        library words it; memory), with the cause and the fix; None for any other error (raised as is).
+        Called before the staging directory is removed, so a full disk is recognised as full."""
+        kind, detail = write_failure(e)
+        if kind is None:
+            return None
         try:
-            free = _human(shutil.disk_usage(self.dst.parent).free)
+            free_before = shutil.disk_usage(self.dst.parent).free
         except OSError:
-            free = "unknown"
-        where = f" while writing {e.filename}" if e.filename else ""
-        return StagingError(f"{self.dst}: no space left on device{where}; the partial output was removed ({free} "
-                            f"free now on its filesystem), free space or choose another destination")
+            free_before = None
+        if kind == "write" and free_before is not None and free_before >= _NEARLY_FULL:
+            return None  # torch.save failed with room to spare: not ours to explain, raise it as it is
+        return _Explained(self.dst, kind, detail)
 
     def abort(self) -> None:
         """Remove the staging directory and release the lock (DST is untouched)."""
@@ -656,13 +675,90 @@ class Staging:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.published:
             return
+        failure = self._explain(exc) if exc is not None else None
         self._discard()
-        if exc is not None and isinstance(exc, OSError) and _is_no_space(exc):
-            raise self._translate(exc) from exc
+        if isinstance(failure, _Explained):
+            raise failure.finish() from exc
 
 
-def _is_no_space(e: BaseException) -> bool:
-    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+_NEARLY_FULL = 64 << 20  # free bytes under which a failed torch.save write is taken for a full disk
+_ALLOCATION = re.compile(r"(?:tried to allocate|allocate memory:?[^0-9]*)\s*([0-9]+) bytes")
+
+
+def write_failure(e: Optional[BaseException]) -> tuple[Optional[str], Optional[str]]:
+    """Why a write failed when the cause lies outside the tool: ("space", file or None) for ENOSPC/EDQUOT
+    anywhere in the exception's chain (or its text, as safetensors reports it), ("write", None) for
+    torch.save's zip writer failing (it words a full
+    disk as "file write failed" / "inline_container.cc ... unexpected pos"), ("memory", bytes or None) for
+    an allocation that failed (MemoryError, torch's "DefaultCPUAllocator: can't allocate memory"); else
+    (None, None)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return "space", e.filename
+        if isinstance(e, MemoryError):
+            return "memory", None
+        text = str(e)
+        if "No space left on device" in text or "os error 28" in text or "StorageFull" in text:
+            return "space", None  # libraries that wrap the OSError in their own type (safetensors)
+        if isinstance(e, RuntimeError):
+            if "can't allocate memory" in text or "not enough memory" in text or "DefaultCPUAllocator" in text:
+                m = _ALLOCATION.search(text)
+                return "memory", m.group(1) if m else None
+            if "file write failed" in text or "inline_container" in text or "PytorchStreamWriter" in text:
+                return "write", None
+        e = e.__cause__ or e.__context__
+    return None, None
+
+
+class _Explained(StagingError):
+    """A write failure explained in one line (see write_failure); the free space is measured once the
+    partial output is gone (finish())."""
+
+    def __init__(self, dst: Path, kind: str, detail: Optional[str]):
+        super().__init__(f"{dst}: {kind}")
+        self.dst, self.kind, self.detail = dst, kind, detail
+
+    def finish(self) -> StagingError:
+        try:
+            free = _human(shutil.disk_usage(self.dst.parent).free)
+        except OSError:
+            free = "unknown"
+        if self.kind == "memory":
+            need = f" (an allocation of {_human(int(self.detail))} failed)" if self.detail else ""
+            return StagingError(f"{self.dst}: out of memory while writing{need}; the partial output was removed, "
+                                f"free memory (other jobs) or run on a machine with more")
+        where = f" while writing {self.detail}" if self.kind == "space" and self.detail else ""
+        via = " (torch.save could not write its zip file)" if self.kind == "write" else ""
+        return StagingError(f"{self.dst}: no space left on device{where}{via}; the partial output was removed "
+                            f"({free} free now on its filesystem), free space or choose another destination")
+
+
+# --------------------------------------------------------------------------------------------------
+# Pausing at a phase (crash tests)
+
+PAUSE_ENV = "MEGATRON_UCP_PAUSE_AT"  # "PHASE:FIFO": at PHASE, write "PHASE PID" to FIFO, then wait
+PAUSE_SECONDS = 600.0
+
+
+def pause_if_asked(phase: str) -> None:
+    """Fault injection for crash and concurrency tests: when PAUSE_ENV is "PHASE:FIFO" and `phase` is
+    PHASE, announce "PHASE PID" on the fifo (blocks until the test reads it), then wait until the file
+    FIFO.go exists (the test lets the write go on) or PAUSE_SECONDS pass; meanwhile the test may kill
+    the process at exactly this point (kill -9). Without the variable (always, outside tests) this does
+    nothing."""
+    spec = os.environ.get(PAUSE_ENV)
+    if not spec:
+        return
+    want, _, fifo = spec.partition(":")
+    if phase != want or not fifo:
+        return
+    with open(fifo, "w") as f:
+        f.write(f"{phase} {os.getpid()}\n")
+    deadline = time.monotonic() + PAUSE_SECONDS
+    while not os.path.exists(fifo + ".go") and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _host_token() -> str:

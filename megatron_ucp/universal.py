@@ -1,10 +1,19 @@
-"""The universal checkpoint on disk: its writer (staged, marker-last) and its lazy, slice-reading reader.
+"""The universal checkpoint on disk: its writer (locked, staged, checksummed, marker-last) and its lazy,
+slice-reading, verifying reader.
 
 A universal checkpoint is one directory: `metadata.json` (iteration, model config, optimizer
-hyper-parameters, scheduler, and one entry per canonical parameter with its pattern), one
-safetensors file per parameter under `tensors/` holding fp32 consolidated tensors (`fp32`,
-`exp_avg`, `exp_avg_sq`), and a `COMPLETE` marker written last. docs/FORMAT.md is the specification;
-this module is one implementation of it. Nothing here is pickled.
+hyper-parameters, scheduler, and one entry per canonical parameter with its pattern and the block
+checksums of its file), one safetensors file per parameter under `tensors/` holding fp32 consolidated
+tensors (`fp32`, `exp_avg`, `exp_avg_sq`), and a `COMPLETE` marker written last. docs/FORMAT.md is the
+specification; this module is one implementation of it. Nothing here is pickled.
+
+Writing goes through `staging.Staging` (one writer per destination, nothing half-written under DST's
+name, an existing DST replaced only with overwrite and only if this tool wrote it) and digests every
+byte as it is written (`integrity.BlockHasher`). Reading checks every block a read touches against
+those digests (`integrity.VerifiedTensorFile`; for a lazy checkpoint, the source regions'
+`integrity.SourceDigests`), and every declared shape against the bytes that back it before anything
+is allocated. torch and safetensors are imported only by the functions that make tensors, so opening,
+describing and checking a checkpoint needs neither.
 """
 
 from __future__ import annotations
@@ -14,25 +23,30 @@ import json
 import math
 import os
 import re
-import shutil
+import stat
 import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
+from megatron_ucp import integrity
 from megatron_ucp.byteio import (
-    FileHandles, Placement, StorageError, placement_from_json, placement_to_json, read_box, write_placement)
+    FileHandles, Placement, StorageError, dtype_name, placement_from_json, placement_to_json, read_box,
+    relative_inside, write_placement)
+from megatron_ucp.integrity import ChecksumError, DigestRecord, SourceDigests, VerifiedBlocks
 from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.patterns import Pattern, PatternError, pattern_from_json
+from megatron_ucp.staging import Staging, StagingError, check_not_staging
+
+if TYPE_CHECKING:
+    import torch
+
+    from megatron_ucp.patterns import Pattern
 
 FORMAT_NAME = "megatron-ucp-universal"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: no checksums (read, with sizes and headers checked instead)
 
 METADATA_FILENAME = "metadata.json"
 COMPLETE_FILENAME = "COMPLETE"
@@ -40,9 +54,13 @@ TENSORS_DIRNAME = "tensors"
 TENSOR_KEYS = ("fp32", "exp_avg", "exp_avg_sq")  # file order; `fp32` is always present
 REQUIRED_METADATA = ("iteration", "consumed_train_samples", "source", "model_config", "args", "optimizer",
                      "scheduler")
+MAX_HEADER = integrity.MAX_HEADER  # bytes a tensor file's safetensors header may take
 
 # Canonical names are dotted module paths; anything else could escape tensors/ or clash on disk.
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+
+# Files that say a directory is a Megatron-LM checkpoint (root or iteration folder), not a universal one.
+_MEGATRON_SIGNS = ("latest_checkpointed_iteration.txt", ".metadata", "common.pt")
 
 PathLike = Union[str, os.PathLike]
 
@@ -57,19 +75,20 @@ class ParamInfo:
 
     name: str
     shape: tuple[int, ...]
-    dtype: str  # stored dtype, always "float32" in version 1
+    dtype: str  # stored dtype, always "float32"
     model_dtype: str  # dtype of the model parameter during training ("float32", "bfloat16", "float16")
-    pattern: Pattern
-    file: str  # relative to the checkpoint directory
+    pattern: "Pattern"
+    file: Optional[str]  # relative to the checkpoint directory (None in a lazy checkpoint)
     tensors: tuple[str, ...]
     step: Optional[int]  # Adam step of this parameter; None without optimizer state
     param_group: dict
     placements: Optional[dict] = None  # lazy checkpoints: key -> Placement (bytes in the source checkpoint)
+    checksum: Optional[DigestRecord] = None  # block digests of the tensor file (version 2)
 
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """'float32' for torch.float32 (the spelling used in metadata.json)."""
-    return str(dtype).replace("torch.", "")
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of tensor data the parameter's file holds (every key, float32)."""
+        return math.prod(self.shape) * 4 * len(self.tensors)
 
 
 def tensor_file(name: str) -> str:
@@ -99,24 +118,11 @@ def _write_json(path: Path, doc: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 # --------------------------------------------------------------------------------------------------
 # Writing
 
 
-def _check_tensors(name: str, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[int, ...]:
+def _check_tensors(name: str, tensors: Mapping[str, tuple[tuple[int, ...], Any]]) -> tuple[int, ...]:
     """Refuse a parameter whose tensors (key -> (shape, dtype)) the format cannot hold; returns the shape."""
     _check_name(name)
     unknown = sorted(set(tensors) - set(TENSOR_KEYS))
@@ -127,23 +133,24 @@ def _check_tensors(name: str, tensors: Mapping[str, tuple[tuple[int, ...], torch
         raise UniversalFormatError(f"{name}: has only one of exp_avg / exp_avg_sq; Adam needs both")
     shape = tuple(tensors["fp32"][0])
     for key, (s, dtype) in tensors.items():
-        if dtype != torch.float32 or tuple(s) != shape:
+        if dtype_name(dtype) != "float32" or tuple(s) != shape:
             raise UniversalFormatError(f"{name}: '{key}' is {tuple(s)} {dtype}; every tensor of a "
                                        f"parameter must be float32 of shape {shape}")
     return shape
 
 
 def _entry(name: str, shape: tuple[int, ...], keys: list[str], info: Mapping[str, Any]) -> dict:
-    """The parameter's metadata.json entry."""
+    """The parameter's metadata.json entry (without its checksum)."""
+    from megatron_ucp.patterns import Pattern, pattern_from_json
+
     pattern = info["pattern"]
     pattern_json = pattern.to_json() if isinstance(pattern, Pattern) else dict(pattern)
     pattern_from_json(pattern_json)  # refuse what a reader could not parse
-    model_dtype = info.get("model_dtype", "float32")
     step = info.get("step")
     return {
         "shape": list(shape),
         "dtype": "float32",
-        "model_dtype": dtype_name(model_dtype) if isinstance(model_dtype, torch.dtype) else str(model_dtype),
+        "model_dtype": dtype_name(info.get("model_dtype", "float32")),
         "pattern": pattern_json,
         "file": tensor_file(name),
         "tensors": keys,
@@ -154,24 +161,6 @@ def _entry(name: str, shape: tuple[int, ...], keys: list[str], info: Mapping[str
 
 def _file_metadata(name: str) -> dict[str, str]:
     return {"format": FORMAT_NAME, "name": name, "version": str(FORMAT_VERSION)}
-
-
-def write_tensor_file(staging_dir: PathLike, name: str, tensors: Mapping[str, torch.Tensor],
-                      info: Mapping[str, Any]) -> dict:
-    """Write one parameter's safetensors file into `staging_dir` and return its metadata entry.
-
-    Process-safe: it touches only `tensors/<name>.safetensors`, so worker processes call it directly and
-    send the returned entry to the parent, which records it with UniversalWriter.record_parameter.
-    `info` holds "model_dtype" (str or torch.dtype), "pattern" (Pattern or its JSON), "step" (int or
-    None) and "param_group" (dict).
-    """
-    shape = _check_tensors(name, {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()})
-    ordered = {key: tensors[key].detach().to("cpu").contiguous() for key in TENSOR_KEYS if key in tensors}
-    entry = _entry(name, shape, list(ordered), info)
-    target = Path(staging_dir) / entry["file"]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    save_file(ordered, str(target), metadata=_file_metadata(name))
-    return entry
 
 
 def safetensors_header(shapes: Mapping[str, Sequence[int]], metadata: Mapping[str, str]
@@ -192,29 +181,63 @@ def safetensors_header(shapes: Mapping[str, Sequence[int]], metadata: Mapping[st
     return prefix, {key: len(prefix) + off for key, off in offsets.items()}
 
 
+def _named(e: OSError, target: Path) -> OSError:
+    """The error with the file named (ENOSPC from pwrite or a copy names none)."""
+    return OSError(e.errno, e.strerror, str(target)) if e.filename is None else e
+
+
+def write_tensor_file(staging_dir: PathLike, name: str, tensors: Mapping[str, "torch.Tensor"],
+                      info: Mapping[str, Any]) -> dict:
+    """Write one parameter's safetensors file into `staging_dir` and return its metadata entry, with the
+    block checksums of the file computed while writing it (integrity.write_file_hashed).
+
+    The file is byte for byte what write_tensor_file_placed writes for the same tensors (one header
+    function, tensors in name order). Process-safe: it touches only `tensors/<name>.safetensors`.
+    `info` holds "model_dtype" (str or torch.dtype), "pattern" (Pattern or its JSON), "step" (int or
+    None) and "param_group" (dict). The file is not fsynced here: publication fsyncs the whole tree.
+    """
+    import torch
+
+    shape = _check_tensors(name, {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()})
+    ordered = {key: tensors[key].detach().to("cpu").contiguous() for key in TENSOR_KEYS if key in tensors}
+    entry = _entry(name, shape, list(ordered), info)
+    target = Path(staging_dir) / entry["file"]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    prefix, offsets = safetensors_header({k: shape for k in ordered}, _file_metadata(name))
+    pieces = [(0, prefix)] + [(offsets[k], t.reshape(-1).view(torch.uint8).numpy()) for k, t in ordered.items()]
+    size = len(prefix) + len(ordered) * math.prod(shape) * 4
+    try:
+        record = integrity.write_file_hashed(target, size, pieces, fsync=False)
+    except OSError as e:
+        raise _named(e, target) from e
+    entry["checksum"] = record.to_json()
+    return entry
+
+
 def write_tensor_file_placed(staging_dir: PathLike, name: str, placements: Mapping[str, Placement],
                              info: Mapping[str, Any], files: FileHandles) -> dict:
     """write_tensor_file for tensors given as Placements (where their bytes are in the source files): the
     file is sized, its header written, and each tensor's bytes copied straight into place (see
-    byteio.write_placement), so no tensor is materialised."""
+    byteio.write_placement), so no tensor is materialised. Every byte is digested as it is written."""
     shape = _check_tensors(name, {k: (p.shape, p.dtype) for k, p in placements.items()})
     keys = [key for key in TENSOR_KEYS if key in placements]
     entry = _entry(name, shape, keys, info)
     target = Path(staging_dir) / entry["file"]
     target.parent.mkdir(parents=True, exist_ok=True)
     prefix, offsets = safetensors_header({k: shape for k in keys}, _file_metadata(name))
+    size = len(prefix) + len(keys) * math.prod(shape) * 4
+    hasher = integrity.BlockHasher(size, name=str(target))
     fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.ftruncate(fd, len(prefix) + len(keys) * math.prod(shape) * 4)
-        os.pwrite(fd, prefix, 0)
+        os.ftruncate(fd, size)
+        integrity.pwrite_hashed(fd, prefix, 0, hasher)
         for key in keys:
-            write_placement(files, fd, offsets[key], placements[key])
+            write_placement(files, fd, offsets[key], placements[key], hasher)
     except OSError as e:
-        if e.filename is None:  # name the file (ENOSPC from a copy names none)
-            raise OSError(e.errno, e.strerror, str(target)) from e
-        raise
+        raise _named(e, target) from e
     finally:
         os.close(fd)
+    entry["checksum"] = hasher.record().to_json()
     return entry
 
 
@@ -229,71 +252,98 @@ def lazy_entry(name: str, placements: Mapping[str, Placement], info: Mapping[str
     return entry
 
 
+def _referenced_regions(entries: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, int, int]]:
+    return [(region[0], int(region[1]), int(region[2])) for e in entries.values()
+            for p in (e.get("source_bytes") or {}).values() for shard in p["shards"] for region in shard["regions"]]
+
+
 def source_file_stats(root: PathLike, entries: Mapping[str, Mapping[str, Any]]) -> dict:
     """{relative path: {"size", "mtime_ns"}} of every source file lazy entries refer to."""
-    files = sorted({region[0] for e in entries.values() for p in (e.get("source_bytes") or {}).values()
-                    for shard in p["shards"] for region in shard["regions"]})
     out = {}
-    for rel in files:
+    for rel in sorted({r[0] for r in _referenced_regions(entries)}):
         st = os.stat(Path(root) / rel)
         out[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
     return out
 
 
-def _is_universal_dir(path: Path) -> bool:
-    return (path / COMPLETE_FILENAME).is_file() or (path / METADATA_FILENAME).is_file()
-
-
-def check_destination(dst: PathLike, overwrite: bool = False, *, replaceable: Callable[[Path], bool] = None,
-                      kind: str = "universal checkpoint", error: type = None) -> None:
-    """Raise unless `dst` may be written: absent, or (with overwrite) an empty directory or an earlier
-    output of the same kind (`replaceable`). Every writer (to-universal, from-universal, export-hf) calls
-    it before any work, so a user's own files are never replaced."""
-    dst, error = Path(dst), error or UniversalFormatError
-    if not dst.exists():
-        return
-    if not overwrite:
-        raise error(f"{dst}: already exists; choose another destination or pass --overwrite to replace it")
-    if not dst.is_dir():
-        raise error(f"{dst}: exists and is a file; choose another destination")
-    if any(dst.iterdir()) and not (replaceable or _is_universal_dir)(dst):
-        raise error(f"{dst}: exists and is not a {kind}; refusing to overwrite it, delete it yourself or "
-                    f"choose another destination")
+def lazy_section(root: PathLike, entries: Mapping[str, Mapping[str, Any]], *, workers: int = 4) -> dict:
+    """metadata.json's `lazy` section for lazy entries into the source iteration folder `root`: each
+    referenced file's size, mtime and the block checksums of the regions the index reads (one read of
+    those bytes, `workers` threads). Refuses a source that changes while it is hashed."""
+    root = Path(root).resolve()
+    before = source_file_stats(root, entries)
+    regions = [(str(root / rel), offset, nbytes) for rel, offset, nbytes in _referenced_regions(entries)]
+    digests = integrity.digest_regions(regions, workers=workers)
+    after = source_file_stats(root, entries)
+    if after != before:
+        changed = sorted(rel for rel in before if before[rel] != after.get(rel))
+        raise UniversalFormatError(f"{root / changed[0]}: changed while the lazy index was made (is training "
+                                   f"still writing it?); convert again once it is finished")
+    files = {}
+    for rel, stats in before.items():
+        files[rel] = {**stats, "checksums": [r.to_json() for r in digests.get(str(root / rel), [])]}
+    return {"source": str(root), "files": files}
 
 
 class UniversalWriter:
-    """Builds a universal checkpoint in a sibling staging directory `DST.partial-<pid>` and moves it to
-    DST only after metadata.json and the COMPLETE marker are written, so DST is either absent or complete.
+    """Builds a universal checkpoint in a locked staging directory (staging.Staging, kind "universal") and
+    publishes it as DST only after every tensor file, metadata.json and the COMPLETE marker are written
+    and fsynced, so DST is either absent, the previous output, or complete.
 
-    Use as a context manager (an exception inside removes the staging directory) or call abort().
-    write_parameter is for one process; worker processes call write_tensor_file(writer.staging_dir, ...)
-    and the parent passes the returned entries to record_parameter.
+    The constructor takes DST's lock (a second writer fails at once, naming the first), reports (or with
+    clean_stale removes) leftovers of killed writes, refuses an existing DST unless `overwrite` and it is
+    a universal checkpoint, and creates the staging directory `staging_dir`. Enter it before opening the
+    source, so the lock covers the whole job. Use as a context manager (an exception inside removes the
+    staging directory and releases the lock) or call abort(). write_parameter is for one process; other
+    threads or processes call write_tensor_file(writer.staging_dir, ...) and the owner records the returned
+    entries with record_parameter.
     """
 
-    def __init__(self, dst: PathLike, overwrite: bool = False):
+    def __init__(self, dst: PathLike, overwrite: bool = False, *, clean_stale: bool = False,
+                 report: Optional[Callable[[str], None]] = None, on_phase: Optional[Callable[[str], None]] = None,
+                 command: Optional[str] = None):
         self.dst = Path(dst).absolute()
         self.overwrite = overwrite
-        check_destination(self.dst, overwrite)
-        self.staging_dir = self.dst.parent / f"{self.dst.name}.partial-{os.getpid()}"
-        if self.staging_dir.exists():  # left by a killed run that had our pid
-            shutil.rmtree(self.staging_dir)
-        self.dst.parent.mkdir(parents=True, exist_ok=True)
-        self.staging_dir.mkdir()
-        (self.staging_dir / TENSORS_DIRNAME).mkdir()
+        self._stage = Staging(self.dst, kind="universal", overwrite=overwrite, clean_stale=clean_stale,
+                              report=report, on_phase=on_phase, command=command)
+        try:
+            self._stage.__enter__()
+        except StagingError as e:
+            raise UniversalFormatError(str(e)) from e
+        self.staging_dir = self._stage.path
         self.parameters: dict[str, dict] = {}
         self._done = False
+        try:
+            (self.staging_dir / TENSORS_DIRNAME).mkdir()
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def leftovers(self):
+        """Leftovers of earlier, killed writes to DST found when the lock was taken (staging.Leftover)."""
+        return self._stage.leftovers
 
     def __enter__(self) -> "UniversalWriter":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self.abort()
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._stage.__exit__(exc_type, exc, tb)
+        except StagingError as e:  # a failure the stage explains better (no space left, ...)
+            raise UniversalFormatError(str(e)) from e
 
     def abort(self) -> None:
-        """Remove the staging directory (DST itself is never touched before finish)."""
+        """Remove the staging directory and release the lock (DST itself is never touched before finish)."""
         self._done = True
-        shutil.rmtree(self.staging_dir, ignore_errors=True)
+        self._stage.abort()
+
+    def phase(self, name: str) -> None:
+        """Report a point of the write to on_phase (progress; tests kill the writer at these points)."""
+        self._stage.phase(name)
 
     def record_parameter(self, name: str, entry: dict) -> None:
         if name in self.parameters:
@@ -301,7 +351,7 @@ class UniversalWriter:
             raise UniversalFormatError(f"{name}: written twice; each canonical parameter appears once")
         self.parameters[name] = entry
 
-    def write_parameter(self, name: str, tensors: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> dict:
+    def write_parameter(self, name: str, tensors: Mapping[str, "torch.Tensor"], info: Mapping[str, Any]) -> dict:
         """Write one parameter (see write_tensor_file) and record its metadata entry."""
         try:
             entry = write_tensor_file(self.staging_dir, name, tensors, info)
@@ -312,10 +362,11 @@ class UniversalWriter:
         return entry
 
     def finish(self, metadata: Mapping[str, Any], expected: Sequence[tuple[str, Sequence[int]]]) -> Path:
-        """Write metadata.json (format, version and the recorded parameters added), then COMPLETE, then move
-        the directory into place. `metadata` holds the other top-level keys of docs/FORMAT.md; `expected`
-        lists every parameter of the model with its global shape, in registration order (the model's
-        rulebook gives it), so an incomplete conversion is never marked complete."""
+        """Write metadata.json (format, version and the recorded parameters added), then publish: fsync
+        every file, write COMPLETE last, rename into place. `metadata` holds the other top-level keys of
+        docs/FORMAT.md; `expected` lists every parameter of the model with its global shape, in
+        registration order (the model's rulebook gives it), so an incomplete conversion is never marked
+        complete."""
         if self._done:
             raise UniversalFormatError(f"{self.dst}: writer already finished or aborted")
         try:
@@ -331,13 +382,16 @@ class UniversalWriter:
                 _write_json(meta_path, doc)
             except ValueError as e:  # NaN/inf or a non-JSON value slipped in
                 raise UniversalFormatError(f"{self.dst}: metadata is not plain JSON ({e})") from e
-            _write_json(self.staging_dir / COMPLETE_FILENAME, {
-                "format": FORMAT_NAME, "version": FORMAT_VERSION,
-                "metadata_sha256": _sha256(meta_path)})
-            _fsync_dir(self.staging_dir)
-            self._move_into_place()
-        except BaseException:
-            self.abort()
+            if metadata.get("lazy") is not None:
+                (self.staging_dir / TENSORS_DIRNAME).rmdir()
+            complete = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "metadata_sha256": _sha256(meta_path)}
+            self._stage.publish(COMPLETE_FILENAME, complete)
+        except BaseException as e:
+            self._done = True
+            if not self._stage.published:
+                self._stage.abort()
+            if isinstance(e, StagingError):
+                raise UniversalFormatError(str(e)) from e
             raise
         self._done = True
         return self.dst
@@ -358,112 +412,201 @@ class UniversalWriter:
         # metadata.json lists parameters in registration order, whatever order workers finished in
         self.parameters = {name: self.parameters[name] for name in expected}
 
-    def _move_into_place(self) -> None:
-        old = None
-        if self.dst.exists():  # overwrite=True, checked in __init__
-            old = self.dst.parent / f"{self.dst.name}.old-{os.getpid()}"
-            os.rename(self.dst, old)
-        os.rename(self.staging_dir, self.dst)
-        _fsync_dir(self.dst.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
 
 # --------------------------------------------------------------------------------------------------
 # Reading
 
 
-def _incomplete(path: Path) -> UniversalFormatError:
-    return UniversalFormatError(f"{path}: incomplete universal checkpoint: conversion did not finish; "
-                                f"delete {path} and rerun the conversion")
+def _megatron_kind(path: Path) -> Optional[str]:
+    """'a Megatron-LM checkpoint root' / '... iteration folder' when `path` looks like one (by file names only)."""
+    try:
+        names = {p.name for p in path.iterdir()}
+    except OSError:
+        return None
+    if "latest_checkpointed_iteration.txt" in names or any(n.startswith("iter_") for n in names):
+        return "a Megatron-LM checkpoint (its --save root)"
+    if names & set(_MEGATRON_SIGNS) or any(n.startswith("mp_rank_") or n.endswith(".distcp") for n in names):
+        return "a Megatron-LM checkpoint iteration folder"
+    return None
 
 
-def _param_info(name: str, d: Mapping[str, Any], meta_path: Path, lazy_root: Optional[Path] = None) -> ParamInfo:
+def _not_universal(path: Path) -> UniversalFormatError:
+    kind = _megatron_kind(path)
+    if kind is not None:
+        return UniversalFormatError(f"{path}: is {kind}, not a universal checkpoint; convert it first with "
+                                    f"`megatron-ucp to-universal {path} UCP_DIR` and pass UCP_DIR")
+    return UniversalFormatError(f"{path}: incomplete universal checkpoint: no {COMPLETE_FILENAME} marker (the "
+                                f"conversion did not finish, or this is not a universal checkpoint); pass the DST of "
+                                f"a finished `megatron-ucp to-universal`, or convert again into a new directory")
+
+
+def _malformed(meta_path: Path, name: str, why: str) -> UniversalFormatError:
+    return UniversalFormatError(f"{meta_path}: parameter {name!r} has a malformed entry ({why}); the file was "
+                                f"edited or is corrupt, reconvert")
+
+
+def _check_record(name: str, shape: tuple[int, ...], tensors: tuple[str, ...], record: DigestRecord) -> None:
+    """The tensor file a record describes must hold the declared tensors: refuse a shape (or record) that
+    cannot be, before anything is read or allocated (a shape bomb in an edited metadata.json)."""
+    data = math.prod(shape) * 4 * len(tensors)
+    if record.offset != 0 or not data + 8 < record.size <= data + 8 + MAX_HEADER:
+        raise ValueError(f"shape {list(shape)} x {len(tensors)} tensor(s) needs {data} bytes of data, but its "
+                         f"checksummed tensor file holds {record.size} bytes")
+
+
+def _param_info(name: str, d: Mapping[str, Any], meta_path: Path, version: int,
+                lazy_root: Optional[Path] = None, lazy_files: Optional[Mapping[str, Any]] = None) -> ParamInfo:
+    from megatron_ucp.patterns import PatternError, pattern_from_json
+
     try:
         _check_name(name)
         pattern = pattern_from_json(d["pattern"])
         tensors = tuple(d["tensors"])
         shape = tuple(int(s) for s in d["shape"])
-        if "fp32" not in tensors or set(tensors) - set(TENSOR_KEYS):
+        if any(n < 0 for n in shape):
+            raise ValueError(f"negative dimension in shape {list(shape)}")
+        if "fp32" not in tensors or set(tensors) - set(TENSOR_KEYS) or len(set(tensors)) != len(tensors):
             raise UniversalFormatError(f"tensors {list(tensors)} must include 'fp32' and only {TENSOR_KEYS}")
-        placements = None
+        if d.get("dtype") != "float32":
+            raise ValueError(f"dtype {d.get('dtype')!r}, the format stores float32")
+        placements, record = None, None
         if lazy_root is not None:
             placements = {key: placement_from_json(d["source_bytes"][key], str(lazy_root)) for key in tensors}
             if any(p.shape != shape for p in placements.values()):
                 raise UniversalFormatError(f"source_bytes shapes differ from {shape}")
-        elif d["file"] != tensor_file(name):
-            raise UniversalFormatError(f"file {d['file']!r} is not {tensor_file(name)!r}")
+            _check_regions(placements, lazy_root, lazy_files or {})
+        else:
+            if d["file"] != tensor_file(name):
+                raise UniversalFormatError(f"file {d['file']!r} is not {tensor_file(name)!r}")
+            if version >= 2:
+                if d.get("checksum") is None:
+                    raise ValueError(f"no checksum record (version {version} requires one per tensor file)")
+                record = DigestRecord.from_json(d["checksum"], "checksum")
+                _check_record(name, shape, tensors, record)
         return ParamInfo(name=name, shape=shape, dtype=d["dtype"],
                          model_dtype=d.get("model_dtype", d["dtype"]), pattern=pattern, file=d["file"],
                          tensors=tensors, step=None if d.get("step") is None else int(d["step"]),
-                         param_group=dict(d.get("param_group") or {}), placements=placements)
+                         param_group=dict(d.get("param_group") or {}), placements=placements, checksum=record)
     except (KeyError, TypeError, ValueError, PatternError, UniversalFormatError) as e:
-        raise UniversalFormatError(f"{meta_path}: parameter {name!r} has a malformed entry ({type(e).__name__}: "
-                                   f"{e}); the file was edited or is corrupt, reconvert") from None
+        raise _malformed(meta_path, name, f"{type(e).__name__}: {e}") from None
 
 
-def _check_lazy_source(lazy: Any, meta_path: Path) -> Path:
-    """A lazy checkpoint's source folder, after checking every file it refers to is there, unchanged."""
+def _check_regions(placements: Mapping[str, Placement], root: Path, files: Mapping[str, Any]) -> None:
+    """Every byte a lazy entry reads lies inside a file the index lists, within its recorded size: the
+    declared shapes are backed by real bytes before anything is allocated."""
+    prefix = str(root) + os.sep
+    for placement in placements.values():
+        for shard in placement.shards:
+            for region in shard.regions:
+                rel = region.path[len(prefix):] if region.path.startswith(prefix) else None
+                want = files.get(rel) if rel is not None else None
+                if want is None:
+                    raise ValueError(f"reads {region.path}, which the lazy index does not list")
+                if region.offset + region.nbytes > int(want.get("size", -1)):
+                    raise ValueError(f"reads bytes {region.offset}..{region.offset + region.nbytes} of {rel}, which "
+                                     f"has {want.get('size')} bytes")
+
+
+def _inside(path: Path, root: Path) -> bool:
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
+
+
+def _check_lazy_source(lazy: Any, meta_path: Path, version: int) -> tuple[Path, dict, Optional[SourceDigests]]:
+    """A lazy checkpoint's source folder, its files and their checksums (version 2), after checking every
+    file it refers to is there, inside the source folder, a regular file, unchanged."""
     try:
         root = Path(lazy["source"])
-        files = dict(lazy["files"])
-    except (KeyError, TypeError, ValueError):
-        raise UniversalFormatError(f"{meta_path}: malformed 'lazy' section; reconvert") from None
+        files = {relative_inside(rel): dict(want) for rel, want in dict(lazy["files"]).items()}
+        if not root.is_absolute():
+            raise ValueError(f"source {str(root)!r} is not an absolute path")
+    except (KeyError, TypeError, ValueError) as e:
+        raise UniversalFormatError(f"{meta_path}: malformed 'lazy' section ({e}); reconvert") from None
     for rel, want in files.items():
         f = root / rel
         try:
-            st = f.stat()
+            st = os.lstat(f)
         except OSError:
             raise UniversalFormatError(
                 f"{f}: missing. {meta_path.parent} is a lazy universal checkpoint (an index into {root}, "
                 f"not a copy) and its source was moved or deleted; restore it, or convert again without "
                 f"--lazy from a checkpoint that exists") from None
+        if not stat.S_ISREG(st.st_mode) or not _inside(f, root):
+            raise UniversalFormatError(f"{f}: is not a regular file inside {root} (a symbolic link or other file "
+                                       f"was put in its place); restore the source checkpoint, or reconvert")
         if st.st_size != want.get("size") or st.st_mtime_ns != want.get("mtime_ns"):
             raise UniversalFormatError(
                 f"{f}: changed since the lazy conversion (size {st.st_size} vs {want.get('size')}, mtime "
                 f"{st.st_mtime_ns} vs {want.get('mtime_ns')}); {meta_path.parent} indexes the old bytes. "
                 f"Run `megatron-ucp to-universal --lazy` again (or without --lazy for a standalone copy)")
-    return root
+    digests = None
+    if version >= 2:
+        try:
+            digests = SourceDigests({str(root / rel): [DigestRecord.from_json(r, f"lazy {rel}")
+                                                       for r in want["checksums"]] for rel, want in files.items()})
+        except (KeyError, TypeError, ValueError) as e:
+            raise UniversalFormatError(f"{meta_path}: lazy section without valid source checksums ({e}); "
+                                       f"reconvert with this megatron-ucp") from None
+    return root, files, digests
+
+
+def _as_format_error(e: Exception) -> UniversalFormatError:
+    return UniversalFormatError(" ".join(str(e).split()))
 
 
 class UniversalCheckpoint:
     """A complete universal checkpoint opened for lazy reading (open() verifies the marker and metadata).
-    A lazy checkpoint (`to-universal --lazy`) reads every tensor from the source checkpoint's files."""
+    Every read checks the blocks it touches against the checksums recorded when the file was written
+    (version 2); a lazy checkpoint (`to-universal --lazy`) reads every tensor from the source
+    checkpoint's files, checked against the source checksums recorded by the lazy conversion."""
 
     def __init__(self, path: Path, metadata: dict):
         self.path = path
         self.metadata = metadata
-        self.iteration: int = int(metadata["iteration"])
-        self.consumed_train_samples: int = int(metadata["consumed_train_samples"])
-        self.config = GPTModelConfig.from_dict(metadata["model_config"])
-        self.source_layout = ParallelLayout.from_dict(metadata["source"]["layout"])
+        self.version: int = int(metadata["version"])
+        meta_path = path / METADATA_FILENAME
+        try:
+            self.iteration: int = int(metadata["iteration"])
+            self.consumed_train_samples: int = int(metadata["consumed_train_samples"])
+            self.config = GPTModelConfig.from_dict(metadata["model_config"])
+            self.source_layout = ParallelLayout.from_dict(metadata["source"]["layout"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise UniversalFormatError(f"{meta_path}: malformed ({type(e).__name__}: {e}); reconvert") from None
         self.args: dict = metadata.get("args", {})
         self.scheduler_state: dict = metadata.get("scheduler") or {}
         self.param_groups: list[dict] = list((metadata.get("optimizer") or {}).get("param_groups", []))
-        meta_path = path / METADATA_FILENAME
         lazy = metadata.get("lazy")
         self.lazy_source: Optional[Path] = None
+        self.source_digests: Optional[SourceDigests] = None
+        lazy_files = None
         if lazy is not None:
-            self.lazy_source = _check_lazy_source(lazy, meta_path)
+            self.lazy_source, lazy_files, self.source_digests = _check_lazy_source(lazy, meta_path, self.version)
+        if not isinstance(metadata["parameters"], dict):
+            raise UniversalFormatError(f"{meta_path}: 'parameters' is not an object; reconvert")
         self.parameters: dict[str, ParamInfo] = {
-            name: _param_info(name, d, meta_path, self.lazy_source) for name, d in metadata["parameters"].items()}
+            name: _param_info(name, d, meta_path, self.version, self.lazy_source, lazy_files)
+            for name, d in metadata["parameters"].items()}
         self.bytes_read = 0
         self._files = threading.local()  # lazy reads: source descriptors per thread
+        self._verified = VerifiedBlocks()  # blocks already checked by this reader
+        self._headers: dict = {}  # tensor file identity -> its parsed (checked) safetensors header
+        self._backed: set = set()  # parameters whose tensor file was found to hold the declared bytes
 
     @classmethod
     def open(cls, path: PathLike) -> "UniversalCheckpoint":
         path = Path(path)
+        check_not_staging(path, error=UniversalFormatError)
         if not path.is_dir():
             raise UniversalFormatError(f"{path}: no such universal checkpoint directory; pass the DST of "
                                        f"`megatron-ucp to-universal`")
         marker = path / COMPLETE_FILENAME
         meta_path = path / METADATA_FILENAME
         if not marker.is_file():
-            raise _incomplete(path)
+            raise _not_universal(path)
         try:
             complete = json.loads(marker.read_text())
-        except ValueError:
-            raise _incomplete(path) from None
+        except (ValueError, UnicodeDecodeError):
+            raise _not_universal(path) from None
         if not isinstance(complete, dict) or complete.get("format") != FORMAT_NAME:
             raise UniversalFormatError(f"{marker}: not a {FORMAT_NAME} marker; {path} is not a universal checkpoint")
         if not meta_path.is_file():
@@ -474,27 +617,126 @@ class UniversalCheckpoint:
                                        f"was edited or damaged after conversion, reconvert it")
         try:
             metadata = json.loads(meta_path.read_text())
-        except ValueError as e:
+        except (ValueError, UnicodeDecodeError) as e:
             raise UniversalFormatError(f"{meta_path}: not valid JSON ({e}); reconvert") from None
         if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
             raise UniversalFormatError(f"{meta_path}: format is {metadata.get('format') if isinstance(metadata, dict) else None!r}, "
                                        f"expected {FORMAT_NAME!r}; not a universal checkpoint")
         version = metadata.get("version")
-        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
-            raise UniversalFormatError(f"{meta_path}: format version {version!r}, this megatron-ucp reads version "
-                                       f"{FORMAT_VERSION}; upgrade megatron-ucp or reconvert with this one")
+        if not isinstance(version, int) or isinstance(version, bool) or version not in READABLE_VERSIONS:
+            raise UniversalFormatError(f"{meta_path}: format version {version!r}, this megatron-ucp reads versions "
+                                       f"{', '.join(map(str, READABLE_VERSIONS))}; upgrade megatron-ucp or reconvert "
+                                       f"with this one")
         missing = [k for k in REQUIRED_METADATA + ("parameters",) if k not in metadata]
         if missing:
             raise UniversalFormatError(f"{meta_path}: lacks {missing}; reconvert")
         return cls(path, metadata)
 
-    def _file(self, name: str) -> Path:
+    # -- metadata-only findings --------------------------------------------------------------------
+
+    def file_problems(self) -> list[str]:
+        """Tensor files missing, not regular files inside the checkpoint, or of a size that cannot hold the
+        declared tensors (version 2: exactly the checksummed size), from stat() alone: one line each."""
+        out = []
+        for info in self.parameters.values():
+            if info.file is None:
+                continue
+            problem = self._backing_problem(info)
+            if problem:
+                out.append(problem)
+        return out
+
+    def model_problems(self, expected: Sequence[tuple[str, Sequence[int]]]) -> list[str]:
+        """Parameters of the model (`expected`: name, global shape, from its rulebook) missing here, stored
+        with another shape, or stored but not in the model: what from-universal and a resume would refuse."""
+        want = {name: tuple(int(s) for s in shape) for name, shape in expected}
+        out = []
+        missing = [n for n in want if n not in self.parameters]
+        if missing:
+            out.append(f"{self.path}: parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} of the model "
+                       f"({len(missing)} in all) are missing; the checkpoint is incomplete, reconvert")
+        for name, shape in want.items():
+            if name in self.parameters and self.parameters[name].shape != shape:
+                out.append(f"{self.path}: {name} has shape {list(self.parameters[name].shape)}, the model config "
+                           f"gives {list(shape)}; metadata.json was edited, reconvert")
+        extra = sorted(set(self.parameters) - set(want))
+        if extra:
+            out.append(f"{self.path}: parameters {extra[:5]}{' ...' if len(extra) > 5 else ''} are not in the "
+                       f"model of its model_config; metadata.json was edited, reconvert")
+        return out
+
+    def _backing_problem(self, info: ParamInfo) -> Optional[str]:
+        file = self.path / info.file
+        label = integrity.tensor_file_label(info.name)
+        try:
+            st = os.lstat(file)
+        except FileNotFoundError:
+            return f"{file}: missing ({label}); restore it from a copy or reconvert"
+        except OSError as e:
+            return f"{file}: cannot be read ({e.strerror}; {label}); restore it from a copy or reconvert"
+        if not stat.S_ISREG(st.st_mode) or not _inside(file, self.path):
+            return (f"{file}: is not a regular file inside {self.path} ({label}: a symbolic link or other file was "
+                    f"put in its place); restore it from a copy or reconvert")
+        if info.checksum is not None:
+            if st.st_size != info.checksum.size:
+                return (f"{file}: {st.st_size} bytes, {label} was written with {info.checksum.size}; restore it from a "
+                        f"copy or reconvert")
+        elif not info.data_bytes + 8 < st.st_size <= info.data_bytes + 8 + MAX_HEADER:
+            return (f"{file}: {st.st_size} bytes cannot hold {label}'s {len(info.tensors)} float32 tensor(s) of shape "
+                    f"{list(info.shape)} ({info.data_bytes} bytes); restore it from a copy or reconvert")
+        return None
+
+    # -- reads -------------------------------------------------------------------------------------
+
+    def _info(self, name: str) -> ParamInfo:
         info = self.parameters.get(name)
         if info is None:
             raise UniversalFormatError(f"{self.path}: no parameter {name!r} (it has {len(self.parameters)}, e.g. "
                                        f"{next(iter(self.parameters), None)!r}); names are canonical with global "
                                        f"layer indices")
-        return self.path / info.file if info.file else self.path
+        return info
+
+    def _check_backed(self, info: ParamInfo) -> None:
+        """Refuse (one line) a tensor file that cannot hold the declared tensors, before anything the size
+        of a declared shape is allocated: its size (stat), then its safetensors header (read from checked
+        blocks in version 2) against metadata.json; once per parameter."""
+        if info.file is None or info.name in self._backed:
+            return
+        problem = self._backing_problem(info)
+        if problem:
+            raise UniversalFormatError(problem)
+        file = self.path / info.file
+        if info.checksum is not None:
+            try:
+                with integrity.VerifiedTensorFile(file, info.checksum, integrity.tensor_file_label(info.name),
+                                                  cache=self._verified, headers=self._headers) as f:
+                    header = {k: (t[0], tuple(t[1])) for k, t in f.tensors.items()}
+            except ChecksumError as e:
+                raise _as_format_error(e) from None
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise UniversalFormatError(f"{file}: unreadable safetensors header ({type(e).__name__}: {e}); "
+                                           f"restore the file from a copy or reconvert") from None
+        else:
+            header = self._unverified_header(file)
+        want = {key: ("F32", info.shape) for key in info.tensors}
+        if header != want:
+            got = ", ".join(f"{k} {d} {list(s)}" for k, (d, s) in sorted(header.items()))
+            raise UniversalFormatError(f"{file}: holds {got}; metadata.json says {', '.join(sorted(want))} F32 "
+                                       f"{list(info.shape)}; restore the file from a copy or reconvert")
+        self._backed.add(info.name)
+
+    @staticmethod
+    def _unverified_header(file: Path) -> dict:
+        """{key: (dtype, shape)} of a version-1 tensor file, by safetensors (which checks the header against
+        the file's size)."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                return {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+        except Exception as e:  # noqa: BLE001 - any failure to parse is a damaged file
+            raise UniversalFormatError(f"{file}: not a readable safetensors file ({type(e).__name__}: "
+                                       f"{' '.join(str(e).split())}); restore it from a copy or reconvert") from None
 
     def _source_files(self) -> FileHandles:
         files = getattr(self._files, "handles", None)
@@ -502,60 +744,93 @@ class UniversalCheckpoint:
             files = self._files.handles = FileHandles()
         return files
 
-    def read(self, name: str, key: str = "fp32", index: Optional[tuple[slice, ...]] = None) -> torch.Tensor:
-        """One stored tensor of a parameter, or only the region `index` of it (read through mmap: just
-        those bytes). `index` is a tuple of step-1 slices, one per leading dimension."""
-        file = self._file(name)
-        info = self.parameters[name]
+    def read(self, name: str, key: str = "fp32", index: Optional[tuple[slice, ...]] = None) -> "torch.Tensor":
+        """One stored tensor of a parameter, or only the region `index` of it (just those bytes, and every
+        checksum block they lie in, are read and checked). `index` is a tuple of step-1 slices, one per
+        leading dimension."""
+        info = self._info(name)
         if key not in info.tensors:
-            raise UniversalFormatError(f"{file}: {name} has no {key!r} (it has {list(info.tensors)}); the source "
+            where = self.path / info.file if info.file else self.path
+            raise UniversalFormatError(f"{where}: {name} has no {key!r} (it has {list(info.tensors)}); the source "
                                        f"checkpoint had no optimizer state")
         if index is not None:
             index = tuple(index)
             if len(index) > len(info.shape) or any(
                     not isinstance(s, slice) or s.step not in (None, 1) for s in index):
                 raise UniversalFormatError(f"{name}: index {index} must be at most {len(info.shape)} step-1 slices")
-        tensor = self._read_lazy(info, key, index) if info.placements is not None else \
-            self._read_file(file, info, key, index)
+        self._check_backed(info)
+        if info.placements is not None:
+            tensor = self._read_lazy(info, key, index)
+        elif info.checksum is not None:
+            tensor = self._read_verified(info, key, index)
+        else:
+            tensor = self._read_unverified(info, key, index)
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
-    def _read_file(self, file: Path, info: ParamInfo, key: str, index) -> torch.Tensor:
+    def _read_verified(self, info: ParamInfo, key: str, index) -> "torch.Tensor":
+        file = self.path / info.file
+        label = integrity.tensor_file_label(info.name)
+        try:
+            with integrity.VerifiedTensorFile(file, info.checksum, label, cache=self._verified,
+                                              headers=self._headers) as f:
+                stored = f.tensors.get(key)
+                if stored is None or stored[0] != "F32" or tuple(stored[1]) != info.shape:
+                    got = "absent" if stored is None else f"{stored[0]} {list(stored[1])}"
+                    raise UniversalFormatError(f"{file}: '{key}' is {got}, metadata.json says F32 {list(info.shape)}; "
+                                               f"restore the file from a copy or reconvert")
+                return f.read(key, index)
+        except UniversalFormatError:
+            raise
+        except ChecksumError as e:
+            raise _as_format_error(e) from None
+        except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable or malformed header bytes
+            raise UniversalFormatError(f"{file}: cannot read '{key}' of {info.name} ({type(e).__name__}: {e}); the "
+                                       f"file is missing or damaged, restore it from a copy or reconvert") from None
+
+    def _read_unverified(self, info: ParamInfo, key: str, index) -> "torch.Tensor":
+        """Version 1 (no checksums): safetensors' own reader, after the header is checked against metadata."""
+        from safetensors import safe_open
+
+        file = self.path / info.file
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                if index is None:
-                    tensor = f.get_tensor(key)
-                else:
-                    region = f.get_slice(key)
-                    if tuple(region.get_shape()) != info.shape:
-                        raise UniversalFormatError(f"{file}: '{key}' has shape {tuple(region.get_shape())}, "
-                                                   f"metadata says {info.shape}; reconvert")
-                    tensor = region[index]
+                region = f.get_slice(key)
+                if tuple(region.get_shape()) != info.shape or region.get_dtype() != "F32":
+                    raise UniversalFormatError(f"{file}: '{key}' has shape {tuple(region.get_shape())} "
+                                               f"{region.get_dtype()}, metadata says F32 {info.shape}; reconvert")
+                tensor = region[index] if index is not None else f.get_tensor(key)
         except UniversalFormatError:
             raise
         except Exception as e:  # missing, truncated or foreign file
-            raise UniversalFormatError(f"{file}: cannot read '{key}' of {info.name} ({type(e).__name__}: {e}); the "
-                                       f"file is missing or damaged, reconvert") from e
-        if index is None and tuple(tensor.shape) != info.shape:
-            raise UniversalFormatError(f"{file}: '{key}' has shape {tuple(tensor.shape)}, metadata says "
-                                       f"{info.shape}; reconvert")
+            raise UniversalFormatError(f"{file}: cannot read '{key}' of {info.name} ({type(e).__name__}: "
+                                       f"{' '.join(str(e).split())}); the file is missing or damaged, reconvert") from e
         return tensor
 
-    def _read_lazy(self, info: ParamInfo, key: str, index) -> torch.Tensor:
+    def _read_lazy(self, info: ParamInfo, key: str, index) -> "torch.Tensor":
+        files = self._source_files()
+        placement = info.placements[key]
         try:
-            return read_box(self._source_files(), info.placements[key], index)
+            if self.source_digests is not None:
+                integrity.verify_box_sources(files, placement, index, self.source_digests,
+                                             label=f"{info.name} [{key}] in the source checkpoint", cache=self._verified)
+            return read_box(files, placement, index)
+        except ChecksumError as e:
+            raise UniversalFormatError(f"{' '.join(str(e).split())} (read through the lazy checkpoint "
+                                       f"{self.path})") from None
         except (OSError, StorageError) as e:
             raise UniversalFormatError(f"{self.path}: reading {info.name} [{key}] from the source checkpoint "
                                        f"{self.lazy_source} failed ({e}); restore the source or reconvert") from e
 
     def read_local(self, name: str, key: str, tp_rank: int, tp_size: int,
-                   local_box: Optional[Sequence[slice]] = None) -> torch.Tensor:
+                   local_box: Optional[Sequence[slice]] = None) -> "torch.Tensor":
         """The region `local_box` (leading-dim slices; default all) of TP rank `tp_rank`'s shard of a
         parameter, reading only the pieces of the global tensor it needs (the stored pattern's
-        local_reads)."""
-        info = self.parameters.get(name)
-        if info is None:
-            self._file(name)
+        local_reads), each checked against its checksums."""
+        import torch
+
+        info = self._info(name)
+        self._check_backed(info)  # before the output is allocated
         reads = info.pattern.local_reads(info.shape, tp_rank, tp_size, local_box, name=name)
         if len(reads) == 1 and local_box is None:
             return self.read(name, key, reads[0][0])
@@ -566,10 +841,10 @@ class UniversalCheckpoint:
             out[dst] = self.read(name, key, src)
         return out
 
-    def read_for_rank(self, name: str, tp_rank: int, tp_size: int, key: str = "fp32") -> torch.Tensor:
+    def read_for_rank(self, name: str, tp_rank: int, tp_size: int, key: str = "fp32") -> "torch.Tensor":
         """The TP rank's whole shard of a parameter, reading only its regions."""
         return self.read_local(name, key, tp_rank, tp_size)
 
     def total_bytes(self) -> int:
         """Bytes of all stored tensors (fp32)."""
-        return sum(math.prod(p.shape) * 4 * len(p.tensors) for p in self.parameters.values())
+        return sum(info.data_bytes for info in self.parameters.values())

@@ -89,7 +89,7 @@ def test_inspect_json_for_all_three_formats(ucp, capsys):
     legacy = main_json(capsys, "inspect", A)  # root: the tracker's iteration (8)
     dist = main_json(capsys, "inspect", B, "--iteration", 4)
     assert (universal["format"], legacy["format"], dist["format"]) == ("universal", "torch", "torch_dist")
-    assert universal["format_version"] == 1
+    assert universal["format_version"] == 2 and universal["checksums"] and universal["problems"] == []
     assert (universal["iteration"], legacy["iteration"], dist["iteration"]) == (8, 8, 4)
     assert (universal["consumed_train_samples"], legacy["consumed_train_samples"],
             dist["consumed_train_samples"]) == (64, 64, 32)
@@ -120,11 +120,11 @@ def test_inspect_table_and_errors(ucp, tmp_path, capsys):
     assert "not a checkpoint" in CLI.readouterr().err
     assert CLI.main(["inspect", str(A), "--iteration", "5"]) == 1
     assert "iter_0000005: missing" in CLI.readouterr().err
-    # a universal checkpoint from a newer megatron-ucp (version 2, consistent marker)
+    # a universal checkpoint from a newer megatron-ucp (version 3, consistent marker)
     newer = tmp_path / "newer"
     shutil.copytree(ucp["C8"], newer)
     meta = json.loads((newer / "metadata.json").read_text())
-    meta["version"] = 2
+    meta["version"] = 3
     (newer / "metadata.json").write_text(json.dumps(meta))
     import hashlib
     marker = json.loads((newer / "COMPLETE").read_text())
@@ -132,7 +132,7 @@ def test_inspect_table_and_errors(ucp, tmp_path, capsys):
     (newer / "COMPLETE").write_text(json.dumps(marker))
     assert CLI.main(["inspect", str(newer), "--json"]) == 1
     captured = CLI.readouterr()
-    assert "format version 2" in captured.err and "upgrade megatron-ucp" in captured.err
+    assert "format version 3" in captured.err and "upgrade megatron-ucp" in captured.err
     assert json.loads(captured.out)["ok"] is False
 
 

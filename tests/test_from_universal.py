@@ -296,7 +296,7 @@ def test_existing_destination_and_dry_run_write_nothing(universal, tmp_path, cap
     rc, out = _cli([str(ucp), str(dst), "--tensor-model-parallel-size", "1", "--ckpt-format", "torch"])
     assert rc == 1 and "already exists" in out["error"] and "--overwrite" in out["error"]
     rc, out = _cli([str(ucp), str(dst), "--ckpt-format", "torch", "--overwrite"])
-    assert rc == 1 and "not a Megatron checkpoint" in out["error"]
+    assert rc == 1 and "was not written by megatron-ucp" in out["error"] and "refusing to overwrite" in out["error"]
     assert [p.name for p in dst.iterdir()] == ["keep.txt"]
 
     fresh = tmp_path / "fresh"

@@ -159,7 +159,7 @@ def test_export_refuses_wrong_family_and_existing_output(exported):
     proc = _user_cli("export-hf", ucp_gpt2, hf_gpt2.parent / "x", "--model-type", "llama")
     assert proc.returncode == 1 and "the MLP is GELU, Llama's is SwiGLU; use --model-type gpt2" in proc.stderr
     proc = _user_cli("export-hf", ucp_gpt2, hf_gpt2, "--model-type", "gpt2")
-    assert proc.returncode == 1 and "already exists; choose another destination or pass --overwrite" in proc.stderr
+    assert proc.returncode == 1 and "already exists; choose another destination, or pass --overwrite" in proc.stderr
     proc = _user_cli("export-hf", SOURCES["gpt2"], hf_gpt2.parent / "y", "--model-type", "gpt2")
     assert proc.returncode == 1 and "convert it first" in proc.stderr
     assert not (hf_gpt2.parent / "x").exists() and not (hf_gpt2.parent / "y").exists()

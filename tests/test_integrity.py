@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save, save_file
 
 from megatron_ucp import integrity
-from megatron_ucp.formats.stored import FileHandles, FileRegion
+from megatron_ucp.byteio import FileHandles, FileRegion
 from megatron_ucp.integrity import (
     BlockHasher, ChecksumError, DigestRecord, FileCheck, SourceDigests, check_files, check_universal,
     copy_and_hash, digest_regions, hash_file, pwrite_hashed, verified_pread, verified_view)
@@ -426,7 +426,8 @@ def test_verified_tensor_file_reads_what_safetensors_reads_and_refuses_damage(tm
 def test_lazy_box_sources_are_checked_for_the_rows_a_box_touches(tmp_path):
     """A row-parallel weight [8, 6] stored as two TP shards [8, 3] in a source file: a box reads the rows it
     spans of every shard it overlaps, and only those are checked."""
-    from megatron_ucp.formats.stored import Block, Placement, StoredTensor, read_box
+    from megatron_ucp.byteio import Placement, StoredTensor, read_box
+    from megatron_ucp.patterns import Block
 
     torch.manual_seed(3)
     full = torch.randn(8, 6)

@@ -42,7 +42,7 @@ def test_lazy_reads_equal_the_copy(label, tmp_path):
     for name, entry in meta_copy["parameters"].items():
         got = dict(meta_lazy["parameters"][name])
         assert got.pop("file") is None and set(got.pop("source_bytes")) == set(entry["tensors"])
-        assert got == {k: v for k, v in entry.items() if k != "file"}, name
+        assert got == {k: v for k, v in entry.items() if k not in ("file", "checksum")}, name
     slices = 0
     for name, info in copy.parameters.items():
         for key in info.tensors:
@@ -108,8 +108,10 @@ def test_from_universal_of_a_lazy_checkpoint_is_bitwise_the_copys(tmp_path):
     from_universal(lazy, tmp_path / "from_lazy", **layout)
     from_universal(copy, tmp_path / "from_copy", **layout)
     files = sorted(p.relative_to(tmp_path / "from_copy") for p in (tmp_path / "from_copy").rglob("*") if p.is_file())
-    assert len(files) >= 5  # tracker + 2 ranks x (model_optim_rng.pt, distrib_optim.pt)
+    assert len(files) >= 6  # marker + tracker + 2 ranks x (model_optim_rng.pt, distrib_optim.pt)
     assert files == sorted(p.relative_to(tmp_path / "from_lazy") for p in (tmp_path / "from_lazy").rglob("*")
                            if p.is_file())
     for rel in files:
+        if rel.name == "megatron-ucp.json":  # the tool's completion marker names its source and time
+            continue
         assert (tmp_path / "from_lazy" / rel).read_bytes() == (tmp_path / "from_copy" / rel).read_bytes(), rel

@@ -173,12 +173,12 @@ def test_placed_file_reads_back_with_safetensors(tmp_path):
     path = tmp_path / "stage" / entry["file"]
     with safe_open(str(path), framework="pt") as f:
         assert f.metadata() == {"format": "megatron-ucp-universal", "name": "decoder.layers.0.mlp.linear_fc2.weight",
-                                "version": "1"}
+                                "version": "2"}
         for key, t in full.items():
             assert torch.equal(f.get_tensor(key), t), key
     reference = tmp_path / "reference.safetensors"
     save_file(full, str(reference), metadata={
-        "format": "megatron-ucp-universal", "name": "decoder.layers.0.mlp.linear_fc2.weight", "version": "1"})
+        "format": "megatron-ucp-universal", "name": "decoder.layers.0.mlp.linear_fc2.weight", "version": "2"})
     assert path.stat().st_size == reference.stat().st_size  # same layout, same size
 
 

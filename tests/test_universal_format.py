@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_ucp.adapters.gpt import expected_parameters, pattern_for
+from megatron_ucp.integrity import hash_file
 from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.patterns import bitwise_equal
@@ -75,7 +76,8 @@ def test_round_trip(written):
         info = uc.parameters[name]
         assert info == ParamInfo(name=name, shape=tuple(shape), dtype="float32", model_dtype="bfloat16",
                                  pattern=pattern_for(name, CONFIG), file=f"tensors/{name}.safetensors",
-                                 tensors=("fp32", "exp_avg", "exp_avg_sq"), step=7, param_group=info.param_group)
+                                 tensors=("fp32", "exp_avg", "exp_avg_sq"), step=7, param_group=info.param_group,
+                                 checksum=hash_file(path / info.file))  # digests taken while writing = a re-read
         for key in info.tensors:
             assert bitwise_equal(uc.read(name, key), tensors[name][key])
 
@@ -87,9 +89,12 @@ def test_files_on_disk_match_the_spec(written):
     assert marker == {"format": FORMAT_NAME, "version": FORMAT_VERSION,
                       "metadata_sha256": hashlib.sha256((path / METADATA_FILENAME).read_bytes()).hexdigest()}
     meta = json.loads((path / METADATA_FILENAME).read_text())
-    assert meta["format"] == FORMAT_NAME and meta["version"] == 1
+    assert meta["format"] == FORMAT_NAME and meta["version"] == FORMAT_VERSION == 2
     name = "decoder.layers.1.self_attention.linear_qkv.weight"
     entry = meta["parameters"][name]
+    file_size = (path / entry["file"]).stat().st_size
+    assert entry["checksum"]["algorithm"] == "xxh3-128" and entry["checksum"]["size"] == file_size
+    assert len(entry["checksum"]["blocks"]) == -(-file_size // entry["checksum"]["block_size"])
     assert entry["pattern"] == {"kind": "grouped_qkv", "num_query_groups": 2, "heads_per_group": 2, "head_dim": 4}
     assert entry["shape"] == [32, 16] and entry["tensors"] == ["fp32", "exp_avg", "exp_avg_sq"]
     with safe_open(str(path / entry["file"]), framework="pt") as f:
@@ -121,7 +126,7 @@ def test_existing_destination_is_refused(tmp_path):
     with pytest.raises(UniversalFormatError, match="already exists"):
         UniversalWriter(dst)
     (dst / "notes.txt").write_text("mine")
-    with pytest.raises(UniversalFormatError, match="not a universal checkpoint"):
+    with pytest.raises(UniversalFormatError, match="was not written by megatron-ucp .*refusing to overwrite"):
         UniversalWriter(dst, overwrite=True)
     assert (dst / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ucp"]
@@ -141,7 +146,8 @@ def test_exception_removes_staging_dir(tmp_path):
         with UniversalWriter(dst) as writer:
             writer.write_parameter("decoder.final_layernorm.weight", tensors_for("x", (16,), 0),
                                    {"pattern": {"kind": "replicated"}, "step": 1})
-            assert writer.staging_dir.name == f"ucp.partial-{os.getpid()}" and writer.staging_dir.is_dir()
+            assert writer.staging_dir.name.startswith("ucp.partial-") and f"-{os.getpid()}-" in writer.staging_dir.name
+            assert writer.staging_dir.is_dir()
             raise RuntimeError("boom")
     assert list(tmp_path.iterdir()) == []
 
@@ -168,8 +174,8 @@ def test_directory_without_marker_is_incomplete(written, tmp_path):
     broken = tmp_path / "ucp"
     shutil.copytree(written[0], broken)
     (broken / COMPLETE_FILENAME).unlink()
-    with pytest.raises(UniversalFormatError, match="incomplete universal checkpoint: conversion did not finish; "
-                                                   "delete .* and rerun"):
+    with pytest.raises(UniversalFormatError, match="incomplete universal checkpoint: no COMPLETE marker .*convert "
+                                                   "again into a new directory"):
         UniversalCheckpoint.open(broken)
 
 
@@ -190,7 +196,7 @@ def test_edited_metadata_or_newer_version_is_refused(written, tmp_path):
     marker = json.loads((newer / COMPLETE_FILENAME).read_text())
     marker["metadata_sha256"] = hashlib.sha256((newer / METADATA_FILENAME).read_bytes()).hexdigest()
     (newer / COMPLETE_FILENAME).write_text(json.dumps(marker))
-    with pytest.raises(UniversalFormatError, match="version 2.*upgrade megatron-ucp"):
+    with pytest.raises(UniversalFormatError, match="version 3, this megatron-ucp reads versions 1, 2; upgrade"):
         UniversalCheckpoint.open(newer)
 
 
@@ -208,11 +214,11 @@ def test_disk_full_gives_one_line_and_leaves_nothing(tmp_path, monkeypatch, caps
     calls = {"n": 0}
     real_write = universal.write_placement  # the converter's byte copies into the output files
 
-    def write_placement(files, fd, offset, placement):
+    def write_placement(files, fd, offset, placement, hasher=None):
         calls["n"] += 1
         if calls["n"] == 3:
             raise OSError(errno_.ENOSPC, "No space left on device")
-        return real_write(files, fd, offset, placement)
+        return real_write(files, fd, offset, placement, hasher)
 
     monkeypatch.setattr(universal, "write_placement", write_placement)
     fixture = Path(__file__).resolve().parent / "fixtures" / "megatron-lm"

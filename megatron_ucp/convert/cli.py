@@ -9,8 +9,6 @@ from megatron_ucp.convert.runner import convert, convert_distributed, default_wo
 from megatron_ucp.convert.tasks import ConversionError
 
 
-
-
 def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p = subparsers.add_parser(
         "to-universal", parents=[common],
@@ -27,7 +25,11 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--average-replicas", action="store_true",
                    help="store the mean of replicated copies (TP replicas, tied output layer) instead of "
                         "requiring them to agree bitwise")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing universal checkpoint at DST")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing universal checkpoint at DST (only one megatron-ucp wrote: it has COMPLETE)")
+    p.add_argument("--clean-stale", action="store_true",
+                   help="remove leftovers of killed writes to DST (DST.partial-*, DST.old-*), which are otherwise "
+                        "only reported")
     p.add_argument("--lazy", action="store_true",
                    help="write only an index (metadata.json) of where each consolidated tensor's bytes are in SRC: "
                         "no copy; SRC must stay in place, unchanged, while the result is used")
@@ -40,11 +42,11 @@ def run_cli(args: argparse.Namespace) -> dict:
     if in_torchrun():  # one process per node (or per core) of a torchrun job, sharing the filesystem
         summary = convert_distributed(args.src, args.dst, iteration=args.iteration,
                                       average_replicas=args.average_replicas, progress=not args.quiet,
-                                      overwrite=args.overwrite)
+                                      overwrite=args.overwrite, clean_stale=args.clean_stale)
     else:
         summary = convert(args.src, args.dst, iteration=args.iteration, workers=args.workers,
                           average_replicas=args.average_replicas, progress=not args.quiet,
-                          overwrite=args.overwrite, lazy=args.lazy)
+                          overwrite=args.overwrite, lazy=args.lazy, clean_stale=args.clean_stale)
     result = summary.to_dict()
     if in_torchrun() and int(os.environ["RANK"]) != 0:
         return result  # rank 0 reports

@@ -15,15 +15,16 @@ rank, an fp32 main weight with the moments, local shapes, one Adam step), then:
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
-import torch
-
-from megatron_ucp.byteio import FileHandles, Placement, StoredTensor, regions_equal
+from megatron_ucp.byteio import FileHandles, Placement, StoredTensor, dtype_name, regions_equal
 from megatron_ucp.convert.tasks import ConversionError, ParamTask
 from megatron_ucp.formats import CheckpointReader
 from megatron_ucp.patterns import Pattern, PatternError, Replicated, check_copies_agree
-from megatron_ucp.universal import dtype_name, lazy_entry, write_tensor_file, write_tensor_file_placed
+from megatron_ucp.universal import lazy_entry, write_tensor_file, write_tensor_file_placed
+
+if TYPE_CHECKING:
+    import torch
 
 PathLike = Union[str, os.PathLike]
 OPTIMIZER_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
@@ -89,8 +90,10 @@ def _info(task: ParamTask, step: Optional[int]) -> dict:
 
 
 def consolidate_parameter(ckpt: CheckpointReader, task: ParamTask, *, average_replicas: bool = False
-                          ) -> tuple[dict[str, torch.Tensor], dict]:
+                          ) -> tuple[dict[str, "torch.Tensor"], dict]:
     """Read the parameter's shards and return ({'fp32', 'exp_avg', 'exp_avg_sq'} global fp32 tensors, info)."""
+    import torch
+
     keys = source_keys(ckpt)
     places, step = _validate(task, [[ckpt.read(ref, keys=keys) for ref in place] for place in task.places])
     copies = []
@@ -155,7 +158,7 @@ def place_parameter(ckpt: CheckpointReader, task: ParamTask, files: FileHandles
     for shards_by_key in places:
         out = {}
         for key, shards in shards_by_key.items():
-            if any(sh.dtype != torch.float32 for sh in shards):
+            if any(dtype_name(sh.dtype) != "float32" for sh in shards):
                 return None
             if isinstance(task.pattern, Replicated) and not all(
                     regions_equal(files, shards[0].regions, sh.regions) for sh in shards[1:]):

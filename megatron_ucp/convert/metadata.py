@@ -10,8 +10,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from megatron_ucp.convert.tasks import ConversionError
 from megatron_ucp.formats import CheckpointReader, PickledEnum
 
@@ -32,7 +30,7 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, PickledEnum):
         inner = json_safe(value.value)
         return _DROP if inner is _DROP else {"enum": value.qualname, "value": inner}
-    if isinstance(value, torch.dtype):
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":  # torch.float32 -> "torch.float32"
         return str(value)
     if isinstance(value, os.PathLike):
         return os.fspath(value)

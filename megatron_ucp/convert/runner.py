@@ -1,5 +1,9 @@
 """Running a conversion: threads over parameters in one process, or the processes of a torchrun job
-(e.g. one per node on a shared filesystem), writing through the universal checkpoint writer."""
+(e.g. one per node on a shared filesystem), writing through the universal checkpoint writer.
+
+The writer (DST's lock and staging directory) is entered before the source is opened, so one job owns
+DST from its first check to its publication; under torchrun rank 0 owns it and the other ranks join its
+staging directory."""
 
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ from megatron_ucp.convert.consolidate import convert_parameter, source_keys
 from megatron_ucp.convert.metadata import build_metadata
 from megatron_ucp.convert.tasks import ConversionError, ParamTask, conversion_tasks
 from megatron_ucp.formats import CheckpointReader, open_checkpoint
-from megatron_ucp.universal import TENSORS_DIRNAME, UniversalWriter, check_destination, source_file_stats
+from megatron_ucp.staging import fsync_path, join_staging
+from megatron_ucp.universal import UniversalFormatError, UniversalWriter, lazy_section
 
 PathLike = Union[str, os.PathLike]
 
@@ -55,9 +60,12 @@ def _check_not_nested(src: Path, iter_dir: Path, dst: Path) -> None:
                                   f"universal checkpoint outside it (the input is never modified)")
 
 
+HALF_WRITTEN = "half-written"  # the writer's phase once half the parameters are written (crash tests)
+
+
 def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, workers: Optional[int] = None,
             average_replicas: bool = False, progress: bool = True, overwrite: bool = False,
-            lazy: bool = False) -> ConversionSummary:
+            lazy: bool = False, clean_stale: bool = False, report=None) -> ConversionSummary:
     """to_universal with a summary of what was written (see to_universal)."""
     start = time.perf_counter()
     if workers is not None and int(workers) < 1:
@@ -65,21 +73,22 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
     if lazy and average_replicas:
         raise ConversionError("--lazy references the source's bytes, --average-replicas computes new values; "
                               "use one of them")
-    check_destination(dst, overwrite)  # fail before the (possibly long) open and plan
-    ckpt = open_checkpoint(src, iteration)
-    _check_not_nested(Path(src), Path(ckpt.path), Path(dst))
-    tasks = conversion_tasks(ckpt)
-    metadata = build_metadata(ckpt, average_replicas=average_replicas)
-    total = sum(t.nbytes * len(source_keys(ckpt)) for t in tasks)
-    if lazy:
-        metadata["conversion"]["lazy"] = True
-    if not ckpt.thread_safe_reads:
-        workers = 1  # a reader whose reads share state is used from one thread
-    workers = max(1, min(int(workers or default_workers()), len(tasks)))
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="to-universal",
-               disable=not progress, file=sys.stderr, dynamic_ncols=True)
-    written = 0
-    with UniversalWriter(dst, overwrite=overwrite) as writer:
+    _check_not_nested(Path(src), Path(src), Path(dst))  # before the lock and staging names appear next to DST
+    with UniversalWriter(dst, overwrite=overwrite, clean_stale=clean_stale, report=report) as writer:
+        ckpt = open_checkpoint(src, iteration)
+        _check_not_nested(Path(src), Path(ckpt.path), Path(dst))
+        tasks = conversion_tasks(ckpt)
+        metadata = build_metadata(ckpt, average_replicas=average_replicas)
+        total = sum(t.nbytes * len(source_keys(ckpt)) for t in tasks)
+        if lazy:
+            metadata["conversion"]["lazy"] = True
+        if not ckpt.thread_safe_reads:
+            workers = 1  # a reader whose reads share state is used from one thread
+        workers = max(1, min(int(workers or default_workers()), len(tasks)))
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="to-universal",
+                   disable=not progress, file=sys.stderr, dynamic_ncols=True)
+        written = 0
+        half = (len(tasks) + 1) // 2
 
         def record(name: str, entry: dict) -> None:
             nonlocal written
@@ -88,6 +97,8 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
             written += 0 if lazy else size
             bar.update(size)
             bar.set_postfix_str(f"{len(writer.parameters)}/{len(tasks)} params", refresh=False)
+            if len(writer.parameters) == half:
+                writer.phase(HALF_WRITTEN)
 
         try:
             if workers == 1:
@@ -98,10 +109,8 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
                 _convert_in_threads(ckpt, tasks, writer.staging_dir, workers, average_replicas, record, lazy)
         finally:
             bar.close()
-        if lazy:
-            (writer.staging_dir / TENSORS_DIRNAME).rmdir()
-            metadata["lazy"] = {"source": str(Path(ckpt.path).resolve()),
-                                "files": source_file_stats(ckpt.path, writer.parameters)}
+        if lazy:  # the index records the checksums of every source byte it reads
+            metadata["lazy"] = lazy_section(ckpt.path, writer.parameters, workers=max(2, workers))
         path = writer.finish(metadata, expected_parameters(ckpt.config))
     return ConversionSummary(path=path, source=str(Path(ckpt.path).resolve()), source_format=ckpt.format,
                              iteration=ckpt.iteration, num_parameters=len(tasks), bytes_written=written,
@@ -115,11 +124,12 @@ def in_torchrun() -> bool:
 
 def convert_distributed(src: PathLike, dst: PathLike, iteration: Optional[int] = None,
                         average_replicas: bool = False, progress: bool = True,
-                        overwrite: bool = False) -> ConversionSummary:
+                        overwrite: bool = False, clean_stale: bool = False) -> ConversionSummary:
     """to_universal across the processes of a torchrun job (e.g. one per node on a shared filesystem).
 
-    Rank 0 owns the destination: it checks it, creates the staging directory and, once every rank is
-    done, records the parameters and writes metadata.json and COMPLETE. Every rank opens the source,
+    Rank 0 owns the destination: before anything is opened it takes DST's lock and creates the staging
+    directory, which the other ranks join; once every rank is done (and has fsynced its files), it
+    records the parameters and publishes metadata.json and COMPLETE. Every rank opens the source,
     plans the same parameter list and converts its share (largest parameters dealt round-robin, so
     shares are balanced), writing tensor files straight into the shared staging directory. An error on
     any rank stops every rank and removes the staging directory.
@@ -131,13 +141,14 @@ def convert_distributed(src: PathLike, dst: PathLike, iteration: Optional[int] =
     if owns_group:
         dist.init_process_group("gloo")
     try:
-        return _convert_distributed(dist, start, src, dst, iteration, average_replicas, progress, overwrite)
+        return _convert_distributed(dist, start, src, dst, iteration, average_replicas, progress, overwrite,
+                                    clean_stale)
     finally:
         if owns_group:  # a gloo group left to the interpreter's exit can abort the process
             dist.destroy_process_group()
 
 
-def _convert_distributed(dist, start, src, dst, iteration, average_replicas, progress, overwrite):
+def _convert_distributed(dist, start, src, dst, iteration, average_replicas, progress, overwrite, clean_stale):
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def agree(error: Optional[str]) -> None:
@@ -149,23 +160,31 @@ def _convert_distributed(dist, start, src, dst, iteration, average_replicas, pro
             r, e = failed[0]
             raise ConversionError(e if r == rank else f"rank {r}: {e}")
 
+    def message(e: Exception) -> str:
+        return str(e) if isinstance(e, (ConversionError, ValueError, UniversalFormatError)) else \
+            f"{type(e).__name__}: {e}"
+
     writer = None
     try:
         error = None
-        try:
+        try:  # rank 0 takes DST (lock, staging) before anything is opened
+            _check_not_nested(Path(src), Path(src), Path(dst))
             if rank == 0:
-                check_destination(dst, overwrite)
-            ckpt = open_checkpoint(src, iteration)
-            _check_not_nested(Path(src), Path(ckpt.path), Path(dst))
-            tasks = conversion_tasks(ckpt)
-            if rank == 0:
-                writer = UniversalWriter(dst, overwrite=overwrite)
+                writer = UniversalWriter(dst, overwrite=overwrite, clean_stale=clean_stale)
         except Exception as e:  # noqa: BLE001 - reported on every rank by agree()
-            error = f"{type(e).__name__}: {e}" if not isinstance(e, (ConversionError, ValueError)) else str(e)
+            error = message(e)
         agree(error)
         staging = [str(writer.staging_dir) if writer else None]
         dist.broadcast_object_list(staging, src=0)
-        staging_dir = Path(staging[0])
+        error = None
+        try:
+            staging_dir = join_staging(staging[0]) if rank else Path(staging[0])
+            ckpt = open_checkpoint(src, iteration)
+            _check_not_nested(Path(src), Path(ckpt.path), Path(dst))
+            tasks = conversion_tasks(ckpt)
+        except Exception as e:  # noqa: BLE001
+            error = message(e)
+        agree(error)
 
         ordered = sorted(tasks, key=lambda t: t.nbytes, reverse=True)
         mine = ordered[rank::world]
@@ -178,6 +197,8 @@ def _convert_distributed(dist, start, src, dst, iteration, average_replicas, pro
                 entries.append((task.name, convert_parameter(ckpt, task, staging_dir,
                                                              average_replicas=average_replicas)))
                 bar.update(task.nbytes)
+            for _, entry in entries:  # durable before rank 0 publishes (its fsync may not reach other hosts' caches)
+                fsync_path(staging_dir / entry["file"])
         except Exception as e:  # noqa: BLE001
             error = str(e) or type(e).__name__
         finally:
@@ -238,17 +259,20 @@ def _convert_in_threads(ckpt: CheckpointReader, tasks: list[ParamTask], staging_
 
 def to_universal(src: PathLike, dst: PathLike, iteration: Optional[int] = None, workers: Optional[int] = None,
                  average_replicas: bool = False, progress: bool = True, overwrite: bool = False,
-                 lazy: bool = False) -> Path:
+                 lazy: bool = False, clean_stale: bool = False) -> Path:
     """Convert the Megatron-LM checkpoint at `src` (a checkpoint root or one iter_XXXXXXX folder, legacy
     `torch` or `torch_dist`) into a universal checkpoint at `dst` and return `dst`.
 
     Replicated parameters must agree bitwise across TP ranks, and a tied output_layer copy must equal the
     embedding (weights and moments), unless `average_replicas`, which stores their mean. On any error
-    nothing is left at `dst` (nor its staging directory) and the source is untouched.
+    nothing is left at `dst` (nor its staging directory) and the source is untouched. An existing `dst`
+    is replaced only with `overwrite`, and only when it is a universal checkpoint; leftovers of killed
+    conversions into `dst` are reported, and removed with `clean_stale`.
 
     lazy: write only metadata.json, whose entries say where each consolidated tensor's bytes are in the
-    source checkpoint (checked as above; seconds, no copy). Readers then read from the source, which must
-    stay where it is, unchanged (checked by size and mtime on open).
+    source checkpoint (checked as above; no copy: the referenced bytes are read once, for their checksums).
+    Readers then read from the source, which must stay where it is, unchanged (size and mtime checked on
+    open, checksums of every byte on every read).
     """
     return convert(src, dst, iteration=iteration, workers=workers, average_replicas=average_replicas,
-                   progress=progress, overwrite=overwrite, lazy=lazy).path
+                   progress=progress, overwrite=overwrite, lazy=lazy, clean_stale=clean_stale).path
