@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU smoke test: NCCL + TransformerEngine layer spec, TP1PP1 and TP2, then a universal round trip
-# (train at TP2 saving at 4 -> to-universal -> resume at TP1 to 8). Prints each run's loss lines.
+# GPU smoke test: NCCL + TransformerEngine layer spec, TP1PP1 and TP2, then universal round trips
+# (train at TP2 saving at 4 -> to-universal -> resume at TP1 to 8), the same in bf16, and a GPT-MoE run
+# at EP2 resumed at EP1 through a universal checkpoint. Prints each run's loss lines and the differences.
 # Run on a CUDA machine with >= 2 GPUs (TransformerEngine installed for the TE spec; otherwise the
 # local spec is used and the script says so):   bash tools/gpu_smoke.sh [OUT_DIR]
 set -euo pipefail
@@ -36,13 +37,24 @@ if [ "$NGPU" -ge 2 ]; then
   run 2 tp2 --tensor-model-parallel-size 2 --sequence-parallel --train-iters 8 --save "$OUT/ckpt" --save-interval 4
   $PY -m megatron_ucp.cli to-universal "$OUT/ckpt" "$OUT/ucp" --iteration 4
   run 1 tp1_from_ucp --train-iters 8 --load "$OUT/ucp" --universal-checkpoint
+  run 2 tp2_bf16 --tensor-model-parallel-size 2 --sequence-parallel --bf16 --train-iters 8 --save "$OUT/ckpt_bf16" --save-interval 4
+  $PY -m megatron_ucp.cli to-universal "$OUT/ckpt_bf16" "$OUT/ucp_bf16" --iteration 4
+  run 1 tp1_bf16_from_ucp --bf16 --train-iters 8 --load "$OUT/ucp_bf16" --universal-checkpoint
+  MOE="--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 128 --moe-layer-freq [0,1,0,1]
+   --moe-aux-loss-coeff 1e-2 --moe-token-dispatcher-type alltoall"
+  run 2 moe_ep2 $MOE --expert-model-parallel-size 2 --train-iters 8 --save "$OUT/ckpt_moe" --save-interval 4
+  $PY -m megatron_ucp.cli to-universal "$OUT/ckpt_moe" "$OUT/ucp_moe" --iteration 4
+  run 1 moe_ep1_from_ucp $MOE --train-iters 8 --load "$OUT/ucp_moe" --universal-checkpoint
   $PY - "$OUT" <<'EOF'
 import json, sys
 out = sys.argv[1]
 read = lambda n: {r["iteration"]: r["lm_loss"] for r in map(json.loads, open(f"{out}/{n}.jsonl"))}
+diff = lambda x, y, its: max(abs(x[i] - y[i]) / y[i] for i in its)
 a, b, c = read("tp1pp1"), read("tp2"), read("tp1_from_ucp")
-print("layouts agree (it 1-5):", max(abs(a[i] - b[i]) / a[i] for i in range(1, 6)))
-print("resume TP2 -> TP1 (it 5-8):", max(abs(b[i] - c[i]) / b[i] for i in range(5, 9)))
+print("layouts agree (it 1-5):", diff(a, b, range(1, 6)))
+print("resume TP2 -> TP1 (it 5-8):", diff(c, b, range(5, 9)))
+print("bf16 resume TP2 -> TP1 (it 5-8):", diff(read("tp1_bf16_from_ucp"), read("tp2_bf16"), range(5, 9)))
+print("MoE resume EP2 -> EP1 (it 5-8):", diff(read("moe_ep1_from_ucp"), read("moe_ep2"), range(5, 9)))
 EOF
 fi
 echo "gpu_smoke: done ($OUT)"

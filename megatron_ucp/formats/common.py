@@ -173,8 +173,9 @@ def layout_from_args(args: dict, source: Any = "args") -> ParallelLayout:
             tp=tp, pp=pp, dp=args.get("data_parallel_size") or max(1, world // (tp * pp * cp)),
             vpp=args.get("virtual_pipeline_model_parallel_size"),
             sp=bool(args.get("sequence_parallel")),
-            ep=args.get("expert_model_parallel_size") or 1,
-            etp=args.get("expert_tensor_parallel_size"),
+            # expert sizes mean nothing without experts (Megatron-LM still records ETP = TP in dense runs)
+            ep=(args.get("expert_model_parallel_size") or 1) if args.get("num_experts") else 1,
+            etp=args.get("expert_tensor_parallel_size") if args.get("num_experts") else None,
             first_stage_layers=args.get("decoder_first_pipeline_num_layers"),
             last_stage_layers=args.get("decoder_last_pipeline_num_layers"),
             embedding_in_split=bool(args.get("account_for_embedding_in_pipeline_split")),

@@ -103,6 +103,29 @@ def _rng_state(args) -> ShardedObject:
         (pp, tp), replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
 
 
+def _foreign_rng_state(states) -> Optional[str]:
+    """Why the saved RNG state cannot be restored on this device kind (None when it can)."""
+    state = states[0] if isinstance(states, list) else states
+    here = torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state()
+    saved = [state.get("cuda_rng_state"), *dict(state.get("rng_tracker_states") or {}).values()]
+    sizes = {int(s.numel()) for s in saved if torch.is_tensor(s)}
+    if sizes and sizes != {int(here.numel())}:
+        kind = "CUDA" if sizes == {16} else "CPU" if sizes == {int(torch.get_rng_state().numel())} else "unknown"
+        return (f"the checkpoint's RNG state is for {kind} generators ({sorted(sizes)} bytes) but this run uses "
+                f"{'CUDA' if torch.cuda.is_available() else 'CPU'} generators ({int(here.numel())} bytes)")
+    return None
+
+
+def reseed(seed: int, iteration: int) -> None:
+    """Deterministic RNG streams for a resume that cannot restore the saved ones (same rule as the
+    universal loader: seed + 100 * pp_rank + 7919 * iteration)."""
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank() + 7919 * int(iteration)
+    random.seed(seed)
+    np.random.seed(seed % (2 ** 32))
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
 def _set_rng_state(states) -> None:
     state = states[0] if isinstance(states, list) else states
     random.setstate(state["random_rng_state"])
@@ -275,7 +298,17 @@ def _finish_load(args, optimizer, state, ckpt_args, load_optim: bool, load_rng: 
         # As Megatron-LM: without optimizer state the fp32 main params start from the loaded weights.
         optimizer.reload_model_params()
     if load_rng and "rng_state" in state:
-        _set_rng_state(state["rng_state"])
+        problem = _foreign_rng_state(state["rng_state"])
+        if problem is None:
+            _set_rng_state(state["rng_state"])
+        else:
+            # A checkpoint saved on another device kind (CUDA's 16-byte Philox states on CPU, or the reverse):
+            # its streams cannot continue here. Re-seed as the universal loader does, deterministically.
+            if torch.distributed.get_rank() == 0:
+                print(f"WARNING: {problem}; re-seeding deterministically from --seed and the iteration (dropout "
+                      f"masks differ from the original run). Pass --no-load-rng to skip the saved RNG state.",
+                      flush=True)
+            reseed(args.seed, state["iteration"])
     if not args.finetune:
         args.iteration = state["iteration"]
         args.consumed_train_samples = getattr(ckpt_args, "consumed_train_samples", 0)
