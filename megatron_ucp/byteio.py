@@ -246,24 +246,29 @@ def _aligned_segments(a: Sequence[FileRegion], b: Sequence[FileRegion], size: in
 def regions_equal(files: FileHandles, a: Sequence[FileRegion], b: Sequence[FileRegion]) -> bool:
     """Whether two byte sequences (each a list of regions) are identical: compared through mmaps of at
     most COMPARE_BYTES at a time (no copies; memory bounded)."""
-    import torch
+    import numpy
 
     if sum(r.nbytes for r in a) != sum(r.nbytes for r in b):
         return False
     for ra, oa, rb, ob, n in _aligned_segments(a, b, COMPARE_BYTES):
-        with MappedTensor(files.fd(ra.path), ra.offset + oa, (n,), torch.uint8, writable=False, name=ra.path) as x, \
-                MappedTensor(files.fd(rb.path), rb.offset + ob, (n,), torch.uint8, writable=False, name=rb.path) as y:
-            if not torch.equal(x.tensor, y.tensor):
+        with MappedArray(files.fd(ra.path), ra.offset + oa, (n,), "uint8", writable=False, name=ra.path) as x, \
+                MappedArray(files.fd(rb.path), rb.offset + ob, (n,), "uint8", writable=False, name=rb.path) as y:
+            if not numpy.array_equal(x.array, y.array):
                 return False
     return True
 
 
 def read_stored(files: FileHandles, stored: StoredTensor) -> "torch.Tensor":
     """The tensor as a new CPU tensor (bounded by its own size)."""
-    import torch
+    return to_torch(_read_stored_array(files, stored), stored.dtype)
 
-    out = torch.empty(stored.shape, dtype=torch_dtype(stored.dtype))
-    view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+
+def _read_stored_array(files: FileHandles, stored: StoredTensor):
+    """The tensor's bytes as a new numpy array of its shape (elements as unsigned ints of its width)."""
+    import numpy
+
+    out = numpy.empty(stored.shape, dtype=_bits(stored.dtype))
+    view = memoryview(out.reshape(-1).view(numpy.uint8)) if out.size else memoryview(b"")
     pos = 0
     for piece in _chunks(files, stored.regions, CHUNK_BYTES):
         view[pos:pos + len(piece)] = piece
@@ -271,35 +276,49 @@ def read_stored(files: FileHandles, stored: StoredTensor) -> "torch.Tensor":
     return out
 
 
-class MappedTensor:
-    """A tensor over a file region through mmap; `close()` (or the with-block) unmaps it."""
+def _bits(dtype: Any) -> str:
+    """The numpy dtype that moves elements of `dtype` as raw bits (bytes are copied, never interpreted: numpy
+    has no bfloat16, and needs none here)."""
+    return {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}[itemsize(dtype)]
+
+
+def to_torch(array, dtype: Any) -> "torch.Tensor":
+    """A numpy array of raw bits (see _bits) as a torch tensor of `dtype`, sharing its memory."""
+    import torch
+
+    if array.size == 0:
+        return torch.empty(array.shape, dtype=torch_dtype(dtype))
+    return torch.from_numpy(array).view(torch_dtype(dtype))
+
+
+class MappedArray:
+    """A numpy array (raw bits, see _bits) over a file region through mmap; `close()` (or the with-block)
+    unmaps it."""
 
     def __init__(self, fd: int, offset: int, shape: Sequence[int], dtype: Any, *, writable: bool,
                  readahead: bool = True, name: str = "a checkpoint file"):
-        import torch
+        import numpy
 
-        dtype = torch_dtype(dtype)
-        nbytes = _numel(shape) * dtype.itemsize
+        bits = numpy.dtype(_bits(dtype))
+        nbytes = _numel(shape) * bits.itemsize
         start = offset - offset % _PAGE
         self._mm = None
         if nbytes == 0:
-            self.tensor = torch.empty(tuple(shape), dtype=dtype)
+            self.array = numpy.empty(tuple(shape), dtype=bits)
             return
         if os.fstat(fd).st_size < offset + nbytes:  # a mapping past the end faults (SIGBUS), check first
-            raise StorageError(f"{name}: ends before byte {offset + nbytes}; the file is truncated, "
-                                        f"re-copy it")
-        # Private mappings of sources are writable copy-on-write, so torch gets a writable buffer
-        # (nothing writes to them); the destination mapping is shared, writes reach the file.
+            raise StorageError(f"{name}: ends before byte {offset + nbytes}; the file is truncated, re-copy it")
+        # Sources are mapped read-only and private; the destination mapping is shared, writes reach the file.
         flags = mmap.MAP_SHARED if writable else mmap.MAP_PRIVATE
-        self._mm = mmap.mmap(fd, offset - start + nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                             offset=start)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self._mm = mmap.mmap(fd, offset - start + nbytes, flags=flags, prot=prot, offset=start)
         if not writable and readahead:  # read ahead the whole range now (one request), not fault by fault
             self._mm.madvise(mmap.MADV_WILLNEED)
-        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes,
-                                       offset=offset - start).view(dtype).view(tuple(shape))
+        self.array = numpy.frombuffer(self._mm, dtype=numpy.uint8, count=nbytes,
+                                      offset=offset - start).view(bits).reshape(tuple(shape))
 
     def close(self) -> None:
-        self.tensor = None
+        self.array = None
         if self._mm is not None:
             try:
                 self._mm.close()
@@ -307,7 +326,7 @@ class MappedTensor:
                 pass
             self._mm = None
 
-    def __enter__(self) -> "MappedTensor":
+    def __enter__(self) -> "MappedArray":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -352,12 +371,12 @@ BAND_BYTES = 8 * 2 ** 20  # rows of a strided output assembled per write
 _STAGING = threading.local()  # per-thread reusable band buffer (first-touch page faults paid once)
 
 
-def _staging(nbytes: int) -> "torch.Tensor":
-    import torch
+def _staging(nbytes: int):
+    import numpy
 
     buf = getattr(_STAGING, "buf", None)
-    if buf is None or buf.numel() < nbytes:
-        buf = _STAGING.buf = torch.empty(max(nbytes, BAND_BYTES), dtype=torch.uint8)
+    if buf is None or buf.size < nbytes:
+        buf = _STAGING.buf = numpy.empty(max(nbytes, BAND_BYTES), dtype=numpy.uint8)
     return buf[:nbytes]
 
 
@@ -384,10 +403,8 @@ def write_placement(files: FileHandles, dst_fd: int, data_offset: int, placement
                     integrity.copy_and_hash(files, region, dst_fd, pos, hasher)
                 pos += region.nbytes
         return
-    import torch
-
-    shape, dtype = placement.shape, torch_dtype(placement.dtype)
-    row_bytes = _numel(shape[1:]) * dtype.itemsize
+    shape = placement.shape
+    row_bytes = _numel(shape[1:]) * itemsize(placement.dtype)
     if not shape or row_bytes == 0 or shape[0] == 0:
         return
     band_rows = max(1, BAND_BYTES // row_bytes)
@@ -395,10 +412,10 @@ def write_placement(files: FileHandles, dst_fd: int, data_offset: int, placement
     with _mapped_shards(files, placement, range(len(placement.shards)), readahead=True) as sources:
         for r0 in range(0, shape[0], band_rows):
             r1 = min(shape[0], r0 + band_rows)
-            band = _staging((r1 - r0) * row_bytes).view(dtype).view((r1 - r0,) + tuple(shape[1:]))
+            raw = _staging((r1 - r0) * row_bytes)
+            band = raw.view(_bits(placement.dtype)).reshape((r1 - r0,) + tuple(shape[1:]))
             _fill_box(band, (slice(r0, r1),) + whole, placement, sources)
-            view = band.view(-1).view(torch.uint8).numpy()
-            integrity.pwrite_hashed(dst_fd, memoryview(view), data_offset + r0 * row_bytes, hasher)
+            integrity.pwrite_hashed(dst_fd, memoryview(raw), data_offset + r0 * row_bytes, hasher)
 
 
 @contextlib.contextmanager
@@ -406,19 +423,19 @@ def _mapped_shards(files: FileHandles, placement: Placement, indices, *, readahe
     """{shard index: tensor} for the given shards: an mmap view of a one-region shard (readahead: ask for
     all of it at once; else only the pages touched are read), a bounded copy of a shard split over saved
     chunks. Unmapped on exit."""
-    mapped: list[MappedTensor] = []
-    sources: dict[int, "torch.Tensor"] = {}
+    mapped: list[MappedArray] = []
+    sources: dict = {}
     try:
         for i in indices:
             shard = placement.shards[i]
             if len(shard.regions) == 1:
                 region = shard.regions[0]
-                m = MappedTensor(files.fd(region.path), region.offset, shard.shape, shard.dtype, writable=False,
-                                 readahead=readahead, name=region.path)
+                m = MappedArray(files.fd(region.path), region.offset, shard.shape, shard.dtype, writable=False,
+                                readahead=readahead, name=region.path)
                 mapped.append(m)
-                sources[i] = m.tensor
+                sources[i] = m.array
             else:
-                sources[i] = read_stored(files, shard)
+                sources[i] = _read_stored_array(files, shard)
         yield sources
     finally:
         sources.clear()
@@ -426,7 +443,7 @@ def _mapped_shards(files: FileHandles, placement: Placement, indices, *, readahe
             m.close()
 
 
-def _fill_box(out: "torch.Tensor", box: Sequence[slice], placement: Placement, sources: dict) -> None:
+def _fill_box(out, box: Sequence[slice], placement: Placement, sources: dict) -> None:
     """out := the region `box` (one slice per dim) of the consolidated tensor, from the blocks it overlaps."""
     for b in placement.blocks:
         lo = [max(x.start, d.start) for x, d in zip(box, b.dst)]
@@ -434,7 +451,7 @@ def _fill_box(out: "torch.Tensor", box: Sequence[slice], placement: Placement, s
         if all(l < h for l, h in zip(lo, hi)):
             dst = tuple(slice(l - x.start, h - x.start) for l, h, x in zip(lo, hi, box))
             src = tuple(slice(s.start + l - d.start, s.start + h - d.start) for l, h, d, s in zip(lo, hi, b.dst, b.src))
-            out[dst].copy_(sources[b.shard][src])
+            out[dst] = sources[b.shard][src]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -506,16 +523,15 @@ def placement_from_json(d: dict, root: str) -> Placement:
 def read_box(files: FileHandles, placement: Placement, index: Optional[Sequence[slice]] = None) -> "torch.Tensor":
     """The region `index` (step-1 slices over leading dims; None = all) of the consolidated tensor, read
     from the shards' files: only the shards it overlaps, through mmaps (only the touched pages are read)."""
-    import torch
+    import numpy
 
     shape = placement.shape
     box = [slice(*s.indices(n)[:2]) for s, n in zip(index or (), shape)]
     box += [slice(0, n) for n in shape[len(box):]]
-    out = torch.empty([max(0, s.stop - s.start) for s in box], dtype=torch_dtype(placement.dtype))
-    if out.numel() == 0:
-        return out
-    needed = sorted({b.shard for b in placement.blocks
-                     if all(max(x.start, d.start) < min(x.stop, d.stop) for x, d in zip(box, b.dst))})
-    with _mapped_shards(files, placement, needed, readahead=False) as sources:
-        _fill_box(out, box, placement, sources)
-    return out
+    out = numpy.empty([max(0, s.stop - s.start) for s in box], dtype=_bits(placement.dtype))
+    if out.size:
+        needed = sorted({b.shard for b in placement.blocks
+                         if all(max(x.start, d.start) < min(x.stop, d.stop) for x, d in zip(box, b.dst))})
+        with _mapped_shards(files, placement, needed, readahead=False) as sources:
+            _fill_box(out, box, placement, sources)
+    return to_torch(out, placement.dtype)

@@ -136,12 +136,24 @@ def test_readers_open_without_torch_or_numpy(tmp_path):
 
 
 @pytest.mark.parametrize("args", [("inspect", str(A)), ("inspect", str(B)),
-                                  ("plan", str(B), "--tensor-model-parallel-size", "1")],
-                         ids=["inspect A", "inspect B", "plan B"])
-def test_metadata_commands_import_torch_only_through_the_write_side(tmp_path, args):
-    found = traced(tmp_path, cli(*args, "--quiet"))
+                                  ("plan", str(B), "--tensor-model-parallel-size", "1"),
+                                  ("to-universal", str(A), "{tmp}/ucp_a"), ("to-universal", str(B), "{tmp}/ucp_b"),
+                                  ("to-universal", str(C), "{tmp}/ucp_c"), ("inspect", "{tmp}/ucp_c"),
+                                  ("check", "{tmp}/ucp_c")],
+                         ids=["inspect A", "inspect B", "plan B", "to-universal A", "to-universal B", "to-universal C",
+                              "inspect universal", "check universal"])
+def test_metadata_commands_import_torch_only_through_the_write_side(tmp_path_factory, args):
+    """Commands that need no tensor values load no torch: metadata commands, and to-universal, which copies,
+    compares and checksums bytes (all three fixtures take the byte path)."""
+    tmp = tmp_path_factory.getbasetemp() / "torch_free"
+    tmp.mkdir(exist_ok=True)
+    if "{tmp}/ucp_c" in args and args[0] != "to-universal" and not (tmp / "ucp_c").exists():
+        from megatron_ucp.convert import to_universal
+        to_universal(C, tmp / "ucp_c", progress=False)
+    args = tuple(a.replace("{tmp}", str(tmp)) for a in args)
+    found = traced(tmp, cli(*args, "--quiet"))
     edges = [tuple(e) for e in found["edges"]]
-    assert any(a == "megatron_ucp.formats.common" for a, _ in edges)  # the readers did run
+    assert any(a.startswith("megatron_ucp.") for a, _ in edges)  # the command did run
     # the read side imports neither torch nor a module that imports it
     bad = sorted((a, b) for a, b in edges if _owned(a) and (_is_torch(b) or b in WRITE_SIDE_PENDING))
     assert not bad, bad

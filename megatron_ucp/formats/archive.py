@@ -61,15 +61,15 @@ def read_tensor(record: TensorRecord):
 
 
 def stored_tensor(record: TensorRecord) -> Optional[Any]:
-    """Where a saved tensor's C-order bytes are (a byteio.StoredTensor with a torch dtype); None when they are
-    not one contiguous run (read it as a tensor then)."""
+    """Where a saved tensor's C-order bytes are (a byteio.StoredTensor with the dtype's name, e.g. "float32":
+    copying bytes needs no torch); None when they are not one contiguous run (read it as a tensor then)."""
     region = record.region()
     if region is None:
         return None
     from megatron_ucp.byteio import FileRegion, StoredTensor
 
     regions = (FileRegion(region.path, region.offset, region.nbytes),) if region.nbytes else ()
-    return StoredTensor(tuple(record.shape), torch_dtype(record.dtype), regions)
+    return StoredTensor(tuple(record.shape), str(record.dtype), regions)
 
 
 __all__ = ["box_record", "read_tensor", "stored_tensor", "sub_record", "torch_dtype"]

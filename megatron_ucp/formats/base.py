@@ -72,7 +72,7 @@ class CheckpointReader(abc.ABC):
     @abc.abstractmethod
     def locate(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> Optional[dict]:
         """Like read(), but each tensor is a byteio.StoredTensor (where its bytes are in the reader's
-        files) and nothing but metadata is read ('step' stays a tensor); None when some tensor is not one
+        files) and nothing but metadata is read ('step' is a number); None when some tensor is not one
         run of bytes per stored piece (read() it then)."""
 
     @abc.abstractmethod

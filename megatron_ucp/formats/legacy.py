@@ -396,12 +396,15 @@ class LegacyCheckpoint(CheckpointReader):
             out.update(exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"], step=st["step"])
         return out
 
-    def _step(self, meta_step: Any, ref: ShardRef):
+    def _step(self, meta_step: Any, ref: ShardRef, *, tensor: bool = True):
+        """The Adam step: a 0-d float32 tensor for read(), a float for locate() (which needs no torch)."""
+        where = self._rank_file(ref.tp_rank, ref.pp_rank, MODEL_FILENAME)
+        step = float(scalar(meta_step, path=where, what=f"the Adam step of {ref.local_name}"))
+        if not tensor:
+            return step
         import torch
 
-        where = self._rank_file(ref.tp_rank, ref.pp_rank, MODEL_FILENAME)
-        return torch.tensor(scalar(meta_step, path=where, what=f"the Adam step of {ref.local_name}"),
-                            dtype=torch.float32)
+        return torch.tensor(step, dtype=torch.float32)
 
     @staticmethod
     def _wanted(keys: Optional[Collection[str]]) -> set:
@@ -439,7 +442,7 @@ class LegacyCheckpoint(CheckpointReader):
         if any(v is None for v in out.values()):
             return None
         if "step" in records:
-            out["step"] = self._step(records["step"], ref)
+            out["step"] = self._step(records["step"], ref, tensor=False)
         return out
 
     def common_state(self) -> dict:

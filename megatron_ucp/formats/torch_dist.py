@@ -558,8 +558,14 @@ class TorchDistCheckpoint(CheckpointReader):
         return req
 
     def _outputs(self, ref: ShardRef, req: _Requests, got: dict, assemble) -> dict:
-        """read()/locate() results from the requested boxes `got` (saved key -> list of parts)."""
-        import torch
+        """read()/locate() results from the requested boxes `got` (saved key -> list of parts). The Adam 'step'
+        is a 0-d float32 tensor for read() and a float for locate() (which needs no torch)."""
+        def step_value(step: float):
+            if assemble is _assemble_stored:
+                return float(step)
+            import torch
+
+            return torch.tensor(float(step), dtype=torch.float32)
 
         piece, want = req.piece, req.want
         out: dict = {}
@@ -570,13 +576,13 @@ class TorchDistCheckpoint(CheckpointReader):
                 out[name] = assemble(got[key], _Piece(key, 0, (), 0), ref.shape)
             step = self._optimizer_groups(ref.tp_rank, ref.pp_rank).step
             if step is not None:
-                out["step"] = torch.tensor(float(step), dtype=torch.float32)
+                out["step"] = step_value(step)
         elif self._model_space:
             if req.weight_is_main and "fp32" in want:
                 out["fp32"] = out["param"] if "param" in out else assemble(got[piece.key], piece)
             out.update({name: assemble(got[key], piece) for name, key in req.states.items()})
             if "exp_avg" in self._state_keys.get(piece.key, {}) and self._model_space_step is not None:
-                out["step"] = torch.tensor(self._model_space_step, dtype=torch.float32)
+                out["step"] = step_value(self._model_space_step)
         return out
 
     def read(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> dict:
@@ -699,12 +705,13 @@ class TorchDistCheckpoint(CheckpointReader):
     def _locate_box(self, fqn: str, box: Box):
         """Where the box's bytes are (a StoredTensor), or None when they are not one run per saved chunk."""
         from megatron_ucp.byteio import StoredTensor, box_bytes, concat_stored
+        from megatron_ucp.byteio import itemsize as itemsize_of
 
         overlaps = self._overlaps(fqn, box)
         if len(overlaps) == 1 and overlaps[0].lengths == box[1]:
             return stored_tensor(self._record(fqn, overlaps[0].chunk))
-        dtype = torch_dtype(self._keys[fqn].dtype)
-        itemsize = dtype.itemsize
+        dtype = str(self._keys[fqn].dtype)  # a name: locating bytes needs no torch
+        itemsize = itemsize_of(dtype)
         placed = []
         for o in overlaps:
             saved = stored_tensor(self._record(fqn, o.chunk))
