@@ -330,7 +330,7 @@ def _write_distributed(ucp_path: Path, dst: Path, writer, plan_for, marker, *, o
     and creates the staging directory before anything is opened; every process opens the universal
     checkpoint, plans the same files and writes its share (each file fsynced); rank 0 writes the rest
     (writer.finish_shares) and publishes. An error on any rank stops every rank and removes the staging
-    directory. Returns (plan, iteration, bytes of tensor files written by this process)."""
+    directory. Returns (plan, iteration, bytes of the files the processes wrote as their shares)."""
     import torch.distributed as dist
 
     owns_group = not dist.is_initialized()
@@ -395,7 +395,9 @@ def _write_distributed(ucp_path: Path, dst: Path, writer, plan_for, marker, *, o
             stage.publish(TOOL_MARKER_FILENAME, marker(ucp, plan))
 
         agree(attempt(finish) if rank == 0 else None)
-        return plan, ucp.iteration, written[0]
+        totals = [0] * world
+        dist.all_gather_object(totals, written[0])
+        return plan, ucp.iteration, sum(totals)
     except BaseException:
         if stage is not None:
             stage.abort()  # nothing once published

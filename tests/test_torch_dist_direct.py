@@ -54,7 +54,7 @@ from megatron_ucp.formats.common import load_pickled
 from megatron_ucp.formats.tensor_archive import tensor_archive
 from megatron_ucp.universal import UniversalCheckpoint
 from megatron_ucp.verify import verify
-from megatron_ucp.writers.torch_dist_direct import Gap, ObjectItem, TensorItem, plan_checkpoint
+from megatron_ucp.writers.torch_dist_direct import Gap, TensorItem, plan_checkpoint
 
 TOL = 1e-6
 DISTOPT = ["--use-distributed-optimizer"]
