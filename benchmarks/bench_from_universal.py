@@ -178,8 +178,8 @@ class Bench:
         start = median("start").wall_s
         row("CLI start (python, torch, megatron_ucp imports)", median("start"), f"runs {walls('start')}")
         direct = median("direct")
-        row(f"direct, dp_reshardable (--workers {a.workers})", direct,
-            f"runs {walls('direct')}, own timer {[self.seconds.get(k) for k in r if k.startswith('direct') and 'full' not in k]}")
+        own = [self.seconds.get(k) for k in r if k.startswith("direct") and "full" not in k]
+        row(f"direct, dp_reshardable (--workers {a.workers})", direct, f"runs {walls('direct')}, own timer {own}")
         rows.append({"step": "  direct, dp_reshardable, without CLI start", "seconds": round(direct.wall_s - start, 2),
                      "ratio": round((direct.wall_s - start) / cp.wall_s, 2)})
         # the shared machine's disk varies by 10x between runs: the fastest runs show the intrinsic cost
@@ -209,7 +209,8 @@ def print_table(report: dict) -> None:
           f"page cache {'dropped before each step' if report['page_cache_dropped'] else 'WARM'}"
           f"{'; every step timed until synced' if report.get('sync') else ''}; sizes: "
           + ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in report["sizes_bytes"].items()))
-    head = f"{'step':44s} {'s':>7s} {'x cp':>6s} {'own s':>7s} {'x cp':>6s} {'peakPSS':>8s} {'peakRSS':>8s} {'read':>7s} {'written':>8s}"
+    head = (f"{'step':44s} {'s':>7s} {'x cp':>6s} {'own s':>7s} {'x cp':>6s} {'peakPSS':>8s} {'peakRSS':>8s} "
+            f"{'read':>7s} {'written':>8s}")
     print(head + "\n" + "-" * len(head))
     for row in report["rows"]:
         if "seconds" not in row:

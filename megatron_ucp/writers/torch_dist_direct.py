@@ -82,6 +82,7 @@ from megatron_ucp.byteio import BAND_BYTES, FileHandles, FileRegion, copy_region
 from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
                                                 shared_embedding_names)
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
+from megatron_ucp.formats.safe_pickle import MEGATRON_ENUMS
 from megatron_ucp.formats.tensor_archive import tensor_archive
 from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
@@ -765,6 +766,58 @@ def dcp_metadata(files: Sequence[OutputFile], written: Sequence[WrittenItem], ch
                     version=CURRENT_DCP_VERSION)
 
 
+class _GlobalRef:
+    """A class named by its module and name, pickled as that global reference without importing the module:
+    Megatron-LM's enums in the args (the reader of common.pt has megatron-core; importing it here would
+    cost seconds of every write)."""
+
+    def __init__(self, qualified: str):
+        self.module, self.name = qualified.rsplit(".", 1)
+
+    def __call__(self, *args):  # pickle's save_reduce wants a callable; only its reference is written
+        raise TypeError(f"{self.module}.{self.name} is only a reference for pickling")
+
+
+class _EnumMember:
+    """A member of a megatron enum, unpickled as `<enum class>(value)`."""
+
+    def __init__(self, cls: _GlobalRef, value: Any):
+        self.cls, self.value = cls, value
+
+    def __reduce__(self):
+        return self.cls, (self.value,)
+
+
+class _ArgsPickler(pickle._Pickler):  # the pure-Python pickler: its dispatch table can name a global
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def _save_ref(self, obj: _GlobalRef) -> None:
+        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())  # what save_global writes (protocol 2)
+        self.memoize(obj)
+
+    dispatch[_GlobalRef] = _save_ref
+
+
+class _ArgsPickleModule:
+    """The pickle module torch.save uses for common.pt."""
+
+    __name__ = "megatron_ucp_args_pickle"
+    Pickler = _ArgsPickler
+
+
+def _args_for_pickle(args: dict):
+    """The args as Megatron-LM's Namespace, megatron enums as global references (args_namespace would import
+    megatron-core to build them; enums it does not know are dropped, as it does)."""
+    plain = {}
+    for key, value in args.items():
+        if isinstance(value, dict) and set(value) == {"enum", "value"}:
+            if value["enum"] in MEGATRON_ENUMS:
+                plain[key] = _EnumMember(_GlobalRef(value["enum"]), value["value"])
+            continue
+        plain[key] = value
+    return args_namespace(plain)
+
+
 def _write_file(path: Path, write: Callable[[Any], None]) -> None:
     with open(path, "wb") as f:
         write(f)
@@ -775,15 +828,13 @@ def _write_file(path: Path, write: Callable[[Any], None]) -> None:
 def finish(root: Path, plan: DirectPlan, written: Sequence[WrittenItem],
            on_file: Optional[Callable[[Path, int], None]] = None) -> None:
     """After every .distcp file is written: .metadata, common.pt, metadata.json, then the tracker."""
-    from megatron_ucp.cpu_backend import import_megatron_core
-
-    import_megatron_core()  # args_namespace restores megatron enums: import it without torch.compile (~5 s)
     iter_name = iteration_dir_name(plan.iteration)
     iter_dir = Path(root) / iter_name
     metadata = dcp_metadata(plan.files, written, iter_name)
     for name, write in ((DCP_METADATA_FILENAME, lambda f: pickle.dump(metadata, f)),
                         (COMMON_FILENAME, lambda f: torch.save({**plan.common,
-                                                                "args": args_namespace(plan.common["args"])}, f)),
+                                                                "args": _args_for_pickle(plan.common["args"])}, f,
+                                                               pickle_module=_ArgsPickleModule)),
                         (METADATA_JSON_FILENAME, lambda f: f.write(json.dumps(METADATA_JSON).encode()))):
         _write_file(iter_dir / name, write)
         if on_file:
