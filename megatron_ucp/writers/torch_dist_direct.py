@@ -48,6 +48,9 @@ re-padded vocabulary rows, lazy universal checkpoints) is read in bands of rows 
 Output files are written by `workers` threads; under torchrun the processes split the files
 (`write_share`) and rank 0 writes .metadata, common.pt, metadata.json and the tracker last.
 
+common.pt's args are Megatron-LM's Namespace at the target layout; its megatron enums (attention_backend,
+model_type) are pickled as references to megatron-core's classes, so writing never imports megatron-core.
+
 Model rules (keys, shapes, placement, patterns, registration order, param groups) come from
 adapters/gpt.py, the DDP index map from formats/bucket_layout.py; this module only lays out the format.
 
