@@ -1,7 +1,10 @@
 """Universal checkpoint -> Megatron checkpoint at any layout (the `from-universal` command).
 
     megatron-ucp from-universal UCP DST -t T -p P -d D [--num-layers-per-virtual-pipeline-stage V]
-        [--use-distributed-optimizer] [--sequence-parallel] --ckpt-format {torch,torch_dist} [--dry-run]
+        [--decoder-first-pipeline-num-layers F] [--decoder-last-pipeline-num-layers L]
+        [--account-for-embedding-in-pipeline-split] [--account-for-loss-in-pipeline-split]
+        [--use-distributed-optimizer [--optimizer-format {dp_reshardable,fully_reshardable}]]
+        [--sequence-parallel] --ckpt-format {torch,torch_dist} [--workers K] [--via-harness] [--dry-run]
         [--overwrite] [--clean-stale]
 
 The target layout is validated against the model before anything is written. The vocabulary keeps its
@@ -15,7 +18,9 @@ complete with `megatron-ucp.json` and renamed to DST, so DST is either absent, t
 complete; an existing DST is replaced only with --overwrite and only when this tool wrote it. The
 universal checkpoint is only read, every block checked against its checksums. The format's writer
 (writers/, one declared interface) plans and writes the files; this module only checks what every
-format shares.
+format shares. Under torchrun, with a writer that splits its files over processes (the direct
+torch_dist writer), rank 0 owns DST (lock, staging directory), every process writes its share into the
+shared staging directory, and rank 0 finishes and publishes once all are done.
 """
 
 from __future__ import annotations
@@ -33,16 +38,18 @@ from typing import Optional, Union
 from tqdm import tqdm
 
 from megatron_ucp.adapters.gpt import expected_parameters, megatron_padded_vocab, virtual_chunks
+from megatron_ucp.convert import in_torchrun
 from megatron_ucp.formats.common import TRACKER_FILENAME
 from megatron_ucp.layout import LayoutError, ParallelLayout
 from megatron_ucp.patterns import PatternError
-from megatron_ucp.staging import TOOL_MARKER_FILENAME, Staging, StagingError, tool_marker
+from megatron_ucp.staging import TOOL_MARKER_FILENAME, Staging, StagingError, join_staging, tool_marker
 from megatron_ucp.staging import check_destination as check_staging_destination
-from megatron_ucp.universal import UniversalCheckpoint
+from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError
 from megatron_ucp.writers import CKPT_FORMATS, WriteError, WriteTarget, make_writer
 from megatron_ucp.writers.base import target_args
 from megatron_ucp.writers.legacy import RNG_STATE_KINDS
 from megatron_ucp.writers.torch_dist import DEFAULT_TIMEOUT_S
+from megatron_ucp.writers.torch_dist_direct import OPTIMIZER_FORMATS
 
 PathLike = Union[str, os.PathLike]
 
@@ -74,12 +81,38 @@ class TargetPlan:
         return self.target.padded_vocab_size
 
 
+@dataclass(frozen=True)
+class PipelineFlags:
+    """Megatron-LM's flags for how layers are split over pipeline stages (default: evenly)."""
+
+    first_stage_layers: Optional[int] = None  # --decoder-first-pipeline-num-layers
+    last_stage_layers: Optional[int] = None  # --decoder-last-pipeline-num-layers
+    embedding_in_split: bool = False  # --account-for-embedding-in-pipeline-split
+    loss_in_split: bool = False  # --account-for-loss-in-pipeline-split
+    virtual_stages: Optional[int] = None  # --num-virtual-stages-per-pipeline-rank
+
+
 def target_layout(ucp: UniversalCheckpoint, tp: int, pp: int, dp: int, vpp_layers: Optional[int],
-                  sequence_parallel: bool) -> ParallelLayout:
-    """The layout Megatron-LM would run with these flags (VPP from layers per virtual stage)."""
+                  sequence_parallel: bool, split: PipelineFlags = PipelineFlags()) -> ParallelLayout:
+    """The layout Megatron-LM would run with these flags (VPP from layers per virtual stage or virtual
+    stages per rank; uneven splits as Megatron-LM's validate_args takes them)."""
+    uneven = split.first_stage_layers is not None or split.last_stage_layers is not None
     try:
-        vpp = virtual_chunks(ucp.config.num_layers, pp, vpp_layers)
-        return ParallelLayout(tp=tp, pp=pp, dp=dp, vpp=vpp, sp=sequence_parallel)
+        if vpp_layers is not None and split.virtual_stages is not None:
+            raise LayoutError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+                              "are exclusive; pass one")
+        if vpp_layers is not None and uneven:
+            raise LayoutError("with --decoder-first/last-pipeline-num-layers give the virtual pipeline size as "
+                              "--num-virtual-stages-per-pipeline-rank (Megatron-LM's rule)")
+        if split.virtual_stages is not None and pp == 1:
+            raise LayoutError("--num-virtual-stages-per-pipeline-rank needs --pipeline-model-parallel-size > 1")
+        # layers counted in the split: the embedding and the loss count as one layer each when asked
+        counted = ucp.config.num_layers + split.embedding_in_split + split.loss_in_split
+        vpp = virtual_chunks(counted, pp, vpp_layers) if split.virtual_stages is None else (
+            split.virtual_stages if split.virtual_stages > 1 else None)
+        return ParallelLayout(tp=tp, pp=pp, dp=dp, vpp=vpp, sp=sequence_parallel,
+                              first_stage_layers=split.first_stage_layers, last_stage_layers=split.last_stage_layers,
+                              embedding_in_split=split.embedding_in_split, loss_in_split=split.loss_in_split)
     except LayoutError as e:
         raise FromUniversalError(str(e)) from e
 
@@ -180,6 +213,7 @@ class FromUniversalSummary:
         return {"path": str(self.path), "ckpt_format": self.plan.ckpt_format, "layout": self.plan.layout.to_dict(),
                 "use_distributed_optimizer": self.plan.use_distributed_optimizer, "iteration": self.iteration,
                 "padded_vocab_size": self.plan.padded_vocab_size, "warnings": list(self.plan.warnings),
+                "details": list(self.plan.details),
                 "files": [{"path": p, "bytes": b} for p, b in self.plan.files],
                 "bytes_written": self.bytes_written, "seconds": round(self.seconds, 3), "dry_run": self.dry_run}
 
@@ -193,24 +227,37 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
                    use_distributed_optimizer: bool = False, sequence_parallel: bool = False,
                    ckpt_format: str = "torch_dist", dry_run: bool = False, overwrite: bool = False,
                    rng_state: str = "cuda", timeout_s: int = DEFAULT_TIMEOUT_S,
-                   progress: bool = True, warn=None, clean_stale: bool = False) -> FromUniversalSummary:
+                   progress: bool = True, warn=None, clean_stale: bool = False,
+                   optimizer_format: Optional[str] = None, workers: Optional[int] = None, via_harness: bool = False,
+                   pipeline: PipelineFlags = PipelineFlags()) -> FromUniversalSummary:
     """Write the universal checkpoint at `ucp_path` as a Megatron checkpoint root `dst` at the given layout.
 
     Validation (layout, vocabulary, batch, destination) happens before any file is created; on any error
     nothing is left at `dst` (nor its staging directory). DST's lock is held from before the universal
     checkpoint is opened until the output is published; leftovers of killed writes to DST are reported
-    (`warn`) and removed with `clean_stale`."""
+    (`warn`) and removed with `clean_stale`. `optimizer_format` and `workers` go to the writers that take
+    them (torch_dist); `via_harness` chooses the writer that runs the training harness. Under torchrun
+    (more than one process) call it on every process: they split the files (writers that can)."""
     start = time.perf_counter()
     ucp_path, dst = Path(ucp_path), Path(dst).absolute()
     if rng_state not in RNG_STATE_KINDS:
         raise FromUniversalError(f"rng_state={rng_state!r}: choose one of {', '.join(RNG_STATE_KINDS)}")
     check_destination(dst, ucp_path, overwrite)  # fails fast; checked again under the lock
+    distributed = in_torchrun() and not dry_run
+    rank0 = int(os.environ.get("RANK", "0")) == 0 if distributed else True
     emit = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
-    writer = make_writer(ckpt_format, timeout_s=timeout_s)
+    if not rank0:
+        emit = lambda message: None  # noqa: E731 - rank 0 reports
+    writer = _make_writer(ckpt_format, via_harness, timeout_s=timeout_s, optimizer_format=optimizer_format,
+                          workers=workers)
+    if distributed and not writer.splits_over_processes:
+        raise FromUniversalError(f"--ckpt-format {ckpt_format}{' --via-harness' if via_harness else ''} writes "
+                                 f"from one process: launch it without torchrun (the direct torch_dist writer "
+                                 f"splits its files over torchrun processes)")
 
     def plan_for(ucp: UniversalCheckpoint) -> TargetPlan:
         layout = target_layout(ucp, tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size,
-                               num_layers_per_virtual_pipeline_stage, sequence_parallel)
+                               num_layers_per_virtual_pipeline_stage, sequence_parallel, pipeline)
         plan = plan_target(ucp, layout, vpp_layers=num_layers_per_virtual_pipeline_stage, ckpt_format=ckpt_format,
                            use_distributed_optimizer=use_distributed_optimizer, rng_state=rng_state, writer=writer)
         for message in plan.warnings:
@@ -221,6 +268,15 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
         ucp = UniversalCheckpoint.open(ucp_path)
         plan = plan_for(ucp)
         return FromUniversalSummary(dst, plan, ucp.iteration, 0, time.perf_counter() - start, True)
+
+    def marker(ucp: UniversalCheckpoint, plan: TargetPlan) -> bytes:
+        return tool_marker("megatron", ckpt_format=ckpt_format, iteration=ucp.iteration, layout=plan.layout.to_dict(),
+                           use_distributed_optimizer=plan.use_distributed_optimizer, source=str(ucp_path.resolve()))
+
+    if distributed:
+        plan, iteration, written = _write_distributed(ucp_path, dst, writer, plan_for, marker, overwrite=overwrite,
+                                                      clean_stale=clean_stale, emit=emit, progress=progress)
+        return FromUniversalSummary(dst, plan, iteration, written, time.perf_counter() - start, False)
 
     written = 0
     try:
@@ -244,16 +300,111 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
                 with warnings.catch_warnings():  # megatron-core's import-time notice, meaningless offline
                     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
                     writer.write(ucp, plan.target, stage.path, on_file=on_file)
-            except WriteError as e:
+            except (WriteError, UniversalFormatError) as e:  # e.g. a damaged block of the universal checkpoint
                 raise FromUniversalError(str(e)) from e
             finally:
                 bar.close()
-            stage.publish(TOOL_MARKER_FILENAME, tool_marker(
-                "megatron", ckpt_format=ckpt_format, iteration=ucp.iteration, layout=plan.layout.to_dict(),
-                use_distributed_optimizer=plan.use_distributed_optimizer, source=str(ucp_path.resolve())))
+            stage.publish(TOOL_MARKER_FILENAME, marker(ucp, plan))
     except StagingError as e:
         raise FromUniversalError(str(e)) from e
     return FromUniversalSummary(dst, plan, ucp.iteration, written, time.perf_counter() - start, False)
+
+
+def _make_writer(ckpt_format: str, via_harness: bool, **options):
+    """The format's writer with the options it takes; an option the user gave (not None) that it does not
+    take is refused, naming the flag."""
+    try:
+        writer = make_writer(ckpt_format, via_harness=via_harness, **options)
+    except WriteError as e:
+        raise FromUniversalError(str(e)) from e
+    for name, value in options.items():
+        if value is not None and name not in writer.OPTIONS and name != "timeout_s":
+            raise FromUniversalError(f"--{name.replace('_', '-')} does not apply to --ckpt-format {ckpt_format}"
+                                     f"{' --via-harness' if via_harness else ''}; drop it")
+    return writer
+
+
+def _write_distributed(ucp_path: Path, dst: Path, writer, plan_for, marker, *, overwrite: bool, clean_stale: bool,
+                       emit, progress: bool) -> tuple[TargetPlan, int, int]:
+    """from-universal across the processes of a torchrun job (a shared filesystem): rank 0 takes DST's lock
+    and creates the staging directory before anything is opened; every process opens the universal
+    checkpoint, plans the same files and writes its share (each file fsynced); rank 0 writes the rest
+    (writer.finish_shares) and publishes. An error on any rank stops every rank and removes the staging
+    directory. Returns (plan, iteration, bytes of the files the processes wrote as their shares)."""
+    import torch.distributed as dist
+
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("gloo")
+    stage = None
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+
+        def agree(error: Optional[str]) -> None:
+            """Raise on every rank if any rank failed (the first error, with its rank)."""
+            errors = [None] * world
+            dist.all_gather_object(errors, error)
+            failed = [(r, e) for r, e in enumerate(errors) if e]
+            if failed:
+                r, e = failed[0]
+                raise FromUniversalError(e if r == rank else f"rank {r}: {e}")
+
+        def attempt(step) -> Optional[str]:
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - reported on every rank by agree()
+                return str(e) if isinstance(e, (FromUniversalError, WriteError, StagingError, ValueError)) else \
+                    f"{type(e).__name__}: {e}"
+            return None
+
+        def take_destination() -> None:
+            nonlocal stage
+            stage = Staging(dst, kind="megatron", overwrite=overwrite, clean_stale=clean_stale, report=emit)
+            stage.__enter__()
+
+        agree(attempt(take_destination) if rank == 0 else None)
+        shared = [str(stage.path) if stage else None]
+        dist.broadcast_object_list(shared, src=0)
+        opened: dict = {}
+
+        def open_and_plan() -> None:
+            opened["root"] = Path(shared[0]) if rank == 0 else join_staging(shared[0])
+            opened["ucp"] = UniversalCheckpoint.open(ucp_path)
+            opened["plan"] = plan_for(opened["ucp"])
+
+        agree(attempt(open_and_plan))
+        ucp, plan, root = opened["ucp"], opened["plan"], opened["root"]
+        bar = tqdm(total=sum(b for p, b in plan.files), unit="B", unit_scale=True, unit_divisor=1024,
+                   desc="from-universal", disable=not progress or rank != 0, file=sys.stderr, dynamic_ncols=True)
+        written = [0]
+
+        def on_file(path: Path, size: int) -> None:
+            written[0] += size
+            bar.update(size * world)  # rank 0's share stands for every rank's
+
+        share: list = []
+        try:
+            agree(attempt(lambda: share.append(writer.write_share(ucp, plan.target, root, rank, world, on_file))))
+        finally:
+            bar.close()
+        gathered = [None] * world
+        dist.gather_object(share[0], gathered if rank == 0 else None, dst=0)
+
+        def finish() -> None:
+            writer.finish_shares(ucp, plan.target, root, gathered)
+            stage.publish(TOOL_MARKER_FILENAME, marker(ucp, plan))
+
+        agree(attempt(finish) if rank == 0 else None)
+        totals = [0] * world
+        dist.all_gather_object(totals, written[0])
+        return plan, ucp.iteration, sum(totals)
+    except BaseException:
+        if stage is not None:
+            stage.abort()  # nothing once published
+        raise
+    finally:
+        if owns_group:  # a gloo group left to the interpreter's exit can abort the process
+            dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -272,16 +423,37 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("-d", "--data-parallel-size", type=int, default=1)
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    p.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="virtual pipeline chunks per stage (the form Megatron-LM needs with an uneven split)")
+    p.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers on the first pipeline stage (uneven split, as Megatron-LM)")
+    p.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers on the last pipeline stage (uneven split, as Megatron-LM)")
+    p.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="count the embedding as a layer when splitting layers over stages (as Megatron-LM)")
+    p.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="count the loss as a layer when splitting layers over stages (as Megatron-LM)")
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--ckpt-format", choices=CKPT_FORMATS, required=True,
-                   help="torch: legacy model_optim_rng.pt (+ distrib_optim.pt), written offline; torch_dist: "
-                        "written by the training harness with T*P*D CPU processes")
+                   help="torch_dist: megatron-core's distributed checkpoint; torch: legacy model_optim_rng.pt "
+                        "(+ distrib_optim.pt); both written offline, without training processes")
+    p.add_argument("--optimizer-format", choices=OPTIMIZER_FORMATS, default=None,
+                   help="torch_dist with --use-distributed-optimizer: dp_reshardable (default, as megatron-core: "
+                        "flat buckets for this TP x PP, cheapest to load, any DP) or fully_reshardable (model "
+                        "space: megatron-core loads it at any TP x PP x DP, so one write serves every layout)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="torch_dist: threads writing the output files (default: min(4, CPUs)); under torchrun "
+                        "the processes also split the files (a shared filesystem)")
+    p.add_argument("--via-harness", action="store_true",
+                   help="torch_dist: let megatron-core itself save, by launching the training harness with "
+                        "T*P*D CPU processes (memory: the whole model and optimizer state); the direct "
+                        "writer's reference")
     p.add_argument("--rng-state", choices=RNG_STATE_KINDS, default="cuda",
-                   help="torch format: write a fresh deterministic RNG state for CUDA (default; Megatron-LM on "
-                        "GPUs) or CPU generators (the CPU harness), or none (then resume with --no-load-rng)")
+                   help="write a fresh deterministic RNG state for CUDA (default; Megatron-LM on GPUs) or CPU "
+                        "generators (the CPU harness), or none (then resume with --no-load-rng)")
     p.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S,
-                   help="torch_dist: seconds the harness run may take")
+                   help="--via-harness: seconds the harness run may take")
     p.add_argument("--dry-run", action="store_true", help="print the files that would be written; write nothing")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing Megatron checkpoint at DST (only one megatron-ucp wrote: it has "
@@ -299,11 +471,18 @@ def run_cli(args: argparse.Namespace) -> dict:
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         use_distributed_optimizer=args.use_distributed_optimizer, sequence_parallel=args.sequence_parallel,
         ckpt_format=args.ckpt_format, dry_run=args.dry_run, overwrite=args.overwrite, rng_state=args.rng_state,
-        timeout_s=args.timeout, progress=not args.quiet, clean_stale=args.clean_stale)
+        timeout_s=args.timeout, progress=not args.quiet, clean_stale=args.clean_stale,
+        optimizer_format=args.optimizer_format, workers=args.workers, via_harness=args.via_harness,
+        pipeline=PipelineFlags(args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+                               args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split,
+                               args.num_virtual_stages_per_pipeline_rank))
     result = summary.to_dict()
+    if in_torchrun() and not summary.dry_run and int(os.environ["RANK"]) != 0:
+        return result  # rank 0 reports
     plan = summary.plan
     what = f"{plan.ckpt_format} at {plan.layout.describe()}" + (" with the distributed optimizer"
                                                                 if plan.use_distributed_optimizer else "")
+    what += "".join(f", {line}" for line in plan.details if line.startswith("optimizer state"))
     if summary.dry_run:
         lines = [f"dry run: would write {summary.path} ({what}, iteration {summary.iteration}):"]
         lines += [f"  {p}  {b / 2 ** 20:.2f} MiB" for p, b in plan.files]

@@ -37,11 +37,22 @@ class Target:
     layers_per_virtual_stage: Optional[int] = None
     use_distributed_optimizer: bool = False
     sequence_parallel: bool = False
+    # uneven pipeline (Megatron-LM's --decoder-first/last-pipeline-num-layers,
+    # --account-for-embedding/loss-in-pipeline-split)
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    embedding_in_split: bool = False
+    loss_in_split: bool = False
 
     def describe(self) -> str:
         s = f"TP{self.tp} PP{self.pp} DP{self.dp}"
         if self.layers_per_virtual_stage:
             s += f" ({self.layers_per_virtual_stage} layers per virtual stage)"
+        split = [f"first stage {self.first_stage_layers} layers" if self.first_stage_layers is not None else "",
+                 f"last stage {self.last_stage_layers} layers" if self.last_stage_layers is not None else "",
+                 "embedding counted" if self.embedding_in_split else "", "loss counted" if self.loss_in_split else ""]
+        if any(split):
+            s += " [" + ", ".join(x for x in split if x) + "]"
         if self.sequence_parallel and self.tp > 1:
             s += " +SP"
         return s + (" with the distributed optimizer" if self.use_distributed_optimizer else "")
@@ -105,9 +116,17 @@ def check_target(source: Source, target: Target) -> tuple[list[str], list[str], 
         problems.append(f"ffn_hidden_size={c.ffn_hidden_size} is not divisible by TP={t}; "
                         f"choose TP in {_divisors(c.ffn_hidden_size)}")
     vpp = None
+    split = dict(first_stage_layers=target.first_stage_layers, last_stage_layers=target.last_stage_layers,
+                 embedding_in_split=target.embedding_in_split, loss_in_split=target.loss_in_split)
     try:
-        vpp = virtual_chunks(c.num_layers, target.pp, target.layers_per_virtual_stage)
-        check_pipeline(c.num_layers, ParallelLayout(pp=target.pp, vpp=vpp))
+        if target.layers_per_virtual_stage is not None and (
+                target.first_stage_layers is not None or target.last_stage_layers is not None):
+            raise LayoutError("--num-layers-per-virtual-pipeline-stage cannot be combined with "
+                              "--decoder-first/last-pipeline-num-layers (Megatron-LM's rule)")
+        # the embedding and the loss count as one layer each in the split when asked (Megatron-LM)
+        counted = c.num_layers + target.embedding_in_split + target.loss_in_split
+        vpp = virtual_chunks(counted, target.pp, target.layers_per_virtual_stage)
+        check_pipeline(c.num_layers, ParallelLayout(pp=target.pp, vpp=vpp, **split))
     except LayoutError as e:
         problems.append(str(e))
     padded = padded_vocab_at(c, t)
@@ -127,7 +146,7 @@ def check_target(source: Source, target: Target) -> tuple[list[str], list[str], 
                             f"divisible by PP={target.pp}; lower --micro-batch-size or DP, or drop VPP")
     if problems:
         return problems, warnings, None, padded
-    layout = ParallelLayout(tp=t, pp=target.pp, dp=target.dp, vpp=vpp, sp=target.sequence_parallel)
+    layout = ParallelLayout(tp=t, pp=target.pp, dp=target.dp, vpp=vpp, sp=target.sequence_parallel, **split)
     try:  # anything the explicit checks above missed
         expected_parameters(dataclasses.replace(c, padded_vocab_size=padded), layout)
     except (LayoutError, ValueError, NotImplementedError) as e:
@@ -301,6 +320,14 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("-d", "--data-parallel-size", type=int, default=1)
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    p.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers on the first pipeline stage (uneven split, as Megatron-LM)")
+    p.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers on the last pipeline stage (uneven split, as Megatron-LM)")
+    p.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="count the embedding as a layer when splitting layers over stages")
+    p.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="count the loss as a layer when splitting layers over stages")
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--sequence-parallel", action="store_true")
     p.set_defaults(handler=run_cli)
@@ -310,7 +337,11 @@ def run_cli(args: argparse.Namespace) -> dict:
     target = Target(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                     dp=args.data_parallel_size, layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
                     use_distributed_optimizer=args.use_distributed_optimizer,
-                    sequence_parallel=args.sequence_parallel)
+                    sequence_parallel=args.sequence_parallel,
+                    first_stage_layers=args.decoder_first_pipeline_num_layers,
+                    last_stage_layers=args.decoder_last_pipeline_num_layers,
+                    embedding_in_split=args.account_for_embedding_in_pipeline_split,
+                    loss_in_split=args.account_for_loss_in_pipeline_split)
     plan = make_plan(args.src, target, args.iteration)
     plan["message"] = format_report(plan)
     return plan

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Un
 
 from megatron_ucp import integrity
 from megatron_ucp.byteio import (
-    FileHandles, Placement, StorageError, dtype_name, placement_from_json, placement_to_json, read_box,
+    FileHandles, FileRegion, Placement, StorageError, dtype_name, placement_from_json, placement_to_json, read_box,
     relative_inside, write_placement)
 from megatron_ucp.integrity import ChecksumError, DigestRecord, SourceDigests, VerifiedBlocks
 from megatron_ucp.layout import ParallelLayout
@@ -844,6 +844,45 @@ class UniversalCheckpoint:
     def read_for_rank(self, name: str, tp_rank: int, tp_size: int, key: str = "fp32") -> "torch.Tensor":
         """The TP rank's whole shard of a parameter, reading only its regions."""
         return self.read_local(name, key, tp_rank, tp_size)
+
+    # -- byte copies (writers that copy stored bytes file to file) ----------------------------------
+
+    def locate(self, name: str, key: str = "fp32") -> Optional[FileRegion]:
+        """Where one stored tensor's C-order float32 bytes are in its tensor file (header parsed from checked
+        blocks), for a writer that copies them file to file and then checks them with `verify_copied`; None
+        where bytes cannot be copied with checksums (a lazy checkpoint's are scattered over the source
+        checkpoint, version 1 has none): read() those."""
+        info = self._info(name)
+        if info.placements is not None or info.checksum is None:
+            return None
+        if key not in info.tensors:
+            raise UniversalFormatError(f"{self.path / info.file}: {name} has no {key!r} (it has {list(info.tensors)})")
+        self._check_backed(info)  # size and header against metadata.json
+        file = self.path / info.file
+        try:
+            with integrity.VerifiedTensorFile(file, info.checksum, integrity.tensor_file_label(info.name),
+                                              cache=self._verified, headers=self._headers) as f:
+                _, _, start, stop = f.tensors[key]
+        except ChecksumError as e:
+            raise _as_format_error(e) from None
+        return FileRegion(str(file), start, stop - start)
+
+    def verify_copied(self, name: str, region: FileRegion) -> None:
+        """Check every block of `name`'s tensor file that holds `region` (bytes a writer just copied from
+        locate()'s region, still in the page cache) against its checksums, mapping at most
+        integrity.COPY_STEP bytes at a time; a damaged block raises UniversalFormatError naming it."""
+        info = self._info(name)
+        fd = self._source_files().fd(region.path)
+        label = integrity.tensor_file_label(info.name)
+        try:
+            for lo in range(region.offset, region.offset + region.nbytes, integrity.COPY_STEP):
+                n = min(integrity.COPY_STEP, region.offset + region.nbytes - lo)
+                with integrity.verified_view(fd, lo, n, info.checksum, path=region.path, label=label,
+                                             cache=self._verified):
+                    pass
+        except ChecksumError as e:
+            raise _as_format_error(e) from None
+        self.bytes_read += region.nbytes
 
     def total_bytes(self) -> int:
         """Bytes of all stored tensors (fp32)."""

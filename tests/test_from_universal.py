@@ -7,8 +7,8 @@ Layouts and tolerances:
    model/layout args equal.
 2. Resharding: C -> TP1PP1 and A -> TP1PP2DP1 (distributed optimizer); the output, converted back to
    universal, equals the first universal checkpoint bitwise.
-3. The training harness resumes fixture A's iteration-4 state written at TP1PP2 (torch and torch_dist)
-   and continues Megatron-LM's uninterrupted run: iterations 5..8 within 1e-4 relative.
+3. The training harness resumes fixture A's iteration-4 state written at TP1PP2 (torch, and torch_dist by
+   the direct writer) and continues Megatron-LM's uninterrupted run: iterations 5..8 within 1e-4 relative.
 4. Errors: a TP that cannot hold the model, an existing DST, --dry-run: nothing is written.
 """
 
@@ -309,6 +309,14 @@ def test_existing_destination_and_dry_run_write_nothing(universal, tmp_path, cap
         "latest_checkpointed_iteration.txt"]
     assert all(f["bytes"] > 0 for f in out["files"][:-1]) and "would write" in out["message"]
     rc, out = _cli([str(ucp), str(fresh), "--ckpt-format", "torch_dist", "--dry-run",
+                    "--pipeline-model-parallel-size", "2"])
+    # the direct writer lists every file: PP2 x 2 files per rank, then the metadata files and the tracker
+    assert rc == 0 and not fresh.exists() and out["details"][0] == "optimizer state: adam"
+    assert [f["path"] for f in out["files"]] == [
+        "iter_0000008/__0_0.distcp", "iter_0000008/__0_1.distcp", "iter_0000008/__1_0.distcp",
+        "iter_0000008/__1_1.distcp", "iter_0000008/.metadata", "iter_0000008/common.pt",
+        "iter_0000008/metadata.json", "latest_checkpointed_iteration.txt"]
+    rc, out = _cli([str(ucp), str(fresh), "--ckpt-format", "torch_dist", "--dry-run", "--via-harness",
                     "--pipeline-model-parallel-size", "2"])
     assert rc == 0 and not fresh.exists() and "--pipeline-model-parallel-size 2" in out["message"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"]

@@ -3,8 +3,11 @@ one declared interface (`base.CheckpointWriter`):
 
 - `torch`: Megatron-LM's legacy format (model_optim_rng.pt [+ distrib_optim.pt] per (tp, pp) rank),
   written offline, one rank's shard in memory at a time (writers/legacy.py);
-- `torch_dist`: megatron-core `torch_dist`, written by launching the training harness at the target
-  layout (it loads the universal checkpoint and saves exactly as Megatron-LM does; writers/torch_dist.py).
+- `torch_dist`: megatron-core `torch_dist`, written offline and streaming: megatron-core's keys and
+  chunks, bytes copied file to file, the files split over torchrun processes (writers/torch_dist_direct.py);
+- `torch_dist` `via_harness` (`--via-harness`): the same format saved by megatron-core itself, from the
+  training harness launched at the target layout (writers/torch_dist.py): the reference the direct
+  writer is tested against.
 """
 
 from __future__ import annotations
@@ -15,15 +18,21 @@ from megatron_ucp.writers.base import CheckpointWriter, PlannedFile, WriteError,
 
 
 _WRITERS = {"torch": ("megatron_ucp.writers.legacy", "LegacyWriter"),
-            "torch_dist": ("megatron_ucp.writers.torch_dist", "HarnessTorchDistWriter")}
+            "torch_dist": ("megatron_ucp.writers.torch_dist_direct", "DirectTorchDistWriter")}
+_HARNESS_WRITERS = {"torch_dist": ("megatron_ucp.writers.torch_dist", "HarnessTorchDistWriter")}
 
 
-def make_writer(ckpt_format: str, **options) -> CheckpointWriter:
-    """The writer of `ckpt_format`; it takes the `options` it declares (`OPTIONS`) and ignores the rest (e.g.
-    timeout_s applies to a writer that runs processes)."""
-    if ckpt_format not in _WRITERS:
+def make_writer(ckpt_format: str, *, via_harness: bool = False, **options) -> CheckpointWriter:
+    """The writer of `ckpt_format` (with `via_harness`, the one that runs the training harness); it takes the
+    `options` it declares (`OPTIONS`) and ignores the rest (e.g. timeout_s applies to a writer that runs
+    processes); the caller refuses options the user gave that the writer does not declare."""
+    table = _HARNESS_WRITERS if via_harness else _WRITERS
+    if ckpt_format not in table:
+        if via_harness:
+            raise WriteError(f"--via-harness writes {', '.join(_HARNESS_WRITERS)} through the training harness; "
+                             f"drop it for --ckpt-format {ckpt_format}")
         raise WriteError(f"--ckpt-format {ckpt_format!r}: choose one of {', '.join(CKPT_FORMATS)}")
-    module, cls = _WRITERS[ckpt_format]
+    module, cls = table[ckpt_format]
     writer = getattr(importlib.import_module(module), cls)
     return writer(**{k: v for k, v in options.items() if k in writer.OPTIONS})
 

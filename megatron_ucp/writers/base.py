@@ -58,9 +58,16 @@ def target_args(metadata: Mapping[str, Any], layout: ParallelLayout, *, use_dist
         account_for_loss_in_pipeline_split=layout.loss_in_split,
         num_layers_per_virtual_pipeline_stage=vpp_layers if layout.vpp else None,
         data_parallel_size=layout.dp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
         context_parallel_size=1,
         world_size=layout.world_size,
         sequence_parallel=bool(layout.sp),
+        num_virtual_stages_per_pipeline_rank=layout.vpp if layout.vpp and not vpp_layers else None,
+        decoder_first_pipeline_num_layers=layout.first_stage_layers,
+        decoder_last_pipeline_num_layers=layout.last_stage_layers,
+        account_for_embedding_in_pipeline_split=layout.embedding_in_split,
+        account_for_loss_in_pipeline_split=layout.loss_in_split,
         use_distributed_optimizer=bool(use_distributed_optimizer),
         padded_vocab_size=int(padded_vocab_size),
         ckpt_format=ckpt_format,
@@ -90,3 +97,18 @@ class CheckpointWriter(abc.ABC):
     def write(self, ucp, target: WriteTarget, root: Path, on_file: Optional[Callable[[Path, int], None]] = None
               ) -> None:
         """Write the checkpoint under `root` (a staging directory), the tracker file last."""
+
+    # Writers whose files can be written by several processes of a torchrun job (a shared filesystem):
+    # from_universal runs write_share on every process, then finish_shares on rank 0 (the staging owner).
+    splits_over_processes: ClassVar[bool] = False
+
+    def write_share(self, ucp, target: WriteTarget, root: Path, rank: int, world: int,
+                    on_file: Optional[Callable[[Path, int], None]] = None) -> Any:
+        """Write process `rank`'s share of the files (of `world` processes), each fsynced; return what
+        finish_shares needs from it (picklable)."""
+        raise NotImplementedError(f"{type(self).__name__} writes in one process")
+
+    def finish_shares(self, ucp, target: WriteTarget, root: Path, shares: list) -> None:
+        """On rank 0, once every process wrote its share (`shares`: their write_share results in rank
+        order): the remaining files, the tracker file last."""
+        raise NotImplementedError(f"{type(self).__name__} writes in one process")

@@ -254,7 +254,8 @@ def _rank_step(ucp, canonicals: list[str], where: str) -> Optional[int]:
     return steps.pop()
 
 
-def _rng_state(args: Mapping[str, Any], iteration: int, tp_rank: int, pp_rank: int, dp: int, kind: str) -> list:
+def fresh_rng_state(args: Mapping[str, Any], iteration: int, tp_rank: int, pp_rank: int, dp: int,
+                    kind: str) -> list:
     """Megatron's get_rng_state() as freshly seeded by _set_random_seed/model_parallel_cuda_manual_seed."""
     per_dp = dp if args.get("data_parallel_random_init") else 1
     states = []
@@ -332,7 +333,8 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: d
         if ucp.scheduler_state:
             sd["opt_param_scheduler"] = dict(ucp.scheduler_state)
     if target.rng_state != "none":
-        sd["rng_state"] = _rng_state(target.args, ucp.iteration, tp_rank, pp_rank, layout.dp, target.rng_state)
+        sd["rng_state"] = fresh_rng_state(target.args, ucp.iteration, tp_rank, pp_rank, layout.dp,
+                                          target.rng_state)
     flops = ucp.metadata.get("num_floating_point_operations_so_far")
     sd["num_floating_point_operations_so_far"] = flops if flops is not None else 0
     return sd, distrib

@@ -1,4 +1,10 @@
-"""Universal checkpoint -> megatron-core `torch_dist` checkpoint at any layout, via the training harness.
+"""Universal checkpoint -> megatron-core `torch_dist` checkpoint at any layout, via the training harness
+(`from-universal --via-harness`; the default route is writers/torch_dist_direct.py, offline).
+
+What it still serves: it is megatron-core's own save, so it is the reference the direct writer is tested
+against (tests/test_torch_dist_direct.py: same `.metadata`, tensor for tensor equal), and the fallback
+for a megatron-core whose torch_dist layout differs from 0.16.1's (the direct writer reproduces 0.16.1's).
+It needs T*P*D processes and the whole model and optimizer state in memory.
 
 The faithful route: launch `pretrain_scripts/pretrain_gpt.py` at the target layout with
 `--load UCP --universal-checkpoint --train-iters <iteration> --save DST`. It builds the megatron-core
@@ -106,6 +112,16 @@ def layout_flags(layout: ParallelLayout, vpp_layers: Optional[int], use_distribu
     flags = ["--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", str(layout.pp)]
     if layout.vpp and vpp_layers:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(vpp_layers)]
+    elif layout.vpp:
+        flags += ["--num-virtual-stages-per-pipeline-rank", str(layout.vpp)]
+    for value, flag in ((layout.first_stage_layers, "--decoder-first-pipeline-num-layers"),
+                        (layout.last_stage_layers, "--decoder-last-pipeline-num-layers")):
+        if value is not None:
+            flags += [flag, str(value)]
+    if layout.embedding_in_split:
+        flags.append("--account-for-embedding-in-pipeline-split")
+    if layout.loss_in_split:
+        flags.append("--account-for-loss-in-pipeline-split")
     if layout.sp:
         flags.append("--sequence-parallel")
     if use_distributed_optimizer:
@@ -115,9 +131,11 @@ def layout_flags(layout: ParallelLayout, vpp_layers: Optional[int], use_distribu
 
 def harness_flags_from_universal(metadata: Mapping[str, Any], layout: ParallelLayout, *,
                                  vpp_layers: Optional[int] = None, use_distributed_optimizer: bool = False,
-                                 notes: Optional[list] = None) -> list[str]:
+                                 optimizer_format: Optional[str] = None, notes: Optional[list] = None) -> list[str]:
     """pretrain_gpt.py flags that rebuild the universal checkpoint's model, optimizer and LR schedule at
     `layout` (without --load/--save/--train-iters). `notes` collects substitutions made on the way.
+    optimizer_format ('dp_reshardable' | 'fully_reshardable') chooses how the distributed optimizer's state
+    is saved; None keeps the source run's choice.
 
     The model shape comes from `model_config` (authoritative), the rest from Megatron's `args`.
     Schedule lengths: --lr-decay-iters and --lr-warmup-iters are given explicitly because the harness
@@ -153,6 +171,8 @@ def harness_flags_from_universal(metadata: Mapping[str, Any], layout: ParallelLa
             raise ValueError(f"{name}={value!r} is not supported by the harness (it supports "
                              f"{', '.join(_HARNESS_CHOICES[name])}); use --ckpt-format torch")
         flags += [flag, _flag_value(value)]
+    if optimizer_format is not None:
+        args["dist_ckpt_optim_fully_reshardable"] = optimizer_format == "fully_reshardable"
     for name, flag in _TRUE_FLAGS:
         if args.get(name):
             flags.append(flag)
@@ -217,10 +237,11 @@ class HarnessTorchDistWriter(CheckpointWriter):
     launched at the target layout (T*P*D CPU processes)."""
 
     ckpt_format = "torch_dist"
-    OPTIONS = ("timeout_s",)
+    OPTIONS = ("timeout_s", "optimizer_format")
 
-    def __init__(self, timeout_s: int = DEFAULT_TIMEOUT_S):
+    def __init__(self, timeout_s: int = DEFAULT_TIMEOUT_S, optimizer_format: Optional[str] = None):
         self.timeout_s = timeout_s
+        self.optimizer_format = optimizer_format
 
     def _flags(self, ucp, target: WriteTarget, notes: list) -> list[str]:
         if megatron_padded_vocab(ucp.config, target.layout.tp) != padded_vocab_at(ucp.config, target.layout.tp):
@@ -229,10 +250,15 @@ class HarnessTorchDistWriter(CheckpointWriter):
                 f"{target.layout.tp}, so the harness keeps it, but Megatron-LM computes "
                 f"{target.padded_vocab_size} rows at TP={target.layout.tp}; write --ckpt-format torch (it re-pads) "
                 f"or choose another TP")
+        if self.optimizer_format is not None and not target.use_distributed_optimizer:
+            raise WriteError(f"--optimizer-format {self.optimizer_format} describes the distributed optimizer's "
+                             f"state: add --use-distributed-optimizer, or drop --optimizer-format")
+        # megatron-core's default (dp_reshardable) unless asked, as the direct writer
+        optimizer_format = (self.optimizer_format or "dp_reshardable") if target.use_distributed_optimizer else None
         try:
             return harness_flags_from_universal(ucp.metadata, target.layout, vpp_layers=target.vpp_layers,
                                                 use_distributed_optimizer=target.use_distributed_optimizer,
-                                                notes=notes)
+                                                optimizer_format=optimizer_format, notes=notes)
         except ValueError as e:
             raise WriteError(f"as torch_dist: {e}") from e
 

@@ -1,0 +1,907 @@
+"""Universal checkpoint -> megatron-core `torch_dist` checkpoint, written directly: offline, streaming.
+
+The default `from-universal --ckpt-format torch_dist` writer. It writes what megatron-core 0.16.1's
+`dist_checkpointing.save` writes for a local-spec GPTModel trained by Megatron-LM at the target layout
+(training/checkpointing.py shows how the harness calls it), without building the model: the same DCP
+keys, global shapes and chunks, each distinct shard once (megatron-core's main-replica rule), the same
+common.pt:
+
+    iter_XXXXXXX/__<rank>_<n>.distcp   items: a torch.save archive per tensor chunk, a torch.save'd
+                                       list per ShardedObject (rng_state, _extra_state, optimizer objects)
+    iter_XXXXXXX/.metadata             DCP Metadata: state_dict_metadata (chunks), storage_data (where
+                                       each item is), storage_meta, version
+    iter_XXXXXXX/common.pt             args (target layout), checkpoint_version 3.0, iteration, optimizer
+                                       (non-sharded part), opt_param_scheduler, FLOPs, content_metadata
+    iter_XXXXXXX/metadata.json         {"sharded_backend": "torch_dist", ...}
+    latest_checkpointed_iteration.txt  last
+
+Entries (formats/torch_dist.py documents them as the reader sees them):
+- model: the rulebook's `torch_dist_key` (key and leading-axis indices: the global layer when layers are
+  stacked, then the global expert); one chunk per block of the parameter's pattern (`rank_blocks`) per
+  TP rank (one for replicated parameters); bf16 models store the fp32 main weight cast to bf16. A
+  ShardedObject `<module>._extra_state/shard_<lead>_<lead sizes>` (None) per module of the rulebook's
+  rows with `linear=True`, per layer (GPTModel drops the output layer's).
+- optimizer, by format:
+  - "dp_reshardable" (distributed optimizer, megatron-core's default): per model-parallel rank m, DDP
+    buffer g and bucket b (formats/bucket_layout.py), `optimizer.distributed.dp_group_idx_m.gbuf_idx_g.
+    dtype_(..).bucket_idx_b.{param,exp_avg,exp_avg_sq}` of global shape (bucket numel_unpadded,),
+    chunked as DistributedOptimizer.sharded_param_state_dp_reshardable does: each DP rank's equal slice
+    of the padded bucket split at parameter boundaries, gaps (64-element alignment) as chunks of their
+    own (zeros here), nothing past numel_unpadded; plus the objects `.optimizer` (param groups with
+    `step`), `.per_bucket_numel`, `.per_bucket_numel_unpadded`. Loads at this TP x PP only (any DP).
+  - "fully_reshardable": `optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`, chunked like the
+    model key; param groups in common.pt. megatron-core loads it at any layout.
+  - "adam" (no distributed optimizer): `optimizer.state.{exp_avg,exp_avg_sq}.<model key>` (+ `fp32_param`
+    for bf16/fp16 models); common.pt holds the param groups and `common_step`.
+  - None: weights only (args.no_save_optim), when the universal checkpoint has no Adam state.
+- `rng_state/shard_<pp>.<tp>_<PP>.<TP>`: a fresh deterministic state per (pp, tp) rank, as
+  writers/legacy.py writes it (`rng_state` "cuda" or "cpu"; "none" omits it, args.no_save_rng).
+
+How bytes move (bounded memory, at disk speed): tensor items are framed by torch.save itself without
+their data (formats/tensor_archive.py); each item's data is the concatenation of pieces, each a run of
+elements of a box of a universal tensor. A run that is contiguous in its universal tensor file and
+needs no cast (dim-0 layouts, replicated, whole-width flat bucket ranges) is copied file to file with
+copy_file_range (`UniversalCheckpoint.locate`), then the blocks it came from are checked against their
+checksums (`verify_copied`, from the page cache); anything else (row-parallel TP slices, bf16 casts,
+re-padded vocabulary rows, lazy universal checkpoints) is read in bands of rows through
+`UniversalCheckpoint.read`, which checks every block it reads, and written with one pwrite per band.
+Output files are written by `workers` threads; under torchrun the processes split the files
+(`write_share`) and rank 0 writes .metadata, common.pt, metadata.json and the tracker last.
+
+common.pt's args are Megatron-LM's Namespace at the target layout; its megatron enums (attention_backend,
+model_type) are pickled as references to megatron-core's classes, so writing never imports megatron-core.
+
+Model rules (keys, shapes, placement, patterns, registration order, param groups) come from
+adapters/gpt.py, the DDP index map from formats/bucket_layout.py; this module only lays out the format.
+
+Not written: mixture-of-experts models (refused in plan with the fix; the keys and leading axes above
+already follow the rulebook's expert rows, but the chained [dense, expert] optimizer, the expert DDP
+buffers (`chained_1.` keys, `dp_group_idx` over ETP x EP x PP) and the per-DP RNG objects with EP > 1
+of docs/MOE_CHECKPOINTS.md are not), and the fp16 loss scaler (universal checkpoints do not carry it:
+megatron-core then starts from --initial-loss-scale).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import heapq
+import io
+import json
+import math
+import os
+import pickle
+import threading
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from megatron_ucp import integrity
+from megatron_ucp.adapters.gpt import (LAYER, expected_parameters, local_name, parameters_for_rank, pattern_for,
+                                      rule_for, torch_dist_key, torch_dist_stacked, tp_size_of)
+from megatron_ucp.byteio import BAND_BYTES, FileHandles, FileRegion, copy_region
+from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
+                                                shared_embedding_names)
+from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
+from megatron_ucp.formats.safe_pickle import MEGATRON_ENUMS
+from megatron_ucp.formats.tensor_archive import tensor_archive
+from megatron_ucp.layout import ParallelLayout
+from megatron_ucp.model_config import GPTModelConfig
+from megatron_ucp.writers.base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
+from megatron_ucp.writers.legacy import CHECKPOINT_VERSION, args_namespace, fresh_rng_state, param_groups_by_rank
+
+OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed optimizer's torch_dist formats
+FILES_PER_RANK = 2  # megatron-core's default writer threads per rank (TorchDistSaveShardedStrategy thread_count)
+COMMON_FILENAME = "common.pt"
+DCP_METADATA_FILENAME = ".metadata"
+METADATA_JSON_FILENAME = "metadata.json"
+METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                 "common_backend_version": 1}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STATE_NAMES = {"fp32": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # universal -> bucket key
+
+
+class TorchDistWriteError(WriteError):
+    """The universal checkpoint cannot be written as torch_dist as asked; the message says why and the fix."""
+
+
+# --------------------------------------------------------------------------------------------------
+# megatron-core's spelling of torch_dist entries
+
+
+def content_metadata(use_distributed_optimizer: bool, optimizer_format: Optional[str]) -> dict:
+    """common.pt['content_metadata'] as Megatron-LM 0.16.1 saves it (`_build_sharded_state_dict_metadata`):
+    how its load must build the optimizer's sharded state dict."""
+    metadata: dict = {}
+    if use_distributed_optimizer:  # first, as in Megatron-LM's own saves (fixture B)
+        metadata["distrib_optim_sharding_type"] = optimizer_format
+        if optimizer_format == "fully_reshardable":
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+    return {**metadata, "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def model_space_state_key(what: str, model_key: str) -> str:
+    """Key of optimizer state saved like the model tensor `model_key` ('param', 'fp32_param', 'exp_avg',
+    'exp_avg_sq'): fully_reshardable distributed optimizer, FP32 and Float16 optimizers."""
+    return f"optimizer.state.{what}.{model_key}"
+
+
+def flat_bucket_key(mp_rank: int, gbuf: int, dtypes: tuple, bucket: int, what: str) -> str:
+    """Key of one dp_reshardable flat bucket tensor ('param', 'exp_avg', 'exp_avg_sq'); `dtypes` is the
+    buffer's (param dtype, grad dtype)."""
+    return (f"optimizer.distributed.dp_group_idx_{mp_rank}.gbuf_idx_{gbuf}.dtype_({dtypes[0]}, {dtypes[1]})"
+            f".bucket_idx_{bucket}.{what}")
+
+
+def distributed_optimizer_object_key(mp_rank: int, name: str) -> str:
+    """Key of a per model-parallel rank object of the distributed optimizer ('optimizer' (param groups),
+    'per_bucket_numel', 'per_bucket_numel_unpadded')."""
+    return f"optimizer.distributed.dp_group_idx_{mp_rank}.{name}"
+
+
+def sharded_object_key(key: str, offset: tuple, shape: tuple) -> str:
+    """The DCP key of a megatron-core ShardedObject (its unique_key): `<key>/shard_<offset>_<shape>`."""
+    return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
+
+
+def global_rank(layout: ParallelLayout, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
+    """megatron-core's default rank order (tp-cp-ep-dp-pp, CP = 1; EP is carved out of DP x TP)."""
+    return tp_rank + layout.tp * (dp_rank + layout.dp * pp_rank)
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan (pure: from the universal metadata and the rulebook; no tensor is read)
+
+
+Box = tuple[tuple[int, int], ...]  # (start, stop) per dim of a universal tensor, target coordinates
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, stop) (C order) of the box `box` of the universal tensor `state` ('fp32',
+    'exp_avg', 'exp_avg_sq') of parameter `name`; rows past the stored vocabulary are re-padding."""
+
+    name: str
+    state: str
+    box: Box
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Gap:
+    """`numel` elements of alignment padding, left as zeros."""
+
+    numel: int
+
+
+@dataclass(frozen=True)
+class TensorItem:
+    """One saved chunk of a DCP tensor: its bytes are `pieces` in order, cast to `dtype`."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: tuple[Union[Piece, Gap], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.sizes) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ObjectItem:
+    """A megatron-core ShardedObject; `key` is its unique key, the item is torch.save([value])."""
+
+    key: str
+    value: Any = field(compare=False)
+
+    nbytes = 0
+
+
+Item = Union[TensorItem, ObjectItem]
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    name: str  # __<rank>_<n>.distcp
+    items: tuple[Item, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for item in self.items)
+
+
+@dataclass(frozen=True)
+class DirectPlan:
+    """Every .distcp file with its items, and common.pt's content."""
+
+    files: tuple[OutputFile, ...]
+    common: dict = field(compare=False)
+    iteration: int = 0
+    padded_vocab_size: int = 0
+    optimizer: Optional[str] = None  # 'dp_reshardable' | 'fully_reshardable' | 'adam' | None (weights only)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+
+@dataclass(frozen=True)
+class WrittenItem:
+    """Where an item went: DCP's storage_data entry (_StorageInfo), by item key and chunk offsets."""
+
+    key: str
+    offsets: Optional[tuple[int, ...]]  # None for objects
+    relative_path: str
+    offset: int
+    length: int
+
+
+def _box(block) -> Box:
+    return tuple((r.start, r.stop) for r in block.dst)
+
+
+def _box_numel(box: Box) -> int:
+    return math.prod(b - a for a, b in box)
+
+
+def _model_dtype(ucp, name: str) -> torch.dtype:
+    return _DTYPES[ucp.parameters[name].model_dtype]
+
+
+def _lead_sizes(config: GPTModelConfig, lead: tuple) -> tuple:
+    """Sizes of the leading axes a torch_dist key puts before the parameter's own: the layer axis of stacked
+    layers, then the expert axis (rulebook: torch_dist_keys)."""
+    axes = ((config.num_layers,) if torch_dist_stacked(config) else ()) + (
+        (config.num_experts,) if config.num_experts else ())
+    return axes[:len(lead)]
+
+
+class _Owners:
+    """Which rank writes each item: fixed for data that lives on one DP rank, else the least-loaded DP
+    rank of its (tp, pp) group (what megatron-core's fully parallel save balances)."""
+
+    def __init__(self, layout: ParallelLayout):
+        self.layout = layout
+        self.items: dict[int, list] = {}
+        self.load: dict[int, int] = {}
+
+    def add(self, item: Item, tp_rank: int, pp_rank: int, dp_rank: Optional[int] = None) -> None:
+        if dp_rank is None:
+            ranks = [global_rank(self.layout, tp_rank, pp_rank, d) for d in range(self.layout.dp)]
+            rank = min(ranks, key=lambda r: (self.load.get(r, 0), r))
+        else:
+            rank = global_rank(self.layout, tp_rank, pp_rank, dp_rank)
+        self.items.setdefault(rank, []).append(item)
+        self.load[rank] = self.load.get(rank, 0) + item.nbytes
+
+    def files(self) -> tuple[OutputFile, ...]:
+        """Each rank's items in FILES_PER_RANK files: objects dealt round-robin, tensors largest first into
+        the lightest file (megatron-core's _split_by_size_and_type)."""
+        out = []
+        for rank in sorted(self.items):
+            bins: list[list] = [[] for _ in range(FILES_PER_RANK)]
+            objects = [i for i in self.items[rank] if isinstance(i, ObjectItem)]
+            tensors = sorted((i for i in self.items[rank] if isinstance(i, TensorItem)), key=lambda i: -i.nbytes)
+            for n, item in enumerate(objects):
+                bins[n % FILES_PER_RANK].append(item)
+            heap = [(0, n) for n in range(FILES_PER_RANK)]
+            for item in tensors:
+                size, n = heapq.heappop(heap)
+                bins[n].append(item)
+                heapq.heappush(heap, (size + item.nbytes, n))
+            out += [OutputFile(f"__{rank}_{n}.distcp", tuple(b)) for n, b in enumerate(bins) if b]
+        return tuple(out)
+
+
+def optimizer_kind(ucp, target: WriteTarget, optimizer_format: Optional[str]) -> Optional[str]:
+    """The optimizer entries to write: the distributed optimizer's format (default dp_reshardable, as
+    megatron-core), 'adam' without it, None when the universal checkpoint holds no Adam state."""
+    if optimizer_format is not None and not target.use_distributed_optimizer:
+        raise TorchDistWriteError(f"--optimizer-format {optimizer_format} describes the distributed optimizer's "
+                                  f"state: add --use-distributed-optimizer, or drop --optimizer-format")
+    if not all("exp_avg" in info.tensors for info in ucp.parameters.values()):
+        if optimizer_format is not None:
+            raise TorchDistWriteError(f"{ucp.path}: holds no optimizer state, so there is no {optimizer_format} "
+                                      f"state to write; drop --optimizer-format")
+        return None
+    if target.use_distributed_optimizer:
+        return optimizer_format or "dp_reshardable"
+    return "adam"
+
+
+def plan_checkpoint(ucp, target: WriteTarget, optimizer_format: Optional[str] = None) -> DirectPlan:
+    """Every item of the checkpoint, which file holds it, and common.pt. Raises TorchDistWriteError."""
+    layout = target.layout
+    config = replace(ucp.config, padded_vocab_size=target.padded_vocab_size)
+    if config.num_experts:
+        raise TorchDistWriteError(
+            f"{ucp.path}: a mixture-of-experts model (num_experts={config.num_experts}, --num-experts); the direct "
+            f"torch_dist writer does not write expert optimizer state yet: write --ckpt-format torch, or resume "
+            f"with --load UCP --universal-checkpoint")
+    opt = optimizer_kind(ucp, target, optimizer_format)
+    shapes = dict(expected_parameters(config, layout))
+    step = _single_step(ucp) if opt is not None else None
+    groups = _rank_param_groups(ucp, config, target) if opt is not None else {}
+    owners = _Owners(layout)
+    if opt == "dp_reshardable":  # first: its items have fixed owners, the replicated ones balance around them
+        _plan_flat_buckets(ucp, config, target, shapes, step, groups, owners)
+    _plan_model(ucp, config, layout, opt, shapes, owners)
+    _plan_extra_states(config, layout, shapes, owners)
+    if target.rng_state != "none":
+        for pp_rank in range(layout.pp):
+            for tp_rank in range(layout.tp):
+                value = fresh_rng_state(target.args, ucp.iteration, tp_rank, pp_rank, layout.dp, target.rng_state)
+                owners.add(ObjectItem(sharded_object_key("rng_state", (pp_rank, tp_rank), (layout.pp, layout.tp)),
+                                      value), tp_rank, pp_rank, 0)
+    return DirectPlan(owners.files(), _common_state(ucp, target, opt, step, groups), ucp.iteration,
+                      target.padded_vocab_size, opt)
+
+
+def _single_step(ucp) -> Optional[int]:
+    steps = {info.step for info in ucp.parameters.values()}
+    if len(steps) > 1:
+        raise TorchDistWriteError(
+            f"{ucp.path}: parameters have different Adam steps {sorted(s for s in steps if s is not None)}; "
+            f"megatron-core's torch_dist optimizer state keeps one step: write --ckpt-format torch (one step per "
+            f"parameter)")
+    return steps.pop()
+
+
+def _rank_param_groups(ucp, config: GPTModelConfig, target: WriteTarget) -> dict:
+    try:
+        return param_groups_by_rank(ucp, config, target)
+    except WriteError as e:
+        raise TorchDistWriteError(str(e)) from e
+
+
+def _plan_model(ucp, config: GPTModelConfig, layout: ParallelLayout, opt: Optional[str], shapes: dict,
+                owners: _Owners) -> None:
+    """Model tensors, and model-space optimizer state (fully_reshardable, plain Adam) chunked like them."""
+    for name, shape in shapes.items():
+        key, lead = torch_dist_key(name, config)
+        pp_rank = local_name(name, layout, config.num_layers, tied=config.tied, config=config)[0][0]
+        dtype = _model_dtype(ucp, name)
+        global_shape = _lead_sizes(config, lead) + tuple(shape)
+        states = []  # (saved key, universal tensor)
+        if opt == "fully_reshardable":
+            states.append((model_space_state_key("param", key), "fp32"))
+        elif opt == "adam" and dtype != torch.float32:
+            states.append((model_space_state_key("fp32_param", key), "fp32"))
+        if opt in ("fully_reshardable", "adam"):
+            states += [(model_space_state_key(s, key), s) for s in ("exp_avg", "exp_avg_sq")]
+        pattern, tp = pattern_for(name, config), tp_size_of(name, layout)
+        for tp_rank in range(1 if pattern.dim is None else tp):
+            for block in pattern.rank_blocks(shape, tp_rank, tp, name=name):
+                box = _box(block)
+                offsets = tuple(lead) + tuple(a for a, _ in box)
+                sizes = (1,) * len(lead) + tuple(b - a for a, b in box)
+                numel = _box_numel(box)
+                owners.add(TensorItem(key, global_shape, offsets, sizes, dtype,
+                                      (Piece(name, "fp32", box, 0, numel),)), tp_rank, pp_rank)
+                for saved, state in states:
+                    owners.add(TensorItem(saved, global_shape, offsets, sizes, torch.float32,
+                                          (Piece(name, state, box, 0, numel),)), tp_rank, pp_rank)
+
+
+def _plan_extra_states(config: GPTModelConfig, layout: ParallelLayout, shapes: dict, owners: _Owners) -> None:
+    """megatron-core's local-spec linear modules save an `_extra_state` (None): one ShardedObject per module of
+    the rulebook's `linear` rows per layer (and expert), keyed like the module's weight. A load asks for
+    them, so they must be written; GPTModel drops the output layer's."""
+    seen = set()
+    for name in shapes:
+        rule = rule_for(name)
+        if not rule.linear or rule.scope != LAYER:
+            continue
+        key, lead = torch_dist_key(name, config)
+        object_key = sharded_object_key(f"{key.rsplit('.', 1)[0]}._extra_state", lead, _lead_sizes(config, lead))
+        if object_key in seen:
+            continue
+        seen.add(object_key)
+        pp_rank = local_name(name, layout, config.num_layers, tied=config.tied, config=config)[0][0]
+        owners.add(ObjectItem(object_key, None), 0, pp_rank, 0)
+
+
+def _rank_buffers(ucp, config: GPTModelConfig, target: WriteTarget, pp_rank: int) -> tuple[list, list]:
+    """(per chunk: [(local name, local shape, canonical)], per chunk: the DDP buffers megatron-core builds)."""
+    layout = target.layout
+    chunks = [parameters_for_rank(config, layout, pp_rank, chunk if layout.vpp else None)
+              for chunk in range(layout.num_chunks)]
+    params = [[BufferParam(local, tuple(shape), _model_dtype(ucp, name)) for local, shape, name in chunk]
+              for chunk in chunks]
+    num_params = sum(p.numel for chunk in params for p in chunk)
+    buffers = []
+    for index, chunk_params in enumerate(params):
+        ddp = DDPBucketConfig.from_megatron_args(target.args, pp_rank=pp_rank, vpp_chunk=index,
+                                                 rank_num_parameters=num_params)
+        shared = shared_embedding_names(target.args, pp_rank=pp_rank, vpp_chunk=index,
+                                        names=[p.name for p in chunk_params])
+        buffers.append(build_chunk_buffers([replace(p, shared_embedding=p.name in shared) for p in chunk_params],
+                                           ddp))
+    return chunks, buffers
+
+
+def _local_flat_pieces(config: GPTModelConfig, layout: ParallelLayout, name: str, shape: tuple, tp_rank: int,
+                       state: str, start: int, stop: int) -> list[Piece]:
+    """Elements [start, stop) of the TP rank's shard flattened (C order) as pieces of global boxes. The shard
+    is its blocks concatenated along the pattern's dim, i.e. their flattenings concatenated when that dim
+    is 0 (or there is one block)."""
+    pattern, tp = pattern_for(name, config), tp_size_of(name, layout)
+    blocks = pattern.rank_blocks(shape, tp_rank, tp, name=name)
+    if len(blocks) > 1 and pattern.dim != 0:
+        raise TorchDistWriteError(f"{name}: pattern {pattern.to_json()} concatenates {len(blocks)} blocks along dim "
+                                  f"{pattern.dim}; flat buckets need dim-0 concatenation")
+    pieces, pos = [], 0
+    for block in blocks:
+        box = _box(block)
+        n = _box_numel(box)
+        lo, hi = max(start, pos), min(stop, pos + n)
+        if lo < hi:
+            pieces.append(Piece(name, state, box, lo - pos, hi - pos))
+        pos += n
+    return pieces
+
+
+def _plan_flat_buckets(ucp, config: GPTModelConfig, target: WriteTarget, shapes: dict, step, groups: dict,
+                       owners: _Owners) -> None:
+    """DistributedOptimizer.sharded_param_state_dp_reshardable, for every (tp, pp, dp) rank."""
+    layout = target.layout
+    for pp_rank in range(layout.pp):
+        chunks, buffers = _rank_buffers(ucp, config, target, pp_rank)
+        canonical = {(c, local): name for c, chunk in enumerate(chunks) for local, _, name in chunk}
+        for tp_rank in range(layout.tp):
+            mp = tp_rank + layout.tp * pp_rank
+            numel, unpadded, gbuf = [], [], 0
+            for chunk_index, chunk_buffers in enumerate(buffers):
+                for buf in chunk_buffers:
+                    dtypes = (buf.param_dtype, buf.grad_dtype)
+                    numel.append({dtypes: [b.numel for b in buf.buckets]})
+                    unpadded.append({dtypes: [b.numel_unpadded for b in buf.buckets]})
+                    for b, bucket in enumerate(buf.buckets):
+                        spans = [s for s in buf.params if s.bucket == b]
+
+                        def flat(span, lo, hi, state, chunk_index=chunk_index):
+                            name = canonical[(chunk_index, span.name)]
+                            return _local_flat_pieces(config, layout, name, shapes[name], tp_rank, state, lo, hi)
+
+                        where = f"bucket {b} of buffer {gbuf} of rank tp={tp_rank} pp={pp_rank}"
+                        for dp_rank, chunk_list in enumerate(_bucket_chunks(bucket, spans, layout.dp, flat, where)):
+                            for universal_key, saved_name in _STATE_NAMES.items():
+                                for offset, size, pieces in chunk_list:
+                                    owners.add(TensorItem(flat_bucket_key(mp, gbuf, dtypes, b, saved_name),
+                                                          (bucket.numel_unpadded,), (offset,), (size,),
+                                                          torch.float32, pieces(universal_key)),
+                                               tp_rank, pp_rank, dp_rank)
+                    gbuf += 1
+            param_groups = [{**_group_hyper(ucp, g), "step": float(step or 0)}
+                            for g in range(len(groups[(tp_rank, pp_rank)]))]
+            for name, value in (("optimizer", {"param_groups": param_groups}), ("per_bucket_numel", numel),
+                                ("per_bucket_numel_unpadded", unpadded)):
+                owners.add(ObjectItem(sharded_object_key(distributed_optimizer_object_key(mp, name), (0,), (1,)),
+                                      value), tp_rank, pp_rank, 0)
+
+
+def _bucket_chunks(bucket, spans, dp: int, flat_pieces: Callable, where: str) -> list:
+    """Per DP rank: [(chunk offset, chunk size, state -> pieces)] of one bucket, in bucket order.
+
+    DP rank d owns [d*L, (d+1)*L) of the padded bucket (L = numel / dp). Its chunks are the parameters'
+    pieces in it, and a gap chunk wherever the next piece (or the slice end) does not follow, unless the
+    gap starts at or past numel_unpadded (the bucket-end padding is not saved)."""
+    shard = bucket.numel // dp
+    out = []
+    for d in range(dp):
+        lo, hi = bucket.start + d * shard, bucket.start + (d + 1) * shard
+        mine = [(s, max(s.start, lo), min(s.end, hi)) for s in spans if s.start < hi and s.end > lo]
+        if not mine:
+            raise TorchDistWriteError(f"{where}: DP rank {d} of {dp} holds no parameter (only padding), which "
+                                      f"megatron-core's distributed optimizer refuses; choose a smaller DP")
+        chunks: list = []
+
+        def gap(start: int, stop: int) -> None:
+            if stop > start and d * shard + start < bucket.numel_unpadded:
+                chunks.append((d * shard + start, stop - start, lambda state, n=stop - start: (Gap(n),)))
+
+        cursor = 0  # in the DP rank's slice
+        for span, a, b in mine:
+            gap(cursor, a - lo)
+            chunks.append((d * shard + a - lo, b - a, lambda state, span=span, a=a, b=b: tuple(
+                flat_pieces(span, a - span.start, b - span.start, state))))
+            cursor = b - lo
+        gap(cursor, shard)
+        out.append(chunks)
+    return out
+
+
+def _group_hyper(ucp, index: int) -> dict:
+    group = dict(ucp.param_groups[index]) if ucp.param_groups else {}
+    if isinstance(group.get("betas"), list):
+        group["betas"] = tuple(group["betas"])  # torch keeps a tuple
+    return group
+
+
+def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: dict) -> dict:
+    """common.pt: what dist_checkpointing.save keeps of Megatron-LM's state dict besides sharded entries."""
+    args = dict(target.args)
+    args["rank"] = args["local_rank"] = 0  # common.pt is rank 0's
+    args["dist_ckpt_optim_fully_reshardable"] = opt == "fully_reshardable"
+    if opt is None:
+        args["no_save_optim"] = True
+    if target.rng_state == "none":
+        args["no_save_rng"] = True
+    common: dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,  # args: a Namespace when written
+                    "iteration": ucp.iteration}
+    if opt is not None:
+        hyper = [_group_hyper(ucp, g) for g in range(len(groups[(0, 0)]))]  # rank 0's (it writes common.pt)
+        if opt == "dp_reshardable":
+            common["optimizer"] = {"param_state_sharding_type": "dp_reshardable"}
+        elif opt == "fully_reshardable":
+            common["optimizer"] = {"optimizer": {"param_groups": [{**g, "step": float(step or 0)} for g in hyper]},
+                                   "param_state_sharding_type": "fully_reshardable"}
+        else:  # FP32Optimizer, or Float16OptimizerWithFloat16Params around it for 16-bit models
+            inner: dict = {"state": {}, "param_groups": hyper}
+            if step:  # megatron-core saves the shared step only when non-zero
+                inner["state"]["common_step"] = torch.tensor(float(step), dtype=torch.float32)
+            mixed = any(_model_dtype(ucp, n) != torch.float32 for n in ucp.parameters)
+            common["optimizer"] = {"optimizer": inner} if mixed else inner
+        common["opt_param_scheduler"] = dict(ucp.scheduler_state)
+    flops = ucp.metadata.get("num_floating_point_operations_so_far")
+    common["num_floating_point_operations_so_far"] = flops if flops is not None else 0
+    common["content_metadata"] = content_metadata(target.use_distributed_optimizer, opt)
+    return common
+
+
+# --------------------------------------------------------------------------------------------------
+# Bytes: pieces of universal tensors into an open file
+
+
+class _Sources:
+    """One writer thread's view of the universal tensors, seen as 2-D (a 1-D tensor is one row): byte regions
+    to copy (`UniversalCheckpoint.locate`, cached) and rows read through `UniversalCheckpoint.read`
+    (checked). Rows past the stored vocabulary (a target with more padding rows) are filled as
+    patterns.resize_vocab re-pads: the mean padding row for weights, zeros for moments."""
+
+    def __init__(self, ucp, config: GPTModelConfig):
+        self.ucp, self.config = ucp, config
+        self.files = FileHandles()
+        self._located: dict = {}
+        self._fill: dict = {}
+
+    def close(self) -> None:
+        self.files.close()
+
+    def shape2d(self, name: str) -> tuple[int, int]:
+        shape = self.ucp.parameters[name].shape
+        if len(shape) > 2:
+            raise TorchDistWriteError(f"{name}: {len(shape)}-D tensors are not laid out by this writer")
+        return (1, shape[0]) if len(shape) == 1 else shape
+
+    def region(self, name: str, state: str, start: int, stop: int) -> Optional[FileRegion]:
+        """File region of stored elements [start, stop) (flat) of the tensor, or None (read it instead)."""
+        if (name, state) not in self._located:
+            self._located[(name, state)] = self.ucp.locate(name, state)
+        located = self._located[(name, state)]
+        if located is None:
+            return None
+        return FileRegion(located.path, located.offset + 4 * start, 4 * (stop - start))
+
+    def rows(self, name: str, state: str, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        """Rows [r0, r1), columns [c0, c1) of the tensor as float32 (r1 - r0, c1 - c0)."""
+        rows, _ = self.shape2d(name)
+        parts = []
+        if r0 < rows:
+            top = min(r1, rows)
+            if len(self.ucp.parameters[name].shape) == 1:
+                parts.append(self.ucp.read(name, state, (slice(c0, c1),)).view(1, c1 - c0))
+            else:
+                parts.append(self.ucp.read(name, state, (slice(r0, top), slice(c0, c1))))
+        if r1 > rows:
+            parts.append(self.fill_row(name, state)[:, c0:c1].expand(r1 - max(r0, rows), c1 - c0))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def fill_row(self, name: str, state: str) -> torch.Tensor:
+        found = self._fill.get((name, state))
+        if found is None:
+            rows, cols = self.shape2d(name)
+            if state != "fp32":
+                found = torch.zeros(1, cols)
+            else:  # the mean of the stored padding rows (all rows if none), in float64
+                lo = self.config.vocab_size if rows > self.config.vocab_size else 0
+                total = torch.zeros(cols, dtype=torch.float64)
+                step = max(1, BAND_BYTES // (4 * cols))
+                for a in range(lo, rows, step):
+                    total += self.rows(name, state, a, min(rows, a + step), 0, cols).to(torch.float64).sum(0)
+                found = (total / (rows - lo)).to(torch.float32).view(1, cols)
+            self._fill[(name, state)] = found
+        return found
+
+
+def _write_piece(sources: _Sources, fd: int, pos: int, piece: Piece, dtype: torch.dtype) -> None:
+    """Write the piece's elements, cast to `dtype`, at byte `pos` of the open file `fd`."""
+    rows, cols = sources.shape2d(piece.name)
+    (r0, _), (c0, c1) = piece.box if len(piece.box) == 2 else ((0, 1), piece.box[0])
+    width = c1 - c0
+    first_row, last_row = piece.start // width, (piece.stop - 1) // width
+    if dtype == torch.float32 and (width == cols or first_row == last_row) and r0 + last_row < rows:
+        start = (r0 + first_row) * cols + c0 + piece.start % width
+        region = sources.region(piece.name, piece.state, start, start + piece.numel)
+        if region is not None:  # one run of the stored tensor: file to file, then checked
+            copy_region(sources.files, region, fd, pos)
+            sources.ucp.verify_copied(piece.name, region)
+            return
+    band_rows = max(1, BAND_BYTES // (4 * cols))
+    e = piece.start
+    while e < piece.stop:
+        row = e // width
+        end_row = min(row + band_rows, -(-piece.stop // width))
+        block = sources.rows(piece.name, piece.state, r0 + row, r0 + end_row, c0, c1)
+        lo, hi = e - row * width, min(piece.stop, end_row * width) - row * width
+        values = block.reshape(-1)[lo:hi]
+        if dtype != torch.float32:
+            values = values.to(dtype)
+        data = values.contiguous().view(torch.uint8).numpy()
+        integrity.pwrite_hashed(fd, memoryview(data), pos + (e - piece.start) * dtype.itemsize, None)
+        e = row * width + hi
+
+
+def _object_bytes(value: Any) -> bytes:
+    """A ShardedObject item: megatron-core saves torch.save([data]) (one list entry per local object)."""
+    buf = io.BytesIO()
+    torch.save([value], buf)
+    return buf.getvalue()
+
+
+def write_file(sources: _Sources, iter_dir: Path, out: OutputFile, *, fsync: bool = False) -> list[WrittenItem]:
+    """Write one .distcp file: items one after another, each tensor as torch's framing around its data."""
+    path = iter_dir / out.name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    written, pos = [], 0
+    try:
+        for item in out.items:
+            if isinstance(item, ObjectItem):
+                data = _object_bytes(item.value)
+                integrity.pwrite_hashed(fd, data, pos, None)
+                written.append(WrittenItem(item.key, None, out.name, pos, len(data)))
+                pos += len(data)
+                continue
+            archive = tensor_archive(item.sizes, item.dtype)
+            integrity.pwrite_hashed(fd, archive.head, pos, None)
+            at = pos + archive.data_offset
+            for piece in item.pieces:  # a Gap is left unwritten: a hole of the new file, zeros
+                if isinstance(piece, Piece):
+                    _write_piece(sources, fd, at, piece, item.dtype)
+                at += piece.numel * item.dtype.itemsize
+            integrity.pwrite_hashed(fd, archive.tail, pos + archive.data_offset + archive.nbytes, None)
+            written.append(WrittenItem(item.key, item.offsets, out.name, pos, archive.length))
+            pos += archive.length
+        if fsync:
+            os.fsync(fd)
+    except OSError as e:
+        if e.filename is None:  # name the file (ENOSPC from a copy names none)
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
+    finally:
+        os.close(fd)
+    return written
+
+
+def write_files(ucp, plan: DirectPlan, root: Path, files: Sequence[OutputFile], workers: int, *,
+                fsync: bool = False, on_file: Optional[Callable[[Path, int], None]] = None) -> list[WrittenItem]:
+    """Write `files` (some or all of the plan's) under `root` with `workers` threads, largest first;
+    returns where every item went."""
+    config = replace(ucp.config, padded_vocab_size=plan.padded_vocab_size)
+    iter_dir = Path(root) / iteration_dir_name(plan.iteration)
+    iter_dir.mkdir(parents=True, exist_ok=True)
+    local = threading.local()
+    opened: list[_Sources] = []
+    lock = threading.Lock()
+
+    def run(out: OutputFile) -> list[WrittenItem]:
+        sources = getattr(local, "sources", None)
+        if sources is None:
+            sources = local.sources = _Sources(ucp, config)
+            with lock:
+                opened.append(sources)
+        return write_file(sources, iter_dir, out, fsync=fsync)
+
+    written: list[WrittenItem] = []
+    ordered = sorted(files, key=lambda f: -f.nbytes)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers),
+                                                   thread_name_prefix="torch-dist-direct") as pool:
+            futures = {pool.submit(run, out): out for out in ordered}
+            try:
+                for future in concurrent.futures.as_completed(futures):
+                    written += future.result()
+                    if on_file:
+                        path = iter_dir / futures[future].name
+                        on_file(path, path.stat().st_size)
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+    finally:
+        for sources in opened:
+            sources.close()
+    return written
+
+
+# --------------------------------------------------------------------------------------------------
+# Metadata, common state, tracker
+
+
+def dcp_metadata(files: Sequence[OutputFile], written: Sequence[WrittenItem], checkpoint_id: str):
+    """The DCP `.metadata` of the planned files as written (chunks in file order, as megatron-core's
+    global plan lists them rank by rank)."""
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties,
+        TensorStorageMetadata)
+
+    where = {(w.key, w.offsets): w for w in written}
+    state_dict_metadata: dict = {}
+    storage_data: dict = {}
+    for out in files:
+        for item in out.items:
+            if isinstance(item, ObjectItem):
+                state_dict_metadata[item.key] = BytesStorageMetadata()
+                w = where[(item.key, None)]
+                storage_data[MetadataIndex(item.key)] = _StorageInfo(w.relative_path, w.offset, w.length)
+                continue
+            md = state_dict_metadata.get(item.key)
+            if md is None:
+                md = state_dict_metadata[item.key] = TensorStorageMetadata(
+                    TensorProperties(dtype=item.dtype), torch.Size(item.global_shape), [])
+            md.chunks.append(ChunkStorageMetadata(torch.Size(item.offsets), torch.Size(item.sizes)))
+            w = where[(item.key, item.offsets)]
+            storage_data[MetadataIndex(item.key, torch.Size(item.offsets))] = _StorageInfo(
+                w.relative_path, w.offset, w.length)
+    return Metadata(state_dict_metadata=state_dict_metadata, planner_data=None, storage_data=storage_data,
+                    storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())),
+                    version=CURRENT_DCP_VERSION)
+
+
+class _GlobalRef:
+    """A class named by its module and name, pickled as that global reference without importing the module:
+    Megatron-LM's enums in the args (the reader of common.pt has megatron-core; importing it here would
+    cost seconds of every write)."""
+
+    def __init__(self, qualified: str):
+        self.module, self.name = qualified.rsplit(".", 1)
+
+    def __call__(self, *args):  # pickle's save_reduce wants a callable; only its reference is written
+        raise TypeError(f"{self.module}.{self.name} is only a reference for pickling")
+
+
+class _EnumMember:
+    """A member of a megatron enum, unpickled as `<enum class>(value)`."""
+
+    def __init__(self, cls: _GlobalRef, value: Any):
+        self.cls, self.value = cls, value
+
+    def __reduce__(self):
+        return self.cls, (self.value,)
+
+
+class _ArgsPickler(pickle._Pickler):  # the pure-Python pickler: its dispatch table can name a global
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def _save_ref(self, obj: _GlobalRef) -> None:
+        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())  # what save_global writes (protocol 2)
+        self.memoize(obj)
+
+    dispatch[_GlobalRef] = _save_ref
+
+
+class _ArgsPickleModule:
+    """The pickle module torch.save uses for common.pt."""
+
+    __name__ = "megatron_ucp_args_pickle"
+    Pickler = _ArgsPickler
+
+
+def _args_for_pickle(args: dict):
+    """The args as Megatron-LM's Namespace, megatron enums as global references (args_namespace would import
+    megatron-core to build them; enums it does not know are dropped, as it does)."""
+    plain = {}
+    for key, value in args.items():
+        if isinstance(value, dict) and set(value) == {"enum", "value"}:
+            if value["enum"] in MEGATRON_ENUMS:
+                plain[key] = _EnumMember(_GlobalRef(value["enum"]), value["value"])
+            continue
+        plain[key] = value
+    return args_namespace(plain)
+
+
+def _write_file(path: Path, write: Callable[[Any], None]) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def finish(root: Path, plan: DirectPlan, written: Sequence[WrittenItem],
+           on_file: Optional[Callable[[Path, int], None]] = None) -> None:
+    """After every .distcp file is written: .metadata, common.pt, metadata.json, then the tracker."""
+    iter_name = iteration_dir_name(plan.iteration)
+    iter_dir = Path(root) / iter_name
+    metadata = dcp_metadata(plan.files, written, iter_name)
+    for name, write in ((DCP_METADATA_FILENAME, lambda f: pickle.dump(metadata, f)),
+                        (COMMON_FILENAME, lambda f: torch.save({**plan.common,
+                                                                "args": _args_for_pickle(plan.common["args"])}, f,
+                                                               pickle_module=_ArgsPickleModule)),
+                        (METADATA_JSON_FILENAME, lambda f: f.write(json.dumps(METADATA_JSON).encode()))):
+        _write_file(iter_dir / name, write)
+        if on_file:
+            on_file(iter_dir / name, (iter_dir / name).stat().st_size)
+    _write_file(Path(root) / TRACKER_FILENAME, lambda f: f.write(str(plan.iteration).encode()))
+
+
+# --------------------------------------------------------------------------------------------------
+# The writer
+
+
+class DirectTorchDistWriter(CheckpointWriter):
+    """`--ckpt-format torch_dist` (default route): offline, streaming, a few bands of rows in memory per
+    thread; `workers` threads over the output files; under torchrun the processes split the files."""
+
+    ckpt_format = "torch_dist"
+    OPTIONS = ("optimizer_format", "workers")
+    splits_over_processes = True
+
+    def __init__(self, optimizer_format: Optional[str] = None, workers: Optional[int] = None):
+        if optimizer_format is not None and optimizer_format not in OPTIMIZER_FORMATS:
+            raise TorchDistWriteError(f"--optimizer-format {optimizer_format!r}: choose one of "
+                                      f"{', '.join(OPTIMIZER_FORMATS)}")
+        if workers is not None and int(workers) < 1:
+            raise TorchDistWriteError(f"--workers {workers}: use at least 1")
+        self.optimizer_format = optimizer_format
+        self.workers = int(workers) if workers else max(1, min(4, os.cpu_count() or 1))
+        self._cached: Optional[tuple] = None  # (ucp, target, plan): plan() and write() share one plan
+
+    def checkpoint_plan(self, ucp, target: WriteTarget) -> DirectPlan:
+        """The plan of every item (computed once per universal checkpoint and target)."""
+        if self._cached is not None and self._cached[0] is ucp and self._cached[1] == target:
+            return self._cached[2]
+        plan = plan_checkpoint(ucp, target, self.optimizer_format)
+        self._cached = (ucp, target, plan)
+        return plan
+
+    def plan(self, ucp, target: WriteTarget, notes: list) -> list[PlannedFile]:
+        plan = self.checkpoint_plan(ucp, target)
+        if any(info.model_dtype == "float16" for info in ucp.parameters.values()) and plan.optimizer:
+            notes.append("fp16 model: universal checkpoints do not carry the loss scaler; megatron-core starts "
+                         "from --initial-loss-scale")
+        it = iteration_dir_name(plan.iteration)
+        files = [PlannedFile(f"{it}/{f.name}", f.nbytes) for f in plan.files]
+        files += [PlannedFile(f"{it}/{name}", 0) for name in (DCP_METADATA_FILENAME, COMMON_FILENAME,
+                                                               METADATA_JSON_FILENAME)]
+        return files + [PlannedFile(TRACKER_FILENAME, 0)]
+
+    def describe(self, ucp, target: WriteTarget) -> list[str]:
+        plan = self.checkpoint_plan(ucp, target)
+        items = sum(len(f.items) for f in plan.files)
+        return [f"optimizer state: {plan.optimizer or 'none (weights only)'}",
+                f"written directly: {items} items in {len(plan.files)} files, {self.workers} writer threads"]
+
+    def write(self, ucp, target: WriteTarget, root: Path, on_file=None) -> None:
+        plan = self.checkpoint_plan(ucp, target)
+        written = write_files(ucp, plan, root, plan.files, self.workers, on_file=on_file)
+        finish(root, plan, written, on_file)
+
+    def write_share(self, ucp, target: WriteTarget, root: Path, rank: int, world: int, on_file=None) -> list:
+        plan = self.checkpoint_plan(ucp, target)
+        mine = sorted(plan.files, key=lambda f: (-f.nbytes, f.name))[rank::world]  # largest dealt round-robin
+        return write_files(ucp, plan, root, mine, self.workers, fsync=True, on_file=on_file)
+
+    def finish_shares(self, ucp, target: WriteTarget, root: Path, shares: list) -> None:
+        plan = self.checkpoint_plan(ucp, target)
+        finish(root, plan, [w for share in shares for w in share])

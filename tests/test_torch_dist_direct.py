@@ -1,0 +1,597 @@
+"""`from-universal --ckpt-format torch_dist` written directly (writers/torch_dist_direct.py).
+
+Sources (shared by the whole module, converted once): Megatron-LM's fixtures A (llama: GQA, SwiGLU,
+RMSNorm, RoPE, untied, no biases; TP2PP2DP2+SP, distributed optimizer) at iterations 4 and 8, C (GPT-2:
+tied, biases, LayerNorm, learned positions; plain Adam) at 4, and one harness run of GPT-2 with --bf16
+(TP1PP2, 1 layer per virtual stage, distributed optimizer, saved fully_reshardable at iteration 2).
+
+1. megatron-core's own `dist_checkpointing.load` (the harness `--load`, no --universal-checkpoint) reads
+   the files at the target layout and continues Megatron-LM's uninterrupted run (LOSSES.txt: 7
+   significant digits, i.e. 7e-8 relative rounding) at iterations 5..8 within TOL = 1e-6 relative
+   (measured: 1.1e-7, 5.4e-8, 1.1e-7 and 7.3e-8 for the four resumes below, printed by the tests):
+   A -> TP2PP2DP2+SP dp_reshardable; C -> TP1PP2 with VPP (1 layer per virtual stage), plain Adam;
+   one fully_reshardable write of A at an uneven pipeline (PP3: embedding and loss counted as layers,
+   so stages hold 1, 2, 1 layers), loaded there and at TP1PP1DP2.
+2. Equal to megatron-core's own saves, `.metadata` structure (keys, global shapes, dtypes, chunk boxes)
+   identical, every chunk byte for byte except the flat buckets' alignment gaps (uninitialised in
+   megatron-core, zeros here) and RNG states, `verify` with atol 0:
+   - A@8 -> TP2PP2DP2+SP dp_reshardable vs Megatron-LM's own torch_dist save of that run (fixture B@8);
+   - bf16 GPT-2 at TP1PP2+VPP: fully_reshardable vs the training run's own save, dp_reshardable vs the
+     harness route (`--via-harness`: the harness loads the universal checkpoint and megatron-core saves).
+   Negative control: one flipped byte of an fp32 main-weight chunk is named and fails verify.
+3. Offline: the torch.save framing equals torch.save's; written at other layouts (uneven pipeline
+   included, also by the legacy writer) and read back with to-universal, the universal checkpoint is
+   bitwise the original; a lazy universal source gives the same bytes as its copy; a re-padded
+   vocabulary; a damaged universal block (copied or read) stops the write; torchrun processes write the
+   same files as one process; errors before anything is written (MoE, optimizer format, steps).
+4. Memory: peak RSS growth of the writer <= 1 GiB + 3 x the largest parameter, flat as the model doubles.
+
+Runtime: 1 min 52 s on 2 cores shared with other jobs (load average 16-20): 6 torchrun runs of 2-8
+processes, one 2-process CLI run under torchrun, the rest offline (~20 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+from pretrain_runs import FIXTURES, REPO, Layout, max_rel_diff, megatron_lm_losses, train
+
+from megatron_ucp import from_universal as fu
+from megatron_ucp.convert import to_universal
+from megatron_ucp.formats.common import load_pickled
+from megatron_ucp.formats.tensor_archive import tensor_archive
+from megatron_ucp.universal import UniversalCheckpoint
+from megatron_ucp.verify import verify
+from megatron_ucp.writers.torch_dist_direct import Gap, TensorItem, plan_checkpoint
+
+TOL = 1e-6
+DISTOPT = ["--use-distributed-optimizer"]
+A = "A_llama_tp2pp2dp2_distopt_sp_torch"
+B = "B_llama_tp2pp2dp2_distopt_sp_torch_dist"
+C = "C_gpt2_tp2pp2dp1_adam_torch"
+# PP3 with the embedding and the loss counted as layers: 6 / 3 = 2 per stage, so layers 1, 2, 1
+UNEVEN = fu.PipelineFlags(embedding_in_split=True, loss_in_split=True)
+UNEVEN_FLAGS = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+# Args a resumed run derives its model and layout from, and megatron enums (pickled as references to
+# Megatron-LM's classes, without importing megatron-core): ours must equal megatron-core's.
+COMPARED_ARGS = ("attention_backend", "model_type", "num_layers", "hidden_size", "ffn_hidden_size",
+                 "num_attention_heads", "num_query_groups", "padded_vocab_size", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "data_parallel_size",
+                 "world_size", "use_distributed_optimizer", "sequence_parallel", "consumed_train_samples",
+                 "global_batch_size", "micro_batch_size", "bf16")
+
+
+def _layout_kwargs(layout: Layout) -> dict:
+    return dict(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                data_parallel_size=layout.dp, num_layers_per_virtual_pipeline_stage=layout.vpp_layers,
+                sequence_parallel=layout.sp)
+
+
+def _write(ucp: Path, out: Path, layout: Layout, **kwargs) -> fu.FromUniversalSummary:
+    kwargs.setdefault("rng_state", "cpu")  # the CPU harness restores CPU generator states
+    return fu.from_universal(ucp, out, ckpt_format="torch_dist", progress=False, **_layout_kwargs(layout), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("torch_dist_direct")
+
+
+@pytest.fixture(scope="module")
+def sources(work) -> dict:
+    """Universal checkpoints of the Megatron-LM fixtures: A@4, A@8, C@4, C@8 (converted once)."""
+    out = {}
+    for name, iteration in ((A, 4), (A, 8), (C, 4), (C, 8)):
+        out[(name, iteration)] = to_universal(FIXTURES / name / "ckpt", work / f"ucp_{name[0]}{iteration}",
+                                              iteration=iteration, progress=False)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Comparing torch_dist checkpoints
+
+
+def _iter_dir(root: Path, iteration=None) -> Path:
+    return Path(root) / f"iter_{iteration:07d}" if iteration else next(Path(root).glob("iter_*"))
+
+
+def dcp_metadata(iter_dir: Path):
+    return FileSystemReader(str(iter_dir)).read_metadata()
+
+
+def structure(iter_dir: Path) -> dict:
+    """.metadata as {key: ('bytes',) or (global shape, dtype, sorted chunk boxes)}."""
+    md = dcp_metadata(iter_dir)
+    out = {}
+    for key, value in md.state_dict_metadata.items():
+        if isinstance(value, TensorStorageMetadata):
+            out[key] = (tuple(value.size), value.properties.dtype,
+                        sorted((tuple(c.offsets), tuple(c.sizes)) for c in value.chunks))
+        else:
+            out[key] = ("bytes",)
+    return out
+
+
+def load_item(iter_dir: Path, key: str, offsets=None, md=None):
+    info = (md or dcp_metadata(iter_dir)).storage_data[MetadataIndex(key, offsets)]
+    with open(iter_dir / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        data = f.read(info.length)
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def gap_chunks(summary: fu.FromUniversalSummary, ucp: Path) -> set:
+    """(key, offsets) of the flat-bucket alignment gaps the direct writer planned."""
+    ckpt = UniversalCheckpoint.open(ucp)
+    plan = plan_checkpoint(ckpt, summary.plan.target, "dp_reshardable")
+    return {(item.key, item.offsets) for f in plan.files for item in f.items
+            if isinstance(item, TensorItem) and all(isinstance(p, Gap) for p in item.pieces)}
+
+
+def chunk_differences(ours: Path, theirs: Path, skip: set = frozenset()) -> list:
+    """Keys / chunks whose bytes (tensors) or values (objects; RNG states aside) differ."""
+    found = []
+    md_ours, md_theirs = dcp_metadata(ours), dcp_metadata(theirs)
+    for key, entry in structure(theirs).items():
+        if entry == ("bytes",):
+            if not key.startswith("rng_state") and repr(load_item(ours, key, md=md_ours)) != repr(
+                    load_item(theirs, key, md=md_theirs)):
+                found.append(key)
+            continue
+        for offsets, _ in entry[2]:
+            if (key, offsets) in skip:
+                continue
+            a, b = load_item(ours, key, offsets, md_ours), load_item(theirs, key, offsets, md_theirs)
+            if a.dtype != b.dtype or not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+                found.append((key, offsets))
+    return found
+
+
+def assert_equal_to_megatron(ours: Path, theirs: Path, skip: set = frozenset()) -> None:
+    """`ours` and `theirs` are iteration folders."""
+    assert structure(ours) == structure(theirs)
+    assert chunk_differences(ours, theirs, skip) == []
+    common_ours, common_theirs = (load_pickled(p / "common.pt", what="common.pt") for p in (ours, theirs))
+    assert sorted(common_ours) == sorted(common_theirs)
+    for key in ("checkpoint_version", "iteration", "optimizer", "opt_param_scheduler"):
+        assert repr(common_ours.get(key)) == repr(common_theirs.get(key)), key
+    assert common_ours["content_metadata"] == common_theirs["content_metadata"]  # the harness orders it otherwise
+    args_ours, args_theirs = vars(common_ours["args"]), vars(common_theirs["args"])
+    assert {k: args_ours.get(k) for k in COMPARED_ARGS} == {k: args_theirs.get(k) for k in COMPARED_ARGS}
+    assert json.loads((ours / "metadata.json").read_text()) == json.loads((theirs / "metadata.json").read_text())
+    result = verify(ours, theirs, progress=False)
+    assert result.equal and result.compared_keys == ("fp32", "exp_avg", "exp_avg_sq", "step"), \
+        [d for d in result.diffs if not d.equal][:3]
+
+
+def flip_a_main_weight_byte(root: Path, summary: fu.FromUniversalSummary, ucp: Path) -> tuple:
+    """Flip the high byte of the first element of one fp32 main-weight chunk; its (key, offsets)."""
+    plan = plan_checkpoint(UniversalCheckpoint.open(ucp), summary.plan.target, "dp_reshardable")
+    item = next(i for f in plan.files for i in f.items if isinstance(i, TensorItem) and i.key.endswith(".param")
+                and not isinstance(i.pieces[0], Gap))
+    iter_dir = _iter_dir(root)
+    info = dcp_metadata(iter_dir).storage_data[MetadataIndex(item.key, item.offsets)]
+    with open(iter_dir / info.relative_path, "r+b") as f:
+        f.seek(info.offset + tensor_archive(item.sizes, item.dtype).data_offset + 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    return item.key, item.offsets
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. megatron-core loads the direct writer's files and continues the run
+
+
+def _resume(family: str, ckpt: Path, target: Layout, work: Path, name: str, extra=()) -> dict:
+    """Iterations 5..8 from `--load ckpt` (plain megatron-core torch_dist load)."""
+    return train(family, target, work, name, 8, [*extra, "--load", str(ckpt)])
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("name,family,target,kwargs,flags", [
+    (A, "llama", Layout(tp=2, pp=2, dp=2, sp=True), dict(use_distributed_optimizer=True), DISTOPT),
+    (C, "gpt2", Layout(pp=2, vpp_layers=1), {}, []),
+], ids=["A-TP2PP2DP2+SP-dp_reshardable", "C-TP1PP2VPP-plain-adam"])
+def test_resume_continues_megatron_lm_run(sources, work, capsys, name, family, target, kwargs, flags):
+    out = work / f"resume_{name[0]}_{target}"
+    summary = _write(sources[(name, 4)], out, target, **kwargs)
+    assert summary.plan.details[0] == f"optimizer state: {'dp_reshardable' if kwargs else 'adam'}"
+    files = sorted(p.name for p in _iter_dir(out).glob("*.distcp"))
+    assert {f.split("_")[2] for f in files} == {str(r) for r in range(target.nproc)}  # every rank writes
+    resumed = _resume(family, out, target, work, f"run_{out.name}", flags)
+    theirs = megatron_lm_losses(name)
+    assert sorted(resumed) == [5, 6, 7, 8], resumed
+    diff = max_rel_diff(resumed, theirs, range(5, 9))
+    with capsys.disabled():
+        print(f"\n[direct torch_dist resume] {name[:1]} -> {target}: max rel diff {diff:.1e}")
+    assert diff < TOL, f"{name} -> {target}: rel diff {diff:.2e}\n{resumed}\n{theirs}"
+
+
+@pytest.mark.torchrun
+def test_fully_reshardable_uneven_write_loads_at_two_layouts(sources, work, capsys):
+    """One fully_reshardable write of A@4 at PP3 with the embedding and loss counted (layers 1, 2, 1);
+    megatron-core loads it there and reshards it at TP1PP1DP2."""
+    out = work / "full_uneven"
+    summary = _write(sources[(A, 4)], out, Layout(pp=3), use_distributed_optimizer=True,
+                     optimizer_format="fully_reshardable", pipeline=UNEVEN)
+    assert summary.plan.layout.describe() == "TP1PP3DP1[embedding counted, loss counted]"
+    common = load_pickled(_iter_dir(out) / "common.pt", what="common.pt")
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
+    assert (common["args"].account_for_embedding_in_pipeline_split, common["args"].pipeline_model_parallel_size) \
+        == (True, 3)
+    theirs = megatron_lm_losses(A)
+    for target, extra in ((Layout(pp=3), UNEVEN_FLAGS), (Layout(dp=2), [])):
+        resumed = _resume("llama", out, target, work, f"run_full_{target}", [*DISTOPT, *extra])
+        diff = max_rel_diff(resumed, theirs, range(5, 9))
+        with capsys.disabled():
+            print(f"\n[direct torch_dist resume] A fully_reshardable PP3 uneven -> {target}: max rel diff {diff:.1e}")
+        assert diff < TOL, f"fully_reshardable -> {target}: rel diff {diff:.2e}\n{resumed}\n{theirs}"
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. Equal to megatron-core's own saves
+
+
+def test_equal_to_megatron_lms_own_save(sources, work):
+    """A@8 -> TP2PP2DP2+SP dp_reshardable equals fixture B@8, Megatron-LM's torch_dist save of the same run;
+    a flipped byte is named and fails verify."""
+    out = work / "like_B"
+    summary = _write(sources[(A, 8)], out, Layout(tp=2, pp=2, dp=2, sp=True), use_distributed_optimizer=True)
+    theirs = _iter_dir(FIXTURES / B / "ckpt", 8)
+    gaps = gap_chunks(summary, sources[(A, 8)])
+    assert gaps  # hidden 48: parameters start at multiples of 64 elements
+    assert_equal_to_megatron(_iter_dir(out), theirs, gaps)
+
+    broken = work / "like_B_broken"
+    shutil.copytree(out, broken)
+    flipped = flip_a_main_weight_byte(broken, summary, sources[(A, 8)])
+    assert chunk_differences(_iter_dir(broken), theirs, gaps) == [flipped]
+    assert not verify(_iter_dir(broken), theirs, progress=False).equal
+
+
+@pytest.fixture(scope="module")
+def bf16(work) -> Path:
+    """GPT-2 --bf16 trained 2 iterations at TP1PP2, 1 layer per virtual stage, saved fully_reshardable."""
+    train("gpt2", Layout(pp=2, vpp_layers=1), work, "bf16_source", 2,
+          [*DISTOPT, "--bf16", "--dist-ckpt-optim-fully-reshardable", "--save", str(work / "bf16_ckpt"),
+           "--save-interval", "2"])
+    return work / "bf16_ckpt"
+
+
+@pytest.mark.torchrun
+def test_bf16_vpp_equal_to_megatron_core_saves(bf16, work):
+    """bf16 model (fp32 mains) with tied embeddings over PP2 x VPP2: fully_reshardable equals the training
+    run's own save, dp_reshardable equals the harness route's (megatron-core saving what it loaded)."""
+    ucp = to_universal(bf16, work / "bf16_ucp", progress=False)
+    target = Layout(pp=2, vpp_layers=1)
+    full = _write(ucp, work / "bf16_full", target, use_distributed_optimizer=True,
+                  optimizer_format="fully_reshardable")
+    assert_equal_to_megatron(_iter_dir(work / "bf16_full"), _iter_dir(bf16))
+    assert full.plan.details[0] == "optimizer state: fully_reshardable"
+
+    direct = _write(ucp, work / "bf16_dp", target, use_distributed_optimizer=True)
+    harness = _write(ucp, work / "bf16_dp_harness", target, use_distributed_optimizer=True, via_harness=True,
+                     timeout_s=600)
+    assert harness.plan.details[0].startswith("harness flags:")
+    dtypes = {v[1] for v in structure(_iter_dir(work / "bf16_dp")).values() if v != ("bytes",)}
+    assert dtypes == {torch.bfloat16, torch.float32}
+    assert_equal_to_megatron(_iter_dir(work / "bf16_dp"), _iter_dir(work / "bf16_dp_harness"),
+                             gap_chunks(direct, ucp))
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. Offline checks
+
+
+@pytest.mark.parametrize("shape,dtype", [((3, 5), torch.float32), ((1, 48, 24), torch.bfloat16),
+                                         ((70000,), torch.float16), ((), torch.float32), ((0, 4), torch.float32)])
+def test_tensor_archive_is_torch_saves_framing(shape, dtype):
+    """head + data + tail == torch.save(tensor) except the data record's CRC-32 (0) and the 40-digit
+    serialization id; torch.load reads it back."""
+    tensor = torch.randn(shape).to(dtype)
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    theirs = buf.getvalue()
+    archive = tensor_archive(shape, dtype)
+    ours = archive.head + tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes() + archive.tail
+    assert len(ours) == len(theirs) == archive.length and (archive.data_offset % 64 == 0 or not archive.nbytes)
+    allowed = set()  # byte positions that may differ: CRC fields of data/0 and the serialization id record
+    for info in zipfile.ZipFile(io.BytesIO(theirs)).infolist():
+        if info.filename.endswith(("/data/0", "/.data/serialization_id")):
+            name_len = int.from_bytes(theirs[info.header_offset + 26:info.header_offset + 28], "little")
+            extra_len = int.from_bytes(theirs[info.header_offset + 28:info.header_offset + 30], "little")
+            start = info.header_offset + 30 + name_len + extra_len
+            allowed |= set(range(start + info.file_size, start + info.file_size + 8))  # descriptor signature + CRC
+            if info.filename.endswith("serialization_id"):
+                allowed |= set(range(start, start + info.file_size))
+    central = theirs.index(b"PK\x01\x02")
+    allowed |= {p + 16 + k for p in range(central, len(theirs) - 4) if theirs[p:p + 4] == b"PK\x01\x02"
+                for k in range(4)}  # central directory CRC fields
+    differing = {i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y}
+    assert differing <= allowed and (differing or tensor.numel() == 0)
+    back = torch.load(io.BytesIO(ours), weights_only=True)
+    assert back.dtype == dtype and back.shape == tensor.shape and torch.equal(back, tensor)
+
+
+def assert_universal_equal(ours: Path, theirs: Path) -> None:
+    a, b = UniversalCheckpoint.open(ours), UniversalCheckpoint.open(theirs)
+    assert list(a.parameters) == list(b.parameters) and a.iteration == b.iteration
+    assert a.scheduler_state == b.scheduler_state and a.config == b.config
+    for name, info in b.parameters.items():
+        assert (a.parameters[name].tensors, a.parameters[name].step) == (info.tensors, info.step), name
+        for key in info.tensors:
+            assert torch.equal(a.read(name, key).view(torch.int32), b.read(name, key).view(torch.int32)), (name, key)
+
+
+@pytest.mark.parametrize("name,target,kwargs", [
+    (A, Layout(pp=3), dict(use_distributed_optimizer=True, pipeline=UNEVEN)),
+    (A, Layout(pp=2, dp=2), dict(use_distributed_optimizer=True, pipeline=fu.PipelineFlags(first_stage_layers=1))),
+    (C, Layout(tp=2, pp=2), {}),
+], ids=["A-PP3-embedding-loss-counted-dp_reshardable", "A-PP2DP2-first-stage-1-layer-dp_reshardable",
+        "C-TP2PP2-adam"])
+def test_written_and_read_back_is_the_universal_checkpoint(sources, tmp_path, name, target, kwargs):
+    """A@8 / C@8 -> direct torch_dist at another layout -> to-universal: bitwise the first universal
+    checkpoint (uneven pipelines: the layers each stage holds, its DDP buckets, its extra states)."""
+    out = tmp_path / "megatron"
+    _write(sources[(name, 8)], out, target, workers=2, **kwargs)
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "8"
+    assert json.loads((out / "megatron-ucp.json").read_text())["kind"] == "megatron"
+    assert_universal_equal(to_universal(out, tmp_path / "back", progress=False), sources[(name, 8)])
+    assert not list(tmp_path.glob("*.partial-*"))
+
+
+def test_legacy_writer_takes_uneven_pipelines(sources, tmp_path):
+    """--ckpt-format torch at PP2 with 1 layer on the first stage: stage 1 holds layers 1..3; read back,
+    bitwise the universal checkpoint."""
+    out = tmp_path / "legacy"
+    fu.from_universal(sources[(A, 8)], out, pipeline_model_parallel_size=2, use_distributed_optimizer=True,
+                      ckpt_format="torch", rng_state="cpu", progress=False,
+                      pipeline=fu.PipelineFlags(first_stage_layers=1))
+    rank1 = load_pickled(out / "iter_0000008" / "mp_rank_00_001" / "model_optim_rng.pt", what="rank")
+    assert rank1["args"].decoder_first_pipeline_num_layers == 1
+    assert sorted({k.split(".")[2] for k in rank1["model"] if k.startswith("decoder.layers.")}) == ["0", "1", "2"]
+    assert_universal_equal(to_universal(out, tmp_path / "back", progress=False), sources[(A, 8)])
+
+
+def test_lazy_universal_source_gives_the_same_files(tmp_path):
+    """From a lazy universal checkpoint (an index into Megatron-LM's fixture B) the writer reads rows through
+    the index (checked against the source checksums) instead of copying file ranges; the .distcp files
+    are byte for byte those written from the copied universal checkpoint (-> TP1PP2DP2, both formats)."""
+    src = FIXTURES / B / "ckpt"
+    lazy = to_universal(src, tmp_path / "lazy", iteration=4, lazy=True, progress=False)
+    copy = to_universal(src, tmp_path / "copy", iteration=4, progress=False)
+    for optimizer_format in ("dp_reshardable", "fully_reshardable"):
+        outs = []
+        for ucp in (lazy, copy):
+            outs.append(tmp_path / f"{ucp.name}_{optimizer_format}")
+            _write(ucp, outs[-1], Layout(pp=2, dp=2), use_distributed_optimizer=True,
+                   optimizer_format=optimizer_format)
+        names = sorted(p.name for p in _iter_dir(outs[1]).glob("*.distcp"))
+        assert len(names) == 8 and names == sorted(p.name for p in _iter_dir(outs[0]).glob("*.distcp"))
+        for n in names:
+            assert (_iter_dir(outs[0]) / n).read_bytes() == (_iter_dir(outs[1]) / n).read_bytes(), n
+        assert structure(_iter_dir(outs[0])) == structure(_iter_dir(outs[1]))
+
+
+def _rewrite_metadata(ucp: Path, edit) -> None:
+    meta = json.loads((ucp / "metadata.json").read_text())
+    edit(meta)
+    (ucp / "metadata.json").write_text(json.dumps(meta))
+    (ucp / "COMPLETE").write_text(json.dumps({**json.loads((ucp / "COMPLETE").read_text()), "metadata_sha256":
+                                              hashlib.sha256((ucp / "metadata.json").read_bytes()).hexdigest()}))
+
+
+def test_vocabulary_is_repadded(sources, tmp_path):
+    """Stored 1024 rows with make_vocab_size_divisible_by 100: Megatron-LM computes 1200 rows at TP2; the
+    writer appends padding rows (weights: the mean padding row, moments: zeros), as the legacy writer."""
+    ucp = tmp_path / "ucp100"
+    shutil.copytree(sources[(C, 8)], ucp)
+
+    def divisible_by_100(meta):
+        meta["model_config"]["make_vocab_size_divisible_by"] = meta["args"]["make_vocab_size_divisible_by"] = 100
+
+    _rewrite_metadata(ucp, divisible_by_100)
+    warnings = []
+    summary = _write(ucp, tmp_path / "megatron", Layout(tp=2), warn=warnings.append)
+    assert summary.plan.padded_vocab_size == 1200 and "1024 to 1200" in warnings[0]
+    back = UniversalCheckpoint.open(to_universal(tmp_path / "megatron", tmp_path / "back", progress=False))
+    orig = UniversalCheckpoint.open(ucp)
+    name = "embedding.word_embeddings.weight"
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(back.read(name, key)[:1024], orig.read(name, key)), key
+    assert torch.equal(back.read(name, "exp_avg")[1024:], torch.zeros(176, 48))
+    mean = orig.read(name, "fp32")[1001:].to(torch.float64).mean(0).to(torch.float32)
+    assert torch.equal(back.read(name, "fp32")[1024:], mean.expand(176, 48))
+
+
+@pytest.mark.parametrize("param,target,path", [
+    ("decoder.layers.0.self_attention.linear_qkv.weight", Layout(), "copied"),  # dim-0 layout: a byte copy
+    ("decoder.layers.0.self_attention.linear_proj.weight", Layout(tp=2), "read"),  # row-parallel: bands
+], ids=["copied", "read"])
+def test_damaged_universal_block_stops_the_write(sources, tmp_path, param, target, path):
+    """One flipped byte in a universal tensor file: whether its bytes are copied file to file (then
+    checked) or read in bands (checked first), the write fails naming the file and block, and DST and
+    its staging directory are absent."""
+    ucp = tmp_path / "ucp"
+    shutil.copytree(sources[(A, 8)], ucp)
+    info = UniversalCheckpoint.open(ucp).parameters[param]
+    region = UniversalCheckpoint.open(ucp).locate(param, "exp_avg")
+    with open(region.path, "r+b") as f:
+        f.seek(region.offset + region.nbytes // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(fu.FromUniversalError, match=rf"{info.file}: block 0 .*fails its checksum"):
+        _write(ucp, tmp_path / "out", target, use_distributed_optimizer=True, optimizer_format="fully_reshardable")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ucp"]
+
+
+def test_errors_before_anything_is_written(sources, tmp_path):
+    ucp = sources[(C, 8)]
+    with pytest.raises(fu.FromUniversalError, match="--optimizer-format fully_reshardable describes the "
+                                                    "distributed optimizer"):
+        _write(ucp, tmp_path / "x", Layout(), optimizer_format="fully_reshardable")
+    with pytest.raises(fu.FromUniversalError, match="--optimizer-format does not apply to --ckpt-format torch"):
+        fu.from_universal(ucp, tmp_path / "x", ckpt_format="torch", optimizer_format="dp_reshardable",
+                          use_distributed_optimizer=True, progress=False)
+    with pytest.raises(fu.FromUniversalError, match="--via-harness writes torch_dist"):
+        fu.from_universal(ucp, tmp_path / "x", ckpt_format="torch", via_harness=True, progress=False)
+    with pytest.raises(fu.FromUniversalError, match="num_layers=4 is not divisible by PP x VPP = 3"):
+        _write(ucp, tmp_path / "x", Layout(pp=3))
+    with pytest.raises(fu.FromUniversalError, match="give the virtual pipeline size as "
+                                                    "--num-virtual-stages-per-pipeline-rank"):
+        _write(ucp, tmp_path / "x", Layout(pp=2, vpp_layers=1), pipeline=fu.PipelineFlags(first_stage_layers=1))
+    steps = tmp_path / "steps"  # parameters with different Adam steps cannot be torch_dist
+    shutil.copytree(ucp, steps)
+    _rewrite_metadata(steps, lambda meta: next(iter(meta["parameters"].values())).update(step=7))
+    with pytest.raises(fu.FromUniversalError, match=r"different Adam steps \[7, 8\].*write --ckpt-format torch"):
+        _write(steps, tmp_path / "x", Layout())
+    moe = _fabricate(tmp_path / "moe", 2, num_experts=4, hidden=16)
+    with pytest.raises(fu.FromUniversalError, match=r"num_experts=4, --num-experts\); the direct torch_dist writer"):
+        _write(moe, tmp_path / "x", Layout(), use_distributed_optimizer=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["moe", "steps"]
+
+
+def test_plan_takes_uneven_pipelines(sources):
+    """`megatron-ucp plan` with Megatron-LM's uneven-split flags: PP3 with the embedding and loss counted
+    holds layers [0], [1, 2], [3]; a first stage that leaves the other stages no layer is refused."""
+    from megatron_ucp.plan import Target, make_plan
+
+    plan = make_plan(sources[(A, 8)], Target(tp=1, pp=3, dp=1, embedding_in_split=True, loss_in_split=True,
+                                            use_distributed_optimizer=True))
+    assert plan["compatible"] and plan["target"]["layout"]["embedding_in_split"]
+    assert [sorted({int(n.split(".")[2]) for n in s["parameters"] if n.startswith("decoder.layers.")})
+            for s in plan["stages"]] == [[0], [1, 2], [3]]
+    plan = make_plan(sources[(A, 8)], Target(tp=1, pp=2, dp=1, first_stage_layers=4))
+    assert not plan["compatible"] and "first stage 4 layers: 0 layers left" in plan["problems"][0]
+
+
+def test_dry_run_lists_every_file(sources, tmp_path):
+    summary = _write(sources[(C, 8)], tmp_path / "x", Layout(pp=2), dry_run=True)
+    assert [p for p, _ in summary.plan.files] == [
+        "iter_0000008/__0_0.distcp", "iter_0000008/__0_1.distcp", "iter_0000008/__1_0.distcp",
+        "iter_0000008/__1_1.distcp", "iter_0000008/.metadata", "iter_0000008/common.pt",
+        "iter_0000008/metadata.json", "latest_checkpointed_iteration.txt"]
+    assert summary.plan.details[0] == "optimizer state: adam" and not (tmp_path / "x").exists()
+
+
+@pytest.mark.torchrun
+def test_torchrun_processes_split_the_files(sources, tmp_path):
+    """2 torchrun processes write the same .distcp files, byte for byte, and the same .metadata chunks as
+    one process (A -> TP1PP2DP2, dp_reshardable)."""
+    flags = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2", "--use-distributed-optimizer",
+             "--ckpt-format", "torch_dist", "--rng-state", "cpu", "--quiet", "--json"]
+    single, split = tmp_path / "single", tmp_path / "split"
+    _write(sources[(A, 8)], single, Layout(pp=2, dp=2), use_distributed_optimizer=True)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "megatron_ucp.cli", "from-universal", str(sources[(A, 8)]), str(split), *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert sum(line.startswith("{") for line in proc.stdout.splitlines()) == 2  # one JSON result per process
+    names = sorted(p.name for p in _iter_dir(single).glob("*.distcp"))
+    assert names == sorted(p.name for p in _iter_dir(split).glob("*.distcp")) and len(names) == 8
+    for n in names:
+        assert (_iter_dir(single) / n).read_bytes() == (_iter_dir(split) / n).read_bytes(), n
+    assert structure(_iter_dir(single)) == structure(_iter_dir(split))
+    assert json.loads((split / "megatron-ucp.json").read_text())["kind"] == "megatron"
+    assert not list(tmp_path.glob("*.partial-*")) and not list(tmp_path.glob(".*.lock"))
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. Memory: bounded by a few bands, flat in the model size
+
+MIB, GIB = 2 ** 20, 2 ** 30
+
+
+def _fabricate(dst: Path, num_layers: int, num_experts=None, hidden: int = 512) -> Path:
+    """A universal checkpoint of a llama-like bf16 model (random weights and moments), without training."""
+    from megatron_ucp.adapters.gpt import expected_parameters, pattern_for
+    from megatron_ucp.layout import ParallelLayout
+    from megatron_ucp.model_config import GPTModelConfig
+    from megatron_ucp.universal import UniversalWriter
+
+    config = GPTModelConfig(num_layers=num_layers, hidden_size=hidden, ffn_hidden_size=4 * hidden,
+                            num_attention_heads=8, num_query_groups=4, kv_channels=hidden // 8, vocab_size=8000,
+                            padded_vocab_size=8192,
+                            make_vocab_size_divisible_by=128, max_position_embeddings=64, swiglu=True,
+                            normalization="RMSNorm", position_embedding_type="rope",
+                            untie_embeddings_and_output_weights=True, add_bias_linear=False,
+                            num_experts=num_experts, moe_ffn_hidden_size=64 if num_experts else None)
+    with UniversalWriter(dst) as writer:
+        for seed, (name, shape) in enumerate(expected_parameters(config)):
+            g = torch.Generator().manual_seed(seed)
+            tensors = {"fp32": torch.randn(shape, generator=g), "exp_avg": torch.randn(shape, generator=g),
+                       "exp_avg_sq": torch.rand(shape, generator=g)}
+            # Megatron's groups: weight decay for >= 2-D weights (group 0), none for 1-D (group 1)
+            writer.write_parameter(name, tensors, {"model_dtype": "bfloat16", "pattern": pattern_for(name, config),
+                                                   "step": 3, "param_group": {"index": int(len(shape) == 1)}})
+        return writer.finish({
+            "iteration": 3, "consumed_train_samples": 24, "model_config": config.to_dict(),
+            "args": {"micro_batch_size": 1, "global_batch_size": 8, "bf16": True, "seed": 1234},
+            "source": {"format": "torch_dist", "path": "/nowhere", "layout": ParallelLayout().to_dict(),
+                       "optimizer_kind": "distributed"},
+            "optimizer": {"type": "adam", "param_groups": [{"wd_mult": 1.0, "weight_decay": 0.1},
+                                                           {"wd_mult": 0.0, "weight_decay": 0.0}]},
+            "scheduler": {}}, expected_parameters(config))
+
+
+# Peak RSS is VmHWM, reset to the current RSS just before writing (as tests/test_performance_properties.py).
+WRITE_CHILD = r"""
+import json, sys
+from megatron_ucp import from_universal as fu
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field + ":"))
+
+kwargs = dict(tensor_model_parallel_size=2, data_parallel_size=2, use_distributed_optimizer=True,
+              ckpt_format="torch_dist", workers=1, progress=False)
+fu.from_universal(sys.argv[1], sys.argv[2] + "_warm", **kwargs)  # imports, first-use allocations
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM := VmRSS
+baseline = status("VmRSS")
+fu.from_universal(sys.argv[1], sys.argv[2], **kwargs)
+print(json.dumps({"baseline": baseline, "peak": status("VmHWM")}))
+"""
+
+
+def test_write_memory_is_bounded_and_flat(tmp_path, capsys):
+    """Peak RSS growth of the direct writer (TP2 DP2, dp_reshardable, bf16 model: copies, row-parallel bands
+    and casts; one writer thread, so the peak does not depend on how threads interleave) is at most
+    1 GiB + 3 x the largest parameter (all states), and flat (within 20% or 16 MiB) when the model doubles
+    from 4 to 8 layers (+45 MiB of universal checkpoint)."""
+    growth, largest = {}, {}
+    for layers in (4, 8):
+        ucp = _fabricate(tmp_path / f"ucp{layers}", layers, hidden=256)
+        u = UniversalCheckpoint.open(ucp)
+        largest[layers] = max(torch.Size(p.shape).numel() * 4 * len(p.tensors) for p in u.parameters.values())
+        proc = subprocess.run([sys.executable, "-c", WRITE_CHILD, str(ucp), str(tmp_path / f"out{layers}")],
+                              cwd=REPO, capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        growth[layers] = result["peak"] - result["baseline"]
+        written = sum(f.stat().st_size for f in (tmp_path / f"out{layers}").rglob("*") if f.is_file())
+        with capsys.disabled():
+            print(f"\n[torch_dist direct write memory] {layers} layers: universal {u.total_bytes() / MIB:.0f} MiB, "
+                  f"written {written / MIB:.0f} MiB, largest parameter {largest[layers] / MIB:.0f} MiB (all states), "
+                  f"peak RSS growth {growth[layers] / MIB:.1f} MiB")
+        assert growth[layers] <= GIB + 3 * largest[layers]
+        shutil.rmtree(tmp_path / f"out{layers}_warm")
+    assert largest[4] == largest[8]
+    assert abs(growth[8] - growth[4]) <= max(0.2 * growth[4], 16 * MIB), growth
