@@ -763,6 +763,12 @@ def experts_in_own_optimizer(config: GPTModelConfig, layout: ParallelLayout) -> 
     return bool(config.num_experts) and (layout.ep > 1 or layout.expert_tp != layout.tp)
 
 
+def in_expert_optimizer(name: str, config: GPTModelConfig, layout: ParallelLayout) -> bool:
+    """Whether a parameter lives in the expert DDP buffers and the expert optimizer at `layout` (a routed
+    expert's parameter when `experts_in_own_optimizer`), rather than in the dense ones."""
+    return experts_in_own_optimizer(config, layout) and is_expert(name)
+
+
 def megatron_param_groups(rank_chunks: Mapping[tuple, Sequence[Sequence[Any]]], args: Mapping[str, Any], *,
                           experts: bool = False) -> Dict[tuple, List[List[Tuple[int, str]]]]:
     """Per rank: one optimizer's param groups as lists of (vpp chunk, local name).
