@@ -407,8 +407,10 @@ class TorchDistCheckpoint(CheckpointReader):
         md = self._keys.get(key)
         where = f"{self.path / '.metadata'}: {key}"
         if not isinstance(md, DcpTensorMeta):
+            moe = (f" (num_experts={self.config.num_experts}, moe_layer_freq={self.config.moe_layer_freq})"
+                   if rulebook.rule_for(canonical).kind == rulebook.MOE else "")
             raise CheckpointFormatError(f"{where} is missing (needed for {local}); the checkpoint is incomplete or "
-                                        f"does not match its args")
+                                        f"does not match its args{moe}")
         self._check_dtype(key, PARAM_DTYPES)
         size = tuple(md.size)
         shape = size[len(lead):]
