@@ -55,6 +55,8 @@ def target_args(metadata: Mapping[str, Any], layout: ParallelLayout, *, use_dist
         context_parallel_size=1,
         world_size=layout.world_size,
         sequence_parallel=bool(layout.sp),
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
         use_distributed_optimizer=bool(use_distributed_optimizer),
         padded_vocab_size=int(padded_vocab_size),
         ckpt_format=ckpt_format,
