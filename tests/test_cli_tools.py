@@ -95,7 +95,7 @@ def test_inspect_json_for_all_three_formats(ucp, capsys):
             dist["consumed_train_samples"]) == (64, 64, 32)
     for info in (universal, legacy, dist):
         assert info["ok"] is True
-        assert info["layout"] == {"tp": 2, "pp": 2, "dp": 2, "vpp": None, "sp": True, "ep": 1}
+        assert info["layout"] == {"tp": 2, "pp": 2, "dp": 2, "vpp": None, "sp": True, "ep": 1, "etp": None}
         assert info["optimizer_kind"] == "distributed" and info["has_optimizer_state"]
         c = info["model_config"]
         assert (c["num_query_groups"], c["vocab_size"], c["padded_vocab_size"], c["swiglu"]) == (2, 1001, 1024, True)

@@ -229,12 +229,6 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Optional[int]:
     if load_optim and args.use_distributed_optimizer and not same_mp and \
             metadata.get("distrib_optim_sharding_type") == "dp_reshardable":
         saved, here = describe_layout(model_parallel_layout(ckpt_args)), describe_layout(model_parallel_layout(args))
-        if getattr(ckpt_args, "num_experts", None):
-            # Universal checkpoints hold no experts yet; torch_dist itself reshards the other sharding types.
-            raise CheckpointError(
-                f"{ckpt_dir}: saved at {saved} with the dp_reshardable optimizer, whose flat buffers only load at "
-                f"the same TP/PP/EP/ETP; resume at {saved}, or save with --dist-ckpt-optim-fully-reshardable "
-                f"(or without --use-distributed-optimizer) to resume at {here}")
         raise CheckpointError(
             f"{ckpt_dir}: saved at {saved} with the dp_reshardable optimizer; to resume at {here} "
             f"convert it: megatron-ucp to-universal {root} UCP_DIR, then --load UCP_DIR --universal-checkpoint")
@@ -245,8 +239,8 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Optional[int]:
             return f"at TP{tp}PP{pp}EP{ep}ETP{etp} the experts {kind}"
         raise CheckpointError(
             f"{ckpt_dir}: {where(ckpt_args)} but {where(args)} (megatron-core chains a separate expert optimizer "
-            "only with EP > 1 or ETP != TP), so the optimizer state cannot be mapped; resume with EP > 1 or "
-            "ETP != TP on both sides or on neither, or pass --no-load-optim")
+            "only with EP > 1 or ETP != TP), so megatron-core cannot map the optimizer state; convert it: "
+            f"megatron-ucp to-universal {root} UCP_DIR, then --load UCP_DIR --universal-checkpoint")
     # With EP the RNG state is one object per (PP, TP, DP) rank: it needs the same DP too.
     same_rng_shards = same_mp and (model_parallel_layout(args)[2] == 1 or getattr(
         ckpt_args, "data_parallel_size", None) == args.data_parallel_size)
