@@ -3,6 +3,7 @@
     megatron-ucp from-universal UCP DST -t T -p P -d D [--num-layers-per-virtual-pipeline-stage V]
         [--decoder-first-pipeline-num-layers F] [--decoder-last-pipeline-num-layers L]
         [--account-for-embedding-in-pipeline-split] [--account-for-loss-in-pipeline-split]
+        [--expert-model-parallel-size E] [--expert-tensor-parallel-size ET]
         [--use-distributed-optimizer [--optimizer-format {dp_reshardable,fully_reshardable}]]
         [--sequence-parallel] --ckpt-format {torch,torch_dist} [--workers K] [--via-harness] [--dry-run]
         [--overwrite] [--clean-stale]
@@ -37,7 +38,8 @@ from typing import Optional, Union
 
 from tqdm import tqdm
 
-from megatron_ucp.adapters.gpt import expected_parameters, megatron_padded_vocab, virtual_chunks
+from megatron_ucp.adapters.gpt import (expected_parameters, experts_per_ep_rank, is_buffer, megatron_padded_vocab,
+                                       virtual_chunks)
 from megatron_ucp.convert import in_torchrun
 from megatron_ucp.formats.common import TRACKER_FILENAME
 from megatron_ucp.layout import LayoutError, ParallelLayout
@@ -93,11 +95,17 @@ class PipelineFlags:
 
 
 def target_layout(ucp: UniversalCheckpoint, tp: int, pp: int, dp: int, vpp_layers: Optional[int],
-                  sequence_parallel: bool, split: PipelineFlags = PipelineFlags()) -> ParallelLayout:
+                  sequence_parallel: bool, split: PipelineFlags = PipelineFlags(), ep: int = 1,
+                  etp: Optional[int] = None) -> ParallelLayout:
     """The layout Megatron-LM would run with these flags (VPP from layers per virtual stage or virtual
-    stages per rank; uneven splits as Megatron-LM's validate_args takes them)."""
+    stages per rank; uneven splits as Megatron-LM's validate_args takes them; EP and ETP only for a model
+    with experts)."""
+    if (ep > 1 or etp not in (None, tp)) and not ucp.config.num_experts:
+        raise FromUniversalError(f"{ucp.path}: --expert-model-parallel-size / --expert-tensor-parallel-size need a model "
+                                 f"with experts (this one has num_experts=None); drop them")
     uneven = split.first_stage_layers is not None or split.last_stage_layers is not None
     try:
+        experts_per_ep_rank(ucp.config, ep)  # first: the cause when EP does not divide the experts
         if vpp_layers is not None and split.virtual_stages is not None:
             raise LayoutError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
                               "are exclusive; pass one")
@@ -110,11 +118,11 @@ def target_layout(ucp: UniversalCheckpoint, tp: int, pp: int, dp: int, vpp_layer
         counted = ucp.config.num_layers + split.embedding_in_split + split.loss_in_split
         vpp = virtual_chunks(counted, pp, vpp_layers) if split.virtual_stages is None else (
             split.virtual_stages if split.virtual_stages > 1 else None)
-        return ParallelLayout(tp=tp, pp=pp, dp=dp, vpp=vpp, sp=sequence_parallel,
+        return ParallelLayout(tp=tp, pp=pp, dp=dp, vpp=vpp, sp=sequence_parallel, ep=ep, etp=etp,
                               first_stage_layers=split.first_stage_layers, last_stage_layers=split.last_stage_layers,
                               embedding_in_split=split.embedding_in_split, loss_in_split=split.loss_in_split)
     except LayoutError as e:
-        raise FromUniversalError(str(e)) from e
+        raise FromUniversalError(f"{ucp.path}: {e}") from e
 
 
 def plan_target(ucp: UniversalCheckpoint, layout: ParallelLayout, *, vpp_layers: Optional[int], ckpt_format: str,
@@ -149,12 +157,12 @@ def plan_target(ucp: UniversalCheckpoint, layout: ParallelLayout, *, vpp_layers:
         raise FromUniversalError(f"{where}: the interleaved schedule needs the number of micro-batches "
                                  f"({gbs // (mbs * layout.dp)}) divisible by PP={layout.pp}; change DP or drop VPP")
     if use_distributed_optimizer:
-        steps = {info.step for info in ucp.parameters.values()}
+        steps = {info.step for name, info in ucp.parameters.items() if not is_buffer(name)}
         if len(steps) > 1:
             raise FromUniversalError(
                 f"{where}: parameters have different Adam steps {sorted(s for s in steps if s is not None)}, but "
                 f"the distributed optimizer keeps one per rank; drop --use-distributed-optimizer")
-    has_moments = all("exp_avg" in info.tensors for info in ucp.parameters.values())
+    has_moments = all("exp_avg" in info.tensors for name, info in ucp.parameters.items() if not is_buffer(name))
     if not has_moments:
         warnings.append("the universal checkpoint holds no optimizer state: only model weights are written; resume "
                         "with --no-load-optim (or --finetune)")
@@ -224,6 +232,7 @@ HALF_WRITTEN = "half-written"  # the staging phase once half the files are writt
 def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_size: int = 1,
                    pipeline_model_parallel_size: int = 1, data_parallel_size: int = 1,
                    num_layers_per_virtual_pipeline_stage: Optional[int] = None,
+                   expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None,
                    use_distributed_optimizer: bool = False, sequence_parallel: bool = False,
                    ckpt_format: str = "torch_dist", dry_run: bool = False, overwrite: bool = False,
                    rng_state: str = "cuda", timeout_s: int = DEFAULT_TIMEOUT_S,
@@ -257,7 +266,8 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
 
     def plan_for(ucp: UniversalCheckpoint) -> TargetPlan:
         layout = target_layout(ucp, tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size,
-                               num_layers_per_virtual_pipeline_stage, sequence_parallel, pipeline)
+                               num_layers_per_virtual_pipeline_stage, sequence_parallel, pipeline,
+                               expert_model_parallel_size, expert_tensor_parallel_size)
         plan = plan_target(ucp, layout, vpp_layers=num_layers_per_virtual_pipeline_stage, ckpt_format=ckpt_format,
                            use_distributed_optimizer=use_distributed_optimizer, rng_state=rng_state, writer=writer)
         for message in plan.warnings:
@@ -416,7 +426,7 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
         "from-universal", parents=[common],
         help="write a universal checkpoint as a Megatron checkpoint at any layout",
         description="Write a universal checkpoint as a Megatron-LM checkpoint (torch_dist or legacy torch) at "
-                    "the given TP x PP x DP (x VPP) layout, with the full optimizer state.")
+                    "the given TP x PP x DP (x VPP, x EP x ETP with experts) layout, with the full optimizer state.")
     p.add_argument("ucp", help="universal checkpoint directory")
     p.add_argument("dst", help="Megatron checkpoint root to create (must not exist unless --overwrite)")
     p.add_argument("-t", "--tensor-model-parallel-size", type=int, default=1)
@@ -433,6 +443,9 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
                    help="count the embedding as a layer when splitting layers over stages (as Megatron-LM)")
     p.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
                    help="count the loss as a layer when splitting layers over stages (as Megatron-LM)")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="EP (models with experts): must divide num_experts; carved out of TP x DP")
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="ETP (default: TP)")
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--ckpt-format", choices=CKPT_FORMATS, required=True,
@@ -469,6 +482,8 @@ def run_cli(args: argparse.Namespace) -> dict:
         args.ucp, args.dst, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, data_parallel_size=args.data_parallel_size,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         use_distributed_optimizer=args.use_distributed_optimizer, sequence_parallel=args.sequence_parallel,
         ckpt_format=args.ckpt_format, dry_run=args.dry_run, overwrite=args.overwrite, rng_state=args.rng_state,
         timeout_s=args.timeout, progress=not args.quiet, clean_stale=args.clean_stale,

@@ -6,7 +6,9 @@ directory of an unfinished or killed write is refused whatever it holds. For Meg
 global shapes come from the GPT adapter (model config + layout), not from tensors. For a universal
 checkpoint it also reports, from stat() and metadata alone, tensor files missing or of the wrong size and
 parameters the model lacks or has with another shape (`universal_problems`); inspect then exits 1.
-`megatron-ucp check` reads every byte.
+`megatron-ucp check` reads every byte. With experts (MoE) it shows the MoE config (experts, MoE layers,
+experts per EP rank, shared experts, expert bias), EP and ETP of the layout, and which parameters are
+routed experts (split over ETP, one per global expert) or persistent buffers (no optimizer state).
 """
 
 from __future__ import annotations
@@ -140,9 +142,16 @@ class ParameterRow:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def kind(self) -> str:
+        """'expert' (a routed expert's parameter: split over ETP), 'buffer' (no optimizer state) or 'dense'."""
+        from megatron_ucp.adapters.gpt import is_buffer, is_expert
+
+        return "expert" if is_expert(self.name) else "buffer" if is_buffer(self.name) else "dense"
+
     def to_dict(self) -> dict:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "pattern": self.pattern,
-                "tensors": list(self.tensors), "numel": self.numel}
+                "tensors": list(self.tensors), "numel": self.numel, "kind": self.kind}
 
 
 def parameter_rows(ckpt) -> list[ParameterRow]:
@@ -150,7 +159,7 @@ def parameter_rows(ckpt) -> list[ParameterRow]:
     if is_universal(ckpt):
         return [ParameterRow(p.name, p.shape, p.model_dtype, p.pattern.to_json(), p.tensors)
                 for p in ckpt.parameters.values()]
-    from megatron_ucp.adapters.gpt import canonical_name, expected_parameters, pattern_for
+    from megatron_ucp.adapters.gpt import canonical_name, expected_parameters, is_buffer, pattern_for
     from megatron_ucp.byteio import dtype_name
     from megatron_ucp.formats.common import CheckpointFormatError
     from megatron_ucp.layout import LayoutError
@@ -163,7 +172,7 @@ def parameter_rows(ckpt) -> list[ParameterRow]:
     dtypes = {}
     for ref in ckpt.shards():  # shard metadata only (names, shapes, dtypes)
         name = canonical_name(ref.local_name, layout, ref.pp_rank, ref.vpp_chunk, config.num_layers,
-                              tied=config.tied, config=config)
+                              tied=config.tied, config=config, ep_rank=ref.ep_rank)
         if name is not None:
             dtypes.setdefault(name, dtype_name(ref.dtype))
     missing = [n for n, _ in expected if n not in dtypes]
@@ -171,7 +180,25 @@ def parameter_rows(ckpt) -> list[ParameterRow]:
         raise CheckpointFormatError(f"{ckpt.path}: missing parameters {missing[:5]}; the checkpoint is incomplete "
                                     f"or does not match its args")
     tensors = ("fp32",) if ckpt.optimizer_kind == "none" else ("fp32", "exp_avg", "exp_avg_sq")
-    return [ParameterRow(n, tuple(s), dtypes[n], pattern_for(n, config).to_json(), tensors) for n, s in expected]
+    return [ParameterRow(n, tuple(s), dtypes[n], pattern_for(n, config).to_json(),
+                         ("fp32",) if is_buffer(n) else tensors) for n, s in expected]
+
+
+def moe_summary(config, layout: Optional[dict] = None) -> Optional[dict]:
+    """The mixture-of-experts part of a model config (None for a dense model), with experts per EP rank at
+    `layout` when given."""
+    if not config.num_experts:
+        return None
+    layers = [i for i, moe in enumerate(config.moe_layers) if moe]
+    out = {"num_experts": config.num_experts, "moe_layers": layers, "dense_layers": config.num_layers - len(layers),
+           "moe_ffn_hidden_size": config.moe_ffn_hidden_size,
+           "shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
+           "shared_expert_gate": config.moe_shared_expert_gate,
+           "router_expert_bias": config.moe_router_enable_expert_bias}
+    if layout is not None:
+        ep = layout.get("ep") or 1
+        out["experts_per_ep_rank"] = config.num_experts // ep if config.num_experts % ep == 0 else None
+    return out
 
 
 def universal_problems(ucp) -> list[str]:
@@ -221,8 +248,9 @@ def describe(ckpt) -> dict:
         "consumed_train_samples": int(consumed),
         "layout": layout,  # for a universal checkpoint: the layout it was trained with (informational)
         "model_config": ckpt.config.to_dict(),
+        "moe": moe_summary(ckpt.config, layout),
         "optimizer_kind": optimizer_kind,
-        "has_optimizer_state": all(len(r.tensors) == 3 for r in rows),
+        "has_optimizer_state": all(len(r.tensors) == 3 for r in rows if r.kind != "buffer"),
         "num_parameters": len(rows),
         "num_elements": numel,
         "model_bytes": sum(r.numel * _DTYPE_BYTES.get(r.dtype, 4) for r in rows),
@@ -241,6 +269,8 @@ def _layout_text(layout: dict) -> str:
     parts = [f"TP={layout['tp']}", f"PP={layout['pp']}", f"DP={layout['dp']}",
              f"VPP={layout.get('vpp') or '-'}", f"SP={'on' if layout.get('sp') else 'off'}",
              f"EP={layout.get('ep', 1)}"]
+    if layout.get("etp") is not None:
+        parts.append(f"ETP={layout['etp']}")
     return " ".join(parts)
 
 
@@ -260,14 +290,24 @@ def format_report(info: dict) -> str:
         f"{'biases' if c['add_bias_linear'] else 'no biases'}{', QKV bias' if c['add_qkv_bias'] else ''}",
         f"  optimizer     {info['optimizer_kind']}" + ("" if info["has_optimizer_state"] else " (no Adam state)"),
     ]
+    moe = info.get("moe")
+    if moe:
+        shared = (f", shared expert {moe['shared_expert_intermediate_size']}"
+                  + (" (gated)" if moe["shared_expert_gate"] else "")) if moe["shared_expert_intermediate_size"] else ""
+        per_rank = (f", {moe['experts_per_ep_rank']} per EP rank"
+                    if moe.get("experts_per_ep_rank") is not None else "")
+        lines.insert(-1, f"  experts       {moe['num_experts']} routed experts (ffn {moe['moe_ffn_hidden_size']}){per_rank}"
+                         f" in MoE layers {moe['moe_layers']} ({moe['dense_layers']} dense){shared}"
+                         + (", router expert bias (a buffer)" if moe["router_expert_bias"] else ""))
     if info.get("lazy_source"):
         lines.append(f"  lazy          an index into {info['lazy_source']} (tensors are read from there; keep it "
                      f"in place and unchanged)")
     lines += [
         "",
     ]
-    rows = [(p["name"], "x".join(map(str, p["shape"])), p["dtype"], pattern_label(p["pattern"]))
-            for p in info["parameters"]]
+    split = {"expert": " over ETP", "buffer": " (buffer)"}
+    rows = [(p["name"], "x".join(map(str, p["shape"])), p["dtype"],
+             pattern_label(p["pattern"]) + split.get(p.get("kind"), "")) for p in info["parameters"]]
     header = ("parameter", "global shape", "dtype", "pattern")
     lines += text_table(header, rows)
     lines += ["", f"{info['num_parameters']} parameters, {info['num_elements']:,} elements; "

@@ -63,6 +63,22 @@ class ParallelLayout:
         """Data-parallel size of the routed experts (their replicas)."""
         return self.tp * self.dp // (self.expert_tp * self.ep)
 
+    def dense_mp_rank(self, tp_rank: int, pp_rank: int) -> int:
+        """Rank in the TP x PP model-parallel group (the dense optimizer's `dp_group_idx`)."""
+        return tp_rank + self.tp * pp_rank
+
+    def expert_mp_rank(self, etp_rank: int, ep_rank: int, pp_rank: int) -> int:
+        """Rank in the ETP x EP x PP group (the expert optimizer's `dp_group_idx`; rank order tp-ep-dp-pp)."""
+        return etp_rank + self.expert_tp * (ep_rank + self.ep * pp_rank)
+
+    def expert_coordinates(self, rank: int) -> tuple[int, int, int, int]:
+        """(expert-TP rank, EP rank, expert-DP rank, PP rank) of a global rank (megatron-core's expert rank
+        order etp-ep-edp-pp over the same ranks as the dense tp-dp-pp)."""
+        etp_rank, rest = rank % self.expert_tp, rank // self.expert_tp
+        ep_rank, rest = rest % self.ep, rest // self.ep
+        edp_rank, pp_rank = rest % self.expert_dp, rest // self.expert_dp
+        return etp_rank, ep_rank, edp_rank, pp_rank
+
     @property
     def even_pipeline(self) -> bool:
         """Layers split evenly over the pipeline chunks (none of the uneven-split settings)."""

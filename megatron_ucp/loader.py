@@ -10,6 +10,12 @@ Every rank walks its own model chunks' parameters, maps each to its canonical na
 - otherwise the whole tensor-parallel slice of the weight (pieces given by `pattern.slice_ranges`)
   and of each Adam moment.
 Each parameter gets its own Adam `step`. Then the LR scheduler, iteration and consumed samples.
+
+Mixture of experts, at any EP x ETP: a rank holds the routed experts of its EP rank (local index j is
+global expert ep*E/EP + j) and reads their slices for its expert-TP rank; with experts in their own
+optimizer the expert DistributedOptimizer owns a range of the expert buffers (sharded over the
+expert-data-parallel group), read the same way, and the same param all-gather completes them. The
+router's `expert_bias` (a persistent buffer, no optimizer state) is copied whole.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from megatron_ucp.patterns import repadded_shard
 # Model-config fields that must match between the universal checkpoint and the run.
 MUST_MATCH = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
               "kv_channels", "vocab_size", "swiglu", "normalization", "position_embedding_type",
-              "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm")
+              "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+              "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+              "moe_layers", "moe_router_enable_expert_bias")
 FLAGS = {
     "num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
     "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
@@ -39,6 +47,10 @@ FLAGS = {
     "normalization": "--normalization", "position_embedding_type": "--position-embedding-type",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias", "qk_layernorm": "--qk-layernorm",
+    "num_experts": "--num-experts", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "moe_shared_expert_gate": "--moe-shared-expert-gate", "moe_layers": "--moe-layer-freq",
+    "moe_router_enable_expert_bias": "--moe-router-enable-expert-bias",
 }
 
 
@@ -82,6 +94,13 @@ def check_compatible(ucp, args) -> None:
 
 
 # --- reading slices ---------------------------------------------------------------------------
+
+def _split_rank(name: str, layout, parallel_state) -> Tuple[int, int]:
+    """(rank, size) of the tensor-parallel split a parameter has: expert-TP for routed experts, else TP."""
+    if rulebook.rule_for(name).expert_tp:
+        return parallel_state.get_expert_tensor_parallel_rank(), layout.expert_tp
+    return parallel_state.get_tensor_model_parallel_rank(), layout.tp
+
 
 def read_local_flat_range(ucp, name: str, key: str, tp_rank: int, tp: int, start: int, end: int) -> torch.Tensor:
     """Elements [start, end) of the flattened TP slice, reading only the rows of the slice that cover them
@@ -152,12 +171,13 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
     check_compatible(ucp, args)
     config = ucp.config
     layout = layout_from_args(vars(args))
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank() if config.num_experts else 0
     target_padded = args.padded_vocab_size
 
     load_optim = not args.no_load_optim and not args.finetune
-    has_moments = all("exp_avg" in info.tensors for info in ucp.parameters.values())
+    has_moments = all("exp_avg" in info.tensors for name, info in ucp.parameters.items()
+                      if not rulebook.is_buffer(name))
     if load_optim and not has_moments:
         if torch.distributed.get_rank() == 0:
             print("WARNING: the universal checkpoint holds no optimizer state; starting Adam from zero", flush=True)
@@ -172,19 +192,21 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
     for vpp_chunk, chunk in enumerate(model):
         from megatron_ucp.training.model import unwrap_model
         module = unwrap_model(chunk)
+        _load_buffers(ucp, module, layout, pp_rank, vpp_chunk, ep_rank, parallel_state)
         for local, param in module.named_parameters():
             name = rulebook.canonical_name(local, layout, pp_rank, vpp_chunk if layout.vpp else None,
-                                           config.num_layers, tied=config.tied, config=config)
+                                           config.num_layers, tied=config.tied, config=config, ep_rank=ep_rank)
             if name is None:
                 continue
             if name not in ucp.parameters:
                 raise UniversalLoadError(f"{ucp.path}: no tensor for parameter {name} (this rank's {local})")
             info = ucp.parameters[name]
+            tp_rank, tp = _split_rank(name, layout, parallel_state)
             resize = rulebook.is_vocab_parameter(name) and info.shape[0] != target_padded
             main = mains.get(id(param))
 
             if gather_params and not resize:
-                local_shape = info.pattern.local_shape(info.shape, layout.tp, name=name)
+                local_shape = info.pattern.local_shape(info.shape, tp, name=name)
                 if tuple(local_shape) != tuple(param.shape):
                     raise UniversalLoadError(f"{name}: universal slice for TP rank {tp_rank} has shape "
                                              f"{tuple(local_shape)}, the model expects {tuple(param.shape)}")
@@ -192,7 +214,7 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
                     continue  # no element of it in this DP rank's shard: the all-gather brings it
                 start, end = main.flat_range
                 for key in ("fp32", "exp_avg", "exp_avg_sq"):
-                    values = read_local_flat_range(ucp, name, key, tp_rank, layout.tp, start, end)
+                    values = read_local_flat_range(ucp, name, key, tp_rank, tp, start, end)
                     if key == "fp32":
                         param.view(-1)[start:end].copy_(values.to(param.dtype))
                     target = main.main if key == "fp32" else main.state[key]
@@ -201,10 +223,10 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
                 continue
             if resize:
                 local_tensors = _resized_local(ucp, name, info, target_padded, config.vocab_size,
-                                               tp_rank, layout.tp, with_moments=main is not None)
+                                               tp_rank, tp, with_moments=main is not None)
                 weight = local_tensors["fp32"]
             else:
-                weight = ucp.read_local(name, "fp32", tp_rank, layout.tp)
+                weight = ucp.read_local(name, "fp32", tp_rank, tp)
             if tuple(weight.shape) != tuple(param.shape):
                 raise UniversalLoadError(f"{name}: universal slice for TP rank {tp_rank} has shape "
                                          f"{tuple(weight.shape)}, the model expects {tuple(param.shape)}")
@@ -219,7 +241,7 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
                 elif key == "fp32":
                     values = weight.reshape(-1)[start:end]
                 else:
-                    values = read_local_flat_range(ucp, name, key, tp_rank, layout.tp, start, end)
+                    values = read_local_flat_range(ucp, name, key, tp_rank, tp, start, end)
                 target = main.main if key == "fp32" else main.state[key]
                 target.copy_(values.view_as(target).to(target.dtype))
             main.state["step"] = torch.tensor(float(info.step or 0), dtype=torch.float32)
@@ -250,6 +272,26 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
               + ("" if load_optim else " without optimizer state")
               + f"; all ranks read {int(bytes_read.item())} bytes of tensors", flush=True)
     return ucp.iteration
+
+
+def _load_buffers(ucp, module, layout, pp_rank: int, vpp_chunk: int, ep_rank: int, parallel_state) -> None:
+    """Persistent buffers the rulebook knows (the router's expert_bias): copied whole (replicated, no
+    optimizer state)."""
+    config = ucp.config
+    chunk = vpp_chunk if layout.vpp else None
+    for local, shape, name in rulebook.parameters_for_rank(config, layout, pp_rank, chunk, ep_rank=ep_rank,
+                                                           buffers=True):
+        if not rulebook.is_buffer(name):
+            continue
+        if name not in ucp.parameters:
+            raise UniversalLoadError(f"{ucp.path}: no tensor for buffer {name} (this rank's {local})")
+        buffer = module.get_buffer(local)
+        tp_rank, tp = _split_rank(name, layout, parallel_state)
+        value = ucp.read_local(name, "fp32", tp_rank, tp)
+        if tuple(value.shape) != tuple(buffer.shape):
+            raise UniversalLoadError(f"{name}: universal tensor has shape {tuple(value.shape)}, the model's buffer "
+                                     f"{local} has {tuple(buffer.shape)}")
+        buffer.copy_(value.to(buffer.dtype))
 
 
 def _resized_local(ucp, name, info, target_padded, true_vocab, tp_rank, tp, with_moments):

@@ -6,6 +6,9 @@ rank, the parameters it loads and the bytes it reads from the universal checkpoi
 `megatron_ucp.loader` reads them: the TP slice of each fp32 weight, and the Adam moments of the TP slice
 (without the distributed optimizer) or only of the rows covering the rank's DP shard of megatron-core's
 DDP buffer (with it). For a Megatron-LM source the plan is conversion (to-universal) and then that load.
+With experts (MoE) the target also has EP and ETP: EP must divide the experts (checked first); a rank reads
+its EP rank's experts, sliced for its expert-TP rank, and (distributed optimizer) their moments for its
+expert-data-parallel shard of the expert buffers.
 A universal checkpoint whose tensor files are missing or of the wrong size, or whose parameters do not
 match its model (inspect_cmd.universal_problems, from stat() and metadata alone), makes the plan fail.
 """
@@ -18,8 +21,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_ucp.adapters.gpt import (check_pipeline, expected_parameters, is_vocab_parameter, padded_vocab_at,
-                                      parameters_for_rank, virtual_chunks)
+from megatron_ucp.adapters.gpt import (check_pipeline, expected_parameters, experts_per_ep_rank, in_expert_optimizer,
+                                      is_buffer, is_vocab_parameter, padded_vocab_at, parameters_for_rank, rule_for,
+                                      virtual_chunks)
 from megatron_ucp.inspect_cmd import human_bytes, is_universal, open_any, text_table, universal_problems
 from megatron_ucp.layout import LayoutError, ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
@@ -43,9 +47,13 @@ class Target:
     last_stage_layers: Optional[int] = None
     embedding_in_split: bool = False
     loss_in_split: bool = False
+    ep: int = 1  # --expert-model-parallel-size
+    etp: Optional[int] = None  # --expert-tensor-parallel-size (None: TP)
 
     def describe(self) -> str:
         s = f"TP{self.tp} PP{self.pp} DP{self.dp}"
+        if self.ep > 1 or self.etp not in (None, self.tp):
+            s += f" EP{self.ep} ETP{self.etp or self.tp}"
         if self.layers_per_virtual_stage:
             s += f" ({self.layers_per_virtual_stage} layers per virtual stage)"
         split = [f"first stage {self.first_stage_layers} layers" if self.first_stage_layers is not None else "",
@@ -81,7 +89,7 @@ def read_source(path, iteration: Optional[int] = None) -> Source:
         return Source(str(ckpt.path), "universal", ckpt.iteration, ckpt.config,
                       {n: p.shape for n, p in params.items()}, {n: p.pattern for n, p in params.items()},
                       {n: p.model_dtype for n, p in params.items()},
-                      all("exp_avg" in p.tensors for p in params.values()), dict(ckpt.args),
+                      _has_moments(params), dict(ckpt.args),
                       tuple(universal_problems(ckpt)))
     from megatron_ucp.convert import conversion_tasks
     from megatron_ucp.universal import dtype_name
@@ -93,6 +101,10 @@ def read_source(path, iteration: Optional[int] = None) -> Source:
                   dict(ckpt.args))
 
 
+def _has_moments(params) -> bool:
+    return all("exp_avg" in p.tensors for name, p in params.items() if not is_buffer(name))
+
+
 def check_target(source: Source, target: Target) -> tuple[list[str], list[str], Optional[ParallelLayout], int]:
     """(problems, warnings, layout or None, padded vocab at the target); a problem makes the load impossible."""
     c = source.config
@@ -100,11 +112,28 @@ def check_target(source: Source, target: Target) -> tuple[list[str], list[str], 
     if problems:
         return problems, warnings, None, c.padded_vocab_size
     for name, value in (("--tensor-model-parallel-size", target.tp), ("--pipeline-model-parallel-size", target.pp),
-                        ("--data-parallel-size", target.dp)):
+                        ("--data-parallel-size", target.dp), ("--expert-model-parallel-size", target.ep),
+                        ("--expert-tensor-parallel-size", target.etp or target.tp)):
         if value < 1:
             problems.append(f"{name} {value}: must be >= 1")
     if problems:
         return problems, warnings, None, c.padded_vocab_size
+    if not c.num_experts and (target.ep > 1 or target.etp not in (None, target.tp)):
+        return (["--expert-model-parallel-size / --expert-tensor-parallel-size need a model with experts (this one "
+                 "has num_experts=None); drop them"], warnings, None, c.padded_vocab_size)
+    if c.num_experts:
+        try:  # first: nothing else matters when EP cannot hold the experts
+            experts_per_ep_rank(c, target.ep)
+        except LayoutError as e:
+            return [str(e)], warnings, None, c.padded_vocab_size
+        etp = target.etp or target.tp
+        if c.moe_ffn_hidden_size % etp:
+            problems.append(f"moe_ffn_hidden_size={c.moe_ffn_hidden_size} is not divisible by ETP={etp}; choose "
+                            f"--expert-tensor-parallel-size in {_divisors(c.moe_ffn_hidden_size)}")
+        if (target.tp * target.dp) % (etp * target.ep):
+            problems.append(f"TP x DP = {target.tp} x {target.dp} ranks per stage cannot be split into ETP x EP = "
+                            f"{etp} x {target.ep} expert groups; choose EP and ETP whose product divides "
+                            f"{target.tp * target.dp}")
     t = target.tp
     if c.num_attention_heads % t:
         problems.append(f"num_attention_heads={c.num_attention_heads} is not divisible by TP={t}; "
@@ -146,7 +175,8 @@ def check_target(source: Source, target: Target) -> tuple[list[str], list[str], 
                             f"divisible by PP={target.pp}; lower --micro-batch-size or DP, or drop VPP")
     if problems:
         return problems, warnings, None, padded
-    layout = ParallelLayout(tp=t, pp=target.pp, dp=target.dp, vpp=vpp, sp=target.sequence_parallel, **split)
+    layout = ParallelLayout(tp=t, pp=target.pp, dp=target.dp, vpp=vpp, sp=target.sequence_parallel, ep=target.ep,
+                            etp=target.etp, **split)
     try:  # anything the explicit checks above missed
         expected_parameters(dataclasses.replace(c, padded_vocab_size=padded), layout)
     except (LayoutError, ValueError, NotImplementedError) as e:
@@ -165,47 +195,84 @@ def _rows_bytes(source: Source, canonical: str, tp_rank: int, tp: int, start: in
     return sum(math.prod(s.stop - s.start for s in src) for src, _ in pattern.local_reads(shape, tp_rank, tp, box)) * 4
 
 
-def rank_reads(source: Source, layout: ParallelLayout, padded: int,
-               use_distributed_optimizer: bool) -> tuple[list, list]:
-    """(stages, ranks): per (pp, tp) stage its parameters; per rank the bytes it reads."""
-    c = dataclasses.replace(source.config, padded_vocab_size=padded)
+@dataclass
+class _StageReads:
+    """What every rank of one (pp, tp, ep, etp) read set loads: its parameters, weight bytes, and moment bytes
+    per dense-DP rank and per expert-DP rank (distributed optimizer) or for all of them (otherwise)."""
+
+    names: list
+    weight_bytes: int = 0
+    dense_opt: Optional[list] = None  # per DP rank
+    expert_opt: Optional[list] = None  # per expert-DP rank
+    full_opt: int = 0
+
+
+def _stage_reads(source: Source, c: GPTModelConfig, layout: ParallelLayout, padded: int, key: tuple,
+                 use_distributed_optimizer: bool) -> _StageReads:
+    pp_rank, tp_rank, ep_rank, etp_rank = key
     stored_rows = source.config.padded_vocab_size
     moments = 2 if source.has_moments else 0
-    stages, ranks = [], []
-    for pp_rank in range(layout.pp):
-        for tp_rank in range(layout.tp):
-            names, weight_bytes = [], 0
-            opt_bytes = [0] * layout.dp  # per DP rank
-            for chunk in range(layout.num_chunks):
-                entries = parameters_for_rank(c, layout, pp_rank, chunk if layout.vpp else None)
-                resized = {}
-                for local, local_shape, canonical in entries:
-                    names.append(canonical)
-                    repad = is_vocab_parameter(canonical) and padded != stored_rows
-                    full = math.prod(source.shapes[canonical]) * 4
-                    # re-padding reads the whole stored tensor (each key) to re-pad it, then slices
-                    weight_bytes += full if repad else math.prod(local_shape) * 4
-                    resized[local] = repad
-                    if moments and not use_distributed_optimizer:
-                        for d in range(layout.dp):
-                            opt_bytes[d] += moments * (full if repad else math.prod(local_shape) * 4)
-                if moments and use_distributed_optimizer:
-                    _add_distopt_reads(source, layout, entries, tp_rank, pp_rank, chunk, resized, opt_bytes, moments)
-            stages.append({"pp_rank": pp_rank, "tp_rank": tp_rank, "num_parameters": len(names),
-                           "weight_bytes": weight_bytes, "parameters": names})
-            for dp_rank in range(layout.dp):
-                ranks.append({"rank": tp_rank + layout.tp * (dp_rank + layout.dp * pp_rank), "tp_rank": tp_rank,
-                              "pp_rank": pp_rank, "dp_rank": dp_rank, "num_parameters": len(names),
-                              "weight_bytes": weight_bytes, "optimizer_bytes": opt_bytes[dp_rank],
-                              "read_bytes": weight_bytes + opt_bytes[dp_rank]})
-    ranks.sort(key=lambda r: r["rank"])
-    return stages, ranks
+    stage = _StageReads([], dense_opt=[0] * layout.dp, expert_opt=[0] * layout.expert_dp)
+    for chunk in range(layout.num_chunks):
+        entries = parameters_for_rank(c, layout, pp_rank, chunk if layout.vpp else None, ep_rank=ep_rank,
+                                      buffers=True)
+        resized, splits = {}, {}
+        for local, local_shape, canonical in entries:
+            stage.names.append(canonical)
+            splits[local] = (etp_rank, layout.expert_tp) if rule_for(canonical).expert_tp else (tp_rank, layout.tp)
+            repad = is_vocab_parameter(canonical) and padded != stored_rows
+            full = math.prod(source.shapes[canonical]) * 4
+            # re-padding reads the whole stored tensor (each key) to re-pad it, then slices
+            stage.weight_bytes += full if repad else math.prod(local_shape) * 4
+            resized[local] = repad
+            if moments and not use_distributed_optimizer and not is_buffer(canonical):
+                stage.full_opt += moments * (full if repad else math.prod(local_shape) * 4)
+        if moments and use_distributed_optimizer:
+            params = [e for e in entries if not is_buffer(e[2])]
+            for experts, opt in ((False, stage.dense_opt), (True, stage.expert_opt)):
+                mine = [e for e in params if in_expert_optimizer(e[2], c, layout) == experts]
+                if mine:
+                    _add_distopt_reads(source, layout, mine, splits, pp_rank, chunk, resized, opt, moments,
+                                       experts=experts)
+    return stage
 
 
-def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, tp_rank: int, pp_rank: int, chunk: int,
-                       resized: dict, opt_bytes: list, moments: int) -> None:
+def rank_reads(source: Source, layout: ParallelLayout, padded: int,
+               use_distributed_optimizer: bool) -> tuple[list, list]:
+    """(stages, ranks): per (pp, tp[, ep, etp]) read set its parameters; per rank the bytes it reads."""
+    c = dataclasses.replace(source.config, padded_vocab_size=padded)
+    moe = bool(c.num_experts)
+    stages: dict = {}
+    ranks = []
+    for rank in range(layout.world_size):
+        tp_rank, dp_rank, pp_rank = rank % layout.tp, rank // layout.tp % layout.dp, rank // (layout.tp * layout.dp)
+        etp_rank, ep_rank, edp_rank, _ = layout.expert_coordinates(rank) if moe else (tp_rank, 0, dp_rank, pp_rank)
+        key = (pp_rank, tp_rank, ep_rank, etp_rank)
+        if key not in stages:
+            stages[key] = _stage_reads(source, c, layout, padded, key, use_distributed_optimizer)
+        stage = stages[key]
+        opt = stage.dense_opt[dp_rank] + stage.expert_opt[edp_rank] if use_distributed_optimizer else stage.full_opt
+        row = {"rank": rank, "tp_rank": tp_rank, "pp_rank": pp_rank, "dp_rank": dp_rank,
+               "num_parameters": len(stage.names), "weight_bytes": stage.weight_bytes, "optimizer_bytes": opt,
+               "read_bytes": stage.weight_bytes + opt}
+        if moe:
+            row.update(ep_rank=ep_rank, etp_rank=etp_rank, expert_dp_rank=edp_rank)
+        ranks.append(row)
+    out = []
+    for (pp_rank, tp_rank, ep_rank, etp_rank), stage in sorted(stages.items()):
+        entry = {"pp_rank": pp_rank, "tp_rank": tp_rank}
+        if moe:
+            entry.update(ep_rank=ep_rank, etp_rank=etp_rank)
+        out.append({**entry, "num_parameters": len(stage.names), "weight_bytes": stage.weight_bytes,
+                    "parameters": stage.names})
+    return out, ranks
+
+
+def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, splits: dict, pp_rank: int, chunk: int,
+                       resized: dict, opt_bytes: list, moments: int, *, experts: bool = False) -> None:
     """Moments read per DP rank: megatron-core's DistributedOptimizer gives DP rank r the r-th equal part of
-    every bucket of the chunk's DDP buffer (bucket_layout reproduces the buffer's index map)."""
+    every bucket of the chunk's DDP buffer (bucket_layout reproduces the buffer's index map); the expert
+    buffers are split the same way over the expert-DP group."""
     from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
                                                     shared_embedding_names)
 
@@ -213,15 +280,16 @@ def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, tp_rank:
             "virtual_pipeline_model_parallel_size": layout.vpp}
     local_names = [local for local, _, _ in entries]
     shared = shared_embedding_names(args, pp_rank=pp_rank, vpp_chunk=chunk, names=local_names)
-    params = [BufferParam(local, tuple(shape), _torch_dtype(source.model_dtypes[canonical]), local in shared)
-              for local, shape, canonical in entries]
+    params = [BufferParam(local, tuple(shape), _torch_dtype(source.model_dtypes[canonical]), local in shared,
+                          expert=experts) for local, shape, canonical in entries]
     canonicals = {local: canonical for local, _, canonical in entries}
     full_bytes = {local: math.prod(source.shapes[canonical]) * 4 for local, _, canonical in entries}
-    config = DDPBucketConfig(dp_size=layout.dp, use_distributed_optimizer=True, bucket_size=None)
-    for buffer in build_chunk_buffers(params, config):
+    dp = layout.expert_dp if experts else layout.dp
+    config = DDPBucketConfig(dp_size=dp, use_distributed_optimizer=True, bucket_size=None)
+    for buffer in build_chunk_buffers(params, config, experts=experts):
         for bucket_index, bucket in enumerate(buffer.buckets):
-            part = bucket.numel // layout.dp
-            for dp_rank in range(layout.dp):
+            part = bucket.numel // dp
+            for dp_rank in range(dp):
                 lo, hi = bucket.start + dp_rank * part, bucket.start + (dp_rank + 1) * part
                 for span in buffer.params:
                     if span.bucket != bucket_index:
@@ -232,8 +300,9 @@ def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, tp_rank:
                     if resized[span.name]:
                         opt_bytes[dp_rank] += moments * full_bytes[span.name]
                     else:
-                        opt_bytes[dp_rank] += moments * _rows_bytes(source, canonicals[span.name], tp_rank,
-                                                                    layout.tp, start - span.start, end - span.start)
+                        split_rank, split = splits[span.name]
+                        opt_bytes[dp_rank] += moments * _rows_bytes(source, canonicals[span.name], split_rank, split,
+                                                                    start - span.start, end - span.start)
 
 
 def _torch_dtype(name: str):
@@ -245,10 +314,12 @@ def _torch_dtype(name: str):
 def make_plan(src, target: Target, iteration: Optional[int] = None) -> dict:
     source = read_source(src, iteration)
     problems, warnings, layout, padded = check_target(source, target)
-    stored_bytes = sum(math.prod(s) * 4 * (3 if source.has_moments else 1) for s in source.shapes.values())
+    stored_bytes = sum(math.prod(s) * 4 * (3 if source.has_moments and not is_buffer(n) else 1)
+                       for n, s in source.shapes.items())
     plan = {
         "source": {"path": source.path, "format": source.format, "iteration": source.iteration,
-                   "optimizer_state": source.has_moments, "universal_bytes": stored_bytes},
+                   "optimizer_state": source.has_moments, "universal_bytes": stored_bytes,
+                   "num_experts": source.config.num_experts},
         "conversion": None if source.format == "universal" else {
             "command": f"megatron-ucp to-universal {source.path} UCP_DIR", "parameters": len(source.shapes),
             "writes_bytes": stored_bytes},
@@ -285,15 +356,22 @@ def format_report(plan: dict) -> str:
         lines += [f"incompatible: {p}" for p in plan["problems"]]
         return "\n".join(lines)
     dp = tgt["dp"]
+
+    def stage_key(r: dict) -> tuple:
+        return r["pp_rank"], r["tp_rank"], r.get("ep_rank"), r.get("etp_rank")
+
     by_stage: dict = {}
     for r in plan["ranks"]:
-        by_stage.setdefault((r["pp_rank"], r["tp_rank"]), []).append(r)
+        by_stage.setdefault(stage_key(r), []).append(r)
     rows = []
     for stage in plan["stages"]:
-        rs = by_stage[(stage["pp_rank"], stage["tp_rank"])]
+        rs = by_stage[stage_key(stage)]
         opt = [r["optimizer_bytes"] for r in rs]
         opt_text = human_bytes(opt[0]) if min(opt) == max(opt) else f"{human_bytes(min(opt))} - {human_bytes(max(opt))}"
-        rows.append((f"pp={stage['pp_rank']} tp={stage['tp_rank']}", str(stage["num_parameters"]),
+        label = f"pp={stage['pp_rank']} tp={stage['tp_rank']}"
+        if "ep_rank" in stage:
+            label += f" ep={stage['ep_rank']} etp={stage['etp_rank']}"
+        rows.append((label, str(stage["num_parameters"]),
                      human_bytes(stage["weight_bytes"]), opt_text, human_bytes(max(r["read_bytes"] for r in rs))))
     header = ("stage", "params", "weights/rank", "optimizer/rank" + (f" (over {dp} DP ranks)" if dp > 1 else ""),
               "max read/rank")
@@ -312,7 +390,8 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p = subparsers.add_parser(
         "plan", parents=[common], help="check a target layout and show what each rank would read",
         description="Before any data moves: check that a checkpoint can be loaded at a target TP x PP x DP "
-                    "(x VPP) layout and list what each target rank reads (parameters, bytes). Exit status 1 "
+                    "(x VPP, x EP x ETP with experts) layout and list what each target rank reads (parameters, "
+                    "bytes). Exit status 1 "
                     "when the layout is incompatible.")
     p.add_argument("src", help="universal checkpoint (or a Megatron-LM checkpoint: conversion + load)")
     p.add_argument("--iteration", type=int, default=None, help="iteration of a Megatron-LM root")
@@ -328,6 +407,9 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
                    help="count the embedding as a layer when splitting layers over stages")
     p.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
                    help="count the loss as a layer when splitting layers over stages")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="EP (models with experts): must divide num_experts; carved out of TP x DP")
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="ETP (default: TP)")
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--sequence-parallel", action="store_true")
     p.set_defaults(handler=run_cli)
@@ -341,7 +423,8 @@ def run_cli(args: argparse.Namespace) -> dict:
                     first_stage_layers=args.decoder_first_pipeline_num_layers,
                     last_stage_layers=args.decoder_last_pipeline_num_layers,
                     embedding_in_split=args.account_for_embedding_in_pipeline_split,
-                    loss_in_split=args.account_for_loss_in_pipeline_split)
+                    loss_in_split=args.account_for_loss_in_pipeline_split,
+                    ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
     plan = make_plan(args.src, target, args.iteration)
     plan["message"] = format_report(plan)
     return plan

@@ -47,7 +47,7 @@ class ConsolidatedSource:
             self.shapes = {n: t.shape for n, t in self._tasks.items()}
             self.patterns = {n: t.pattern for n, t in self._tasks.items()}
             keys = ("fp32",) if ckpt.optimizer_kind == "none" else TENSOR_KEYS
-            self.keys = {n: keys for n in self._tasks}
+            self.keys = {n: ("fp32",) if t.buffer else keys for n, t in self._tasks.items()}
 
     @property
     def names(self) -> list[str]:
@@ -55,7 +55,10 @@ class ConsolidatedSource:
 
     @property
     def has_moments(self) -> bool:
-        return all("exp_avg" in k for k in self.keys.values())
+        """Adam state for every parameter (persistent buffers, the router's expert_bias, have none)."""
+        from megatron_ucp.adapters.gpt import is_buffer
+
+        return all("exp_avg" in k for n, k in self.keys.items() if not is_buffer(n))
 
     def read(self, name: str, keys) -> tuple[dict[str, torch.Tensor], Optional[int]]:
         """({key: global fp32 tensor}, Adam step or None) of one parameter."""
@@ -177,14 +180,15 @@ def verify(path_a, path_b, *, atol: float = 0.0, rtol: float = 0.0, iteration_a:
                 rows = min(shape_a[0], shape_b[0])
                 result.vocab_padding = {"a_rows": shape_a[0], "b_rows": shape_b[0], "compared_rows": rows,
                                         "true_vocab_size": a.config.vocab_size}
-            tensors_a, step_a = a.read(name, keys)
-            tensors_b, step_b = b.read(name, keys)
-            for key in keys:
+            name_keys = tuple(k for k in keys if k in a.keys[name] and k in b.keys[name])  # buffers: fp32 only
+            tensors_a, step_a = a.read(name, name_keys)
+            tensors_b, step_b = b.read(name, name_keys)
+            for key in name_keys:
                 ta, tb = tensors_a[key], tensors_b[key]
                 if rows is not None:
                     ta, tb = ta[:rows], tb[:rows]
                 result.diffs.append(compare_tensors(name, key, ta, tb, atol, rtol))
-            if "exp_avg" in keys:
+            if "exp_avg" in name_keys:
                 result.diffs.append(_compare_steps(name, step_a, step_b))
             del tensors_a, tensors_b
             bar.update(cost(name))

@@ -381,8 +381,8 @@ CASES = [
          ("re-copy",), ".distcp"),
     Case("missing rank folder", "A", missing_rank_folder, ("missing rank folder", "re-copy"), "mp_rank_01_001"),
     # keys, dtypes, args the model does not have
-    Case("MoE args", "B", moe_args, ("args.num_experts=8", "not supported", "convert a dense GPT checkpoint"),
-         "common.pt", ("to-universal", "inspect")),
+    Case("MoE args", "B", moe_args, ("mlp.router.weight is missing", "does not match its args", "num_experts=8"),
+         ".metadata", ("to-universal", "inspect")),
     Case("an expert weight in a dense model", "C", unknown_parameter, ("belongs to an MoE layer", "layer 1 is dense",
          "args disagree"), "mp_rank_00_000/model_optim_rng.pt"),
     Case("a parameter no rule knows", "C", unknown_name, ("no rule in the megatron-core GPT rulebook", "add a row"),

@@ -447,15 +447,20 @@ def _last_chunk(layout: ParallelLayout) -> Tuple[int, int]:
     return layout.pp - 1, layout.num_chunks - 1
 
 
-def experts_per_rank(config: GPTModelConfig, layout: ParallelLayout) -> int:
-    """Routed experts each EP rank holds (0 for a dense model); LayoutError unless EP divides them."""
+def experts_per_ep_rank(config: GPTModelConfig, ep: int) -> int:
+    """Routed experts each of `ep` EP ranks holds (0 for a dense model); LayoutError unless EP divides them."""
     if not config.num_experts:
         return 0
-    if config.num_experts % layout.ep:
+    if config.num_experts % ep:
         ok = [d for d in range(1, config.num_experts + 1) if config.num_experts % d == 0]
-        raise LayoutError(f"num_experts={config.num_experts} is not divisible by EP={layout.ep} (Megatron-LM refuses "
+        raise LayoutError(f"num_experts={config.num_experts} is not divisible by EP={ep} (Megatron-LM refuses "
                           f"it too); choose --expert-model-parallel-size in {ok}")
-    return config.num_experts // layout.ep
+    return config.num_experts // ep
+
+
+def experts_per_rank(config: GPTModelConfig, layout: ParallelLayout) -> int:
+    """Routed experts each EP rank of `layout` holds (0 for a dense model); LayoutError unless EP divides them."""
+    return experts_per_ep_rank(config, layout.ep)
 
 
 def expert_location(expert: int, config: GPTModelConfig, layout: ParallelLayout) -> Tuple[int, int]:
@@ -761,6 +766,12 @@ def experts_in_own_optimizer(config: GPTModelConfig, layout: ParallelLayout) -> 
     (megatron-core 0.16.1 marks them only at EP > 1; the harness applies Megatron-LM's later fix, without
     which their gradients are reduced over the wrong group)."""
     return bool(config.num_experts) and (layout.ep > 1 or layout.expert_tp != layout.tp)
+
+
+def in_expert_optimizer(name: str, config: GPTModelConfig, layout: ParallelLayout) -> bool:
+    """Whether a parameter lives in the expert DDP buffers and the expert optimizer at `layout` (a routed
+    expert's parameter when `experts_in_own_optimizer`), rather than in the dense ones."""
+    return experts_in_own_optimizer(config, layout) and is_expert(name)
 
 
 def megatron_param_groups(rank_chunks: Mapping[tuple, Sequence[Sequence[Any]]], args: Mapping[str, Any], *,

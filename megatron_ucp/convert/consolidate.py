@@ -30,10 +30,11 @@ PathLike = Union[str, os.PathLike]
 OPTIMIZER_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 
 
-def source_keys(ckpt: CheckpointReader) -> tuple[str, ...]:
+def source_keys(ckpt: CheckpointReader, task: Optional[ParamTask] = None) -> tuple[str, ...]:
     """What to ask the reader for: with optimizer state the fp32 main weight (which is the weight itself in
-    fp32 training) and moments, not the model weight; without, the model weight."""
-    return ("param",) if ckpt.optimizer_kind == "none" else OPTIMIZER_KEYS
+    fp32 training) and moments, not the model weight; without, and for a persistent buffer (the router's
+    expert_bias: no optimizer state), the model weight."""
+    return ("param",) if ckpt.optimizer_kind == "none" or (task is not None and task.buffer) else OPTIMIZER_KEYS
 
 
 def _step(task: ParamTask, states: list[dict], where: str) -> Optional[int]:
@@ -94,7 +95,7 @@ def consolidate_parameter(ckpt: CheckpointReader, task: ParamTask, *, average_re
     """Read the parameter's shards and return ({'fp32', 'exp_avg', 'exp_avg_sq'} global fp32 tensors, info)."""
     import torch
 
-    keys = source_keys(ckpt)
+    keys = source_keys(ckpt, task)
     places, step = _validate(task, [[ckpt.read(ref, keys=keys) for ref in place] for place in task.places])
     copies = []
     for place, shards_by_key in zip(task.places, places):
@@ -149,7 +150,7 @@ def place_parameter(ckpt: CheckpointReader, task: ParamTask, files: FileHandles
     source files, with replicas and the tied output-layer copy compared byte for byte (bounded mmaps).
     None when the reader cannot say where the bytes are, a tensor is not float32, or a byte comparison
     fails: consolidate_parameter then does the work (and reports a failure with its details)."""
-    keys = source_keys(ckpt)
+    keys = source_keys(ckpt, task)
     located = [[ckpt.locate(ref, keys=keys) for ref in place] for place in task.places]
     if any(s is None for states in located for s in states):
         return None

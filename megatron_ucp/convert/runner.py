@@ -79,7 +79,7 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
         _check_not_nested(Path(src), Path(ckpt.path), Path(dst))
         tasks = conversion_tasks(ckpt)
         metadata = build_metadata(ckpt, average_replicas=average_replicas)
-        total = sum(t.nbytes * len(source_keys(ckpt)) for t in tasks)
+        total = sum(t.nbytes * len(source_keys(ckpt, t)) for t in tasks)
         if lazy:
             metadata["conversion"]["lazy"] = True
         if not ckpt.thread_safe_reads:

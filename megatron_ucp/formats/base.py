@@ -1,7 +1,9 @@
 """The interface every Megatron checkpoint reader implements (declared, never probed).
 
 A reader opens one iteration folder and yields one `ShardRef` per parameter per model-parallel rank
-(names and shapes exactly as that rank's model holds them). On request it returns a shard's tensors
+(names and shapes exactly as that rank's model holds them). With experts (MoE) a routed expert's shard
+is named by its expert-parallel rank and its expert-TP rank (`ShardRef.ep_rank`, `tp_rank`); every
+other parameter, replicated over the EP ranks like over DP, is listed once, at ep_rank 0. On request it returns a shard's tensors
 (`read`) or says where their bytes are in its files (`locate`, for the byte-copy converter), plus the
 state shared by all ranks (`common_state`). Readers register in `megatron_ucp.formats` (READERS);
 the converter never branches on the format.
@@ -28,7 +30,12 @@ OPTIMIZER_KINDS = ("distributed", "adam", "mixed_precision", "none")
 
 @dataclass(frozen=True)
 class ShardRef:
-    """One model-parallel shard of one parameter, as stored."""
+    """One model-parallel shard of one parameter, as stored.
+
+    `tp_rank` is the tensor-parallel rank of the parameter's own split: the expert-TP rank for a routed
+    expert's parameter (rulebook `tp_size_of`), the TP rank otherwise. `ep_rank` is the expert-parallel
+    rank holding a routed expert (its local index in `local_name` is local to that rank); 0 for every
+    other parameter (listed once: its copies on other EP ranks are replicas, like DP replicas)."""
 
     tp_rank: int
     pp_rank: int
@@ -38,11 +45,13 @@ class ShardRef:
     # the model parameter's dtype: a safe_pickle.TorchDType (no torch needed to list shards; str() is
     # 'torch.float32'), equal to the torch dtype of the same name
     dtype: Any
+    ep_rank: int = 0
 
 
 def unknown_shard(ref: ShardRef, path: Path) -> LookupError:
     """A ShardRef the reader does not hold (not one of its shards())."""
-    return LookupError(f"{path}: holds no shard {ref.local_name} on tp={ref.tp_rank} pp={ref.pp_rank} "
+    ep = f" ep={ref.ep_rank}" if ref.ep_rank else ""
+    return LookupError(f"{path}: holds no shard {ref.local_name} on tp={ref.tp_rank} pp={ref.pp_rank}{ep} "
                        f"chunk={ref.vpp_chunk}; pass one of the reader's shards()")
 
 

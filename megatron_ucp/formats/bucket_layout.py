@@ -6,7 +6,8 @@ core_v0.16.1), all checked against the fixtures:
   requires_grad) are split into dense (`allreduce` True) and expert-parallel ones; each set is
   grouped by (param dtype, grad dtype) in first-appearance order, grad dtype = fp32 with
   --accumulate-allreduce-grads-in-fp32 else the param dtype. One buffer per group; dense buffers
-  of all chunks (chunk order) then come the distributed optimizer's gbuf indices.
+  of all chunks (chunk order) then come the dense distributed optimizer's gbuf indices, expert
+  buffers of all chunks the expert optimizer's (sharded over the expert-DP group, same bucket size).
 - Inside a buffer, parameters are laid out in REVERSE registration order.
 - With the distributed optimizer every parameter start is rounded up to a multiple of 64 elements,
   and every bucket end is rounded up to a multiple of lcm(dp, 128) (lcm(dp, 128, 2**16) with
@@ -62,15 +63,21 @@ class DDPBucketConfig:
 
     @classmethod
     def from_megatron_args(cls, args: Mapping[str, Any], *, pp_rank: int, vpp_chunk: int,
-                           rank_num_parameters: int) -> "DDPBucketConfig":
+                           rank_num_parameters: int, experts: bool = False) -> "DDPBucketConfig":
         """As megatron/training/training.py get_model + DistributedDataParallel.__init__ build it.
-        rank_num_parameters: all parameters of this (tp, pp) rank, all chunks (for --ddp-num-buckets)."""
+        rank_num_parameters: all parameters of this (tp, pp) rank, all chunks (for --ddp-num-buckets).
+        experts: the expert-parallel buffers (sharded over the expert-DP group; same bucket size)."""
         tp = args.get("tensor_model_parallel_size") or 1
         pp = args.get("pipeline_model_parallel_size") or 1
         cp = args.get("context_parallel_size") or 1
         world = args.get("world_size") or tp * pp
         dp = args.get("data_parallel_size") or world // (tp * pp * cp)
         dp_cp = dp * cp // (args.get("num_distributed_optimizer_instances") or 1)
+        group = dp_cp
+        if experts:  # world = ETP x EP x expert-DP x PP
+            etp = args.get("expert_tensor_parallel_size") or tp
+            ep = args.get("expert_model_parallel_size") or 1
+            group = tp * dp * cp // (etp * ep) // (args.get("num_distributed_optimizer_instances") or 1)
         bucket_size = None
         if args.get("overlap_grad_reduce") and pp_rank == 0 and vpp_chunk == 0 \
                 and not args.get("overlap_param_gather_with_optimizer_step"):
@@ -81,7 +88,7 @@ class DDPBucketConfig:
             else:
                 bucket_size = max(DEFAULT_BUCKET_SIZE, DEFAULT_BUCKET_SIZE_PER_DP_RANK * dp * cp)
         return cls(
-            dp_size=dp_cp,
+            dp_size=group,
             use_distributed_optimizer=bool(args.get("use_distributed_optimizer")),
             bucket_size=bucket_size,
             pad_buckets_for_high_nccl_busbw=bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")),
@@ -210,12 +217,14 @@ def build_buffer_layout(params: Sequence[BufferParam], config: DDPBucketConfig,
     return layout
 
 
-def build_chunk_buffers(params: Sequence[BufferParam], config: DDPBucketConfig) -> list[BufferLayout]:
+def build_chunk_buffers(params: Sequence[BufferParam], config: DDPBucketConfig, *,
+                        experts: bool = False) -> list[BufferLayout]:
     """All dense buffers of one model chunk, in DDP creation order (first appearance of each
-    (param dtype, grad dtype)). Expert-parallel parameters live in separate buffers (not returned)."""
+    (param dtype, grad dtype)). Expert-parallel parameters (`expert`) live in separate buffers, returned
+    instead with `experts` (megatron-core's expert_parallel_buffers; config then over the expert-DP group)."""
     groups: dict[tuple[Any, Any], list[BufferParam]] = {}
     for p in params:
-        if p.expert:
+        if p.expert != experts:
             continue
         grad_dtype = _float32_like(p.dtype) if config.grad_reduce_in_fp32 else p.dtype
         groups.setdefault((p.dtype, grad_dtype), []).append(p)

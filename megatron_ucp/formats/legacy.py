@@ -1,7 +1,7 @@
 """Reader for Megatron-LM's legacy `torch` checkpoint format.
 
-Layout: iter_XXXXXXX/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt, written by DP rank 0 of each
-(tp, pp) rank, holding `args`, `iteration`, `model` (`model0`, `model1`, ... with VPP), `optimizer`,
+Layout: iter_XXXXXXX/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt, written by DP rank 0 of each
+(tp, pp) rank (with experts: by expert-data-parallel rank 0 of each (tp, pp, ep) rank), holding `args`, `iteration`, `model` (`model0`, `model1`, ... with VPP), `optimizer`,
 `opt_param_scheduler`, `rng_state`, `checkpoint_version`. With the distributed optimizer the same
 folder holds distrib_optim.pt: {'buckets_coalesced': True, gbuf_idx: {(param dtype, grad dtype):
 {'param', 'exp_avg', 'exp_avg_sq': flat fp32 [numel_unpadded], 'numel_unpadded'}}}, i.e. each DDP
@@ -16,16 +16,29 @@ without torch; nothing in them runs) and checks iterations, structure, dtypes, s
 the parsed trees (where each tensor's bytes are) are kept, so read() reads exactly the bytes of the
 tensors asked for and locate() reads nothing. Every file opened resolves inside the iteration folder.
 Do not rewrite those files while a reader is open.
+
+Mixture of experts (docs/MOE_CHECKPOINTS.md, Megatron-LM core_v0.16.1's get_checkpoint_name): the folder
+name gets `_{ep:03d}` with EP > 1, so at PP1 `mp_rank_00_001` is EP rank 1 (at PP2 EP1 it is PP rank 1: the
+args decide). Each EP folder holds the dense parameters (a DP replica) and that EP rank's LOCAL experts
+(global index ep*E/EP + j). Dense shards are read from EP folder 0 only: the other folders' dense tensors
+are bitwise DP replicas (all-reduced gradients, one update), which Megatron-LM itself only writes because
+it names the writer by the expert-DP rank. With experts in their own optimizer the `optimizer` entry is a
+list [dense, expert] of the two optimizers' states (torch Adam indices run within each optimizer's groups)
+and distrib_optim.pt a list with each optimizer's coalesced buffers or None where the writer is not DP rank 0
+of that optimizer's group: [dense, expert] in EP folder 0, [None, expert] in the others (the expert buffers
+hold the local experts, over the expert-DP group). With ETP != TP Megatron-LM 0.16.1 names folders by the
+dense TP rank but chooses writers by expert-DP rank, so some folders are never written: refused.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Collection, Mapping, Optional
 
-from megatron_ucp.adapters.gpt import UnknownParameterError, canonical_name, is_ignorable, megatron_param_groups
+from megatron_ucp.adapters.gpt import (UnknownParameterError, canonical_name, experts_in_own_optimizer,
+                                      is_buffer, is_expert, is_ignorable, megatron_param_groups, parameters_for_rank)
 from megatron_ucp.formats.archive import read_tensor, stored_tensor, sub_record
 from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef, unknown_shard
 from megatron_ucp.formats.bucket_layout import (
@@ -41,9 +54,10 @@ DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
 _TENSOR_KEYS = ("param", "fp32", "exp_avg", "exp_avg_sq")
 
 
-def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
-    """Megatron-LM's get_checkpoint_name: no pipeline suffix without PP."""
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """Megatron-LM's get_checkpoint_name: no pipeline suffix without PP, an expert suffix with EP > 1."""
+    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name + (f"_{ep_rank:03d}" if ep > 1 else "")
 
 
 def model_chunk_keys(state: Mapping[str, Any]) -> list[str]:
@@ -75,21 +89,40 @@ def chunk_parameters(model_state: Mapping[str, Any], *, path: Any = "model") -> 
 # ---------------------------------------------------------------------------------------------
 
 @dataclass
+class _OptimView:
+    """One optimizer (0 dense, 1 expert: megatron-core's ChainedOptimizer order) as one rank folder holds it."""
+
+    state: Optional[dict] = None  # its entry of model_optim_rng.pt's 'optimizer'
+    distopt: Optional[dict] = None  # its entry of distrib_optim.pt (distributed optimizer)
+    buffers: list[list[BufferLayout]] = field(default_factory=list)  # per chunk (distributed optimizer)
+    gbuf_base: list[int] = field(default_factory=list)  # first gbuf index of each chunk
+    step: Optional[float] = None
+
+
+@dataclass
 class _RankMeta:
-    """What open() learned about one (tp, pp) rank: its parsed files (tensor records, no tensor data)."""
+    """What open() learned about one (tp, pp, ep) rank folder: its parsed files (tensor records, no tensor data)."""
 
     tp_rank: int
     pp_rank: int
     model_file: Path
     state: dict  # model_optim_rng.pt
     model_keys: list[str]
-    chunks: list[list[BufferParam]]
+    chunks: list[list[BufferParam]]  # every tensor entry (parameters and persistent buffers), file order
+    ep_rank: int = 0
     optim_file: Optional[Path] = None
-    distopt: Optional[dict] = None  # distrib_optim.pt
-    buffers: list[list[BufferLayout]] = field(default_factory=list)  # per chunk (distributed optimizer)
-    gbuf_base: list[int] = field(default_factory=list)  # first gbuf index of each chunk
+    optims: dict[int, _OptimView] = field(default_factory=dict)
     state_index: dict = field(default_factory=dict)  # (chunk, name) -> (group, state idx, fp16 position)
-    step: Optional[float] = None
+
+    def listed(self, chained: bool) -> list[list[BufferParam]]:
+        """The entries this folder contributes to the shard list: everything in EP folder 0, only the routed
+        experts in the others (their dense entries are replicas of EP folder 0's)."""
+        return [[p for p in chunk if self.ep_rank == 0 or is_expert(p.name)] for chunk in self.chunks]
+
+
+def _optimizer_index(name: str, chained: bool) -> int:
+    """0 for the dense optimizer, 1 for the expert optimizer (routed experts when they have their own)."""
+    return 1 if chained and is_expert(name) else 0
 
 
 class LegacyCheckpoint(CheckpointReader):
@@ -103,7 +136,7 @@ class LegacyCheckpoint(CheckpointReader):
         self.path = Path(iter_dir)
         self.iteration = iteration
         self._parsed: dict[Path, dict] = {}
-        first = self._expected_dir(0, 0, pp=None) / MODEL_FILENAME
+        first = self._first_dir() / MODEL_FILENAME
         state = self._parse(first, what="the first rank's model/optimizer file",
                             fix="Every legacy checkpoint has one per (tp, pp) rank; re-copy the iteration folder.")
         if "args" not in state:
@@ -111,10 +144,24 @@ class LegacyCheckpoint(CheckpointReader):
         self.args = args_to_dict(state["args"], source=first)
         self.layout = layout_from_args(self.args, first)
         self.config = model_config_from_args(self.args, first)
+        if self.config.num_experts and self.layout.expert_tp != self.layout.tp:
+            raise CheckpointFormatError(
+                f"{first}: a legacy checkpoint at --expert-tensor-parallel-size {self.layout.expert_tp} != "
+                f"--tensor-model-parallel-size {self.layout.tp}: Megatron-LM 0.16.1 names its folders by the dense TP "
+                f"rank but lets expert-DP rank 0 write them, so some ranks' experts were never written; resave with "
+                f"--ckpt-format torch_dist (or ETP = TP) and convert that.")
+        self._chained = experts_in_own_optimizer(self.config, self.layout)
         self._checkpoint_version = state.get("checkpoint_version")
         self._scheduler = state.get("opt_param_scheduler")
         self._num_flops = state.get("num_floating_point_operations_so_far")
         opt = state.get("optimizer")
+        if self._chained and opt is not None:
+            if not (isinstance(opt, list) and len(opt) == 2):
+                raise CheckpointFormatError(
+                    f"{first}: 'optimizer' is {type(opt).__name__ if not isinstance(opt, list) else f'a list of {len(opt)}'}"
+                    f", but at {self.layout.describe()} megatron-core chains a dense and an expert optimizer (a list of "
+                    f"2); the file does not match its args, re-copy the iteration folder.")
+            opt = opt[0]
         if opt is None:
             self.optimizer_kind = "none"
         elif self.args.get("use_distributed_optimizer"):
@@ -126,79 +173,95 @@ class LegacyCheckpoint(CheckpointReader):
         else:
             raise CheckpointFormatError(
                 f"{first}: 'optimizer' has keys {sorted(map(str, opt)) if isinstance(opt, dict) else type(opt).__name__}; "
-                f"only the distributed optimizer, FP32Optimizer and Float16Optimizer (one optimizer, no chained "
-                f"MoE optimizers) are supported.")
+                f"only the distributed optimizer, FP32Optimizer and Float16Optimizer (chained [dense, expert] with "
+                f"experts) are supported.")
         if self.optimizer_kind in ("adam", "mixed_precision", "distributed") and self.args.get("optimizer", "adam") != "adam":
             raise CheckpointFormatError(f"{first}: args.optimizer={self.args.get('optimizer')!r}; only Adam state is supported.")
-        self._ranks: dict[tuple[int, int], _RankMeta] = {}
-        self._param_groups: Optional[list] = None
+        self._ranks: dict[tuple[int, int, int], _RankMeta] = {}
+        self._param_groups: dict[int, list] = {}  # optimizer index -> its param groups (hyper-parameters)
         self._scan()
         self._parsed.clear()
 
     # -- files ------------------------------------------------------------------------------
 
-    def _expected_dir(self, tp_rank: int, pp_rank: int, pp: Optional[int]) -> Path:
-        if pp is None:  # before args are known: whichever naming the folder uses
-            for name in (f"mp_rank_{tp_rank:02d}_{pp_rank:03d}", f"mp_rank_{tp_rank:02d}"):
-                if (self.path / name).is_dir():
-                    return self.path / name
-            raise CheckpointFormatError(
-                f"{self.path / f'mp_rank_{tp_rank:02d}_{pp_rank:03d}'}: missing rank folder (nor "
-                f"mp_rank_{tp_rank:02d}); the checkpoint is incomplete, re-copy {self.path}.")
-        return self.path / rank_dir_name(tp_rank, pp_rank, pp)
+    def _first_dir(self) -> Path:
+        """Rank (0, 0, 0)'s folder, before the args are known: whichever naming the folder uses."""
+        for name in ("mp_rank_00_000_000", "mp_rank_00_000", "mp_rank_00"):
+            if (self.path / name).is_dir():
+                return self.path / name
+        raise CheckpointFormatError(
+            f"{self.path / 'mp_rank_00_000'}: missing rank folder (nor mp_rank_00); the checkpoint is incomplete, "
+            f"re-copy {self.path}.")
 
-    def _rank_file(self, tp_rank: int, pp_rank: int, filename: str) -> Path:
-        return self._expected_dir(tp_rank, pp_rank, self.layout.pp) / filename
+    def _rank_dir(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> Path:
+        return self.path / rank_dir_name(tp_rank, pp_rank, self.layout.pp, ep_rank, self.layout.ep)
 
-    def _parse(self, path: Path, *, what: str, fix: str = "") -> dict:
+    def _parse(self, path: Path, *, what: str, fix: str = "") -> Any:
         """A rank file parsed through the allow-list (once per open), checked to be inside the folder."""
         found = self._parsed.get(path)
         if found is None:
             found = load_archive_file(inside(self.path, path), what=what, fix=fix)
-            if not isinstance(found, dict):
+            if not isinstance(found, (dict, list)):
                 raise structure_error(path, f"{what} (a dict)", found)
             self._parsed[path] = found
         return found
 
+    @staticmethod
+    def _where(t: int, p: int, e: int) -> str:
+        return f"tp={t} pp={p}" + (f" ep={e}" if e else "")
+
     # -- open-time validation -----------------------------------------------------------------
 
     def _scan(self) -> None:
-        tp, pp = self.layout.tp, self.layout.pp
-        expected = {rank_dir_name(t, p, pp) for t in range(tp) for p in range(pp)}
-        for t in range(tp):
-            for p in range(pp):
-                d = self._rank_file(t, p, "")
-                if not d.is_dir():
-                    raise CheckpointFormatError(
-                        f"{d}: missing rank folder for tp={t} pp={p} (args say TP={tp} PP={pp}); "
-                        f"the checkpoint is incomplete, re-copy {self.path}.")
+        tp, pp, ep = self.layout.tp, self.layout.pp, self.layout.ep if self.config.num_experts else 1
+        folders = [(t, p, e) for p in range(pp) for t in range(tp) for e in range(ep)]
+        expected = {self._rank_dir(t, p, e).name for t, p, e in folders}
+        for t, p, e in folders:
+            d = self._rank_dir(t, p, e)
+            if not d.is_dir():
+                raise CheckpointFormatError(
+                    f"{d}: missing rank folder for {self._where(t, p, e)} (args say TP={tp} PP={pp}"
+                    f"{f' EP={ep}' if ep > 1 else ''}); the checkpoint is incomplete, re-copy {self.path}.")
         extra = sorted(p.name for p in self.path.glob("mp_rank_*") if p.name not in expected)
         if extra:
             raise CheckpointFormatError(
-                f"{self.path}: unexpected rank folders {extra} for TP={tp} PP={pp} (expert-parallel "
-                f"checkpoints are not supported, or folders of another run were copied in).")
-        for t in range(tp):
-            for p in range(pp):
-                self._ranks[(t, p)] = self._scan_rank(t, p)
+                f"{self.path}: unexpected rank folders {extra} for TP={tp} PP={pp} EP={ep} (folders of another run "
+                f"were copied in, or the args are not this checkpoint's).")
+        for t, p, e in folders:
+            self._ranks[(t, p, e)] = self._scan_rank(t, p, e)
         if self.optimizer_kind in ("adam", "mixed_precision"):
             self._map_optimizer_indices()
 
-    def _scan_rank(self, t: int, p: int) -> _RankMeta:
+    def _sub_optimizer(self, value: Any, index: int, file: Path, what: str) -> Any:
+        """Optimizer `index`'s entry of a (possibly chained) 'optimizer' / distrib_optim.pt value."""
+        if not self._chained:
+            return value
+        if not isinstance(value, list) or len(value) != 2:
+            raise structure_error(file, f"{what} (a list [dense, expert] of the chained optimizers)", value)
+        return value[index]
+
+    def _scan_rank(self, t: int, p: int, e: int) -> _RankMeta:
         tp, pp = self.layout.tp, self.layout.pp
-        file = self._rank_file(t, p, MODEL_FILENAME)
-        state = self._parse(file, what=f"model/optimizer state of rank tp={t} pp={p}",
+        where = self._where(t, p, e)
+        file = self._rank_dir(t, p, e) / MODEL_FILENAME
+        state = self._parse(file, what=f"model/optimizer state of rank {where}",
                             fix="Megatron-LM writes one per (tp, pp) rank; re-copy the rank folder.")
+        if not isinstance(state, dict):
+            raise structure_error(file, "the model/optimizer state (a dict)", state)
         if state.get("iteration") != self.iteration:
             raise CheckpointFormatError(
                 f"{file}: holds iteration {state.get('iteration')} but lives in {self.path.name} "
                 f"(iteration {self.iteration}); rank folders of different iterations were mixed. "
                 f"Re-copy this rank folder from the same save.")
         args = vars(state["args"]) if isinstance(state.get("args"), argparse.Namespace) else {}
-        if (args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size")) != (tp, pp):
+        ep = self.layout.ep
+        if (args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size"),
+                args.get("expert_model_parallel_size") or 1) != (tp, pp, ep):
             raise CheckpointFormatError(
                 f"{file}: written with TP={args.get('tensor_model_parallel_size')} PP="
-                f"{args.get('pipeline_model_parallel_size')}, but {self._rank_file(0, 0, MODEL_FILENAME)} says "
-                f"TP={tp} PP={pp}; rank folders of different runs were mixed. Re-copy the iteration folder.")
+                f"{args.get('pipeline_model_parallel_size')} EP={args.get('expert_model_parallel_size') or 1}, but "
+                f"{self._rank_dir(0, 0) / MODEL_FILENAME} says TP={tp} PP={pp} EP={ep}; rank folders of different "
+                f"runs were mixed. Re-copy the iteration folder.")
         keys = model_chunk_keys(state)
         if not keys or len(keys) != self.layout.num_chunks:
             raise CheckpointFormatError(
@@ -210,54 +273,82 @@ class LegacyCheckpoint(CheckpointReader):
             if not params:
                 raise CheckpointFormatError(f"{file}: '{k}' holds no parameter tensors; the file is corrupt or not a "
                                             f"model checkpoint. Re-copy the rank folder.")
-            self._check_names(file, params, p, chunk)
-            chunks.append(params)
-        meta = _RankMeta(t, p, file, state, keys, chunks)
-        if self._param_groups is None and self.optimizer_kind != "none":
-            opt = entry(state, "optimizer", dict, path=file, what="'optimizer'")
-            inner = opt.get("optimizer", opt)
-            groups = entry(inner, "param_groups", list, path=file, what="the optimizer's 'param_groups'")
-            if not all(isinstance(g, dict) for g in groups):
-                raise structure_error(file, "the optimizer's 'param_groups' (a list of dicts)", groups)
-            self._param_groups = groups
+            self._check_names(file, params, p, chunk, e)
+            chunks.append([replace(q, expert=_optimizer_index(q.name, self._chained) == 1) for q in params])
+        meta = _RankMeta(t, p, file, state, keys, chunks, ep_rank=e)
+        if self.optimizer_kind != "none":
+            opt = state.get("optimizer")
+            for index in self._optimizer_indices(e):
+                view = meta.optims[index] = _OptimView(self._sub_optimizer(opt, index, file, "'optimizer'"))
+                if not isinstance(view.state, dict):
+                    raise structure_error(file, "'optimizer'", view.state)
+                if index not in self._param_groups:
+                    inner = view.state.get("optimizer", view.state)
+                    groups = entry(inner, "param_groups", list, path=file, what="the optimizer's 'param_groups'")
+                    if not all(isinstance(g, dict) for g in groups):
+                        raise structure_error(file, "the optimizer's 'param_groups' (a list of dicts)", groups)
+                    self._param_groups[index] = groups
         if self.optimizer_kind == "distributed":
-            meta.optim_file = self._rank_file(t, p, DISTRIB_OPTIM_FILENAME)
-            meta.distopt = self._parse(meta.optim_file, what=f"distributed optimizer state of rank tp={t} pp={p}",
-                                       fix="Megatron-LM writes it next to model_optim_rng.pt with "
-                                           "--use-distributed-optimizer; re-copy the rank folder.")
-            self._check_distributed(meta)
+            meta.optim_file = self._rank_dir(t, p, e) / DISTRIB_OPTIM_FILENAME
+            distopt = self._parse(meta.optim_file, what=f"distributed optimizer state of rank {where}",
+                                  fix="Megatron-LM writes it next to model_optim_rng.pt with "
+                                      "--use-distributed-optimizer; re-copy the rank folder.")
+            for index, view in meta.optims.items():
+                view.distopt = self._sub_optimizer(distopt, index, meta.optim_file, "distrib_optim.pt")
+                self._check_distributed(meta, index)
         return meta
 
-    def _check_names(self, file: Path, params: list[BufferParam], pp_rank: int, chunk: int) -> None:
-        """Every parameter is one the rulebook knows, on the pipeline stage that holds it."""
+    def _optimizer_indices(self, ep_rank: int) -> tuple[int, ...]:
+        """The optimizers whose state this EP folder provides: the dense one only in EP folder 0 (DP rank 0 of
+        the dense group wrote it), the expert one in every EP folder when chained."""
+        if not self._chained:
+            return (0,)
+        return (0, 1) if ep_rank == 0 else (1,)
+
+    def _check_names(self, file: Path, params: list[BufferParam], pp_rank: int, chunk: int, ep_rank: int) -> None:
+        """Every tensor is one the rulebook knows, on the pipeline stage (and EP rank) that holds it, and the
+        file holds exactly the rulebook's parameters of that rank (names and shapes)."""
+        vpp = chunk if self.layout.vpp else None
         for param in params:
             try:
-                canonical_name(param.name, self.layout, pp_rank, chunk if self.layout.vpp else None,
-                               self.config.num_layers, tied=self.config.tied, config=self.config)
+                canonical_name(param.name, self.layout, pp_rank, vpp, self.config.num_layers,
+                               tied=self.config.tied, config=self.config, ep_rank=ep_rank)
             except UnknownParameterError as e:
                 raise CheckpointFormatError(f"{file}: {e}") from e
             except LayoutError as e:
                 raise CheckpointFormatError(f"{file}: {e} (were rank folders renamed, or copied from another run? "
                                             f"re-copy the iteration folder)") from e
+        if not self.config.num_experts:
+            return  # dense: the rows' presence is checked by the converter (its messages name the parameter)
+        want = {local for local, _, _ in parameters_for_rank(self.config, self.layout, pp_rank, vpp, ep_rank=ep_rank,
+                                                             buffers=True)}
+        have = {p.name for p in params}
+        if want != have:
+            raise CheckpointFormatError(
+                f"{file}: holds {sorted(have - want)[:3]} and lacks {sorted(want - have)[:3]} of the model its args "
+                f"describe at pp={pp_rank} ep={ep_rank}; the folder does not belong to this checkpoint, re-copy it.")
 
-    def _check_distributed(self, meta: _RankMeta) -> None:
-        file, distopt = meta.optim_file, meta.distopt
+    def _check_distributed(self, meta: _RankMeta, index: int) -> None:
+        file, view = meta.optim_file, meta.optims[index]
+        distopt = view.distopt
+        if not isinstance(distopt, dict):
+            raise structure_error(file, f"the {'expert' if index else 'dense'} optimizer's state (a dict)", distopt)
         if not distopt.get("buckets_coalesced"):
             raise CheckpointFormatError(
                 f"{file}: distributed optimizer state without 'buckets_coalesced' (written by an older "
                 f"Megatron-LM with per-bucket lists, or not a distrib_optim.pt); resave it with "
                 f"megatron-core >= 0.7 (load it there and save again) before converting.")
-        num_params = sum(p.numel for chunk in meta.chunks for p in chunk)
+        num_params = sum(p.numel for chunk in meta.chunks for p in chunk if not is_buffer(p.name))
         gbuf = 0
         for chunk, params in enumerate(meta.chunks):
             config = DDPBucketConfig.from_megatron_args(self.args, pp_rank=meta.pp_rank, vpp_chunk=chunk,
-                                                        rank_num_parameters=num_params)
+                                                        rank_num_parameters=num_params, experts=index == 1)
             shared = shared_embedding_names(self.args, pp_rank=meta.pp_rank, vpp_chunk=chunk,
                                             names=[p.name for p in params])
-            params = [BufferParam(p.name, p.shape, p.dtype, shared_embedding=p.name in shared) for p in params]
-            buffers = build_chunk_buffers(params, config)
-            meta.gbuf_base.append(gbuf)
-            meta.buffers.append(buffers)
+            params = [replace(p, shared_embedding=p.name in shared) for p in params if not is_buffer(p.name)]
+            buffers = build_chunk_buffers(params, config, experts=index == 1) if params else []
+            view.gbuf_base.append(gbuf)
+            view.buffers.append(buffers)
             for buf in buffers:
                 dtypes = (buf.param_dtype, buf.grad_dtype)
                 saved = distopt.get(gbuf)
@@ -281,113 +372,123 @@ class LegacyCheckpoint(CheckpointReader):
         held = [k for k in distopt if k != "buckets_coalesced"]
         if gbuf != len(held):
             raise CheckpointFormatError(f"{file}: holds {len(held)} buffers, the model needs {gbuf} "
-                                        f"(expert-parallel buffers are not supported).")
-        opt = entry(meta.state, "optimizer", dict, path=meta.model_file, what="'optimizer'")
-        inner = entry(opt, "optimizer", dict, path=meta.model_file, what="the distributed optimizer's 'optimizer'")
+                                        f"({'expert' if index else 'dense'} optimizer).")
+        inner = entry(view.state, "optimizer", dict, path=meta.model_file,
+                      what="the distributed optimizer's 'optimizer'")
         groups = entry(inner, "param_groups", list, path=meta.model_file, what="the optimizer's 'param_groups'")
         steps = {scalar(g["step"], path=meta.model_file, what="a param group's Adam 'step'")
                  for g in groups if isinstance(g, dict) and g.get("step") is not None}
         if len(steps) > 1:
             raise CheckpointFormatError(f"{meta.model_file}: param groups disagree on the Adam step: {sorted(steps)}; "
                                         f"the file is corrupt, re-copy it.")
-        meta.step = steps.pop() if steps else None
+        view.step = steps.pop() if steps else None
 
     def _map_optimizer_indices(self) -> None:
-        groups_by_rank = megatron_param_groups({k: m.chunks for k, m in self._ranks.items()}, self.args)
-        for key, meta in self._ranks.items():
-            file = meta.model_file
-            opt = entry(meta.state, "optimizer", dict, path=file, what="'optimizer'")
-            if self.optimizer_kind == "mixed_precision":
-                inner = entry(opt, "optimizer", dict, path=file, what="the Float16 optimizer's 'optimizer'")
-                masters = entry(opt, "fp32_from_fp16_params", list, path=file, what="'fp32_from_fp16_params'")
-            else:
-                inner, masters = opt, []
-            saved = entry(inner, "param_groups", list, path=file, what="the optimizer's 'param_groups'")
-            states = entry(inner, "state", dict, path=file, what="the optimizer's 'state'")
-            for g in saved:
-                params = g.get("params") if isinstance(g, dict) else None
-                if not isinstance(params, list) or not all(isinstance(i, int) for i in params):
-                    raise structure_error(file, "a param group's 'params' (a list of state indices)", params)
-            mine = groups_by_rank[key]
-            if [len(g["params"]) for g in saved] != [len(g) for g in mine]:
-                raise CheckpointFormatError(
-                    f"{file}: optimizer param groups hold {[len(g['params']) for g in saved]} parameters but "
-                    f"Megatron's grouping of this rank's model gives {[len(g) for g in mine]}; custom "
-                    f"param-group overrides are not supported.")
-            specs = {(c, p.name): p for c, chunk in enumerate(meta.chunks) for p in chunk}
-            for g, (saved_group, my_group) in enumerate(zip(saved, mine)):
-                halves = 0  # fp32_from_fp16_params[g] lists only the group's 16-bit params, in order
-                for idx, ref in zip(saved_group["params"], my_group):
-                    spec = specs[ref]
-                    st = states.get(idx)
-                    if st is not None:  # no state before the first optimizer step
-                        what = f"optimizer state {idx} ({ref[1]})"
-                        if not isinstance(st, dict) or "step" not in st:
-                            raise structure_error(file, f"{what}: exp_avg, exp_avg_sq and step", st)
-                        for name in ("exp_avg", "exp_avg_sq"):
-                            rec = check_dtype(st.get(name), (STATE_DTYPE,), path=file, what=f"{what} {name}")
-                            if tuple(rec.shape) != spec.shape:
-                                raise CheckpointFormatError(
-                                    f"{file}: {what} has {name} of shape {tuple(rec.shape)} but maps to {ref[1]} of "
-                                    f"shape {spec.shape}; the param-group order does not match.")
-                        scalar(st["step"], path=file, what=f"{what} step")
-                    half = None
-                    if self.optimizer_kind == "mixed_precision" and spec.dtype.name in ("float16", "bfloat16"):
-                        half, halves = halves, halves + 1
-                        group_masters = masters[g] if g < len(masters) else None
-                        master = group_masters[half] if isinstance(group_masters, list) and half < len(
-                            group_masters) else None
-                        check_dtype(master, (STATE_DTYPE,), path=file, what=f"the fp32 main weight of {ref[1]}")
-                        if tuple(master.shape) != spec.shape:
+        for index in ((0, 1) if self._chained else (0,)):
+            metas = {k: m for k, m in self._ranks.items() if index in m.optims}
+            # the optimizer rank: (tp, pp) for the dense one, (etp = tp, ep, pp) for the expert one
+            groups_by_rank = megatron_param_groups(
+                {(t, e, p): meta.chunks for (t, p, e), meta in metas.items()}, self.args, experts=index == 1)
+            for (t, p, e), meta in metas.items():
+                self._map_rank_indices(meta, meta.optims[index], groups_by_rank[(t, e, p)])
+
+    def _map_rank_indices(self, meta: _RankMeta, view: _OptimView, mine: list) -> None:
+        file = meta.model_file
+        opt = view.state
+        if self.optimizer_kind == "mixed_precision":
+            inner = entry(opt, "optimizer", dict, path=file, what="the Float16 optimizer's 'optimizer'")
+            masters = entry(opt, "fp32_from_fp16_params", list, path=file, what="'fp32_from_fp16_params'")
+        else:
+            inner, masters = opt, []
+        saved = entry(inner, "param_groups", list, path=file, what="the optimizer's 'param_groups'")
+        states = entry(inner, "state", dict, path=file, what="the optimizer's 'state'")
+        for g in saved:
+            params = g.get("params") if isinstance(g, dict) else None
+            if not isinstance(params, list) or not all(isinstance(i, int) for i in params):
+                raise structure_error(file, "a param group's 'params' (a list of state indices)", params)
+        if [len(g["params"]) for g in saved] != [len(g) for g in mine]:
+            raise CheckpointFormatError(
+                f"{file}: optimizer param groups hold {[len(g['params']) for g in saved]} parameters but "
+                f"Megatron's grouping of this rank's model gives {[len(g) for g in mine]}; custom "
+                f"param-group overrides are not supported.")
+        specs = {(c, p.name): p for c, chunk in enumerate(meta.chunks) for p in chunk}
+        for g, (saved_group, my_group) in enumerate(zip(saved, mine)):
+            halves = 0  # fp32_from_fp16_params[g] lists only the group's 16-bit params, in order
+            for idx, ref in zip(saved_group["params"], my_group):
+                spec = specs[ref]
+                st = states.get(idx)
+                if st is not None:  # no state before the first optimizer step
+                    what = f"optimizer state {idx} ({ref[1]})"
+                    if not isinstance(st, dict) or "step" not in st:
+                        raise structure_error(file, f"{what}: exp_avg, exp_avg_sq and step", st)
+                    for name in ("exp_avg", "exp_avg_sq"):
+                        rec = check_dtype(st.get(name), (STATE_DTYPE,), path=file, what=f"{what} {name}")
+                        if tuple(rec.shape) != spec.shape:
                             raise CheckpointFormatError(
-                                f"{file}: the fp32 main weight of {ref[1]} has shape {tuple(master.shape)}, expected "
-                                f"{spec.shape}; the param-group order does not match.")
-                    meta.state_index[ref] = (g, idx, half)
+                                f"{file}: {what} has {name} of shape {tuple(rec.shape)} but maps to {ref[1]} of "
+                                f"shape {spec.shape}; the param-group order does not match.")
+                    scalar(st["step"], path=file, what=f"{what} step")
+                half = None
+                if self.optimizer_kind == "mixed_precision" and spec.dtype.name in ("float16", "bfloat16"):
+                    half, halves = halves, halves + 1
+                    group_masters = masters[g] if g < len(masters) else None
+                    master = group_masters[half] if isinstance(group_masters, list) and half < len(
+                        group_masters) else None
+                    check_dtype(master, (STATE_DTYPE,), path=file, what=f"the fp32 main weight of {ref[1]}")
+                    if tuple(master.shape) != spec.shape:
+                        raise CheckpointFormatError(
+                            f"{file}: the fp32 main weight of {ref[1]} has shape {tuple(master.shape)}, expected "
+                            f"{spec.shape}; the param-group order does not match.")
+                meta.state_index[ref] = (g, idx, half)
 
     # -- API ----------------------------------------------------------------------------------
 
     def shards(self) -> list[ShardRef]:
         refs = []
-        for (t, p), meta in sorted(self._ranks.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            for chunk, params in enumerate(meta.chunks):
-                refs += [ShardRef(t, p, chunk, q.name, q.shape, q.dtype) for q in params]
+        for (t, p, e), meta in sorted(self._ranks.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+            for chunk, params in enumerate(meta.listed(self._chained)):
+                refs += [ShardRef(t, p, chunk, q.name, q.shape, q.dtype, e) for q in params]
         return refs
 
     def _records(self, ref: ShardRef) -> dict:
         """The shard's saved tensors as records ('param', and 'fp32', 'exp_avg', 'exp_avg_sq' with optimizer
         state) and its Adam 'step' (a number or a record)."""
-        meta = self._ranks.get((ref.tp_rank, ref.pp_rank))
+        meta = self._ranks.get((ref.tp_rank, ref.pp_rank, ref.ep_rank))
         model = (meta.state.get(meta.model_keys[ref.vpp_chunk])
                  if meta is not None and 0 <= ref.vpp_chunk < len(meta.chunks) else None)
         param = model.get(ref.local_name) if model is not None else None
-        if not isinstance(param, TensorRecord):
+        if not isinstance(param, TensorRecord) or ref.ep_rank and not is_expert(ref.local_name):
             raise unknown_shard(ref, self.path)
         out: dict = {"param": param}
-        if self.optimizer_kind == "distributed":
+        if is_buffer(ref.local_name):
+            pass  # a persistent buffer: its value, no optimizer state
+        elif self.optimizer_kind == "distributed":
             out.update(self._distributed_records(meta, ref))
         elif self.optimizer_kind in ("adam", "mixed_precision"):
             out.update(self._adam_records(meta, ref, param))
         return out
 
     def _distributed_records(self, meta: _RankMeta, ref: ShardRef) -> dict:
-        for i, buf in enumerate(meta.buffers[ref.vpp_chunk]):
+        view = meta.optims[_optimizer_index(ref.local_name, self._chained)]
+        for i, buf in enumerate(view.buffers[ref.vpp_chunk]):
             try:
                 span = buf.span(ref.local_name)
             except KeyError:
                 continue
-            saved = meta.distopt[meta.gbuf_base[ref.vpp_chunk] + i][(buf.param_dtype, buf.grad_dtype)]
+            saved = view.distopt[view.gbuf_base[ref.vpp_chunk] + i][(buf.param_dtype, buf.grad_dtype)]
             start = buf.coalesced_offset(span)
             out = {("fp32" if key == "param" else key): sub_record(saved[key], start, span.shape)
                    for key in ("param", "exp_avg", "exp_avg_sq")}
-            if meta.step is not None:
-                out["step"] = meta.step
+            if view.step is not None:
+                out["step"] = view.step
             return out
         raise CheckpointFormatError(f"{meta.optim_file}: {ref.local_name} is in no DDP buffer of rank "
-                                    f"tp={ref.tp_rank} pp={ref.pp_rank}; the file does not match the model.")
+                                    f"{self._where(ref.tp_rank, ref.pp_rank, ref.ep_rank)}; the file does not match "
+                                    f"the model.")
 
     def _adam_records(self, meta: _RankMeta, ref: ShardRef, param: TensorRecord) -> dict:
         group, idx, half = meta.state_index[(ref.vpp_chunk, ref.local_name)]
-        opt = meta.state["optimizer"]
+        opt = meta.optims[_optimizer_index(ref.local_name, self._chained)].state
         inner = opt["optimizer"] if self.optimizer_kind == "mixed_precision" else opt
         # FP32Optimizer and fp32 params of Float16Optimizer step the model weight itself
         out = {"fp32": opt["fp32_from_fp16_params"][group][half] if half is not None else param}
@@ -398,7 +499,7 @@ class LegacyCheckpoint(CheckpointReader):
 
     def _step(self, meta_step: Any, ref: ShardRef, *, tensor: bool = True):
         """The Adam step: a 0-d float32 tensor for read(), a float for locate() (which needs no torch)."""
-        where = self._rank_file(ref.tp_rank, ref.pp_rank, MODEL_FILENAME)
+        where = self._rank_dir(ref.tp_rank, ref.pp_rank, ref.ep_rank) / MODEL_FILENAME
         step = float(scalar(meta_step, path=where, what=f"the Adam step of {ref.local_name}"))
         if not tensor:
             return step
@@ -448,5 +549,8 @@ class LegacyCheckpoint(CheckpointReader):
     def common_state(self) -> dict:
         return build_common_state(iteration=self.iteration, args=self.args,
                                   checkpoint_version=self._checkpoint_version,
-                                  opt_param_scheduler=self._scheduler, param_groups=self._param_groups,
+                                  opt_param_scheduler=self._scheduler,
+                                  # the ChainedOptimizer's groups: the dense optimizer's, then the expert one's
+                                  param_groups=[g for i in sorted(self._param_groups) for g in self._param_groups[i]]
+                                  if self._param_groups else None,
                                   num_flops=self._num_flops)

@@ -42,8 +42,18 @@ bucket-end padding excluded), saved as DP shards; 'optimizer.distributed.dp_grou
   'param_groups' (without 'params'). FP32Optimizer steps the model weight itself, so 'fp32' is the weight.
 With tied embeddings and PP > 1 the last stage's output-layer state is saved once, under the word
 embedding's key (its gradient is all-reduced over the embedding group, so both copies are equal).
-A ChainedOptimizer of several optimizers saves common.pt['optimizer'] = {0: ..., 1: ...} and may
-prefix tensor keys with 'chained_<i>.'; both are accepted.
+
+Mixture of experts (docs/MOE_CHECKPOINTS.md): routed experts are saved with their GLOBAL index on a
+leading expert axis (after the stacked layer axis, if any), so an expert's shard is a box like any other
+(the rulebook's torch_dist_keys give the key and the leading indices); they are split over the
+expert-TP group. With experts in their own optimizer (EP > 1 or ETP != TP: rulebook
+experts_in_own_optimizer) megatron-core's ChainedOptimizer [dense, expert] saves common.pt['optimizer']
+= {0: ..., 1: ...} and, for dp_reshardable, prefixes the flat-bucket keys with 'chained_<i>.': the
+dense buckets are 'chained_0....dp_group_idx_<tp + TP*pp>', the expert buckets 'chained_1....
+dp_group_idx_<etp + ETP*(ep + EP*pp)>', each expert buffer holding that rank's LOCAL experts in reverse
+registration order, sharded over the expert-DP group. Model-space state (fully_reshardable, plain Adam)
+has no prefix and carries the expert axis like the weight. The router's `expert_bias` is a persistent
+buffer: a weight without optimizer state.
 """
 
 from __future__ import annotations
@@ -71,7 +81,7 @@ from megatron_ucp.layout import LayoutError
 _MODEL_SPACE_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
 
 _BUCKET_KEY = re.compile(
-    r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+), (.+)\)\.bucket_idx_(\d+)\."
+    r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+), (.+)\)\.bucket_idx_(\d+)\."
     r"(param|exp_avg|exp_avg_sq)$")
 
 _MAX_JSON_BYTES = 1 << 20  # metadata.json is a few hundred bytes; never read a huge one whole
@@ -93,7 +103,14 @@ class _Piece:
 
 @dataclass
 class _RankInfo:
-    params: list[list[BufferParam]]  # per chunk, registration order, local shapes
+    """One model-parallel rank of one optimizer: the dense optimizer's (tp, pp) or, with experts in their own
+    optimizer, the expert optimizer's (etp, ep, pp) holding that EP rank's local experts."""
+
+    params: list[list[BufferParam]]  # per chunk, registration order, local shapes (persistent buffers too)
+    ep_rank: int = 0
+    optimizer: int = 0  # index in the ChainedOptimizer (0 dense, 1 expert)
+    group_idx: int = 0  # its `dp_group_idx` in that optimizer's keys
+    prefix: str = ""  # 'chained_<i>.' on that optimizer's flat-bucket keys
     sources: dict = field(default_factory=dict)  # (chunk, local name) -> _Piece
     buffers: list[list[BufferLayout]] = field(default_factory=list)
     gbuf_base: list[int] = field(default_factory=list)
@@ -188,15 +205,29 @@ class TorchDistCheckpoint(CheckpointReader):
             self._model_space_common() if self._model_space else (None, None))
         self._records: dict = {}  # DcpIndex -> the verified TensorRecord of a saved chunk
         self._chunks_by_offset: dict[str, dict] = {}  # saved key -> {chunk offsets: chunk sizes}
-        self._ranks: dict[tuple[int, int], _RankInfo] = {}
+        # ('dense', tp, pp) | ('expert', etp, ep, pp) -> _RankInfo
+        self._ranks: dict[tuple, _RankInfo] = {}
         try:
-            self._expected_shapes = dict(rulebook.expected_parameters(self.config))
+            self._expected_shapes = dict(rulebook.expected_parameters(self.config, self.layout))
         except (ValueError, NotImplementedError) as e:
             raise CheckpointFormatError(f"{common_file}: {e}") from e
+        self._chained = rulebook.experts_in_own_optimizer(self.config, self.layout)
+        self._check_chaining()
         self._used_keys: set = set()
-        for pp_rank in range(self.layout.pp):
-            for tp_rank in range(self.layout.tp):
-                self._ranks[(tp_rank, pp_rank)] = self._rank_info(tp_rank, pp_rank)
+        layout = self.layout
+        for pp_rank in range(layout.pp):
+            for tp_rank in range(layout.tp):
+                self._ranks[("dense", tp_rank, pp_rank)] = self._rank_info(
+                    _RankInfo([], group_idx=layout.dense_mp_rank(tp_rank, pp_rank),
+                              prefix="chained_0." if self._chained else ""), tp_rank, pp_rank)
+            if not self._chained:
+                continue
+            for ep_rank in range(layout.ep):
+                for etp_rank in range(layout.expert_tp):
+                    self._ranks[("expert", etp_rank, ep_rank, pp_rank)] = self._rank_info(
+                        _RankInfo([], ep_rank=ep_rank, optimizer=1,
+                                  group_idx=layout.expert_mp_rank(etp_rank, ep_rank, pp_rank), prefix="chained_1."),
+                        etp_rank, pp_rank)
         self._check_all_keys_used()
 
     # -- opening ------------------------------------------------------------------------------
@@ -245,10 +276,6 @@ class TorchDistCheckpoint(CheckpointReader):
             raise structure_error(self.path / "common.pt", "'content_metadata' (a dict)", content)
         sharding = content.get("distrib_optim_sharding_type")
         common_file = self.path / "common.pt"
-        if self.args.get("num_experts"):
-            raise CheckpointFormatError(f"{self.path / 'common.pt'}: a mixture-of-experts model (args.num_experts="
-                                        f"{self.args.get('num_experts')}); MoE checkpoints are not supported yet, "
-                                        f"convert a dense GPT checkpoint.")
         if self.args.get("optimizer", "adam") != "adam":
             raise CheckpointFormatError(f"{common_file}: args.optimizer={self.args.get('optimizer')!r}; only Adam "
                                         f"state (exp_avg, exp_avg_sq) can be read.")
@@ -342,15 +369,32 @@ class TorchDistCheckpoint(CheckpointReader):
                                         f"{sorted(steps)}.")
         return groups, (steps.pop() if steps else None)
 
+    def _check_chaining(self) -> None:
+        """The saved optimizer has the dense/expert structure megatron-core builds at the saved layout."""
+        if self.optimizer_kind == "none":
+            return
+        if self._flat_buckets:
+            saved = any(k.startswith("chained_1.") for k in self._keys)
+        else:
+            saved = len(self._optimizer_common_parts()) > 1
+        if saved != self._chained:
+            layout = self.layout
+            raise CheckpointFormatError(
+                f"{self.path}: the optimizer state is {'chained [dense, expert]' if saved else 'one optimizer'} but at "
+                f"{layout.describe()} (EP={layout.ep}, ETP={layout.expert_tp}, TP={layout.tp}) the experts "
+                f"{'share the dense optimizer' if not self._chained else 'have their own optimizer'}; a checkpoint of "
+                f"megatron-core 0.16.1 at EP1 with ETP != TP is not supported (its experts were reduced over the "
+                f"wrong group): resave it with --expert-model-parallel-size > 1 or ETP = TP.")
+
     def _index_buckets(self) -> dict:
-        """(mp rank, gbuf, (param dtype str, grad dtype str), bucket) -> {state key: saved key}."""
+        """(optimizer index, mp rank, gbuf, (param dtype str, grad dtype str), bucket) -> {state key: saved key}."""
         out: dict = {}
         for key in self._keys:
             m = _BUCKET_KEY.match(key)
             if m:
-                mp, g, pd, gd, b, what = m.groups()
+                opt, mp, g, pd, gd, b, what = m.groups()
                 self._check_dtype(key, (STATE_DTYPE,))
-                out.setdefault((int(mp), int(g), (pd, gd), int(b)), {})[what] = key
+                out.setdefault((int(opt or 0), int(mp), int(g), (pd, gd), int(b)), {})[what] = key
         if not out:
             raise CheckpointFormatError(f"{self.path / '.metadata'}: no optimizer.distributed.*bucket_idx_* tensors.")
         return out
@@ -363,8 +407,10 @@ class TorchDistCheckpoint(CheckpointReader):
         md = self._keys.get(key)
         where = f"{self.path / '.metadata'}: {key}"
         if not isinstance(md, DcpTensorMeta):
+            moe = (f" (num_experts={self.config.num_experts}, moe_layer_freq={self.config.moe_layer_freq})"
+                   if rulebook.rule_for(canonical).kind == rulebook.MOE else "")
             raise CheckpointFormatError(f"{where} is missing (needed for {local}); the checkpoint is incomplete or "
-                                        f"does not match its args")
+                                        f"does not match its args{moe}")
         self._check_dtype(key, PARAM_DTYPES)
         size = tuple(md.size)
         shape = size[len(lead):]
@@ -377,7 +423,7 @@ class TorchDistCheckpoint(CheckpointReader):
                                         f"for {canonical}; args and weights disagree")
         pattern = rulebook.pattern_for(canonical, self.config)
         try:
-            blocks = pattern.rank_blocks(shape, tp_rank, self.layout.tp, name=canonical)
+            blocks = pattern.rank_blocks(shape, tp_rank, rulebook.tp_size_of(canonical, self.layout), name=canonical)
         except (LayoutError, ValueError) as e:
             raise CheckpointFormatError(f"{where}: {e}") from e
         ones = (1,) * len(lead)
@@ -385,22 +431,28 @@ class TorchDistCheckpoint(CheckpointReader):
                         for b in blocks)
         return _Piece(key, len(lead), regions, (pattern.dim or 0) + len(lead))
 
-    def _rank_info(self, tp_rank: int, pp_rank: int) -> _RankInfo:
-        """The rank's parameters (the rulebook's, in registration order) and where each one is saved."""
-        info = _RankInfo(params=[])
+    def _rank_info(self, info: _RankInfo, tp_rank: int, pp_rank: int) -> _RankInfo:
+        """The rank's parameters and persistent buffers (the rulebook's, in registration order: the dense ones,
+        or with experts in their own optimizer the dense ones and, separately, each EP rank's experts) and where
+        each one is saved."""
+        expert_rank = info.optimizer == 1
         for chunk in range(self.layout.num_chunks):
             try:
                 entries = rulebook.parameters_for_rank(self.config, self.layout, pp_rank,
-                                                       chunk if self.layout.vpp else None)
+                                                       chunk if self.layout.vpp else None, ep_rank=info.ep_rank,
+                                                       buffers=True)
             except (LayoutError, ValueError, NotImplementedError) as e:
                 raise CheckpointFormatError(f"{self.path}: {e}") from e
             params = []
             for local, _, canonical in entries:
+                if rulebook.in_expert_optimizer(canonical, self.config, self.layout) != expert_rank:
+                    continue
                 piece = self._piece(canonical, local, tp_rank)
                 shape = list(piece.regions[0][1])
                 shape[piece.axis] = sum(r[1][piece.axis] for r in piece.regions)
                 shape = shape[piece.lead:]
-                params.append(BufferParam(local, tuple(shape), TorchDType(self._keys[piece.key].dtype)))
+                params.append(BufferParam(local, tuple(shape), TorchDType(self._keys[piece.key].dtype),
+                                          expert=expert_rank))
                 info.sources[(chunk, local)] = piece
                 self._used_keys.add(piece.key)
             info.params.append(params)
@@ -409,6 +461,17 @@ class TorchDistCheckpoint(CheckpointReader):
         elif self._model_space:
             self._check_model_space_state(info, tp_rank, pp_rank)
         return info
+
+    def _rank_numel(self, pp_rank: int) -> int:
+        """Parameters of one global rank of stage `pp_rank`, all chunks, dense and its experts alike (what
+        --ddp-num-buckets divides; the same on every rank of the stage)."""
+        return sum(math.prod(shape) for chunk in range(self.layout.num_chunks)
+                   for _, shape, _ in rulebook.parameters_for_rank(self.config, self.layout, pp_rank,
+                                                                   chunk if self.layout.vpp else None))
+
+    def _describe_rank(self, info: _RankInfo, tp_rank: int, pp_rank: int) -> str:
+        return (f"expert rank etp={tp_rank} ep={info.ep_rank} pp={pp_rank}" if info.optimizer == 1
+                else f"rank tp={tp_rank} pp={pp_rank}")
 
     def _check_all_keys_used(self) -> None:
         """Every saved model tensor belongs to a parameter the rulebook knows (nothing silently dropped)."""
@@ -422,25 +485,27 @@ class TorchDistCheckpoint(CheckpointReader):
                 f"(megatron_ucp/adapters/gpt.py) if the model really has them")
 
     def _attach_buffers(self, info: _RankInfo, tp_rank: int, pp_rank: int) -> None:
-        mp = tp_rank + self.layout.tp * pp_rank
-        num_params = sum(p.numel for chunk in info.params for p in chunk)
+        mp, opt = info.group_idx, info.optimizer
+        where = self._describe_rank(info, tp_rank, pp_rank)
+        num_params = self._rank_numel(pp_rank)
         gbuf = 0
         for chunk, params in enumerate(info.params):
             config = DDPBucketConfig.from_megatron_args(self.args, pp_rank=pp_rank, vpp_chunk=chunk,
-                                                        rank_num_parameters=num_params)
+                                                        rank_num_parameters=num_params, experts=opt == 1)
             shared = shared_embedding_names(self.args, pp_rank=pp_rank, vpp_chunk=chunk, names=[p.name for p in params])
-            params = [BufferParam(p.name, p.shape, p.dtype, shared_embedding=p.name in shared) for p in params]
-            buffers = build_chunk_buffers(params, config)
+            params = [BufferParam(p.name, p.shape, p.dtype, shared_embedding=p.name in shared, expert=p.expert)
+                      for p in params if not rulebook.is_buffer(p.name)]
+            buffers = build_chunk_buffers(params, config, experts=opt == 1) if params else []
             info.gbuf_base.append(gbuf)
             info.buffers.append(buffers)
             for buf in buffers:
                 dtypes = (str(buf.param_dtype), str(buf.grad_dtype))
                 for b, bucket in enumerate(buf.buckets):
-                    keys = self._buckets.get((mp, gbuf, dtypes, b))
+                    keys = self._buckets.get((opt, mp, gbuf, dtypes, b))
                     if keys is None or set(keys) != {"param", "exp_avg", "exp_avg_sq"}:
                         raise CheckpointFormatError(
-                            f"{self.path / '.metadata'}: no complete optimizer bucket dp_group_idx_{mp}.gbuf_idx_{gbuf}"
-                            f".dtype_{dtypes}.bucket_idx_{b} for tp={tp_rank} pp={pp_rank}; the DDP settings in args "
+                            f"{self.path / '.metadata'}: no complete optimizer bucket {info.prefix}dp_group_idx_{mp}."
+                            f"gbuf_idx_{gbuf}.dtype_{dtypes}.bucket_idx_{b} for {where}; the DDP settings in args "
                             f"do not match the saved buffers.")
                     md = self._keys[keys["param"]]
                     starts = {c.offsets[0] for c in md.chunks}
@@ -449,19 +514,24 @@ class TorchDistCheckpoint(CheckpointReader):
                             buf.offset_in_bucket(s) not in starts for s in spans):
                         raise CheckpointFormatError(
                             f"{self.path / '.metadata'}: {keys['param']} has shape {tuple(md.size)} and chunk starts "
-                            f"that do not match the 64-aligned layout of rank tp={tp_rank} pp={pp_rank} "
+                            f"that do not match the 64-aligned layout of {where} "
                             f"(expected {bucket.numel_unpadded} elements); unsupported model or DDP layout.")
                 gbuf += 1
-        n_saved = len({k[1] for k in self._buckets if k[0] == mp})
+        n_saved = len({k[2] for k in self._buckets if k[:2] == (opt, mp)})
         if n_saved != gbuf:
-            raise CheckpointFormatError(f"{self.path / '.metadata'}: dp_group_idx_{mp} has {n_saved} buffers, the model "
-                                        f"needs {gbuf}.")
+            raise CheckpointFormatError(f"{self.path / '.metadata'}: {info.prefix}dp_group_idx_{mp} has {n_saved} "
+                                        f"buffers, the model needs {gbuf} ({where}).")
 
     def _check_model_space_state(self, info: _RankInfo, tp_rank: int, pp_rank: int) -> None:
         """Every parameter has Adam state (or none has: saved before the first step), and 16-bit ones
-        their fp32 main weight."""
+        their fp32 main weight; persistent buffers have none."""
         for (chunk, name), piece in info.sources.items():
             found = self._state_keys.get(piece.key, {})
+            if rulebook.is_buffer(name):
+                if found:
+                    raise CheckpointFormatError(f"{self.path / '.metadata'}: the buffer {piece.key} has optimizer "
+                                                f"state {sorted(found)}; the checkpoint is inconsistent.")
+                continue
             if not found and not self._state_keys:
                 continue
             need = {"exp_avg", "exp_avg_sq"}
@@ -471,8 +541,8 @@ class TorchDistCheckpoint(CheckpointReader):
                 need.add("fp32_param")
             if not need <= set(found):
                 raise CheckpointFormatError(
-                    f"{self.path / '.metadata'}: {name} (tp={tp_rank} pp={pp_rank} chunk={chunk}, saved as "
-                    f"{piece.key}) has optimizer state {sorted(found)}, expected {sorted(need)}; the checkpoint is "
+                    f"{self.path / '.metadata'}: {name} ({self._describe_rank(info, tp_rank, pp_rank)} chunk={chunk}, "
+                    f"saved as {piece.key}) has optimizer state {sorted(found)}, expected {sorted(need)}; the checkpoint is "
                     f"incomplete.")
 
     def _check_dtype(self, key: str, allowed: tuple) -> None:
@@ -483,11 +553,9 @@ class TorchDistCheckpoint(CheckpointReader):
                 f"Megatron-LM saves for it); the metadata is corrupt or from another kind of run; re-copy the "
                 f"iteration folder.")
 
-    def _optimizer_groups(self, tp_rank: int, pp_rank: int) -> _RankInfo:
-        info = self._ranks[(tp_rank, pp_rank)]
+    def _optimizer_groups(self, info: _RankInfo) -> _RankInfo:
         if info.param_groups is None:
-            mp = tp_rank + self.layout.tp * pp_rank
-            prefix = f"optimizer.distributed.dp_group_idx_{mp}.optimizer/"
+            prefix = f"{info.prefix}optimizer.distributed.dp_group_idx_{info.group_idx}.optimizer/"
             keys = [k for k, v in self._keys.items() if k.startswith(prefix) and isinstance(v, DcpBytesMeta)]
             if not keys:
                 raise CheckpointFormatError(f"{self.path / '.metadata'}: missing {prefix}* (optimizer param groups); "
@@ -520,22 +588,36 @@ class TorchDistCheckpoint(CheckpointReader):
 
     def shards(self) -> list[ShardRef]:
         refs = []
-        for (t, p), info in sorted(self._ranks.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        for key, info in sorted(self._ranks.items(), key=lambda kv: (kv[0][-1], kv[0][0] == "expert", kv[0][1:])):
+            t, p = key[1], key[-1]
             for chunk, params in enumerate(info.params):
-                refs += [ShardRef(t, p, chunk, q.name, q.shape, q.dtype) for q in params]
+                refs += [ShardRef(t, p, chunk, q.name, q.shape, q.dtype, info.ep_rank) for q in params]
         return refs
+
+    def _info_for(self, ref: ShardRef) -> Optional[_RankInfo]:
+        """The rank holding a shard: its expert rank for a routed expert in the expert optimizer, else its dense
+        (tp, pp) rank (ep_rank 0)."""
+        try:
+            expert = rulebook.is_expert(ref.local_name)
+        except rulebook.UnknownParameterError:
+            return None
+        if expert and self._chained:
+            return self._ranks.get(("expert", ref.tp_rank, ref.ep_rank, ref.pp_rank))
+        return self._ranks.get(("dense", ref.tp_rank, ref.pp_rank)) if ref.ep_rank == 0 else None
 
     def _requests(self, ref: ShardRef, keys: Optional[Collection[str]]) -> _Requests:
         want = set(READ_KEYS if keys is None else keys)
         if not want <= set(READ_KEYS):
             raise ValueError(f"keys={sorted(keys)}: choose from {READ_KEYS}")
-        info = self._ranks.get((ref.tp_rank, ref.pp_rank))
+        info = self._info_for(ref)
         piece = info.sources.get((ref.vpp_chunk, ref.local_name)) if info else None
         if piece is None:
             raise unknown_shard(ref, self.path)
         regions = list(piece.regions)
         req = _Requests(piece=piece, want=want)
-        if self._flat_buckets:
+        if rulebook.is_buffer(ref.local_name):
+            pass  # a persistent buffer: its value, no optimizer state
+        elif self._flat_buckets:
             for what, (key, start, numel) in self._flat_request(info, ref).items():
                 name = "fp32" if what == "param" else what
                 if name in want:
@@ -574,7 +656,7 @@ class TorchDistCheckpoint(CheckpointReader):
         if self._flat_buckets:
             for name, key in req.flat.items():
                 out[name] = assemble(got[key], _Piece(key, 0, (), 0), ref.shape)
-            step = self._optimizer_groups(ref.tp_rank, ref.pp_rank).step
+            step = self._optimizer_groups(self._info_for(ref)).step if req.flat else None
             if step is not None:
                 out["step"] = step_value(step)
         elif self._model_space:
@@ -739,22 +821,26 @@ class TorchDistCheckpoint(CheckpointReader):
         return tensor.reshape(tensor.shape[piece.lead:]) if piece.lead else tensor
 
     def _flat_request(self, info: _RankInfo, ref: ShardRef) -> dict:
-        mp = ref.tp_rank + self.layout.tp * ref.pp_rank
         for i, buf in enumerate(info.buffers[ref.vpp_chunk]):
             try:
                 span = buf.span(ref.local_name)
             except KeyError:
                 continue
             gbuf = info.gbuf_base[ref.vpp_chunk] + i
-            keys = self._buckets[(mp, gbuf, (str(buf.param_dtype), str(buf.grad_dtype)), span.bucket)]
+            keys = self._buckets[(info.optimizer, info.group_idx, gbuf, (str(buf.param_dtype), str(buf.grad_dtype)),
+                                  span.bucket)]
             start = buf.offset_in_bucket(span)
             return {what: (keys[what], start, math.prod(span.shape)) for what in ("param", "exp_avg", "exp_avg_sq")}
-        raise CheckpointFormatError(f"{self.path / '.metadata'}: {ref.local_name} is in no DDP buffer of rank "
-                                    f"tp={ref.tp_rank} pp={ref.pp_rank}; the checkpoint does not match its args.")
+        raise CheckpointFormatError(f"{self.path / '.metadata'}: {ref.local_name} is in no DDP buffer of "
+                                    f"{self._describe_rank(info, ref.tp_rank, ref.pp_rank)}; the checkpoint does not "
+                                    f"match its args.")
 
     def common_state(self) -> dict:
         if self._flat_buckets:
-            groups = self._optimizer_groups(0, 0).param_groups
+            # the ChainedOptimizer's groups: the dense optimizer's, then the expert optimizer's
+            groups = list(self._optimizer_groups(self._ranks[("dense", 0, 0)]).param_groups)
+            if self._chained:
+                groups += self._optimizer_groups(self._ranks[("expert", 0, 0, 0)]).param_groups
         else:
             groups = self._model_space_groups
         return build_common_state(iteration=self.iteration, args=self.args,

@@ -386,10 +386,12 @@ def _validate_moe(args: argparse.Namespace, world_size: int) -> None:
     if len(pattern) != args.num_layers or any(v not in (0, 1) for v in pattern):
         raise ArgumentError(f"--moe-layer-freq {args.moe_layer_freq} must list 0 (dense) or 1 (MoE) for each of "
                             f"the {args.num_layers} layers")
-    if args.universal_checkpoint:
-        # Until the GPT adapter has expert rows, a universal checkpoint holds no experts.
-        raise ArgumentError("--universal-checkpoint does not support --num-experts yet (universal checkpoints "
-                            "hold no experts); resume MoE runs from their torch_dist checkpoint with --load")
+    if args.ckpt_format == "torch" and etp != tp and args.save:
+        # Megatron-LM 0.16.1 names legacy folders by the dense TP rank but lets expert-DP rank 0 write them:
+        # with ETP != TP some folders are never written and others twice (docs/MOE_CHECKPOINTS.md).
+        raise ArgumentError(f"--ckpt-format torch with --expert-tensor-parallel-size {etp} != "
+                            f"--tensor-model-parallel-size {tp}: Megatron-LM's legacy format cannot hold this layout "
+                            "consistently; use --ckpt-format torch_dist (or ETP = TP)")
     if args.moe_token_dispatcher_type == "flex":
         raise ArgumentError("--moe-token-dispatcher-type flex needs DeepEP/HybridEP kernels, which this harness "
                             "does not set up; use allgather or alltoall")

@@ -252,12 +252,6 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Optional[int]:
     if load_optim and args.use_distributed_optimizer and not same_mp and \
             metadata.get("distrib_optim_sharding_type") == "dp_reshardable":
         saved, here = describe_layout(model_parallel_layout(ckpt_args)), describe_layout(model_parallel_layout(args))
-        if getattr(ckpt_args, "num_experts", None):
-            # Universal checkpoints hold no experts yet; torch_dist itself reshards the other sharding types.
-            raise CheckpointError(
-                f"{ckpt_dir}: saved at {saved} with the dp_reshardable optimizer, whose flat buffers only load at "
-                f"the same TP/PP/EP/ETP; resume at {saved}, or save with --dist-ckpt-optim-fully-reshardable "
-                f"(or without --use-distributed-optimizer) to resume at {here}")
         raise CheckpointError(
             f"{ckpt_dir}: saved at {saved} with the dp_reshardable optimizer; to resume at {here} "
             f"convert it: megatron-ucp to-universal {root} UCP_DIR, then --load UCP_DIR --universal-checkpoint")
@@ -268,8 +262,8 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Optional[int]:
             return f"at TP{tp}PP{pp}EP{ep}ETP{etp} the experts {kind}"
         raise CheckpointError(
             f"{ckpt_dir}: {where(ckpt_args)} but {where(args)} (megatron-core chains a separate expert optimizer "
-            "only with EP > 1 or ETP != TP), so the optimizer state cannot be mapped; resume with EP > 1 or "
-            "ETP != TP on both sides or on neither, or pass --no-load-optim")
+            "only with EP > 1 or ETP != TP), so megatron-core cannot map the optimizer state; convert it: "
+            f"megatron-ucp to-universal {root} UCP_DIR, then --load UCP_DIR --universal-checkpoint")
     # With EP the RNG state is one object per (PP, TP, DP) rank: it needs the same DP too.
     same_rng_shards = same_mp and (model_parallel_layout(args)[2] == 1 or getattr(
         ckpt_args, "data_parallel_size", None) == args.data_parallel_size)
@@ -317,28 +311,23 @@ def _finish_load(args, optimizer, state, ckpt_args, load_optim: bool, load_rng: 
     return args.iteration
 
 
-def legacy_rank_dir(ckpt_dir: Path, tp_rank: int, pp_rank: int, pp_size: int) -> Path:
-    return ckpt_dir / (f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
-
-
 def load_legacy_checkpoint(args, model, optimizer, scheduler, ckpt_dir: Path) -> int:
     """Resume from Megatron-LM's legacy `torch` format (model_optim_rng.pt [+ distrib_optim.pt]) at
-    its own TP/PP, as Megatron-LM's load_checkpoint does."""
+    its own TP/PP/EP, as Megatron-LM's load_checkpoint does: every rank reads its (tp, pp, ep) folder."""
     from megatron_ucp.formats.common import load_pickled
+    from megatron_ucp.training.legacy_checkpointing import this_rank_dir
 
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    rank_dir = legacy_rank_dir(ckpt_dir, tp_rank, pp_rank, args.pipeline_model_parallel_size)
+    rank_dir = this_rank_dir(ckpt_dir)
     state = load_pickled(rank_dir / "model_optim_rng.pt", what="legacy model checkpoint",
-                         fix="was the checkpoint saved at this TP/PP? otherwise convert it with megatron-ucp to-universal")
+                         fix="was the checkpoint saved at this TP/PP/EP? otherwise convert it with megatron-ucp "
+                             "to-universal")
     ckpt_args = state["args"]
     check_checkpoint_args(ckpt_args, args, ckpt_dir)
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        if getattr(ckpt_args, name, 1) != getattr(args, name):
-            raise CheckpointError(
-                f"{ckpt_dir}: legacy checkpoint saved with {name}={getattr(ckpt_args, name)}, this run uses "
-                f"{getattr(args, name)}; convert it: megatron-ucp to-universal {ckpt_dir.parent} UCP_DIR, then "
-                "--load UCP_DIR --universal-checkpoint")
+    if model_parallel_layout(ckpt_args) != model_parallel_layout(args):
+        saved, here = describe_layout(model_parallel_layout(ckpt_args)), describe_layout(model_parallel_layout(args))
+        raise CheckpointError(
+            f"{ckpt_dir}: legacy checkpoint saved at {saved}, this run uses {here}; convert it: megatron-ucp "
+            f"to-universal {ckpt_dir.parent} UCP_DIR, then --load UCP_DIR --universal-checkpoint")
     load_optim = not args.no_load_optim and not args.finetune and "optimizer" in state
     with torch.no_grad():
         for key, chunk in zip(model_keys(model), model):

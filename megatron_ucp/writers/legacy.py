@@ -17,6 +17,17 @@ only, one folder per (tp, pp) rank:
 state dict indexed group by group (FP32Optimizer), wrapped as {'optimizer': ..., 'fp32_from_fp16_params':
 ...} for bf16/fp16 models (Float16OptimizerWithFloat16Params), each parameter with its own `step`.
 
+Mixture of experts (Megatron-LM core_v0.16.1's legacy save, docs/MOE_CHECKPOINTS.md): one folder per
+(tp, pp, ep) rank, `mp_rank_TT[_PPP][_EEE]`, as expert-data-parallel rank 0 of each writes it: the dense
+parameters (DP replicas: the same in every EP folder) and that EP rank's local experts (local index j is
+global expert ep*E/EP + j, split over ETP = TP). With experts in their own optimizer (EP > 1) `optimizer`
+is the ChainedOptimizer's list [dense, expert] and distrib_optim.pt the list of each optimizer's
+coalesced buffers where the writing rank is DP rank 0 of that optimizer's group: [dense, expert] in EP
+folder 0, [None, expert] in the others (the expert buffers over the expert-DP group). Param groups are
+regrouped by Megatron's rule at the target layout; a group's hyper-parameters come from the universal
+checkpoint's group with the same identity (wd_mult, lr_mult, decoupled LR). ETP != TP is refused: Megatron-LM
+0.16.1 cannot write it consistently in this format.
+
 RNG: a universal checkpoint holds no RNG state (it means nothing at another layout). Megatron-LM's
 load_checkpoint exits ("Unable to load rng state") when `rng_state` is missing unless --no-load-rng,
 so by default a fresh deterministic state is written: Megatron's own seeding (_set_random_seed +
@@ -33,15 +44,16 @@ import importlib
 import random
 import struct
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 import torch
 
-from megatron_ucp.adapters.gpt import (is_last_chunk, is_vocab_parameter, megatron_param_groups, parameters_for_rank,
-                                      rule_for)
+from megatron_ucp.adapters.gpt import (experts_in_own_optimizer, group_identity, group_overrides,
+                                      in_expert_optimizer, is_buffer, is_last_chunk, is_vocab_parameter,
+                                      megatron_param_groups, parameters_for_rank, rule_for, tp_size_of)
 from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
                                                 shared_embedding_names)
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
@@ -106,57 +118,99 @@ def args_namespace(args: Mapping[str, Any]) -> argparse.Namespace:
 # Plan (pure)
 
 
-def _chunks(config: GPTModelConfig, layout: ParallelLayout, pp_rank: int) -> list[list[tuple[str, tuple, str]]]:
-    return [parameters_for_rank(config, layout, pp_rank, chunk if layout.vpp else None)
+def _chunks(config: GPTModelConfig, layout: ParallelLayout, pp_rank: int, ep_rank: int = 0
+            ) -> list[list[tuple[str, tuple, str]]]:
+    """One (pp, ep) rank's state entries per chunk (parameters and persistent buffers, registration order)."""
+    return [parameters_for_rank(config, layout, pp_rank, chunk if layout.vpp else None, ep_rank=ep_rank, buffers=True)
             for chunk in range(layout.num_chunks)]
+
+
+def _ep_ranks(config: GPTModelConfig, layout: ParallelLayout) -> range:
+    """The EP ranks that get folders of their own (Megatron-LM adds `_EEE` with EP > 1)."""
+    return range(layout.ep if config.num_experts else 1)
 
 
 def _model_dtype(ucp, canonical: str) -> torch.dtype:
     return _DTYPES[ucp.parameters[canonical].model_dtype]
 
 
-def _rank_buffer_params(ucp, config, layout, pp_rank) -> list[list[BufferParam]]:
-    return [[BufferParam(local, tuple(shape), _model_dtype(ucp, canonical)) for local, shape, canonical in chunk]
-            for chunk in _chunks(config, layout, pp_rank)]
+def _optimizer_index(canonical: str, config: GPTModelConfig, layout: ParallelLayout) -> int:
+    """0: the dense optimizer, 1: the expert optimizer (megatron-core's ChainedOptimizer order)."""
+    return 1 if in_expert_optimizer(canonical, config, layout) else 0
 
 
-def _chunk_buffers(target: WriteTarget, pp_rank: int, chunks: list[list[BufferParam]]):
-    """Per chunk: the DDP buffer layouts megatron-core builds at the target layout."""
+def _rank_buffer_params(ucp, config, layout, pp_rank, ep_rank: int = 0) -> list[list[BufferParam]]:
+    """Parameters of one (pp, ep) rank per chunk (no persistent buffers), each marked with its optimizer."""
+    return [[BufferParam(local, tuple(shape), _model_dtype(ucp, canonical),
+                         expert=_optimizer_index(canonical, config, layout) == 1)
+             for local, shape, canonical in chunk if not is_buffer(canonical)]
+            for chunk in _chunks(config, layout, pp_rank, ep_rank)]
+
+
+def _chunk_buffers(target: WriteTarget, pp_rank: int, chunks: list[list[BufferParam]], *, experts: bool = False):
+    """Per chunk: the DDP buffer layouts megatron-core builds at the target layout (the expert-parallel ones
+    with `experts`)."""
     num_params = sum(p.numel for chunk in chunks for p in chunk)
     out = []
     for chunk_index, params in enumerate(chunks):
         config = DDPBucketConfig.from_megatron_args(target.args, pp_rank=pp_rank, vpp_chunk=chunk_index,
-                                                    rank_num_parameters=num_params)
+                                                    rank_num_parameters=num_params, experts=experts)
         shared = shared_embedding_names(target.args, pp_rank=pp_rank, vpp_chunk=chunk_index,
                                         names=[p.name for p in params])
-        params = [replace(p, shared_embedding=p.name in shared) for p in params]
-        out.append(build_chunk_buffers(params, config))
+        selected = [replace(p, shared_embedding=p.name in shared) for p in params if p.expert == experts]
+        out.append(build_chunk_buffers(selected, config, experts=experts) if selected else [])
     return out
 
 
-def param_groups_by_rank(ucp, config: GPTModelConfig, target: WriteTarget) -> dict:
-    """(tp, pp) -> Megatron's optimizer param groups as [(vpp chunk, local name)] lists, checked against
-    the groups the universal checkpoint records for each parameter."""
+def _identity(group: Mapping[str, Any]) -> tuple:
+    """What makes two param groups the same group across layouts (megatron-core's ParamKey overrides)."""
+    return (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)), bool(group.get("is_decoupled_lr")))
+
+
+@dataclass(frozen=True)
+class TargetGroups:
+    """Megatron's optimizer param groups at the target layout, per optimizer (0 dense, 1 expert) and rank
+    ((tp, ep, pp); dense ranks have ep 0), as [(vpp chunk, local name)] lists, and each group's identity."""
+
+    members: dict  # optimizer index -> {(tp, ep, pp): [[(chunk, local name)], ...]}
+    identities: dict  # optimizer index -> [group identity dict, ...]
+
+
+def param_groups_by_rank(ucp, config: GPTModelConfig, target: WriteTarget) -> TargetGroups:
+    """Megatron's grouping at the target layout (the dense optimizer over every (tp, pp) rank, the expert optimizer
+    over every (tp, ep, pp) rank when experts have their own), each parameter's group checked against the group
+    identity the universal checkpoint records for it (layouts may chain differently, identities do not change)."""
     layout = target.layout
-    rank_chunks = {(t, p): _rank_buffer_params(ucp, config, layout, p) for p in range(layout.pp) for t in range(layout.tp)}
-    groups = megatron_param_groups(rank_chunks, target.args)
-    saved = ucp.param_groups
-    any_groups = next(iter(groups.values()))
-    if saved and len(any_groups) != len(saved):
-        raise LegacyWriteError(f"{ucp.path}: the universal checkpoint has {len(saved)} optimizer param groups but "
-                               f"Megatron's grouping rule gives {len(any_groups)} at {layout.describe()}; custom "
-                               f"param-group overrides are not supported")
-    for pp_rank in range(layout.pp):
-        names = {(c, local): canonical for c, chunk in enumerate(_chunks(config, layout, pp_rank))
-                 for local, _, canonical in chunk}
-        for index, members in enumerate(groups[(0, pp_rank)]):
-            for ref in members:
-                stored = ucp.parameters[names[ref]].param_group.get("index")
-                if stored is not None and stored != index:
-                    raise LegacyWriteError(
-                        f"{ucp.path}: {names[ref]} is in optimizer param group {stored} but Megatron's grouping "
-                        f"rule puts it in group {index}; custom param-group overrides are not supported")
-    return groups
+    chained = experts_in_own_optimizer(config, layout)
+    rank_chunks = {(t, e, p): _rank_buffer_params(ucp, config, layout, p, e)
+                   for p in range(layout.pp) for t in range(layout.tp) for e in _ep_ranks(config, layout)}
+    members, identities = {}, {}
+    for index in ((0, 1) if chained else (0,)):
+        experts = index == 1
+        chunks = rank_chunks if experts else {k: v for k, v in rank_chunks.items() if k[1] == 0}
+        members[index] = megatron_param_groups(chunks, target.args, experts=experts)
+        identities[index] = [group_identity(o, expert=experts)
+                             for o in group_overrides(chunks, target.args, experts=experts)]
+    saved = {_identity(g) for g in ucp.param_groups}
+    for index, by_rank in members.items():
+        for (t, e, p), groups in by_rank.items():
+            names = {(c, local): canonical for c, chunk in enumerate(_chunks(config, layout, p, e))
+                     for local, _, canonical in chunk}
+            for identity, group in zip(identities[index], groups):
+                for ref in group:
+                    stored = ucp.parameters[names[ref]].param_group
+                    if stored and _identity(stored) != _identity(identity):
+                        raise LegacyWriteError(
+                            f"{ucp.path}: {names[ref]} is in a param group with wd_mult={stored.get('wd_mult')}, "
+                            f"lr_mult={stored.get('lr_mult')}, decoupled LR={stored.get('is_decoupled_lr')} but "
+                            f"Megatron's grouping rule puts it in one with {_identity(identity)} (wd_mult, lr_mult, "
+                            f"decoupled LR); custom param-group overrides are not supported")
+        missing = [i for i in identities[index] if _identity(i) not in saved]
+        if ucp.param_groups and missing:
+            raise LegacyWriteError(f"{ucp.path}: the universal checkpoint has no optimizer param group like {missing} "
+                                   f"that Megatron's grouping rule needs at {layout.describe()}; custom param-group "
+                                   f"overrides are not supported")
+    return TargetGroups(members, identities)
 
 
 def plan(ucp, config: GPTModelConfig, target: WriteTarget) -> list[PlannedFile]:
@@ -164,31 +218,45 @@ def plan(ucp, config: GPTModelConfig, target: WriteTarget) -> list[PlannedFile]:
     layout = target.layout
     config = replace(config, padded_vocab_size=target.padded_vocab_size)
     has_moments = _has_moments(ucp)
+    check_layout(config, layout)
     files = []
     it = iteration_dir_name(ucp.iteration)
     for pp_rank in range(layout.pp):
-        chunks = _rank_buffer_params(ucp, config, layout, pp_rank)
-        model_bytes = sum(p.numel * torch.empty((), dtype=p.dtype).element_size() for c in chunks for p in c)
-        fp32_elems = sum(p.numel for c in chunks for p in c)
-        half = sum(p.numel for c in chunks for p in c if p.dtype != torch.float32)
-        opt_bytes = 0
-        distrib_bytes = 0
-        if has_moments and target.use_distributed_optimizer:
-            buffers = _chunk_buffers(target, pp_rank, chunks)
-            distrib_bytes = sum(3 * 4 * b.numel_unpadded for bufs in buffers for b in bufs)
-        elif has_moments:
-            opt_bytes = 4 * (2 * fp32_elems + half)
-        for tp_rank in range(layout.tp):
-            rank_dir = f"{it}/{rank_dir_name(tp_rank, pp_rank, layout.pp)}"
-            files.append(PlannedFile(f"{rank_dir}/{MODEL_FILENAME}", model_bytes + opt_bytes, tp_rank, pp_rank))
-            if distrib_bytes:
-                files.append(PlannedFile(f"{rank_dir}/{DISTRIB_OPTIM_FILENAME}", distrib_bytes, tp_rank, pp_rank))
+        for ep_rank in _ep_ranks(config, layout):
+            chunks = _rank_buffer_params(ucp, config, layout, pp_rank, ep_rank)
+            model_bytes = sum(p.numel * torch.empty((), dtype=p.dtype).element_size() for c in chunks for p in c)
+            fp32_elems = sum(p.numel for c in chunks for p in c)
+            half = sum(p.numel for c in chunks for p in c if p.dtype != torch.float32)
+            opt_bytes = 0
+            distrib_bytes = 0
+            if has_moments and target.use_distributed_optimizer:
+                buffers = _chunk_buffers(target, pp_rank, chunks, experts=True)
+                if ep_rank == 0:  # the dense optimizer's DP rank 0 writes into EP folder 0
+                    buffers += _chunk_buffers(target, pp_rank, chunks)
+                distrib_bytes = sum(3 * 4 * b.numel_unpadded for bufs in buffers for b in bufs)
+            elif has_moments:
+                opt_bytes = 4 * (2 * fp32_elems + half)
+            for tp_rank in range(layout.tp):
+                rank_dir = f"{it}/{rank_dir_name(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep)}"
+                files.append(PlannedFile(f"{rank_dir}/{MODEL_FILENAME}", model_bytes + opt_bytes, tp_rank, pp_rank))
+                if distrib_bytes:
+                    files.append(PlannedFile(f"{rank_dir}/{DISTRIB_OPTIM_FILENAME}", distrib_bytes, tp_rank,
+                                             pp_rank))
     files.append(PlannedFile(TRACKER_FILENAME, 0, -1, -1))
     return files
 
 
 def _has_moments(ucp) -> bool:
-    return all("exp_avg" in info.tensors for info in ucp.parameters.values())
+    return all("exp_avg" in info.tensors for name, info in ucp.parameters.items() if not is_buffer(name))
+
+
+def check_layout(config: GPTModelConfig, layout: ParallelLayout) -> None:
+    """LegacyWriteError for what Megatron-LM 0.16.1's legacy format cannot hold."""
+    if config.num_experts and layout.expert_tp != layout.tp:
+        raise LegacyWriteError(
+            f"--expert-tensor-parallel-size {layout.expert_tp} != --tensor-model-parallel-size {layout.tp}: "
+            f"Megatron-LM 0.16.1's legacy format names folders by the dense TP rank but lets expert-DP rank 0 write "
+            f"them, so it cannot hold this layout; use ETP = TP or --ckpt-format torch_dist")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -204,17 +272,19 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 
 
 class _RankReader:
-    """Reads one TP rank's slices from the universal checkpoint, re-padding the vocabulary if needed."""
+    """Reads one TP rank's slices from the universal checkpoint, re-padding the vocabulary if needed (routed
+    experts: the same rank of their expert-TP split, ETP = TP here)."""
 
-    def __init__(self, ucp, config: GPTModelConfig, padded_vocab_size: int, tp_rank: int, tp: int):
-        self.ucp, self.config, self.padded, self.tp_rank, self.tp = ucp, config, padded_vocab_size, tp_rank, tp
+    def __init__(self, ucp, config: GPTModelConfig, padded_vocab_size: int, tp_rank: int, layout: ParallelLayout):
+        self.ucp, self.config, self.padded, self.tp_rank, self.layout = ucp, config, padded_vocab_size, tp_rank, layout
 
     def read(self, canonical: str, key: str) -> torch.Tensor:
         info = self.ucp.parameters[canonical]
+        tp = tp_size_of(canonical, self.layout)
         if is_vocab_parameter(canonical) and info.shape[0] != self.padded:
             return repadded_shard(self.ucp.read(canonical, key), info.pattern, self.padded, self.config.vocab_size,
-                                  key, self.tp_rank, self.tp, name=canonical)
-        return _owned(self.ucp.read_local(canonical, key, self.tp_rank, self.tp))
+                                  key, self.tp_rank, tp, name=canonical)
+        return _owned(self.ucp.read_local(canonical, key, self.tp_rank, tp))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -237,8 +307,14 @@ def _model_state(chunk: list[tuple[str, tuple, str]], tensors: dict, *, last: bo
     return sd
 
 
-def _group_hyper(ucp, index: int) -> dict:
-    group = dict(ucp.param_groups[index]) if ucp.param_groups else {}
+def _group_hyper(ucp, identity: Mapping[str, Any]) -> dict:
+    """A target group's hyper-parameters: the universal checkpoint's group of the same identity (lr, weight decay,
+    betas, ... as the source optimizer kept them), with the target's is_expert_parallel."""
+    found = [g for g in ucp.param_groups if _identity(g) == _identity(identity)]
+    same_kind = [g for g in found if bool(g.get("is_expert_parallel")) == identity["is_expert_parallel"]]
+    group = dict((same_kind or found or [{}])[0])
+    if group:
+        group["is_expert_parallel"] = identity["is_expert_parallel"]
     if isinstance(group.get("betas"), list):
         group["betas"] = tuple(group["betas"])  # torch keeps a tuple
     return group
@@ -254,8 +330,8 @@ def _rank_step(ucp, canonicals: list[str], where: str) -> Optional[int]:
     return steps.pop()
 
 
-def fresh_rng_state(args: Mapping[str, Any], iteration: int, tp_rank: int, pp_rank: int, dp: int,
-                    kind: str) -> list:
+def fresh_rng_state(args: Mapping[str, Any], iteration: int, tp_rank: int, pp_rank: int, dp: int, kind: str,
+                    ep_rank: int = 0) -> list:
     """Megatron's get_rng_state() as freshly seeded by _set_random_seed/model_parallel_cuda_manual_seed."""
     per_dp = dp if args.get("data_parallel_random_init") else 1
     states = []
@@ -275,20 +351,20 @@ def fresh_rng_state(args: Mapping[str, Any], iteration: int, tp_rank: int, pp_ra
             "rng_tracker_states": {
                 "data-parallel-rng": generator_state(seed),
                 "model-parallel-rng": generator_state(seed + 2718 + tp_rank),
-                "expert-parallel-rng": generator_state(seed + 1024 + tp_rank),
+                "expert-parallel-rng": generator_state(seed + 1024 + 100 * ep_rank + tp_rank),
             },
         })
     return states
 
 
-def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: dict, tp_rank: int,
-                     pp_rank: int) -> tuple[dict, Optional[dict]]:
-    """(model_optim_rng.pt, distrib_optim.pt or None) of one (tp, pp) rank; reads only its slices."""
+def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: Optional[TargetGroups], tp_rank: int,
+                     pp_rank: int, ep_rank: int = 0) -> tuple[dict, Optional[Any]]:
+    """(model_optim_rng.pt, distrib_optim.pt or None) of one (tp, pp, ep) rank folder; reads only its slices."""
     layout = target.layout
-    reader = _RankReader(ucp, config, target.padded_vocab_size, tp_rank, layout.tp)
-    chunks = _chunks(config, layout, pp_rank)
+    reader = _RankReader(ucp, config, target.padded_vocab_size, tp_rank, layout)
+    chunks = _chunks(config, layout, pp_rank, ep_rank)
     with_optim = _has_moments(ucp)
-    where = f"rank tp={tp_rank} pp={pp_rank}"
+    where = f"rank tp={tp_rank} pp={pp_rank}" + (f" ep={ep_rank}" if ep_rank else "")
 
     # Model (and, for the optimizer, each parameter's fp32 master and moments).
     masters: list[dict] = []  # per chunk: local -> {'fp32', 'exp_avg', 'exp_avg_sq'}
@@ -302,7 +378,7 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: d
             dtype = _model_dtype(ucp, canonical)
             weights[local] = fp32 if dtype == torch.float32 else fp32.to(dtype)
             entry = {"fp32": fp32}
-            if with_optim:
+            if with_optim and not is_buffer(canonical):
                 entry["exp_avg"] = reader.read(canonical, "exp_avg")
                 entry["exp_avg_sq"] = reader.read(canonical, "exp_avg_sq")
             state[local] = entry
@@ -311,7 +387,8 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: d
         masters.append(state)
 
     args = dict(target.args)
-    args["rank"] = args["local_rank"] = tp_rank + layout.tp * layout.dp * pp_rank  # its DP rank 0
+    # its writer: expert-DP rank 0 of EP rank ep, i.e. DP rank ep (ETP = TP)
+    args["rank"] = args["local_rank"] = tp_rank + layout.tp * (ep_rank + layout.dp * pp_rank)
     sd: dict = {"args": args_namespace(args), "checkpoint_version": CHECKPOINT_VERSION, "iteration": ucp.iteration}
     if len(model_chunks) == 1:
         sd["model"] = model_chunks[0]
@@ -321,26 +398,37 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: d
 
     distrib = None
     if with_optim:
-        rank_groups = groups[(tp_rank, pp_rank)]
-        canonicals = {(c, local): canonical for c, chunk in enumerate(chunks) for local, _, canonical in chunk}
+        canonicals = {(c, local): canonical for c, chunk in enumerate(chunks) for local, _, canonical in chunk
+                      if not is_buffer(canonical)}
+        optimizers, distribs = [], []
+        for index, by_rank in groups.members.items():  # the ChainedOptimizer's order: dense, expert
+            rank_groups = by_rank[(tp_rank, ep_rank if index == 1 else 0, pp_rank)]
+            mine = {ref: c for ref, c in canonicals.items() if _optimizer_index(c, config, layout) == index}
+            identities = groups.identities[index]
+            if target.use_distributed_optimizer:
+                step = _rank_step(ucp, list(mine.values()), where)
+                param_groups = [{**_group_hyper(ucp, identities[g]), "step": float(step or 0)}
+                                for g in range(len(rank_groups))]
+                optimizers.append({"optimizer": {"param_groups": param_groups}})
+                # written by DP rank 0 of each optimizer's group: the dense one's in EP folder 0 only
+                distribs.append(_distrib_optim(target, pp_rank, chunks, masters, ucp, experts=index == 1)
+                                if index == 1 or ep_rank == 0 else None)
+            else:
+                optimizers.append(_torch_adam_state(ucp, rank_groups, mine, masters, identities))
+        sd["optimizer"] = optimizers if len(optimizers) > 1 else optimizers[0]
         if target.use_distributed_optimizer:
-            step = _rank_step(ucp, list(canonicals.values()), where)
-            param_groups = [{**_group_hyper(ucp, g), "step": float(step or 0)} for g in range(len(rank_groups))]
-            sd["optimizer"] = {"optimizer": {"param_groups": param_groups}}
-            distrib = _distrib_optim(target, pp_rank, chunks, masters, ucp)
-        else:
-            sd["optimizer"] = _torch_adam_state(ucp, rank_groups, canonicals, masters, chunks)
+            distrib = distribs if len(distribs) > 1 else distribs[0]
         if ucp.scheduler_state:
             sd["opt_param_scheduler"] = dict(ucp.scheduler_state)
     if target.rng_state != "none":
         sd["rng_state"] = fresh_rng_state(target.args, ucp.iteration, tp_rank, pp_rank, layout.dp,
-                                          target.rng_state)
+                                          target.rng_state, ep_rank)
     flops = ucp.metadata.get("num_floating_point_operations_so_far")
     sd["num_floating_point_operations_so_far"] = flops if flops is not None else 0
     return sd, distrib
 
 
-def _torch_adam_state(ucp, rank_groups, canonicals, masters, chunks) -> dict:
+def _torch_adam_state(ucp, rank_groups, canonicals, masters, identities) -> dict:
     """torch Adam state_dict (FP32Optimizer), or Float16OptimizerWithFloat16Params' wrapper for 16-bit
     models; state indices run group by group, every parameter with its own step."""
     dtypes = {(c, local): _model_dtype(ucp, canonical) for (c, local), canonical in canonicals.items()}
@@ -360,7 +448,7 @@ def _torch_adam_state(ucp, rank_groups, canonicals, masters, chunks) -> dict:
                 halves.append(entry["fp32"])
             ids.append(index)
             index += 1
-        param_groups.append({**_group_hyper(ucp, g), "params": ids})
+        param_groups.append({**_group_hyper(ucp, identities[g]), "params": ids})
         fp32_from_16.append(halves)
     inner = {"state": state, "param_groups": param_groups}
     if not mixed:
@@ -368,13 +456,16 @@ def _torch_adam_state(ucp, rank_groups, canonicals, masters, chunks) -> dict:
     return {"optimizer": inner, "fp32_from_fp16_params": fp32_from_16}
 
 
-def _distrib_optim(target: WriteTarget, pp_rank: int, chunks, masters, ucp) -> dict:
-    """distrib_optim.pt: each DDP buffer's fp32 master and moments, coalesced over buckets."""
-    params = [[BufferParam(local, tuple(shape), _model_dtype(ucp, canonical)) for local, shape, canonical in chunk]
-              for chunk in chunks]
+def _distrib_optim(target: WriteTarget, pp_rank: int, chunks, masters, ucp, *, experts: bool = False) -> dict:
+    """One optimizer's distrib_optim.pt entry: each of its DDP buffers' fp32 master and moments, coalesced over
+    buckets (the dense buffers, or the expert-parallel ones)."""
+    config, layout = ucp.config, target.layout
+    params = [[BufferParam(local, tuple(shape), _model_dtype(ucp, canonical),
+                           expert=_optimizer_index(canonical, config, layout) == 1)
+               for local, shape, canonical in chunk if not is_buffer(canonical)] for chunk in chunks]
     out: dict = {"buckets_coalesced": True}
     gbuf = 0
-    for chunk_index, buffers in enumerate(_chunk_buffers(target, pp_rank, params)):
+    for chunk_index, buffers in enumerate(_chunk_buffers(target, pp_rank, params, experts=experts)):
         for buf in buffers:
             world = {key: torch.zeros(buf.numel_unpadded, dtype=torch.float32) for key in ("param", "exp_avg", "exp_avg_sq")}
             for span in buf.params:
@@ -396,26 +487,27 @@ def _distrib_optim(target: WriteTarget, pp_rank: int, chunks, masters, ucp) -> d
 def write(ucp, config: GPTModelConfig, target: WriteTarget, root: Path,
           on_file: Optional[Callable[[Path, int], None]] = None) -> list[Path]:
     """Write the legacy checkpoint under `root` (a staging directory): every rank's files, then the
-    tracker file last. Memory: one (tp, pp) rank's weights and optimizer state at a time."""
+    tracker file last. Memory: one (tp, pp, ep) rank's weights and optimizer state at a time."""
     layout = target.layout
     config = replace(config, padded_vocab_size=target.padded_vocab_size)
-    groups = param_groups_by_rank(ucp, config, target) if _has_moments(ucp) else {}
+    check_layout(config, layout)
+    groups = param_groups_by_rank(ucp, config, target) if _has_moments(ucp) else None
     iter_dir = Path(root) / iteration_dir_name(ucp.iteration)
     written = []
-    for pp_rank in range(layout.pp):
-        for tp_rank in range(layout.tp):
-            rank_dir = iter_dir / rank_dir_name(tp_rank, pp_rank, layout.pp)
-            rank_dir.mkdir(parents=True, exist_ok=True)
-            state, distrib = build_rank_state(ucp, config, target, groups, tp_rank, pp_rank)
-            for filename, obj in ((MODEL_FILENAME, state), (DISTRIB_OPTIM_FILENAME, distrib)):
-                if obj is None:
-                    continue
-                path = rank_dir / filename
-                torch.save(obj, path)
-                written.append(path)
-                if on_file:
-                    on_file(path, path.stat().st_size)
-            del state, distrib
+    for pp_rank, tp_rank, ep_rank in [(p, t, e) for p in range(layout.pp) for t in range(layout.tp)
+                                      for e in _ep_ranks(config, layout)]:
+        rank_dir = iter_dir / rank_dir_name(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep)
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        state, distrib = build_rank_state(ucp, config, target, groups, tp_rank, pp_rank, ep_rank)
+        for filename, obj in ((MODEL_FILENAME, state), (DISTRIB_OPTIM_FILENAME, distrib)):
+            if obj is None:
+                continue
+            path = rank_dir / filename
+            torch.save(obj, path)
+            written.append(path)
+            if on_file:
+                on_file(path, path.stat().st_size)
+        del state, distrib
     tracker = Path(root) / TRACKER_FILENAME
     tracker.write_text(str(ucp.iteration))
     written.append(tracker)
@@ -423,7 +515,7 @@ def write(ucp, config: GPTModelConfig, target: WriteTarget, root: Path,
 
 
 class LegacyWriter(CheckpointWriter):
-    """`--ckpt-format torch`: offline, one (tp, pp) rank's state in memory at a time."""
+    """`--ckpt-format torch`: offline, one (tp, pp, ep) rank's state in memory at a time."""
 
     ckpt_format = "torch"
 

@@ -1,0 +1,290 @@
+"""GPT-MoE universal checkpoints end to end: train a source once (12 iterations, saving at 4), convert
+iteration 4, resume at another EP x ETP x TP x PP x DP (x VPP) layout with --universal-checkpoint, and
+compare iterations 5..12 (8 optimizer steps) with the source's uninterrupted run.
+
+Tolerance: 1e-6 relative on the lm loss and on the router's load-balancing loss (fp32, dropout 0; measured
+<= 3.6e-8 for both: the same math in another reduction order). Negative controls (each test names its own):
+the same check against a universal checkpoint with one kind of state damaged (the routed experts' Adam moments
+zeroed, two experts swapped, the router's expert_bias zeroed) or loaded without optimizer state must fail it by
+far (> 1e-4, measured in the comments), and every curve must fail it against the source's curve shifted by one
+iteration (a resume that replays the wrong batches).
+
+Sources (pretrain_runs' llama_moe: MoE layers 1 and 3 of 4 mixed with dense ones, 4 experts top-2, a shared
+expert; gpt2_moe: biased experts and router, GELU, tied embeddings):
+- ep2dp4: llama_moe at EP2 DP4 (expert-DP 2), distributed optimizer, torch_dist dp_reshardable;
+- ep1: llama_moe at EP1 (the experts in the dense optimizer), distributed optimizer;
+- tp2etp1ep2: llama_moe at TP2 SP ETP1 EP2 (experts over the TP ranks), distributed optimizer;
+- adam_allmoe: gpt2_moe with every layer MoE (--moe-layer-freq 1: torch_dist stacks layers on a leading
+  axis before the expert axis), EP2 DP2, plain Adam (no distributed optimizer);
+- legacy_bias: llama_moe with a sigmoid router, its expert_bias buffer and a gated shared expert, EP2 DP2,
+  distributed optimizer, saved in Megatron-LM's legacy format (--ckpt-format torch).
+Runtime ~4-6 min on 2 shared cores (5 sources, 7 resumes, 4 negative-control resumes: 16 torchrun runs).
+"""
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain_runs import FAMILIES, Layout, read_records, run_pretrain, train
+
+from megatron_ucp.adapters import gpt
+from megatron_ucp.convert import to_universal
+from megatron_ucp.layout import ParallelLayout
+from megatron_ucp.universal import UniversalCheckpoint, UniversalWriter
+
+pytestmark = pytest.mark.torchrun
+
+TOL = 1e-6
+ITERS, SAVE_AT = 12, 4
+RESUMED = range(SAVE_AT + 1, ITERS + 1)
+BROKEN = 1e-4  # a damaged state leaves the curve by more than this (100x the tolerance)
+DISTOPT = ["--use-distributed-optimizer"]
+EXPERT_BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-shared-expert-gate"]
+
+# name -> (family, layout, model flags (repeated on resume), source-only flags)
+SOURCES = {
+    "ep2dp4": ("llama_moe", Layout(dp=4, ep=2), [], DISTOPT),
+    "ep1": ("llama_moe", Layout(), [], DISTOPT),
+    "tp2etp1ep2": ("llama_moe", Layout(tp=2, sp=True, ep=2, etp=1), [], DISTOPT),
+    "adam_allmoe": ("gpt2_moe", Layout(dp=2, ep=2), ["--moe-layer-freq", "1"], []),
+    "legacy_bias": ("llama_moe", Layout(dp=2, ep=2), EXPERT_BIAS, [*DISTOPT, "--ckpt-format", "torch"]),
+}
+
+
+def rel_diff(a: dict, b: dict, key: str = "lm_loss", shift: int = 0) -> float:
+    """Largest relative difference of `key` over the resumed iterations (b read `shift` iterations later)."""
+    return max(abs(a[i][key] - b[i + shift][key]) / abs(b[i + shift][key]) for i in RESUMED if i + shift in b)
+
+
+class Source:
+    def __init__(self, name: str, work: Path):
+        self.family, self.layout, self.model_flags, flags = SOURCES[name]
+        self.name, self.work = name, work
+        train(self.family, self.layout, work, "source", ITERS,
+              [*self.model_flags, *flags, "--save", str(work / "ckpt"), "--save-interval", str(SAVE_AT)])
+        self.records = read_records(work / "source.jsonl")
+        self.ucp = to_universal(work / "ckpt", work / "ucp", iteration=SAVE_AT, progress=False)
+        self._runs: dict = {}
+
+    def resume(self, target: Layout, name: str, extra=(), ucp=None, universal: bool = True) -> dict:
+        """Iterations 5..12 at `target` (cached per name): every --log-jsonl record, by iteration."""
+        if name not in self._runs:
+            load = ["--load", str(ucp or self.ucp)] + (["--universal-checkpoint"] if universal else [])
+            train(self.family, target, self.work, name, ITERS, [*self.model_flags, *DISTOPT, *load, *extra])
+            self._runs[name] = read_records(self.work / f"{name}.jsonl")
+        return self._runs[name]
+
+    def bytes_read(self, name: str) -> int:
+        """What the loader reports all ranks read of the universal checkpoint's tensors."""
+        log = (self.work / f"{name}.log").read_text()
+        return int(re.search(r"all ranks read (\d+) bytes", log).group(1))
+
+    def check_continues(self, resumed: dict, what: str) -> None:
+        assert sorted(resumed) == list(RESUMED), resumed
+        for key in ("lm_loss", "load_balancing_loss"):
+            diff = rel_diff(resumed, self.records, key)
+            assert diff < TOL, f"{self.name} -> {what}: {key} rel diff {diff:.2e}"
+        # negative control: the same check fails against the curve one iteration later (wrong batches)
+        assert rel_diff(resumed, self.records, shift=1) > BROKEN
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = Source(name, tmp_path_factory.mktemp(f"moe_{name}"))
+        return cache[name]
+
+    return get
+
+
+def edited_copy(src: Path, dst: Path, edit) -> Path:
+    """A universal checkpoint equal to `src` except for the tensors `edit(name, key, tensor)` returns changed
+    (None: unchanged); written through UniversalWriter, so it is a valid checkpoint with fresh checksums."""
+    ucp = UniversalCheckpoint.open(src)
+    with UniversalWriter(dst) as writer:
+        for name, info in ucp.parameters.items():
+            tensors = {}
+            for key in info.tensors:
+                tensor = ucp.read(name, key)
+                changed = edit(name, key, tensor)
+                tensors[key] = tensor if changed is None else changed
+            writer.write_parameter(name, tensors, {"model_dtype": info.model_dtype, "pattern": info.pattern,
+                                                   "step": info.step, "param_group": info.param_group})
+        meta = {k: v for k, v in ucp.metadata.items() if k not in ("format", "version", "parameters")}
+        writer.finish(meta, [(n, i.shape) for n, i in ucp.parameters.items()])
+    return dst
+
+
+def _expert(name: str):
+    """(layer, global expert, rest of the name) of a routed expert's canonical name, else None."""
+    m = re.fullmatch(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.+)", name)
+    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Loss continuation
+
+
+def test_ep2_dp4_to_ep1(sources):
+    """EP2 DP4 (chained dense + expert distributed optimizer, expert-DP 2, torch_dist) -> EP1 DP1 (one optimizer).
+    Negative control: the routed experts' Adam moments zeroed (measured: 1.6e-3 relative at some iteration)."""
+    src = sources("ep2dp4")
+    src.check_continues(src.resume(Layout(), "to_ep1"), "EP1")
+    zeroed = edited_copy(Path(src.ucp), src.work / "ucp_zero_expert_moments",
+                         lambda n, k, t: torch.zeros_like(t) if _expert(n) and k != "fp32" else None)
+    broken = src.resume(Layout(), "zero_expert_moments", ucp=zeroed)
+    assert rel_diff(broken, src.records) > BROKEN
+
+
+def test_ep1_to_ep4_dp4(sources):
+    """EP1 (experts in the dense optimizer) -> EP4 DP4 (one expert per rank, chained optimizers). Every rank reads
+    only its own expert's slices: all ranks together read each stored byte about once (measured +0.02%).
+    Negative control: experts 0 and 3 of every MoE layer swapped (weights and moments; measured: 2.4e-2)."""
+    src = sources("ep1")
+    target = Layout(dp=4, ep=4)
+    src.check_continues(src.resume(target, "to_ep4"), str(target))
+    ucp = UniversalCheckpoint.open(src.ucp)
+    stored = sum(i.data_bytes for i in ucp.parameters.values())
+    assert stored <= src.bytes_read("to_ep4") <= 1.01 * stored
+
+    def swap(name, key, tensor):
+        found = _expert(name)
+        if found and found[1] in (0, 3):
+            layer, e, rest = found
+            return ucp.read(f"decoder.layers.{layer}.mlp.experts.local_experts.{3 - e}.{rest}", key)
+        return None
+
+    swapped = edited_copy(Path(src.ucp), src.work / "ucp_swapped_experts", swap)
+    assert rel_diff(src.resume(Layout(), "swapped_experts", ucp=swapped), src.records) > BROKEN
+
+
+def test_tp2_etp1_ep2_to_ep4_tp1(sources):
+    """TP2 SP ETP1 EP2 (whole experts on each TP rank, the shared expert split over TP) -> TP1 EP4 DP4.
+    Negative control: the same universal checkpoint without its optimizer state (measured: 3.9e-3)."""
+    src = sources("tp2etp1ep2")
+    target = Layout(dp=4, ep=4)
+    src.check_continues(src.resume(target, "to_tp1ep4"), str(target))
+    assert rel_diff(src.resume(Layout(), "no_optim", ["--no-load-optim"]), src.records) > BROKEN
+
+
+def test_pp_change_with_moe_layers_on_both_stages(sources):
+    """EP2 DP4 PP1 -> PP2 EP2 DP2: MoE layer 1 on stage 0, MoE layer 3 on stage 1 (dense layers 0 and 2 beside
+    them). Negative control: the zeroed expert moments of test_ep2_dp4_to_ep1, here at the new layout's
+    pipeline split (measured 1.6e-3)."""
+    src = sources("ep2dp4")
+    target = Layout(pp=2, dp=2, ep=2)
+    config = UniversalCheckpoint.open(src.ucp).config
+    stages = [gpt.chunk_layers(config.num_layers, ParallelLayout(pp=2, dp=2, ep=2), p) for p in range(2)]
+    assert [[config.moe_layers[i] for i in s] for s in stages] == [[False, True], [False, True]]
+    src.check_continues(src.resume(target, "to_pp2"), str(target))
+    zeroed = src.work / "ucp_zero_expert_moments"
+    if not zeroed.exists():
+        edited_copy(Path(src.ucp), zeroed, lambda n, k, t: torch.zeros_like(t) if _expert(n) and k != "fp32" else None)
+    assert rel_diff(src.resume(target, "zero_expert_moments_pp2", ucp=zeroed), src.records) > BROKEN
+
+
+def test_plain_adam_all_moe_source_to_vpp(sources):
+    """gpt2_moe, every layer MoE (stacked torch_dist keys with the expert axis after the layer axis), biased
+    experts and router, plain Adam at EP2 DP2 -> PP2 with virtual stages (1 layer per chunk), EP1, distributed
+    optimizer. Negative control: the curve of the same run shifted by one iteration (check_continues)."""
+    src = sources("adam_allmoe")
+    meta = json.loads((Path(src.ucp) / "metadata.json").read_text())
+    assert meta["source"]["optimizer_kind"] == "adam" and meta["model_config"]["moe_layer_freq"] == 1
+    assert "decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.bias" in meta["parameters"]
+    src.check_continues(src.resume(Layout(pp=2, vpp_layers=1), "to_pp2_vpp"), "PP2 VPP2")
+
+
+def test_legacy_source_with_expert_bias(sources):
+    """Megatron-LM's legacy format (mp_rank_00_000 / mp_rank_00_001 folders, chained optimizer lists,
+    distrib_optim.pt [dense, expert] / [None, expert]) with the router's expert_bias buffer -> EP4 DP4.
+    Negative control: expert_bias zeroed in the universal checkpoint, i.e. the buffer not restored: after 4 steps
+    at Megatron-LM's update rate it is small (+-0.002..0.004), yet routing depends on it and the curve leaves the
+    tolerance (measured 7.7e-6 relative, 7.7x the tolerance)."""
+    src = sources("legacy_bias")
+    folders = sorted(p.name for p in (src.work / "ckpt" / "iter_0000004").iterdir())
+    assert folders == ["mp_rank_00_000", "mp_rank_00_001"]
+    ucp = UniversalCheckpoint.open(src.ucp)
+    bias = ucp.parameters["decoder.layers.1.mlp.router.expert_bias"]
+    assert bias.tensors == ("fp32",) and bias.step is None and ucp.read(bias.name).abs().sum() > 0
+    target = Layout(dp=4, ep=4)
+    src.check_continues(src.resume(target, "to_ep4"), str(target))
+    zeroed = edited_copy(Path(src.ucp), src.work / "ucp_zero_bias",
+                         lambda n, k, t: torch.zeros_like(t) if gpt.is_buffer(n) else None)
+    assert rel_diff(src.resume(Layout(), "zero_bias", ucp=zeroed), src.records) > 5 * TOL
+
+
+def test_from_universal_legacy_at_new_ep_is_loaded_by_megatron_core(sources):
+    """from-universal --ckpt-format torch at EP4 DP4 (EP2 DP4 source): Megatron-LM's folders and optimizer
+    lists, loaded with the harness's plain --load (megatron-core's own load_parameter_state) and continued.
+    Negative control: the same files loaded with --no-load-optim (measured 3.9e-3)."""
+    from megatron_ucp.from_universal import from_universal
+
+    src = sources("ep2dp4")
+    dst = src.work / "fu_ep4"
+    from_universal(src.ucp, dst, data_parallel_size=4, expert_model_parallel_size=4, use_distributed_optimizer=True,
+                   ckpt_format="torch", rng_state="cpu", progress=False)
+    it = dst / "iter_0000004"
+    assert sorted(p.name for p in it.iterdir()) == [f"mp_rank_00_{e:03d}" for e in range(4)]
+    lists = [torch.load(it / f"mp_rank_00_{e:03d}" / "distrib_optim.pt", weights_only=False) for e in range(4)]
+    assert [[s is not None for s in d] for d in lists] == [[True, True]] + [[False, True]] * 3
+    model = torch.load(it / "mp_rank_00_002" / "model_optim_rng.pt", weights_only=False)
+    assert [g["is_expert_parallel"] for opt in model["optimizer"] for g in opt["optimizer"]["param_groups"]] == [
+        False, False, True]
+    target = Layout(dp=4, ep=4)
+    src.check_continues(src.resume(target, "fu_ep4", ucp=dst, universal=False), "legacy EP4 via --load")
+    broken = src.resume(target, "fu_ep4_no_optim", ["--no-load-optim"], ucp=dst, universal=False)
+    assert rel_diff(broken, src.records) > BROKEN
+
+
+# --------------------------------------------------------------------------------------------------
+# Tools on MoE checkpoints
+
+
+def test_tools_on_moe_checkpoints(sources, tmp_path):
+    """verify: the torch_dist and legacy sources equal their universal checkpoints bitwise (experts by global
+    index, Adam state, expert_bias); inspect shows the MoE config; plan and from-universal refuse an EP that does
+    not divide the experts before anything is written (negative control: EP4 is accepted)."""
+    from megatron_ucp.cli import main
+
+    def run(*argv) -> tuple[int, dict]:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            code = main([*map(str, argv), "--json", "--quiet"])
+        return code, json.loads(buf.getvalue())
+
+    a, e = sources("ep2dp4"), sources("legacy_bias")
+    for src in (a, e):
+        code, result = run("verify", src.work / "ckpt", src.ucp, "--iteration-a", SAVE_AT)
+        names = UniversalCheckpoint.open(src.ucp).parameters
+        buffers = sum(gpt.is_buffer(n) for n in names)
+        # every parameter compared (weight, both moments, step), buffers by value: experts included
+        assert code == 0 and result["equal"] and result["num_tensors"] == 4 * (len(names) - buffers) + buffers
+        assert sum(gpt.is_expert(n) for n in names) == 16
+    code, info = run("inspect", e.ucp)
+    assert code == 0 and info["moe"]["num_experts"] == 4 and info["moe"]["moe_layers"] == [1, 3]
+    assert info["moe"]["router_expert_bias"] and info["layout"]["ep"] == 2
+    kinds = {p["name"]: p["kind"] for p in info["parameters"]}
+    assert kinds["decoder.layers.3.mlp.router.expert_bias"] == "buffer"
+    assert kinds["decoder.layers.3.mlp.experts.local_experts.2.linear_fc1.weight"] == "expert"
+    code, plan = run("plan", a.ucp, "-t", 1, "-d", 3, "--expert-model-parallel-size", 3)
+    assert code == 1 and "num_experts=4 is not divisible by EP=3" in plan["problems"][0]
+    code, plan = run("plan", a.ucp, "-t", 1, "-d", 4, "--expert-model-parallel-size", 4, "--use-distributed-optimizer")
+    assert code == 0 and {r["ep_rank"] for r in plan["ranks"]} == {0, 1, 2, 3}
+    from megatron_ucp.from_universal import FromUniversalError, from_universal
+
+    with pytest.raises(FromUniversalError, match=r"num_experts=4 is not divisible by EP=3.*\[1, 2, 4\]"):
+        from_universal(a.ucp, tmp_path / "ep3", data_parallel_size=3, expert_model_parallel_size=3,
+                       ckpt_format="torch", progress=False)
+    with pytest.raises(FromUniversalError, match="--expert-tensor-parallel-size 1 != --tensor-model-parallel-size 2"):
+        from_universal(a.ucp, tmp_path / "etp1", tensor_model_parallel_size=2, sequence_parallel=True,
+                       data_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1,
+                       ckpt_format="torch", progress=False)
+    assert not any(tmp_path.glob("ep3*")) and not any(tmp_path.glob("etp1*"))
