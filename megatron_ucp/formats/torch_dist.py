@@ -656,7 +656,7 @@ class TorchDistCheckpoint(CheckpointReader):
         if self._flat_buckets:
             for name, key in req.flat.items():
                 out[name] = assemble(got[key], _Piece(key, 0, (), 0), ref.shape)
-            step = self._optimizer_groups(self._info_for(ref)).step if req.flat else None
+            step = self._optimizer_groups(self._info_for(ref)).step if not rulebook.is_buffer(ref.local_name) else None
             if step is not None:
                 out["step"] = step_value(step)
         elif self._model_space:

@@ -167,6 +167,19 @@ def _identity(group: Mapping[str, Any]) -> tuple:
     return (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)), bool(group.get("is_decoupled_lr")))
 
 
+def _stored_identity(ucp, entry: Mapping[str, Any]) -> Optional[tuple]:
+    """A parameter's recorded group identity: its own fields, or (checkpoints written before the fields were
+    recorded: only `index`) those of the group it points at; None when it records none."""
+    if not entry:
+        return None
+    if "wd_mult" in entry:
+        return _identity(entry)
+    index = entry.get("index")
+    if index is not None and 0 <= int(index) < len(ucp.param_groups):
+        return _identity(ucp.param_groups[int(index)])
+    return None
+
+
 @dataclass(frozen=True)
 class TargetGroups:
     """Megatron's optimizer param groups at the target layout, per optimizer (0 dense, 1 expert) and rank
@@ -198,13 +211,12 @@ def param_groups_by_rank(ucp, config: GPTModelConfig, target: WriteTarget) -> Ta
                      for local, _, canonical in chunk}
             for identity, group in zip(identities[index], groups):
                 for ref in group:
-                    stored = ucp.parameters[names[ref]].param_group
-                    if stored and _identity(stored) != _identity(identity):
+                    stored = _stored_identity(ucp, ucp.parameters[names[ref]].param_group)
+                    if stored is not None and stored != _identity(identity):
                         raise LegacyWriteError(
-                            f"{ucp.path}: {names[ref]} is in a param group with wd_mult={stored.get('wd_mult')}, "
-                            f"lr_mult={stored.get('lr_mult')}, decoupled LR={stored.get('is_decoupled_lr')} but "
-                            f"Megatron's grouping rule puts it in one with {_identity(identity)} (wd_mult, lr_mult, "
-                            f"decoupled LR); custom param-group overrides are not supported")
+                            f"{ucp.path}: {names[ref]} is in a param group with {stored} but Megatron's grouping rule "
+                            f"puts it in one with {_identity(identity)} (wd_mult, lr_mult, decoupled LR); custom "
+                            f"param-group overrides are not supported")
         missing = [i for i in identities[index] if _identity(i) not in saved]
         if ucp.param_groups and missing:
             raise LegacyWriteError(f"{ucp.path}: the universal checkpoint has no optimizer param group like {missing} "
@@ -307,7 +319,7 @@ def _model_state(chunk: list[tuple[str, tuple, str]], tensors: dict, *, last: bo
     return sd
 
 
-def _group_hyper(ucp, identity: Mapping[str, Any]) -> dict:
+def group_hyper(ucp, identity: Mapping[str, Any]) -> dict:
     """A target group's hyper-parameters: the universal checkpoint's group of the same identity (lr, weight decay,
     betas, ... as the source optimizer kept them), with the target's is_expert_parallel."""
     found = [g for g in ucp.param_groups if _identity(g) == _identity(identity)]
@@ -407,7 +419,7 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
             identities = groups.identities[index]
             if target.use_distributed_optimizer:
                 step = _rank_step(ucp, list(mine.values()), where)
-                param_groups = [{**_group_hyper(ucp, identities[g]), "step": float(step or 0)}
+                param_groups = [{**group_hyper(ucp, identities[g]), "step": float(step or 0)}
                                 for g in range(len(rank_groups))]
                 optimizers.append({"optimizer": {"param_groups": param_groups}})
                 # written by DP rank 0 of each optimizer's group: the dense one's in EP folder 0 only
@@ -448,7 +460,7 @@ def _torch_adam_state(ucp, rank_groups, canonicals, masters, identities) -> dict
                 halves.append(entry["fp32"])
             ids.append(index)
             index += 1
-        param_groups.append({**_group_hyper(ucp, identities[g]), "params": ids})
+        param_groups.append({**group_hyper(ucp, identities[g]), "params": ids})
         fp32_from_16.append(halves)
     inner = {"state": state, "param_groups": param_groups}
     if not mixed:

@@ -90,7 +90,8 @@ from megatron_ucp.formats.tensor_archive import tensor_archive
 from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.writers.base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
-from megatron_ucp.writers.legacy import CHECKPOINT_VERSION, args_namespace, fresh_rng_state, param_groups_by_rank
+from megatron_ucp.writers.legacy import (CHECKPOINT_VERSION, TargetGroups, args_namespace, fresh_rng_state, group_hyper,
+                                        param_groups_by_rank)
 
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed optimizer's torch_dist formats
 FILES_PER_RANK = 2  # megatron-core's default writer threads per rank (TorchDistSaveShardedStrategy thread_count)
@@ -331,7 +332,7 @@ def plan_checkpoint(ucp, target: WriteTarget, optimizer_format: Optional[str] = 
     opt = optimizer_kind(ucp, target, optimizer_format)
     shapes = dict(expected_parameters(config, layout))
     step = _single_step(ucp) if opt is not None else None
-    groups = _rank_param_groups(ucp, config, target) if opt is not None else {}
+    groups = _rank_param_groups(ucp, config, target) if opt is not None else None
     owners = _Owners(layout)
     if opt == "dp_reshardable":  # first: its items have fixed owners, the replicated ones balance around them
         _plan_flat_buckets(ucp, config, target, shapes, step, groups, owners)
@@ -357,7 +358,7 @@ def _single_step(ucp) -> Optional[int]:
     return steps.pop()
 
 
-def _rank_param_groups(ucp, config: GPTModelConfig, target: WriteTarget) -> dict:
+def _rank_param_groups(ucp, config: GPTModelConfig, target: WriteTarget) -> Optional[TargetGroups]:
     try:
         return param_groups_by_rank(ucp, config, target)
     except WriteError as e:
@@ -451,7 +452,7 @@ def _local_flat_pieces(config: GPTModelConfig, layout: ParallelLayout, name: str
     return pieces
 
 
-def _plan_flat_buckets(ucp, config: GPTModelConfig, target: WriteTarget, shapes: dict, step, groups: dict,
+def _plan_flat_buckets(ucp, config: GPTModelConfig, target: WriteTarget, shapes: dict, step, groups: Optional[TargetGroups],
                        owners: _Owners) -> None:
     """DistributedOptimizer.sharded_param_state_dp_reshardable, for every (tp, pp, dp) rank."""
     layout = target.layout
@@ -482,8 +483,8 @@ def _plan_flat_buckets(ucp, config: GPTModelConfig, target: WriteTarget, shapes:
                                                           torch.float32, pieces(universal_key)),
                                                tp_rank, pp_rank, dp_rank)
                     gbuf += 1
-            param_groups = [{**_group_hyper(ucp, g), "step": float(step or 0)}
-                            for g in range(len(groups[(tp_rank, pp_rank)]))]
+            param_groups = [{**group_hyper(ucp, identity), "step": float(step or 0)}
+                            for identity in _dense_identities(groups, tp_rank, pp_rank)]
             for name, value in (("optimizer", {"param_groups": param_groups}), ("per_bucket_numel", numel),
                                 ("per_bucket_numel_unpadded", unpadded)):
                 owners.add(ObjectItem(sharded_object_key(distributed_optimizer_object_key(mp, name), (0,), (1,)),
@@ -521,14 +522,12 @@ def _bucket_chunks(bucket, spans, dp: int, flat_pieces: Callable, where: str) ->
     return out
 
 
-def _group_hyper(ucp, index: int) -> dict:
-    group = dict(ucp.param_groups[index]) if ucp.param_groups else {}
-    if isinstance(group.get("betas"), list):
-        group["betas"] = tuple(group["betas"])  # torch keeps a tuple
-    return group
+def _dense_identities(groups: TargetGroups, tp_rank: int, pp_rank: int) -> list:
+    """The identities of the (dense) optimizer's param groups on a model-parallel rank, in Megatron's order."""
+    return groups.identities[0][:len(groups.members[0][(tp_rank, 0, pp_rank)])]
 
 
-def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: dict) -> dict:
+def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: Optional[TargetGroups]) -> dict:
     """common.pt: what dist_checkpointing.save keeps of Megatron-LM's state dict besides sharded entries."""
     args = dict(target.args)
     args["rank"] = args["local_rank"] = 0  # common.pt is rank 0's
@@ -540,7 +539,7 @@ def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: di
     common: dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,  # args: a Namespace when written
                     "iteration": ucp.iteration}
     if opt is not None:
-        hyper = [_group_hyper(ucp, g) for g in range(len(groups[(0, 0)]))]  # rank 0's (it writes common.pt)
+        hyper = [group_hyper(ucp, i) for i in _dense_identities(groups, 0, 0)]  # rank 0's (it writes common.pt)
         if opt == "dp_reshardable":
             common["optimizer"] = {"param_state_sharding_type": "dp_reshardable"}
         elif opt == "fully_reshardable":
