@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from megatron_ucp.adapters.gpt import expected_parameters, megatron_padded_vocab, virtual_chunks
 from megatron_ucp.formats.common import TRACKER_FILENAME
+from megatron_ucp.layer_placement import PlacementError, add_split_arguments, resolve_vpp, split_options
 from megatron_ucp.layout import LayoutError, ParallelLayout
 from megatron_ucp.patterns import PatternError
 from megatron_ucp.staging import TOOL_MARKER_FILENAME, Staging, StagingError, tool_marker
@@ -75,12 +76,21 @@ class TargetPlan:
 
 
 def target_layout(ucp: UniversalCheckpoint, tp: int, pp: int, dp: int, vpp_layers: Optional[int],
-                  sequence_parallel: bool) -> ParallelLayout:
-    """The layout Megatron-LM would run with these flags (VPP from layers per virtual stage)."""
+                  sequence_parallel: bool, *, first_stage_layers: Optional[int] = None,
+                  last_stage_layers: Optional[int] = None, embedding_in_split: bool = False,
+                  loss_in_split: bool = False, virtual_stages: Optional[int] = None) -> ParallelLayout:
+    """The layout Megatron-LM would run with these flags (VPP from layers per virtual stage, or from
+    --num-virtual-stages-per-pipeline-rank; uneven splits from Megatron-LM's split flags)."""
+    split = dict(first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+                 embedding_in_split=embedding_in_split, loss_in_split=loss_in_split)
     try:
-        vpp = virtual_chunks(ucp.config.num_layers, pp, vpp_layers)
-        return ParallelLayout(tp=tp, pp=pp, dp=dp, vpp=vpp, sp=sequence_parallel)
-    except LayoutError as e:
+        if any(split.values()) or first_stage_layers == 0 or last_stage_layers == 0 or virtual_stages:
+            vpp = resolve_vpp(ucp.config.num_layers, pp, layers_per_virtual_stage=vpp_layers,
+                              virtual_stages=virtual_stages, **split)
+        else:
+            vpp = virtual_chunks(ucp.config.num_layers, pp, vpp_layers)
+        return ParallelLayout(tp=tp, pp=pp, dp=dp, vpp=vpp, sp=sequence_parallel, **split)
+    except (LayoutError, PlacementError) as e:
         raise FromUniversalError(str(e)) from e
 
 
@@ -121,6 +131,11 @@ def plan_target(ucp: UniversalCheckpoint, layout: ParallelLayout, *, vpp_layers:
             raise FromUniversalError(
                 f"{where}: parameters have different Adam steps {sorted(s for s in steps if s is not None)}, but "
                 f"the distributed optimizer keeps one per rank; drop --use-distributed-optimizer")
+    if rng_state == "source":
+        why = ucp.rng_layout_problem(layout, mbs)
+        if why:
+            raise FromUniversalError(f"{where}: --rng-state source: {why}; the stored RNG states mean nothing "
+                                     f"elsewhere, use --rng-state cuda or cpu (fresh deterministic states)")
     has_moments = all("exp_avg" in info.tensors for info in ucp.parameters.values())
     if not has_moments:
         warnings.append("the universal checkpoint holds no optimizer state: only model weights are written; resume "
@@ -193,13 +208,15 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
                    use_distributed_optimizer: bool = False, sequence_parallel: bool = False,
                    ckpt_format: str = "torch_dist", dry_run: bool = False, overwrite: bool = False,
                    rng_state: str = "cuda", timeout_s: int = DEFAULT_TIMEOUT_S,
-                   progress: bool = True, warn=None, clean_stale: bool = False) -> FromUniversalSummary:
+                   progress: bool = True, warn=None, clean_stale: bool = False,
+                   pipeline_split: Optional[dict] = None) -> FromUniversalSummary:
     """Write the universal checkpoint at `ucp_path` as a Megatron checkpoint root `dst` at the given layout.
 
     Validation (layout, vocabulary, batch, destination) happens before any file is created; on any error
     nothing is left at `dst` (nor its staging directory). DST's lock is held from before the universal
     checkpoint is opened until the output is published; leftovers of killed writes to DST are reported
-    (`warn`) and removed with `clean_stale`."""
+    (`warn`) and removed with `clean_stale`. `pipeline_split`: an uneven target split, target_layout's
+    keywords (first_stage_layers, last_stage_layers, embedding_in_split, loss_in_split, virtual_stages)."""
     start = time.perf_counter()
     ucp_path, dst = Path(ucp_path), Path(dst).absolute()
     if rng_state not in RNG_STATE_KINDS:
@@ -210,7 +227,7 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
 
     def plan_for(ucp: UniversalCheckpoint) -> TargetPlan:
         layout = target_layout(ucp, tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size,
-                               num_layers_per_virtual_pipeline_stage, sequence_parallel)
+                               num_layers_per_virtual_pipeline_stage, sequence_parallel, **(pipeline_split or {}))
         plan = plan_target(ucp, layout, vpp_layers=num_layers_per_virtual_pipeline_stage, ckpt_format=ckpt_format,
                            use_distributed_optimizer=use_distributed_optimizer, rng_state=rng_state, writer=writer)
         for message in plan.warnings:
@@ -274,12 +291,14 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--sequence-parallel", action="store_true")
+    add_split_arguments(p)
     p.add_argument("--ckpt-format", choices=CKPT_FORMATS, required=True,
                    help="torch: legacy model_optim_rng.pt (+ distrib_optim.pt), written offline; torch_dist: "
                         "written by the training harness with T*P*D CPU processes")
     p.add_argument("--rng-state", choices=RNG_STATE_KINDS, default="cuda",
                    help="torch format: write a fresh deterministic RNG state for CUDA (default; Megatron-LM on "
-                        "GPUs) or CPU generators (the CPU harness), or none (then resume with --no-load-rng)")
+                        "GPUs) or CPU generators (the CPU harness), or none (then resume with --no-load-rng), or "
+                        "source: the source run's own states (only at the source layout: dropout continues exactly)")
     p.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S,
                    help="torch_dist: seconds the harness run may take")
     p.add_argument("--dry-run", action="store_true", help="print the files that would be written; write nothing")
@@ -299,7 +318,8 @@ def run_cli(args: argparse.Namespace) -> dict:
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         use_distributed_optimizer=args.use_distributed_optimizer, sequence_parallel=args.sequence_parallel,
         ckpt_format=args.ckpt_format, dry_run=args.dry_run, overwrite=args.overwrite, rng_state=args.rng_state,
-        timeout_s=args.timeout, progress=not args.quiet, clean_stale=args.clean_stale)
+        timeout_s=args.timeout, progress=not args.quiet, clean_stale=args.clean_stale,
+        pipeline_split=split_options(args))
     result = summary.to_dict()
     plan = summary.plan
     what = f"{plan.ckpt_format} at {plan.layout.describe()}" + (" with the distributed optimizer"

@@ -3,9 +3,9 @@
 From metadata only: checks that the target TP x PP (x VPP) x DP layout can hold the model (heads, query
 groups, ffn and layers divisible; vocabulary re-padding; batch divisible by DP) and lists, per target
 rank, the parameters it loads and the bytes it reads from the universal checkpoint, as
-`megatron_ucp.loader` reads them: the TP slice of each fp32 weight, and the Adam moments of the TP slice
-(without the distributed optimizer) or only of the rows covering the rank's DP shard of megatron-core's
-DDP buffer (with it). For a Megatron-LM source the plan is conversion (to-universal) and then that load.
+`megatron_ucp.loader` reads them: without the distributed optimizer the TP slice of each fp32 weight and
+Adam moment; with it only the rows covering the rank's DP shard of megatron-core's DDP buffer, for the
+fp32 weight and each moment (the param all-gather completes the weights). For a Megatron-LM source the plan is conversion (to-universal) and then that load.
 A universal checkpoint whose tensor files are missing or of the wrong size, or whose parameters do not
 match its model (inspect_cmd.universal_problems, from stat() and metadata alone), makes the plan fail.
 """
@@ -21,6 +21,7 @@ from typing import Optional
 from megatron_ucp.adapters.gpt import (check_pipeline, expected_parameters, is_vocab_parameter, padded_vocab_at,
                                       parameters_for_rank, virtual_chunks)
 from megatron_ucp.inspect_cmd import human_bytes, is_universal, open_any, text_table, universal_problems
+from megatron_ucp.layer_placement import PlacementError, add_split_arguments, resolve_vpp, split_options
 from megatron_ucp.layout import LayoutError, ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 
@@ -37,11 +38,33 @@ class Target:
     layers_per_virtual_stage: Optional[int] = None
     use_distributed_optimizer: bool = False
     sequence_parallel: bool = False
+    # Megatron-LM's uneven pipeline split (layer_placement.SPLIT_FLAGS) and --num-virtual-stages-per-pipeline-rank
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    embedding_in_split: bool = False
+    loss_in_split: bool = False
+    virtual_stages: Optional[int] = None
+
+    @property
+    def split(self) -> dict:
+        return {"first_stage_layers": self.first_stage_layers, "last_stage_layers": self.last_stage_layers,
+                "embedding_in_split": self.embedding_in_split, "loss_in_split": self.loss_in_split}
+
+    @property
+    def even(self) -> bool:
+        return not any(self.split.values()) and self.virtual_stages is None
 
     def describe(self) -> str:
         s = f"TP{self.tp} PP{self.pp} DP{self.dp}"
         if self.layers_per_virtual_stage:
             s += f" ({self.layers_per_virtual_stage} layers per virtual stage)"
+        if self.virtual_stages:
+            s += f" ({self.virtual_stages} virtual stages per rank)"
+        split = [f"first stage {self.first_stage_layers} layers" if self.first_stage_layers is not None else "",
+                 f"last stage {self.last_stage_layers} layers" if self.last_stage_layers is not None else "",
+                 "embedding counted" if self.embedding_in_split else "", "loss counted" if self.loss_in_split else ""]
+        if any(split):
+            s += " [" + ", ".join(x for x in split if x) + "]"
         if self.sequence_parallel and self.tp > 1:
             s += " +SP"
         return s + (" with the distributed optimizer" if self.use_distributed_optimizer else "")
@@ -106,9 +129,13 @@ def check_target(source: Source, target: Target) -> tuple[list[str], list[str], 
                         f"choose TP in {_divisors(c.ffn_hidden_size)}")
     vpp = None
     try:
-        vpp = virtual_chunks(c.num_layers, target.pp, target.layers_per_virtual_stage)
-        check_pipeline(c.num_layers, ParallelLayout(pp=target.pp, vpp=vpp))
-    except LayoutError as e:
+        if target.even:
+            vpp = virtual_chunks(c.num_layers, target.pp, target.layers_per_virtual_stage)
+        else:
+            vpp = resolve_vpp(c.num_layers, target.pp, layers_per_virtual_stage=target.layers_per_virtual_stage,
+                              virtual_stages=target.virtual_stages, **target.split)
+        check_pipeline(c.num_layers, ParallelLayout(pp=target.pp, vpp=vpp, **target.split))
+    except (LayoutError, PlacementError) as e:
         problems.append(str(e))
     padded = padded_vocab_at(c, t)
     if padded != c.padded_vocab_size:
@@ -127,7 +154,7 @@ def check_target(source: Source, target: Target) -> tuple[list[str], list[str], 
                             f"divisible by PP={target.pp}; lower --micro-batch-size or DP, or drop VPP")
     if problems:
         return problems, warnings, None, padded
-    layout = ParallelLayout(tp=t, pp=target.pp, dp=target.dp, vpp=vpp, sp=target.sequence_parallel)
+    layout = ParallelLayout(tp=t, pp=target.pp, dp=target.dp, vpp=vpp, sp=target.sequence_parallel, **target.split)
     try:  # anything the explicit checks above missed
         expected_parameters(dataclasses.replace(c, padded_vocab_size=padded), layout)
     except (LayoutError, ValueError, NotImplementedError) as e:
@@ -148,15 +175,20 @@ def _rows_bytes(source: Source, canonical: str, tp_rank: int, tp: int, start: in
 
 def rank_reads(source: Source, layout: ParallelLayout, padded: int,
                use_distributed_optimizer: bool) -> tuple[list, list]:
-    """(stages, ranks): per (pp, tp) stage its parameters; per rank the bytes it reads."""
+    """(stages, ranks): per (pp, tp) stage its parameters and the bytes of its TP slices; per rank the bytes
+    it reads. With the distributed optimizer and Adam state a rank reads the fp32 weight only where it reads
+    the moments (its DP shard's rows) and megatron-core's param all-gather completes the weights, except
+    for a re-padded vocabulary tensor, read whole by every rank (loader.load_universal_checkpoint)."""
     c = dataclasses.replace(source.config, padded_vocab_size=padded)
     stored_rows = source.config.padded_vocab_size
     moments = 2 if source.has_moments else 0
+    gather = moments and use_distributed_optimizer
     stages, ranks = [], []
     for pp_rank in range(layout.pp):
         for tp_rank in range(layout.tp):
-            names, weight_bytes = [], 0
-            opt_bytes = [0] * layout.dp  # per DP rank
+            names, slice_bytes = [], 0
+            weight_bytes = [0] * layout.dp  # per DP rank
+            opt_bytes = [0] * layout.dp
             for chunk in range(layout.num_chunks):
                 entries = parameters_for_rank(c, layout, pp_rank, chunk if layout.vpp else None)
                 resized = {}
@@ -165,28 +197,34 @@ def rank_reads(source: Source, layout: ParallelLayout, padded: int,
                     repad = is_vocab_parameter(canonical) and padded != stored_rows
                     full = math.prod(source.shapes[canonical]) * 4
                     # re-padding reads the whole stored tensor (each key) to re-pad it, then slices
-                    weight_bytes += full if repad else math.prod(local_shape) * 4
+                    read = full if repad else math.prod(local_shape) * 4
+                    slice_bytes += read
                     resized[local] = repad
-                    if moments and not use_distributed_optimizer:
-                        for d in range(layout.dp):
-                            opt_bytes[d] += moments * (full if repad else math.prod(local_shape) * 4)
-                if moments and use_distributed_optimizer:
-                    _add_distopt_reads(source, layout, entries, tp_rank, pp_rank, chunk, resized, opt_bytes, moments)
+                    for d in range(layout.dp):
+                        if not gather or repad:
+                            weight_bytes[d] += read
+                        if moments and not use_distributed_optimizer:
+                            opt_bytes[d] += moments * read
+                if gather:
+                    _add_distopt_reads(source, layout, entries, tp_rank, pp_rank, chunk, resized, opt_bytes,
+                                       weight_bytes, moments)
             stages.append({"pp_rank": pp_rank, "tp_rank": tp_rank, "num_parameters": len(names),
-                           "weight_bytes": weight_bytes, "parameters": names})
+                           "weight_bytes": slice_bytes, "parameters": names})
             for dp_rank in range(layout.dp):
                 ranks.append({"rank": tp_rank + layout.tp * (dp_rank + layout.dp * pp_rank), "tp_rank": tp_rank,
                               "pp_rank": pp_rank, "dp_rank": dp_rank, "num_parameters": len(names),
-                              "weight_bytes": weight_bytes, "optimizer_bytes": opt_bytes[dp_rank],
-                              "read_bytes": weight_bytes + opt_bytes[dp_rank]})
+                              "weight_bytes": weight_bytes[dp_rank], "optimizer_bytes": opt_bytes[dp_rank],
+                              "read_bytes": weight_bytes[dp_rank] + opt_bytes[dp_rank]})
     ranks.sort(key=lambda r: r["rank"])
     return stages, ranks
 
 
 def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, tp_rank: int, pp_rank: int, chunk: int,
-                       resized: dict, opt_bytes: list, moments: int) -> None:
-    """Moments read per DP rank: megatron-core's DistributedOptimizer gives DP rank r the r-th equal part of
-    every bucket of the chunk's DDP buffer (bucket_layout reproduces the buffer's index map)."""
+                       resized: dict, opt_bytes: list, weight_bytes: list, moments: int) -> None:
+    """Bytes read per DP rank with the distributed optimizer: megatron-core gives DP rank r the r-th equal part
+    of every bucket of the chunk's DDP buffer (bucket_layout reproduces the buffer's index map); the rank reads
+    the rows of each parameter's TP slice covering its part, for the fp32 weight and each moment (a re-padded
+    vocabulary tensor: the moments whole, once; its weight is counted by the caller)."""
     from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
                                                     shared_embedding_names)
 
@@ -213,8 +251,10 @@ def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, tp_rank:
                     if resized[span.name]:
                         opt_bytes[dp_rank] += moments * full_bytes[span.name]
                     else:
-                        opt_bytes[dp_rank] += moments * _rows_bytes(source, canonicals[span.name], tp_rank,
-                                                                    layout.tp, start - span.start, end - span.start)
+                        rows = _rows_bytes(source, canonicals[span.name], tp_rank, layout.tp, start - span.start,
+                                           end - span.start)
+                        weight_bytes[dp_rank] += rows
+                        opt_bytes[dp_rank] += moments * rows
 
 
 def _torch_dtype(name: str):
@@ -303,6 +343,7 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--sequence-parallel", action="store_true")
+    add_split_arguments(p)
     p.set_defaults(handler=run_cli)
 
 
@@ -310,7 +351,7 @@ def run_cli(args: argparse.Namespace) -> dict:
     target = Target(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                     dp=args.data_parallel_size, layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
                     use_distributed_optimizer=args.use_distributed_optimizer,
-                    sequence_parallel=args.sequence_parallel)
+                    sequence_parallel=args.sequence_parallel, **split_options(args))
     plan = make_plan(args.src, target, args.iteration)
     plan["message"] = format_report(plan)
     return plan

@@ -212,8 +212,10 @@ def test_plan_incompatible_tp_exits_non_zero(ucp):
 
 
 def test_plan_reads_per_rank(ucp, capsys):
-    """TP2 PP2 DP2 with the distributed optimizer: every rank reads its weights' TP slice; the DP ranks of a
-    stage together read each Adam moment about once (bucket shards plus at most a boundary row each)."""
+    """TP2 PP2 DP2 with the distributed optimizer: the DP ranks of a stage together read each fp32 weight's TP
+    slice and each Adam moment about once (bucket shards plus at most a boundary row each; the param
+    all-gather completes the weights). test_e2e_buckets_targets.py checks the total against the bytes the
+    loader reports reading."""
     argv = ["plan", str(ucp["A8"]), "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--data-parallel-size", "2", "--use-distributed-optimizer", "--json"]
     assert CLI.main(argv) == 0
@@ -227,6 +229,8 @@ def test_plan_reads_per_rank(ucp, capsys):
                           for p in params.values())
     moments = sum(r["optimizer_bytes"] for r in plan["ranks"])
     assert 2 * weights <= moments <= 2 * weights * 1.05
+    fp32 = sum(r["weight_bytes"] for r in plan["ranks"])
+    assert 2 * fp32 == moments  # the same rows of the weight and of each moment
     names = [n for s in plan["stages"] if s["tp_rank"] == 0 for n in s["parameters"]]
     assert sorted(names) == sorted(params)
     # without the distributed optimizer each DP rank reads its stage's full moments; a Megatron source adds

@@ -17,12 +17,17 @@ only, one folder per (tp, pp) rank:
 state dict indexed group by group (FP32Optimizer), wrapped as {'optimizer': ..., 'fp32_from_fp16_params':
 ...} for bf16/fp16 models (Float16OptimizerWithFloat16Params), each parameter with its own `step`.
 
-RNG: a universal checkpoint holds no RNG state (it means nothing at another layout). Megatron-LM's
-load_checkpoint exits ("Unable to load rng state") when `rng_state` is missing unless --no-load-rng,
-so by default a fresh deterministic state is written: Megatron's own seeding (_set_random_seed +
-model_parallel_cuda_manual_seed) with seed = args.seed + 7919 * iteration (+ 100 * pp_rank), in the
-CUDA generator format (16 bytes: seed, Philox offset) or, with rng_state="cpu", the CPU generator's
-(the CPU training harness). rng_state="none" omits it (then resume with --no-load-rng).
+fp16: the universal checkpoint's loss-scaler state goes into `optimizer['grad_scaler']` (megatron-core's
+optimizers load it from there).
+
+RNG: a universal checkpoint's RNG states (docs/FORMAT.md "RNG states") are the source ranks' and mean
+nothing at another layout. Megatron-LM's load_checkpoint exits ("Unable to load rng state") when
+`rng_state` is missing unless --no-load-rng, so by default a fresh deterministic state is written:
+Megatron's own seeding (_set_random_seed + model_parallel_cuda_manual_seed) with seed = args.seed + 7919 *
+iteration (+ 100 * pp_rank), in the CUDA generator format (16 bytes: seed, Philox offset) or, with
+rng_state="cpu", the CPU generator's (the CPU training harness). rng_state="none" omits it (then resume
+with --no-load-rng); rng_state="source" writes the stored states unchanged, for a target at the source
+layout (a dropout run then continues exactly).
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from megatron_ucp.patterns import repadded_shard
 from megatron_ucp.writers.base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
 
 CHECKPOINT_VERSION = 3.0
-RNG_STATE_KINDS = ("cuda", "cpu", "none")
+RNG_STATE_KINDS = ("cuda", "cpu", "none", "source")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -280,6 +285,16 @@ def _rng_state(args: Mapping[str, Any], iteration: int, tp_rank: int, pp_rank: i
     return states
 
 
+def _source_rng_state(ucp, tp_rank: int, pp_rank: int) -> list:
+    """The universal checkpoint's stored RNG states of rank (pp, tp), as Megatron-LM's `rng_state` list (one
+    element, or one per DP rank where they were saved per DP rank). from_universal checked the layout."""
+    states = [s for s in ucp.rng_states() if (s.pp, s.tp) == (pp_rank, tp_rank)]
+    if not states:
+        raise LegacyWriteError(f"{ucp.path}: no stored RNG state for rank tp={tp_rank} pp={pp_rank}; use "
+                               f"--rng-state cuda or cpu")
+    return [s.to_megatron() for s in sorted(states, key=lambda s: -1 if s.dp is None else s.dp)]
+
+
 def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: dict, tp_rank: int,
                      pp_rank: int) -> tuple[dict, Optional[dict]]:
     """(model_optim_rng.pt, distrib_optim.pt or None) of one (tp, pp) rank; reads only its slices."""
@@ -329,9 +344,12 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: d
             distrib = _distrib_optim(target, pp_rank, chunks, masters, ucp)
         else:
             sd["optimizer"] = _torch_adam_state(ucp, rank_groups, canonicals, masters, chunks)
+        _add_grad_scaler(sd["optimizer"], ucp, target)
         if ucp.scheduler_state:
             sd["opt_param_scheduler"] = dict(ucp.scheduler_state)
-    if target.rng_state != "none":
+    if target.rng_state == "source":
+        sd["rng_state"] = _source_rng_state(ucp, tp_rank, pp_rank)
+    elif target.rng_state != "none":
         sd["rng_state"] = _rng_state(target.args, ucp.iteration, tp_rank, pp_rank, layout.dp, target.rng_state)
     flops = ucp.metadata.get("num_floating_point_operations_so_far")
     sd["num_floating_point_operations_so_far"] = flops if flops is not None else 0
@@ -364,6 +382,19 @@ def _torch_adam_state(ucp, rank_groups, canonicals, masters, chunks) -> dict:
     if not mixed:
         return inner
     return {"optimizer": inner, "fp32_from_fp16_params": fp32_from_16}
+
+
+def _add_grad_scaler(optimizer: dict, ucp, target: WriteTarget) -> None:
+    """fp16: the dynamic loss scaler's state under 'grad_scaler', where megatron-core's optimizers keep it
+    (after 'optimizer', before 'fp32_from_fp16_params'); without a stored state the fp16 run starts a
+    fresh scaler from its flags (megatron-core logs "found an old checkpoint")."""
+    if not target.args.get("fp16") or ucp.loss_scaler is None:
+        return
+    items = list(optimizer.items())
+    optimizer.clear()
+    optimizer.update(items[:1])
+    optimizer["grad_scaler"] = ucp.loss_scaler.to_megatron()
+    optimizer.update(items[1:])
 
 
 def _distrib_optim(target: WriteTarget, pp_rank: int, chunks, masters, ucp) -> dict:
