@@ -19,6 +19,7 @@ import pytest
 from megatron_ucp.adapters.gpt import expected_parameters
 from megatron_ucp.convert import to_universal
 from megatron_ucp.model_config import GPTModelConfig
+from megatron_ucp.plan import format_report as format_plan
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "megatron-lm"
@@ -95,7 +96,7 @@ def test_inspect_json_for_all_three_formats(ucp, capsys):
             dist["consumed_train_samples"]) == (64, 64, 32)
     for info in (universal, legacy, dist):
         assert info["ok"] is True
-        assert info["layout"] == {"tp": 2, "pp": 2, "dp": 2, "vpp": None, "sp": True, "ep": 1}
+        assert info["layout"] == {"tp": 2, "pp": 2, "dp": 2, "vpp": None, "sp": True, "ep": 1, "etp": None}
         assert info["optimizer_kind"] == "distributed" and info["has_optimizer_state"]
         c = info["model_config"]
         assert (c["num_query_groups"], c["vocab_size"], c["padded_vocab_size"], c["swiglu"]) == (2, 1001, 1024, True)
@@ -244,6 +245,20 @@ def test_plan_reads_per_rank(ucp, capsys):
     out = CLI.readouterr().out
     assert "warning: vocabulary padding changes: the stored 1024 rows are not divisible by TP=3" in out
     assert "num_attention_heads=4 is not divisible by TP=3" in out and "not divisible by PP=3" in out
+
+
+def test_plan_uneven_split(ucp, capsys):
+    """Megatron-LM's split flags: the stages hold megatron-core's layers; a split it refuses is incompatible."""
+    argv = ["plan", str(ucp["A8"]), "-t", "1", "-p", "2", "--decoder-first-pipeline-num-layers", "1", "--json"]
+    assert CLI.main(argv) == 0
+    plan = json.loads(CLI.readouterr().out)
+    layers = [sorted({n.split(".")[2] for n in s["parameters"] if n.startswith("decoder.layers.")})
+              for s in plan["stages"]]
+    assert layers == [["0"], ["1", "2", "3"]] and plan["target"]["layout"]["first_stage_layers"] == 1
+    assert "[first stage 1 layers]" in format_plan(plan)
+    assert CLI.main(["plan", str(ucp["A8"]), "-t", "1", "-p", "2", "--decoder-first-pipeline-num-layers", "1",
+                     "--account-for-loss-in-pipeline-split"]) == 1
+    assert "cannot be combined" in CLI.readouterr().out
 
 
 # --------------------------------------------------------------------------------------------------
