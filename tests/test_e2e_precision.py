@@ -1,5 +1,5 @@
 """bf16 and fp16 end to end: train with the harness, save, to-universal, resume at another layout, compare
-iterations 5..12 (fp16: 5..16, where a third of the steps overflow; always at least 8 optimizer steps) with
+iterations 5..12 (fp16: 5..20, where a third of the steps overflow; always at least 8 optimizer steps) with
 the uninterrupted run (warmup 2 + cosine, weight decay 0.1).
 
 Measured layout noise (the same run from scratch, --layout-invariant-init, these schedules, 12 iterations):
@@ -102,8 +102,8 @@ def test_bf16_float16_optimizer_uneven_source_to_distributed_optimizer(runs):
 
 
 FP16_FAMILY, FP16_SOURCE, FP16_TARGET = "gpt2", Layout(tp=2), Layout(pp=2)
-# A third of fp16's steps overflow with this scaler (window 3): 16 iterations give the resume >= 8 steps.
-FP16_ITERS = 16
+# A third or more of fp16's steps overflow with this scaler (window 3): 20 iterations give the resume >= 8 steps.
+FP16_ITERS = 20
 FP16_RESUMED = range(SAVED_AT + 1, FP16_ITERS + 1)
 
 

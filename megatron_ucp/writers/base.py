@@ -53,6 +53,9 @@ def target_args(metadata: Mapping[str, Any], layout: ParallelLayout, *, use_dist
         virtual_pipeline_model_parallel_size=layout.vpp,
         num_layers_per_virtual_pipeline_stage=vpp_layers if layout.vpp else None,
         data_parallel_size=layout.dp,
+        # the target's expert layout (Megatron-LM's default ETP is the TP), never the source's
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
         # the target's pipeline split, never the source's (an even target of an uneven source is even)
         decoder_first_pipeline_num_layers=layout.first_stage_layers,
         decoder_last_pipeline_num_layers=layout.last_stage_layers,
