@@ -5,7 +5,8 @@ groups, ffn and layers divisible; vocabulary re-padding; batch divisible by DP) 
 rank, the parameters it loads and the bytes it reads from the universal checkpoint, as
 `megatron_ucp.loader` reads them: without the distributed optimizer the TP slice of each fp32 weight and
 Adam moment; with it only the rows covering the rank's DP shard of megatron-core's DDP buffer, for the
-fp32 weight and each moment (the param all-gather completes the weights). For a Megatron-LM source the plan is conversion (to-universal) and then that load.
+fp32 weight and each moment (the param all-gather completes the weights). For a Megatron-LM source the
+plan is conversion (to-universal) and then that load. Uneven targets take Megatron-LM's split flags.
 A universal checkpoint whose tensor files are missing or of the wrong size, or whose parameters do not
 match its model (inspect_cmd.universal_problems, from stat() and metadata alone), makes the plan fail.
 """

@@ -198,7 +198,8 @@ class RankRngState:
                        python=_python_state((python["version"], python["state"], python["gauss_next"]), rank),
                        numpy=_numpy_state((numpy["algorithm"], numpy["key"], numpy["pos"], numpy["has_gauss"],
                                            numpy["cached_gaussian"]), rank),
-                       torch_cpu=_unb64(doc["torch_cpu"], f"{rank} torch_cpu"), cuda=_unb64(doc["cuda"], f"{rank} cuda"),
+                       torch_cpu=_unb64(doc["torch_cpu"], f"{rank} torch_cpu"),
+                       cuda=_unb64(doc["cuda"], f"{rank} cuda"),
                        tracker=tuple(sorted((str(n), _unb64(v, f"{rank} tracker {n}"))
                                             for n, v in dict(doc["tracker"]).items())))
         except (KeyError, TypeError, ValueError) as e:
@@ -229,7 +230,8 @@ def _python_state(value: Any, where: str) -> tuple:
     version, internal, gauss = value
     if version != 3 or not isinstance(internal, (tuple, list)) or len(internal) != MT_WORDS + 1 or not all(
             isinstance(w, int) and not isinstance(w, bool) and 0 <= w < 2 ** 32 for w in internal[:MT_WORDS]):
-        raise RunStateError(f"{where}: not a version-3 Mersenne-Twister state of {MT_WORDS} 32-bit words and a position")
+        raise RunStateError(f"{where}: not a version-3 Mersenne-Twister state of {MT_WORDS} 32-bit words and a "
+                            f"position")
     if not isinstance(internal[-1], int) or not 0 <= internal[-1] <= MT_WORDS:
         raise RunStateError(f"{where}: position {internal[-1]!r} outside 0..{MT_WORDS}")
     if gauss is not None and not isinstance(gauss, float):

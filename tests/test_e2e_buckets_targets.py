@@ -14,8 +14,9 @@ test_e2e_negative_controls.py show that planted bugs leave this tolerance.
 Targets:
 - TP1 PP2 DP2 with an uneven split (--decoder-first-pipeline-num-layers 3: 3 + 1 layers), distributed
   optimizer with one bucket per buffer (a different bucket count), through --universal-checkpoint, and
-  through `from-universal --ckpt-format torch` loaded by megatron-core with a plain --load; `plan` at that
-  layout lists the uneven stages and predicts exactly the bytes the loader reported reading;
+  through `from-universal --ckpt-format torch` loaded by megatron-core with a plain --load (and read back by
+  the legacy reader: the same tensors bit for bit); `plan` at that layout lists the uneven stages and
+  predicts exactly the bytes the loader reported reading;
 - TP1 PP1 DP1 with plain Adam (no distributed optimizer);
 - TP1 PP2 (VPP: 1 layer per virtual stage) DP1;
 - from the legacy source: TP2 DP1 + SP with --ddp-bucket-size 2500 (another bucket count), and a lazy
@@ -33,6 +34,7 @@ from safetensors import safe_open
 from pretrain_runs import (DISTOPT, FP32_TOL, OVERLAP, SAVED_AT, SCHEDULE, SOURCE_ITERS, Layout, rel_diff)
 
 from megatron_ucp.adapters.gpt import parameters_for_rank
+from megatron_ucp.convert import to_universal
 from megatron_ucp.formats.bucket_layout import BufferParam, DDPBucketConfig, build_chunk_buffers
 from megatron_ucp.formats.common import load_pickled
 from megatron_ucp.formats.safe_pickle import load_dcp_metadata
@@ -130,6 +132,14 @@ def test_from_universal_legacy_at_the_uneven_layout_loads_in_megatron_core(sourc
     first = load_pickled(out / f"iter_{SAVED_AT:07d}" / "mp_rank_00_000" / "model_optim_rng.pt", what="test")
     assert vars(first["args"])["decoder_first_pipeline_num_layers"] == 3
     assert sorted({int(k.split(".")[2]) for k in first["model"] if k.startswith("decoder.layers.")}) == [0, 1, 2]
+    # the legacy reader places the uneven stages' parameters back exactly
+    back = UniversalCheckpoint.open(to_universal(out, tmp_path / "back", progress=False))
+    original = UniversalCheckpoint.open(runs.universal(source.save))
+    assert back.source_layout.first_stage_layers == 3 and list(back.parameters) == list(original.parameters)
+    for name, info in original.parameters.items():
+        assert back.parameters[name].step == info.step, name
+        for key in info.tensors:
+            assert torch.equal(back.read(name, key), original.read(name, key)), (name, key)
     resumed = runs.resume(FAMILY, UNEVEN_LAYOUT, out, [*DISTOPT, *UNEVEN], universal=False)
     diff = rel_diff(resumed.losses, source.losses)
     assert diff <= FP32_TOL, (diff, resumed.losses, source.losses)

@@ -18,8 +18,8 @@ Cases:
 - bf16 without the distributed optimizer (Float16OptimizerWithFloat16Params), uneven source (Llama-like
   PP2, first stage 1 layer) -> TP2 with the distributed optimizer: a bf16 target rebuilt from fp32 mains.
 - fp16: GPT-2-like TP2 (Float16 optimizer, scaler in common.pt) -> TP1 PP2 with the distributed optimizer,
-  through --universal-checkpoint and through `from-universal --ckpt-format torch` (grad_scaler in the
-  legacy optimizer state) loaded by megatron-core; the scaler state is in metadata.json and restored (same
+  through --universal-checkpoint and through `from-universal` (legacy: grad_scaler in the optimizer state;
+  torch_dist: the harness route) loaded by megatron-core; the scaler state is in metadata.json and restored (same
   skipped steps and loss scales as the uninterrupted run). Negative control: the same universal checkpoint
   without its loss_scaler restarts the scaler from --initial-loss-scale and logs other scales.
 """
@@ -36,6 +36,7 @@ from megatron_ucp.adapters.gpt import canonical_name
 from megatron_ucp.formats import open_checkpoint
 from megatron_ucp.formats.common import load_pickled
 from megatron_ucp.from_universal import from_universal
+from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.universal import UniversalCheckpoint
 
 pytestmark = pytest.mark.torchrun
@@ -141,14 +142,24 @@ def test_fp16_loss_scaler_survives_the_universal_checkpoint(fp16_source, runs):
     assert rel_diff(fresh.losses, fp16_source.losses, FP16_RESUMED) > FP16_TOL
 
 
-def test_fp16_from_universal_legacy_loads_in_megatron_core(fp16_source, runs, tmp_path):
-    """from-universal --ckpt-format torch at TP1 PP2 with the distributed optimizer: megatron-core's
-    DistributedOptimizer.load_state_dict restores optimizer['grad_scaler']."""
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_fp16_from_universal_loads_in_megatron_core(fp16_source, runs, tmp_path, ckpt_format):
+    """from-universal at TP1 PP2 with the distributed optimizer: legacy (grad_scaler in the optimizer state
+    DistributedOptimizer.load_state_dict restores) and torch_dist through the harness route (the loader
+    restores the scaler, megatron-core saves it); both loaded with a plain --load."""
     out = tmp_path / "megatron"
-    from_universal(runs.universal(fp16_source.save), out, pipeline_model_parallel_size=2,
-                   use_distributed_optimizer=True, ckpt_format="torch", rng_state="cpu", progress=False)
-    state = load_pickled(out / f"iter_{SAVED_AT:07d}" / "mp_rank_00_001" / "model_optim_rng.pt", what="test")
-    assert list(state["optimizer"]) == ["optimizer", "grad_scaler"]
-    assert vars(state["args"])["fp16"] is True
+    ucp = runs.universal(fp16_source.save)
+    if ckpt_format == "torch_dist":
+        from megatron_ucp.writers.torch_dist import harness_flags_from_universal
+
+        flags = " ".join(harness_flags_from_universal(UniversalCheckpoint.open(ucp).metadata, ParallelLayout(pp=2)))
+        assert "--fp16" in flags and "--initial-loss-scale 1048576" in flags and "--hysteresis 2" in flags, flags
+        assert "--loss-scale-window 3" in flags, flags
+    from_universal(ucp, out, pipeline_model_parallel_size=2, use_distributed_optimizer=True, ckpt_format=ckpt_format,
+                   rng_state="cpu", progress=False)
+    if ckpt_format == "torch":
+        state = load_pickled(out / f"iter_{SAVED_AT:07d}" / "mp_rank_00_001" / "model_optim_rng.pt", what="test")
+        assert list(state["optimizer"]) == ["optimizer", "grad_scaler"]
+        assert vars(state["args"])["fp16"] is True
     resumed = runs.resume(FP16_FAMILY, FP16_TARGET, out, [*FP16, *DISTOPT], universal=False, iters=FP16_ITERS)
     assert_fp16_continues(resumed, fp16_source)

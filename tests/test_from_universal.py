@@ -309,17 +309,19 @@ def test_layers_not_dividing_pp_is_refused(universal, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_uneven_targets_are_planned_and_refused_like_megatron(universal, tmp_path):
+@pytest.mark.torchrun
+def test_uneven_targets_are_planned_refused_and_continued(universal, tmp_path):
     """Megatron-LM's split flags on from-universal (--decoder-first/last-pipeline-num-layers,
     --account-for-embedding/loss-in-pipeline-split, --num-virtual-stages-per-pipeline-rank): the target layout,
     its args and each rank folder's layers follow megatron-core's placement; impossible splits are refused
-    before anything is written. (Written and loaded end to end: test_e2e_buckets_targets.py.)"""
+    before anything is written. The embedding/loss-counted VPP3 output continues Megatron-LM's run within
+    FIXTURE_TOL (with the distributed optimizer and many buckets: test_e2e_buckets_targets.py)."""
     ucp = universal(A, 4)
     rc, out = _cli([str(ucp), str(tmp_path / "x"), "-p", "2", "--decoder-last-pipeline-num-layers", "1",
                     "--ckpt-format", "torch", "--dry-run"])
     assert rc == 0 and out["layout"]["last_stage_layers"] == 1 and not (tmp_path / "x").exists(), out
     summary = fu.from_universal(ucp, tmp_path / "counted", pipeline_model_parallel_size=2, ckpt_format="torch",
-                                progress=False, pipeline_split={"embedding_in_split": True, "loss_in_split": True,
+                                rng_state="cpu", progress=False, pipeline_split={"embedding_in_split": True, "loss_in_split": True,
                                                                 "virtual_stages": 3})
     assert (summary.plan.layout.vpp, summary.plan.layout.embedding_in_split) == (3, True)
     layers = {}
@@ -340,6 +342,10 @@ def test_uneven_targets_are_planned_and_refused_like_megatron(universal, tmp_pat
         fu.from_universal(ucp, tmp_path / "bad", pipeline_model_parallel_size=2, ckpt_format="torch", progress=False,
                           num_layers_per_virtual_pipeline_stage=1, pipeline_split={"first_stage_layers": 2})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["counted"]
+    counted = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+               "--num-virtual-stages-per-pipeline-rank", "3"]
+    diff = continue_with_harness(A, tmp_path / "counted", Layout(pp=2), counted, tmp_path)
+    assert diff <= FIXTURE_TOL, diff
 
 
 def _cli(argv) -> tuple[int, dict]:

@@ -54,7 +54,7 @@ def test_loss_continues_at_new_layout(source, runs, source_name, target, extra, 
     src = source(source_name)
     resumed = runs.resume(family, target, runs.universal(src.save), extra)
     diff = rel_diff(resumed.losses, src.losses)
-    assert diff <= FP32_TOL, f"{source_name} -> {target} ({change}): rel diff {diff:.2e}\n{resumed.losses}\n{src.losses}"
+    assert diff <= FP32_TOL, f"{source_name} -> {target} ({change}): {diff:.2e}\n{resumed.losses}\n{src.losses}"
     if SOURCES[source_name][1] != target:  # the source's RNG streams mean nothing here: re-seeded
         assert "RNG re-seeded from --seed and the iteration (the RNG states were saved at" in resumed.log.read_text()
 
