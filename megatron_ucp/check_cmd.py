@@ -37,12 +37,22 @@ def check(path, workers: int = 0) -> dict:
     known = {f.path for f in report.failures}
     # missing / resized files are already in the report; add what only the model tells
     problems += [p for p in universal_problems(ucp) if not any(p.startswith(k + ":") for k in known)]
+    problems += _rng_problems(ucp)
     seconds = report.seconds
     return {"path": str(Path(ucp.path).resolve()), "format_version": ucp.version, "lazy": ucp.lazy_source is not None,
             "ok": not problems, "files": report.files, "blocks": report.blocks, "bytes": report.bytes,
             "seconds": round(seconds, 3), "gib_per_s": round(report.bytes / 2 ** 30 / seconds, 2) if seconds else None,
             "checks": list(report.checks), "notes": list(report.notes), "problems": problems,
             "failures": [f.to_json() for f in report.failures]}
+
+
+def _rng_problems(ucp: UniversalCheckpoint) -> list:
+    """The RNG-state file (docs/FORMAT.md "RNG states") against its recorded sha256, and parsed."""
+    try:
+        ucp.rng_states()
+    except UniversalFormatError as e:
+        return [str(e)]
+    return []
 
 
 def format_report(result: dict) -> str:

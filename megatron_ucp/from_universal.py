@@ -42,6 +42,7 @@ from megatron_ucp.adapters.gpt import (expected_parameters, experts_per_ep_rank,
                                        virtual_chunks)
 from megatron_ucp.convert import in_torchrun
 from megatron_ucp.formats.common import TRACKER_FILENAME
+from megatron_ucp.layer_placement import PlacementError, add_split_arguments, resolve_vpp, split_options
 from megatron_ucp.layout import LayoutError, ParallelLayout
 from megatron_ucp.patterns import PatternError
 from megatron_ucp.staging import TOOL_MARKER_FILENAME, Staging, StagingError, join_staging, tool_marker
@@ -83,45 +84,28 @@ class TargetPlan:
         return self.target.padded_vocab_size
 
 
-@dataclass(frozen=True)
-class PipelineFlags:
-    """Megatron-LM's flags for how layers are split over pipeline stages (default: evenly)."""
-
-    first_stage_layers: Optional[int] = None  # --decoder-first-pipeline-num-layers
-    last_stage_layers: Optional[int] = None  # --decoder-last-pipeline-num-layers
-    embedding_in_split: bool = False  # --account-for-embedding-in-pipeline-split
-    loss_in_split: bool = False  # --account-for-loss-in-pipeline-split
-    virtual_stages: Optional[int] = None  # --num-virtual-stages-per-pipeline-rank
-
-
 def target_layout(ucp: UniversalCheckpoint, tp: int, pp: int, dp: int, vpp_layers: Optional[int],
-                  sequence_parallel: bool, split: PipelineFlags = PipelineFlags(), ep: int = 1,
+                  sequence_parallel: bool, *, first_stage_layers: Optional[int] = None,
+                  last_stage_layers: Optional[int] = None, embedding_in_split: bool = False,
+                  loss_in_split: bool = False, virtual_stages: Optional[int] = None, ep: int = 1,
                   etp: Optional[int] = None) -> ParallelLayout:
-    """The layout Megatron-LM would run with these flags (VPP from layers per virtual stage or virtual
-    stages per rank; uneven splits as Megatron-LM's validate_args takes them; EP and ETP only for a model
-    with experts)."""
+    """The layout Megatron-LM would run with these flags (VPP from layers per virtual stage, or from
+    --num-virtual-stages-per-pipeline-rank; uneven splits from Megatron-LM's split flags; EP and ETP only
+    for a model with experts)."""
     if (ep > 1 or etp not in (None, tp)) and not ucp.config.num_experts:
         raise FromUniversalError(f"{ucp.path}: --expert-model-parallel-size / --expert-tensor-parallel-size need a model "
                                  f"with experts (this one has num_experts=None); drop them")
-    uneven = split.first_stage_layers is not None or split.last_stage_layers is not None
+    split = dict(first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+                 embedding_in_split=embedding_in_split, loss_in_split=loss_in_split)
     try:
         experts_per_ep_rank(ucp.config, ep)  # first: the cause when EP does not divide the experts
-        if vpp_layers is not None and split.virtual_stages is not None:
-            raise LayoutError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
-                              "are exclusive; pass one")
-        if vpp_layers is not None and uneven:
-            raise LayoutError("with --decoder-first/last-pipeline-num-layers give the virtual pipeline size as "
-                              "--num-virtual-stages-per-pipeline-rank (Megatron-LM's rule)")
-        if split.virtual_stages is not None and pp == 1:
-            raise LayoutError("--num-virtual-stages-per-pipeline-rank needs --pipeline-model-parallel-size > 1")
-        # layers counted in the split: the embedding and the loss count as one layer each when asked
-        counted = ucp.config.num_layers + split.embedding_in_split + split.loss_in_split
-        vpp = virtual_chunks(counted, pp, vpp_layers) if split.virtual_stages is None else (
-            split.virtual_stages if split.virtual_stages > 1 else None)
-        return ParallelLayout(tp=tp, pp=pp, dp=dp, vpp=vpp, sp=sequence_parallel, ep=ep, etp=etp,
-                              first_stage_layers=split.first_stage_layers, last_stage_layers=split.last_stage_layers,
-                              embedding_in_split=split.embedding_in_split, loss_in_split=split.loss_in_split)
-    except LayoutError as e:
+        if any(split.values()) or first_stage_layers == 0 or last_stage_layers == 0 or virtual_stages:
+            vpp = resolve_vpp(ucp.config.num_layers, pp, layers_per_virtual_stage=vpp_layers,
+                              virtual_stages=virtual_stages, **split)
+        else:
+            vpp = virtual_chunks(ucp.config.num_layers, pp, vpp_layers)
+        return ParallelLayout(tp=tp, pp=pp, dp=dp, vpp=vpp, sp=sequence_parallel, ep=ep, etp=etp, **split)
+    except (LayoutError, PlacementError) as e:
         raise FromUniversalError(f"{ucp.path}: {e}") from e
 
 
@@ -162,6 +146,11 @@ def plan_target(ucp: UniversalCheckpoint, layout: ParallelLayout, *, vpp_layers:
             raise FromUniversalError(
                 f"{where}: parameters have different Adam steps {sorted(s for s in steps if s is not None)}, but "
                 f"the distributed optimizer keeps one per rank; drop --use-distributed-optimizer")
+    if rng_state == "source":
+        why = ucp.rng_layout_problem(layout, mbs)
+        if why:
+            raise FromUniversalError(f"{where}: --rng-state source: {why}; the stored RNG states mean nothing "
+                                     f"elsewhere, use --rng-state cuda or cpu (fresh deterministic states)")
     has_moments = all("exp_avg" in info.tensors for name, info in ucp.parameters.items() if not is_buffer(name))
     if not has_moments:
         warnings.append("the universal checkpoint holds no optimizer state: only model weights are written; resume "
@@ -238,15 +227,17 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
                    rng_state: str = "cuda", timeout_s: int = DEFAULT_TIMEOUT_S,
                    progress: bool = True, warn=None, clean_stale: bool = False,
                    optimizer_format: Optional[str] = None, workers: Optional[int] = None, via_harness: bool = False,
-                   pipeline: PipelineFlags = PipelineFlags()) -> FromUniversalSummary:
+                   pipeline_split: Optional[dict] = None) -> FromUniversalSummary:
     """Write the universal checkpoint at `ucp_path` as a Megatron checkpoint root `dst` at the given layout.
 
     Validation (layout, vocabulary, batch, destination) happens before any file is created; on any error
     nothing is left at `dst` (nor its staging directory). DST's lock is held from before the universal
     checkpoint is opened until the output is published; leftovers of killed writes to DST are reported
     (`warn`) and removed with `clean_stale`. `optimizer_format` and `workers` go to the writers that take
-    them (torch_dist); `via_harness` chooses the writer that runs the training harness. Under torchrun
-    (more than one process) call it on every process: they split the files (writers that can)."""
+    them (torch_dist); `via_harness` chooses the writer that runs the training harness. `pipeline_split`: an
+    uneven target split, target_layout's keywords (first_stage_layers, last_stage_layers, embedding_in_split,
+    loss_in_split, virtual_stages). Under torchrun (more than one process) call it on every process: they
+    split the files (writers that can)."""
     start = time.perf_counter()
     ucp_path, dst = Path(ucp_path), Path(dst).absolute()
     if rng_state not in RNG_STATE_KINDS:
@@ -266,8 +257,8 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
 
     def plan_for(ucp: UniversalCheckpoint) -> TargetPlan:
         layout = target_layout(ucp, tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size,
-                               num_layers_per_virtual_pipeline_stage, sequence_parallel, pipeline,
-                               expert_model_parallel_size, expert_tensor_parallel_size)
+                               num_layers_per_virtual_pipeline_stage, sequence_parallel, **(pipeline_split or {}),
+                               ep=expert_model_parallel_size, etp=expert_tensor_parallel_size)
         plan = plan_target(ucp, layout, vpp_layers=num_layers_per_virtual_pipeline_stage, ckpt_format=ckpt_format,
                            use_distributed_optimizer=use_distributed_optimizer, rng_state=rng_state, writer=writer)
         for message in plan.warnings:
@@ -433,21 +424,12 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("-d", "--data-parallel-size", type=int, default=1)
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    p.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
-                   help="virtual pipeline chunks per stage (the form Megatron-LM needs with an uneven split)")
-    p.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
-                   help="layers on the first pipeline stage (uneven split, as Megatron-LM)")
-    p.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
-                   help="layers on the last pipeline stage (uneven split, as Megatron-LM)")
-    p.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
-                   help="count the embedding as a layer when splitting layers over stages (as Megatron-LM)")
-    p.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
-                   help="count the loss as a layer when splitting layers over stages (as Megatron-LM)")
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="EP (models with experts): must divide num_experts; carved out of TP x DP")
     p.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="ETP (default: TP)")
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--sequence-parallel", action="store_true")
+    add_split_arguments(p)
     p.add_argument("--ckpt-format", choices=CKPT_FORMATS, required=True,
                    help="torch_dist: megatron-core's distributed checkpoint; torch: legacy model_optim_rng.pt "
                         "(+ distrib_optim.pt); both written offline, without training processes")
@@ -464,7 +446,8 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
                         "writer's reference")
     p.add_argument("--rng-state", choices=RNG_STATE_KINDS, default="cuda",
                    help="write a fresh deterministic RNG state for CUDA (default; Megatron-LM on GPUs) or CPU "
-                        "generators (the CPU harness), or none (then resume with --no-load-rng)")
+                        "generators (the CPU harness), or none (then resume with --no-load-rng), or source: the "
+                        "source run's own states (only at the source layout: dropout continues exactly)")
     p.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S,
                    help="--via-harness: seconds the harness run may take")
     p.add_argument("--dry-run", action="store_true", help="print the files that would be written; write nothing")
@@ -488,9 +471,7 @@ def run_cli(args: argparse.Namespace) -> dict:
         ckpt_format=args.ckpt_format, dry_run=args.dry_run, overwrite=args.overwrite, rng_state=args.rng_state,
         timeout_s=args.timeout, progress=not args.quiet, clean_stale=args.clean_stale,
         optimizer_format=args.optimizer_format, workers=args.workers, via_harness=args.via_harness,
-        pipeline=PipelineFlags(args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
-                               args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split,
-                               args.num_virtual_stages_per_pipeline_rank))
+        pipeline_split=split_options(args))
     result = summary.to_dict()
     if in_torchrun() and not summary.dry_run and int(os.environ["RANK"]) != 0:
         return result  # rank 0 reports

@@ -251,3 +251,63 @@ def split_from_args(args) -> PipelineSplit:
         account_for_embedding=bool(get("account_for_embedding_in_pipeline_split")),
         account_for_loss=bool(get("account_for_loss_in_pipeline_split")),
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-LM's pipeline-split flags on megatron-ucp's own commands (from-universal, plan)
+
+SPLIT_FLAGS = (("first_stage_layers", "--decoder-first-pipeline-num-layers"),
+               ("last_stage_layers", "--decoder-last-pipeline-num-layers"),
+               ("embedding_in_split", "--account-for-embedding-in-pipeline-split"),
+               ("loss_in_split", "--account-for-loss-in-pipeline-split"))
+
+
+def add_split_arguments(parser) -> None:
+    """The uneven-split flags, spelled as Megatron-LM spells them (an argparse parser or group)."""
+    parser.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                        help="layers of the first pipeline stage (uneven split; the other stages split the rest)")
+    parser.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                        help="layers of the last pipeline stage (uneven split)")
+    parser.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                        help="the embedding counts as one layer of the even split")
+    parser.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                        help="the output layer and loss count as one layer of the even split")
+    parser.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                        help="virtual pipeline stages per rank (the VPP size; needed instead of "
+                             "--num-layers-per-virtual-pipeline-stage with an uneven split)")
+
+
+def split_options(args) -> dict:
+    """ParallelLayout's split fields (and `virtual_stages`) from add_split_arguments' parsed flags."""
+    return {"first_stage_layers": args.decoder_first_pipeline_num_layers,
+            "last_stage_layers": args.decoder_last_pipeline_num_layers,
+            "embedding_in_split": bool(args.account_for_embedding_in_pipeline_split),
+            "loss_in_split": bool(args.account_for_loss_in_pipeline_split),
+            "virtual_stages": args.num_virtual_stages_per_pipeline_rank}
+
+
+def resolve_vpp(num_layers: int, pp: int, *, layers_per_virtual_stage: Optional[int] = None,
+                virtual_stages: Optional[int] = None, first_stage_layers: Optional[int] = None,
+                last_stage_layers: Optional[int] = None, embedding_in_split: bool = False,
+                loss_in_split: bool = False) -> Optional[int]:
+    """The VPP size Megatron-LM's validate_args derives from these flags (None: not interleaved), then the
+    whole split validated; PlacementError naming the flag otherwise."""
+    uneven = first_stage_layers is not None or last_stage_layers is not None
+    if layers_per_virtual_stage is not None and virtual_stages is not None:
+        raise PlacementError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+                             "are exclusive; pass one")
+    vpp = virtual_stages
+    if layers_per_virtual_stage is not None:
+        if uneven:
+            raise PlacementError("with --decoder-first/last-pipeline-num-layers give the virtual pipeline size as "
+                                 "--num-virtual-stages-per-pipeline-rank (Megatron-LM's rule)")
+        counted = num_layers + embedding_in_split + loss_in_split
+        if pp < 1 or counted % pp or layers_per_virtual_stage < 1 or (counted // pp) % layers_per_virtual_stage:
+            raise PlacementError(f"{counted} layers (embedding/loss counted as asked) over PP={pp} cannot be split "
+                                 f"into virtual stages of --num-layers-per-virtual-pipeline-stage "
+                                 f"{layers_per_virtual_stage} layers")
+        vpp = counted // pp // layers_per_virtual_stage
+    vpp = vpp if vpp and vpp > 1 else None
+    validate(PipelineSplit(num_layers, pp, vpp, first_stage_layers, last_stage_layers, embedding_in_split,
+                           loss_in_split))
+    return vpp

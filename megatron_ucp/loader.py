@@ -9,7 +9,9 @@ Every rank walks its own model chunks' parameters, maps each to its canonical na
   bytes twice;
 - otherwise the whole tensor-parallel slice of the weight (pieces given by `pattern.slice_ranges`)
   and of each Adam moment.
-Each parameter gets its own Adam `step`. Then the LR scheduler, iteration and consumed samples.
+Each parameter gets its own Adam `step`. Then the LR scheduler, iteration and consumed samples, and
+the run state (restore_run_state): the fp16 loss scaler, the FLOP counter, and the RNG states, which
+are restored only at the layout that drew them (elsewhere every rank re-seeds deterministically).
 
 Mixture of experts, at any EP x ETP: a rank holds the routed experts of its EP rank (local index j is
 global expert ep*E/EP + j) and reads their slices for its expert-TP rank; with experts in their own
@@ -164,7 +166,6 @@ def _main_params(optimizer) -> Dict[int, _MainParam]:
 @torch.no_grad()
 def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> int:
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if ucp is None:
         ucp = open_for_run(args)
@@ -256,13 +257,7 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
         optimizer.reload_model_params()  # fp32 main params start from the loaded weights
     args.iteration = ucp.iteration
     args.consumed_train_samples = ucp.consumed_train_samples
-    # The RNG streams of another layout mean nothing here: re-seed deterministically from the
-    # iteration so a resume at a given layout is reproducible.
-    seed = args.seed + 100 * pp_rank + 7919 * ucp.iteration
-    random.seed(seed)
-    np.random.seed(seed % (2 ** 32))
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    restore_run_state(args, optimizer, ucp, layout, load_optim=load_optim)
     # Bytes read by all ranks together (benchmarks and tests check that no byte is read twice).
     bytes_read = torch.tensor([float(ucp.bytes_read)], dtype=torch.float64, device=cpu_backend.device())
     torch.distributed.all_reduce(bytes_read)
@@ -299,3 +294,79 @@ def _resized_local(ucp, name, info, target_padded, true_vocab, tp_rank, tp, with
     keys = ("fp32", "exp_avg", "exp_avg_sq") if with_moments else ("fp32",)
     return {key: repadded_shard(ucp.read(name, key), info.pattern, target_padded, true_vocab, key, tp_rank, tp,
                                 name=name) for key in keys}
+
+
+# --- run state besides tensors: loss scaler, FLOP counter, RNG ------------------------------------
+
+def rng_reseed(args, pp_rank: int, iteration: int) -> None:
+    """Deterministic fresh RNG streams for a resume where the saved ones mean nothing (another layout,
+    or none saved): Megatron's seeding with seed + 100 * pp_rank + 7919 * iteration, so a resume at a
+    given layout is reproducible (and from-universal's legacy writer seeds the same way)."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    seed = args.seed + 100 * pp_rank + 7919 * iteration
+    random.seed(seed)
+    np.random.seed(seed % (2 ** 32))
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def _restore_loss_scaler(optimizer, ucp, load_optim: bool) -> str:
+    """Load the stored dynamic loss-scaler state into every sub-optimizer's scaler; returns what was done."""
+    scalers = [opt.grad_scaler for opt in _sub_optimizers(optimizer)
+               if getattr(opt, "grad_scaler", None) is not None and hasattr(opt.grad_scaler, "_hysteresis_tracker")]
+    if not scalers:
+        return "" if ucp.loss_scaler is None else "the checkpoint's fp16 loss scaler is not used (this run is not fp16)"
+    if not load_optim:
+        return "fp16 loss scaler starts from --initial-loss-scale (optimizer state not loaded)"
+    if ucp.loss_scaler is None:
+        return "fp16 loss scaler starts from --initial-loss-scale (the checkpoint holds none: it was not fp16)"
+    for scaler in scalers:
+        scaler.load_state_dict(ucp.loss_scaler.to_megatron())
+    s = ucp.loss_scaler
+    return f"fp16 loss scale {s.scale:g} (growth {s.growth_tracker}, hysteresis {s.hysteresis_tracker}) restored"
+
+
+def _restore_rng(args, ucp, layout) -> str:
+    """The saved RNG state of this rank when the run has the source's layout, else a deterministic re-seed.
+    Returns why it re-seeded ('' when restored)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_ucp.run_state import restore_rng, state_for_rank
+
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if args.no_load_rng or args.finetune:
+        why = "--no-load-rng" if args.no_load_rng else "--finetune"
+    else:
+        why = ucp.rng_layout_problem(layout, args.micro_batch_size)
+    state = None
+    if not why:
+        state = state_for_rank(ucp.rng_states(), pp_rank, parallel_state.get_tensor_model_parallel_rank(),
+                               parallel_state.get_data_parallel_rank(with_context_parallel=True))
+        live = tensor_parallel.get_cuda_rng_tracker().get_states()
+        if state is None:
+            why = "no RNG state was saved for this rank"
+        elif {n: len(v) for n, v in state.tracker} != {n: v.numel() for n, v in live.items()}:
+            why = "the RNG states were saved by another kind of generator (CPU vs CUDA)"
+    # Every rank decides alike (same layout, same file), except the generator check: agree on it.
+    ok = torch.tensor([0.0 if why else 1.0], device=cpu_backend.device())
+    torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+    if ok.item() == 1.0:
+        restore_rng(state)
+        return ""
+    rng_reseed(args, pp_rank, ucp.iteration)
+    return why or "another rank could not restore its RNG state"
+
+
+def restore_run_state(args, optimizer, ucp, layout, *, load_optim: bool) -> None:
+    """After the tensors: the fp16 loss scaler, Megatron's FLOP counter and the RNG streams (restored at the
+    source layout so dropout continues exactly; re-seeded deterministically elsewhere: docs/FORMAT.md
+    "RNG states" says what cannot be equal and why)."""
+    scaler = _restore_loss_scaler(optimizer, ucp, load_optim)
+    if not args.finetune:
+        args.num_floating_point_operations_so_far = ucp.num_floating_point_operations_so_far
+    reseeded = _restore_rng(args, ucp, layout)
+    if torch.distributed.get_rank() == 0:
+        rng = "RNG states of the source ranks restored" if not reseeded else \
+            f"RNG re-seeded from --seed and the iteration ({reseeded})"
+        print(" > universal resume: " + "; ".join(x for x in (scaler, rng) if x), flush=True)

@@ -3,11 +3,12 @@
 From metadata only: checks that the target TP x PP (x VPP) x DP layout can hold the model (heads, query
 groups, ffn and layers divisible; vocabulary re-padding; batch divisible by DP) and lists, per target
 rank, the parameters it loads and the bytes it reads from the universal checkpoint, as
-`megatron_ucp.loader` reads them: the TP slice of each fp32 weight, and the Adam moments of the TP slice
-(without the distributed optimizer) or only of the rows covering the rank's DP shard of megatron-core's
-DDP buffer (with it). For a Megatron-LM source the plan is conversion (to-universal) and then that load.
+`megatron_ucp.loader` reads them: without the distributed optimizer the TP slice of each fp32 weight and
+Adam moment; with it only the rows covering the rank's DP shard of megatron-core's DDP buffer, for the
+fp32 weight and each moment (the param all-gather completes the weights). For a Megatron-LM source the
+plan is conversion (to-universal) and then that load. Uneven targets take Megatron-LM's split flags.
 With experts (MoE) the target also has EP and ETP: EP must divide the experts (checked first); a rank reads
-its EP rank's experts, sliced for its expert-TP rank, and (distributed optimizer) their moments for its
+its EP rank's experts, sliced for its expert-TP rank, and (distributed optimizer) their rows for its
 expert-data-parallel shard of the expert buffers.
 A universal checkpoint whose tensor files are missing or of the wrong size, or whose parameters do not
 match its model (inspect_cmd.universal_problems, from stat() and metadata alone), makes the plan fail.
@@ -25,6 +26,7 @@ from megatron_ucp.adapters.gpt import (check_pipeline, expected_parameters, expe
                                       is_buffer, is_vocab_parameter, padded_vocab_at, parameters_for_rank, rule_for,
                                       virtual_chunks)
 from megatron_ucp.inspect_cmd import human_bytes, is_universal, open_any, text_table, universal_problems
+from megatron_ucp.layer_placement import PlacementError, add_split_arguments, resolve_vpp, split_options
 from megatron_ucp.layout import LayoutError, ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 
@@ -41,14 +43,23 @@ class Target:
     layers_per_virtual_stage: Optional[int] = None
     use_distributed_optimizer: bool = False
     sequence_parallel: bool = False
-    # uneven pipeline (Megatron-LM's --decoder-first/last-pipeline-num-layers,
-    # --account-for-embedding/loss-in-pipeline-split)
+    # Megatron-LM's uneven pipeline split (layer_placement.SPLIT_FLAGS) and --num-virtual-stages-per-pipeline-rank
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
     embedding_in_split: bool = False
     loss_in_split: bool = False
+    virtual_stages: Optional[int] = None
     ep: int = 1  # --expert-model-parallel-size
     etp: Optional[int] = None  # --expert-tensor-parallel-size (None: TP)
+
+    @property
+    def split(self) -> dict:
+        return {"first_stage_layers": self.first_stage_layers, "last_stage_layers": self.last_stage_layers,
+                "embedding_in_split": self.embedding_in_split, "loss_in_split": self.loss_in_split}
+
+    @property
+    def even(self) -> bool:
+        return not any(self.split.values()) and self.virtual_stages is None
 
     def describe(self) -> str:
         s = f"TP{self.tp} PP{self.pp} DP{self.dp}"
@@ -56,6 +67,8 @@ class Target:
             s += f" EP{self.ep} ETP{self.etp or self.tp}"
         if self.layers_per_virtual_stage:
             s += f" ({self.layers_per_virtual_stage} layers per virtual stage)"
+        if self.virtual_stages:
+            s += f" ({self.virtual_stages} virtual stages per rank)"
         split = [f"first stage {self.first_stage_layers} layers" if self.first_stage_layers is not None else "",
                  f"last stage {self.last_stage_layers} layers" if self.last_stage_layers is not None else "",
                  "embedding counted" if self.embedding_in_split else "", "loss counted" if self.loss_in_split else ""]
@@ -148,15 +161,13 @@ def check_target(source: Source, target: Target) -> tuple[list[str], list[str], 
     split = dict(first_stage_layers=target.first_stage_layers, last_stage_layers=target.last_stage_layers,
                  embedding_in_split=target.embedding_in_split, loss_in_split=target.loss_in_split)
     try:
-        if target.layers_per_virtual_stage is not None and (
-                target.first_stage_layers is not None or target.last_stage_layers is not None):
-            raise LayoutError("--num-layers-per-virtual-pipeline-stage cannot be combined with "
-                              "--decoder-first/last-pipeline-num-layers (Megatron-LM's rule)")
-        # the embedding and the loss count as one layer each in the split when asked (Megatron-LM)
-        counted = c.num_layers + target.embedding_in_split + target.loss_in_split
-        vpp = virtual_chunks(counted, target.pp, target.layers_per_virtual_stage)
-        check_pipeline(c.num_layers, ParallelLayout(pp=target.pp, vpp=vpp, **split))
-    except LayoutError as e:
+        if target.even:
+            vpp = virtual_chunks(c.num_layers, target.pp, target.layers_per_virtual_stage)
+        else:
+            vpp = resolve_vpp(c.num_layers, target.pp, layers_per_virtual_stage=target.layers_per_virtual_stage,
+                              virtual_stages=target.virtual_stages, **target.split)
+        check_pipeline(c.num_layers, ParallelLayout(pp=target.pp, vpp=vpp, **target.split))
+    except (LayoutError, PlacementError) as e:
         problems.append(str(e))
     padded = padded_vocab_at(c, t)
     if padded != c.padded_vocab_size:
@@ -176,7 +187,7 @@ def check_target(source: Source, target: Target) -> tuple[list[str], list[str], 
     if problems:
         return problems, warnings, None, padded
     layout = ParallelLayout(tp=t, pp=target.pp, dp=target.dp, vpp=vpp, sp=target.sequence_parallel, ep=target.ep,
-                            etp=target.etp, **split)
+                            etp=target.etp, **target.split)
     try:  # anything the explicit checks above missed
         expected_parameters(dataclasses.replace(c, padded_vocab_size=padded), layout)
     except (LayoutError, ValueError, NotImplementedError) as e:
@@ -197,22 +208,31 @@ def _rows_bytes(source: Source, canonical: str, tp_rank: int, tp: int, start: in
 
 @dataclass
 class _StageReads:
-    """What every rank of one (pp, tp, ep, etp) read set loads: its parameters, weight bytes, and moment bytes
-    per dense-DP rank and per expert-DP rank (distributed optimizer) or for all of them (otherwise)."""
+    """What every rank of one (pp, tp, ep, etp) read set loads: its parameters, the bytes of their slices, and
+    per dense-DP rank and per expert-DP rank (distributed optimizer) the fp32 weight and moment bytes of its
+    shard; `full_weight`/`full_opt`: what every rank reads whatever its DP rank."""
 
     names: list
-    weight_bytes: int = 0
-    dense_opt: Optional[list] = None  # per DP rank
-    expert_opt: Optional[list] = None  # per expert-DP rank
+    weight_bytes: int = 0  # the slices' bytes (the stage listing)
+    full_weight: int = 0
     full_opt: int = 0
+    dense_weight: Optional[list] = None  # per DP rank
+    dense_opt: Optional[list] = None
+    expert_weight: Optional[list] = None  # per expert-DP rank
+    expert_opt: Optional[list] = None
 
 
 def _stage_reads(source: Source, c: GPTModelConfig, layout: ParallelLayout, padded: int, key: tuple,
                  use_distributed_optimizer: bool) -> _StageReads:
+    """With the distributed optimizer and Adam state a rank reads the fp32 weight only where it reads the
+    moments (its DP shard's rows) and megatron-core's param all-gather completes the weights, except for a
+    re-padded vocabulary tensor, read whole by every rank, and buffers (loader.load_universal_checkpoint)."""
     pp_rank, tp_rank, ep_rank, etp_rank = key
     stored_rows = source.config.padded_vocab_size
     moments = 2 if source.has_moments else 0
-    stage = _StageReads([], dense_opt=[0] * layout.dp, expert_opt=[0] * layout.expert_dp)
+    gather = moments and use_distributed_optimizer
+    stage = _StageReads([], dense_weight=[0] * layout.dp, dense_opt=[0] * layout.dp,
+                        expert_weight=[0] * layout.expert_dp, expert_opt=[0] * layout.expert_dp)
     for chunk in range(layout.num_chunks):
         entries = parameters_for_rank(c, layout, pp_rank, chunk if layout.vpp else None, ep_rank=ep_rank,
                                       buffers=True)
@@ -223,23 +243,28 @@ def _stage_reads(source: Source, c: GPTModelConfig, layout: ParallelLayout, padd
             repad = is_vocab_parameter(canonical) and padded != stored_rows
             full = math.prod(source.shapes[canonical]) * 4
             # re-padding reads the whole stored tensor (each key) to re-pad it, then slices
-            stage.weight_bytes += full if repad else math.prod(local_shape) * 4
+            read = full if repad else math.prod(local_shape) * 4
+            stage.weight_bytes += read
             resized[local] = repad
+            if not gather or repad or is_buffer(canonical):
+                stage.full_weight += read
             if moments and not use_distributed_optimizer and not is_buffer(canonical):
-                stage.full_opt += moments * (full if repad else math.prod(local_shape) * 4)
-        if moments and use_distributed_optimizer:
+                stage.full_opt += moments * read
+        if gather:
             params = [e for e in entries if not is_buffer(e[2])]
-            for experts, opt in ((False, stage.dense_opt), (True, stage.expert_opt)):
+            for experts, weight, opt in ((False, stage.dense_weight, stage.dense_opt),
+                                         (True, stage.expert_weight, stage.expert_opt)):
                 mine = [e for e in params if in_expert_optimizer(e[2], c, layout) == experts]
                 if mine:
-                    _add_distopt_reads(source, layout, mine, splits, pp_rank, chunk, resized, opt, moments,
+                    _add_distopt_reads(source, layout, mine, splits, pp_rank, chunk, resized, weight, opt, moments,
                                        experts=experts)
     return stage
 
 
 def rank_reads(source: Source, layout: ParallelLayout, padded: int,
                use_distributed_optimizer: bool) -> tuple[list, list]:
-    """(stages, ranks): per (pp, tp[, ep, etp]) read set its parameters; per rank the bytes it reads."""
+    """(stages, ranks): per (pp, tp[, ep, etp]) read set its parameters and the bytes of their slices; per
+    rank the bytes it reads (_stage_reads)."""
     c = dataclasses.replace(source.config, padded_vocab_size=padded)
     moe = bool(c.num_experts)
     stages: dict = {}
@@ -251,10 +276,11 @@ def rank_reads(source: Source, layout: ParallelLayout, padded: int,
         if key not in stages:
             stages[key] = _stage_reads(source, c, layout, padded, key, use_distributed_optimizer)
         stage = stages[key]
-        opt = stage.dense_opt[dp_rank] + stage.expert_opt[edp_rank] if use_distributed_optimizer else stage.full_opt
+        weight = stage.full_weight + stage.dense_weight[dp_rank] + stage.expert_weight[edp_rank]
+        opt = stage.full_opt + stage.dense_opt[dp_rank] + stage.expert_opt[edp_rank]
         row = {"rank": rank, "tp_rank": tp_rank, "pp_rank": pp_rank, "dp_rank": dp_rank,
-               "num_parameters": len(stage.names), "weight_bytes": stage.weight_bytes, "optimizer_bytes": opt,
-               "read_bytes": stage.weight_bytes + opt}
+               "num_parameters": len(stage.names), "weight_bytes": weight, "optimizer_bytes": opt,
+               "read_bytes": weight + opt}
         if moe:
             row.update(ep_rank=ep_rank, etp_rank=etp_rank, expert_dp_rank=edp_rank)
         ranks.append(row)
@@ -269,10 +295,13 @@ def rank_reads(source: Source, layout: ParallelLayout, padded: int,
 
 
 def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, splits: dict, pp_rank: int, chunk: int,
-                       resized: dict, opt_bytes: list, moments: int, *, experts: bool = False) -> None:
-    """Moments read per DP rank: megatron-core's DistributedOptimizer gives DP rank r the r-th equal part of
-    every bucket of the chunk's DDP buffer (bucket_layout reproduces the buffer's index map); the expert
-    buffers are split the same way over the expert-DP group."""
+                       resized: dict, weight_bytes: list, opt_bytes: list, moments: int, *,
+                       experts: bool = False) -> None:
+    """Bytes read per DP rank with the distributed optimizer: megatron-core gives DP rank r the r-th equal part
+    of every bucket of the chunk's DDP buffer (bucket_layout reproduces the buffer's index map; the expert
+    buffers are split the same way over the expert-DP group); the rank reads the rows of each parameter's TP
+    slice covering its part, for the fp32 weight and each moment (a re-padded vocabulary tensor: the moments
+    whole, once; its weight is counted by the caller)."""
     from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
                                                     shared_embedding_names)
 
@@ -301,8 +330,10 @@ def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, splits: 
                         opt_bytes[dp_rank] += moments * full_bytes[span.name]
                     else:
                         split_rank, split = splits[span.name]
-                        opt_bytes[dp_rank] += moments * _rows_bytes(source, canonicals[span.name], split_rank, split,
-                                                                    start - span.start, end - span.start)
+                        rows = _rows_bytes(source, canonicals[span.name], split_rank, split, start - span.start,
+                                           end - span.start)
+                        weight_bytes[dp_rank] += rows
+                        opt_bytes[dp_rank] += moments * rows
 
 
 def _torch_dtype(name: str):
@@ -399,19 +430,12 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("-d", "--data-parallel-size", type=int, default=1)
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    p.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
-                   help="layers on the first pipeline stage (uneven split, as Megatron-LM)")
-    p.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
-                   help="layers on the last pipeline stage (uneven split, as Megatron-LM)")
-    p.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
-                   help="count the embedding as a layer when splitting layers over stages")
-    p.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
-                   help="count the loss as a layer when splitting layers over stages")
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="EP (models with experts): must divide num_experts; carved out of TP x DP")
     p.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="ETP (default: TP)")
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--sequence-parallel", action="store_true")
+    add_split_arguments(p)
     p.set_defaults(handler=run_cli)
 
 
@@ -419,11 +443,7 @@ def run_cli(args: argparse.Namespace) -> dict:
     target = Target(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                     dp=args.data_parallel_size, layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
                     use_distributed_optimizer=args.use_distributed_optimizer,
-                    sequence_parallel=args.sequence_parallel,
-                    first_stage_layers=args.decoder_first_pipeline_num_layers,
-                    last_stage_layers=args.decoder_last_pipeline_num_layers,
-                    embedding_in_split=args.account_for_embedding_in_pipeline_split,
-                    loss_in_split=args.account_for_loss_in_pipeline_split,
+                    sequence_parallel=args.sequence_parallel, **split_options(args),
                     ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
     plan = make_plan(args.src, target, args.iteration)
     plan["message"] = format_report(plan)

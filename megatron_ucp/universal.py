@@ -361,12 +361,13 @@ class UniversalWriter:
             raise
         return entry
 
-    def finish(self, metadata: Mapping[str, Any], expected: Sequence[tuple[str, Sequence[int]]]) -> Path:
+    def finish(self, metadata: Mapping[str, Any], expected: Sequence[tuple[str, Sequence[int]]],
+               rng: Optional["SavedRngStates"] = None) -> Path:
         """Write metadata.json (format, version and the recorded parameters added), then publish: fsync
         every file, write COMPLETE last, rename into place. `metadata` holds the other top-level keys of
         docs/FORMAT.md; `expected` lists every parameter of the model with its global shape, in
         registration order (the model's rulebook gives it), so an incomplete conversion is never marked
-        complete."""
+        complete. `rng`: the source's per-rank RNG states, written to RNG_FILENAME (metadata key `rng`)."""
         if self._done:
             raise UniversalFormatError(f"{self.dst}: writer already finished or aborted")
         try:
@@ -376,6 +377,8 @@ class UniversalWriter:
             self._check_complete(expected)
             doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION}
             doc.update({k: v for k, v in metadata.items() if k not in ("format", "version", "parameters")})
+            if rng is not None and rng.states:
+                doc["rng"] = _write_rng_file(self.staging_dir, rng)
             doc["parameters"] = self.parameters
             meta_path = self.staging_dir / METADATA_FILENAME
             try:
@@ -574,6 +577,7 @@ class UniversalCheckpoint:
             raise UniversalFormatError(f"{meta_path}: malformed ({type(e).__name__}: {e}); reconvert") from None
         self.args: dict = metadata.get("args", {})
         self.scheduler_state: dict = metadata.get("scheduler") or {}
+        self.loss_scaler, self.rng_section = _run_state_metadata(metadata, meta_path)
         self.param_groups: list[dict] = list((metadata.get("optimizer") or {}).get("param_groups", []))
         lazy = metadata.get("lazy")
         self.lazy_source: Optional[Path] = None
@@ -883,7 +887,105 @@ class UniversalCheckpoint:
         except ChecksumError as e:
             raise _as_format_error(e) from None
         self.bytes_read += region.nbytes
+    # -- run state besides tensors (FORMAT.md "Loss scaler", "RNG states") -------------------------------
+
+    @property
+    def num_floating_point_operations_so_far(self) -> float:
+        """Megatron's FLOP counter at this iteration (0 when the source did not record it)."""
+        value = self.metadata.get("num_floating_point_operations_so_far")
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+    def rng_states(self) -> list:
+        """The source's per-rank RNG states (run_state.RankRngState), read from RNG_FILENAME after checking it
+        against the sha256 metadata.json records; [] when the checkpoint holds none."""
+        if self.rng_section is None:
+            return []
+        path = self.path / RNG_FILENAME
+        try:
+            data = _read_small_file(path, self.path)
+        except OSError as e:
+            raise UniversalFormatError(f"{path}: cannot be read ({e.strerror or e}); restore it from a copy or "
+                                       f"reconvert") from None
+        if hashlib.sha256(data).hexdigest() != self.rng_section["sha256"]:
+            raise UniversalFormatError(f"{path}: its sha256 differs from the one metadata.json records; the file "
+                                       f"was edited or damaged, restore it from a copy or reconvert")
+        from megatron_ucp.run_state import RunStateError, parse_rng_file
+
+        try:
+            return parse_rng_file(json.loads(data), str(path))
+        except (ValueError, RunStateError) as e:
+            raise UniversalFormatError(f"{path}: {e}; restore it from a copy or reconvert") from None
+
+    def rng_layout_problem(self, layout: ParallelLayout, micro_batch_size: Optional[int]) -> Optional[str]:
+        """Why the stored RNG states cannot be restored at `layout` (None when they can): they were drawn at
+        the source layout and micro-batch size, and mean nothing elsewhere."""
+        if self.rng_section is None:
+            return "the universal checkpoint holds no RNG states"
+        stored = ParallelLayout.from_dict(self.rng_section["layout"])
+        if stored != layout:
+            return f"the RNG states were saved at {stored.describe()}, this run is {layout.describe()}"
+        mbs = self.rng_section.get("micro_batch_size")
+        if mbs is not None and micro_batch_size is not None and mbs != micro_batch_size:
+            return f"the RNG states were saved with --micro-batch-size {mbs}, this run uses {micro_batch_size}"
+        return None
 
     def total_bytes(self) -> int:
         """Bytes of all stored tensors (fp32)."""
         return sum(info.data_bytes for info in self.parameters.values())
+
+
+# --------------------------------------------------------------------------------------------------
+# Run state besides tensors: the loss scaler (metadata key `loss_scaler`) and the per-rank RNG states
+# (the file RNG_FILENAME, described by metadata key `rng`); docs/FORMAT.md "Loss scaler", "RNG states".
+
+RNG_FILENAME = "rng_states.json"
+_MAX_RNG_FILE = 1 << 30  # bytes; ~50 KB per rank on CPU runs, far less with CUDA generator states
+
+
+@dataclass(frozen=True)
+class SavedRngStates:
+    """What the writer stores about the source's RNG: every rank's state, the layout and micro-batch size
+    they were drawn at (a resume restores them only there)."""
+
+    states: tuple  # run_state.RankRngState
+    layout: ParallelLayout
+    micro_batch_size: Optional[int]
+
+
+def _write_rng_file(staging_dir: Path, rng: SavedRngStates) -> dict:
+    """Write RNG_FILENAME into the staging directory; returns metadata.json's `rng` section."""
+    from megatron_ucp.run_state import rng_file
+
+    data = (json.dumps(rng_file(list(rng.states), rng.layout.to_dict(), rng.micro_batch_size),
+                       separators=(",", ":"), allow_nan=False) + "\n").encode()
+    (Path(staging_dir) / RNG_FILENAME).write_bytes(data)  # publication fsyncs the tree
+    return {"file": RNG_FILENAME, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+            "layout": rng.layout.to_dict(), "micro_batch_size": rng.micro_batch_size, "ranks": len(rng.states)}
+
+
+def _read_small_file(path: Path, root: Path) -> bytes:
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode) or not _inside(path, root) or st.st_size > _MAX_RNG_FILE:
+        raise OSError(0, f"not a regular file of at most {_MAX_RNG_FILE} bytes inside {root}")
+    with open(path, "rb") as f:
+        return f.read(_MAX_RNG_FILE + 1)
+
+
+def _run_state_metadata(metadata: Mapping[str, Any], meta_path: Path) -> tuple:
+    """(loss scaler state or None, the `rng` section or None) of metadata.json, checked."""
+    from megatron_ucp.run_state import LossScalerState, RunStateError
+
+    try:
+        scaler = LossScalerState.from_json(metadata.get("loss_scaler"), f"{meta_path} loss_scaler")
+    except RunStateError as e:
+        raise UniversalFormatError(f"{e}; the metadata was edited, reconvert") from None
+    section = metadata.get("rng")
+    if section is not None:
+        try:
+            if section["file"] != RNG_FILENAME or not isinstance(section["sha256"], str):
+                raise ValueError(f"file {section['file']!r} is not {RNG_FILENAME!r} or no sha256")
+            ParallelLayout.from_dict(section["layout"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise UniversalFormatError(f"{meta_path}: malformed 'rng' section ({type(e).__name__}: {e}); "
+                                       f"reconvert") from None
+    return scaler, section

@@ -146,3 +146,92 @@ def megatron_lm_losses(fixture: str) -> Dict[int, float]:
 
 def max_rel_diff(a: Dict[int, float], b: Dict[int, float], iterations) -> float:
     return max(abs(a[i] - b[i]) / abs(b[i]) for i in iterations)
+
+
+# --------------------------------------------------------------------------------------------------
+# Real training configurations, trained once per test session (conftest.py's `runs` fixture)
+
+# Every loss-continuation source: warmup (2 iterations) + cosine decay to 1e-4, weight decay 0.1 on
+# Megatron's decay group only (biases and norms are in its no-decay group), 12 iterations, saved at 4:
+# a resume then runs 8 optimizer steps, and a wrong scheduler position or param-group mapping moves
+# the loss (the LR differs at every step, the decay differs per group).
+SCHEDULE = ["--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--lr", "1e-3", "--min-lr", "1e-4",
+            "--weight-decay", "0.1"]
+SOURCE_ITERS, SAVED_AT = 12, 4
+RESUMED = range(SAVED_AT + 1, SOURCE_ITERS + 1)  # 8 optimizer steps after every resume
+DISTOPT = ["--use-distributed-optimizer"]
+OVERLAP = [*DISTOPT, "--overlap-grad-reduce", "--overlap-param-gather"]
+
+# Tolerances on the relative lm-loss difference, from measured layout noise (the same run from
+# scratch with --layout-invariant-init at different layouts, warmup + cosine, weight decay 0.1, 10-12
+# iterations, llama and gpt2 families; see each test for its own figure):
+# fp32 max 5.2e-8, bf16 max 2.9e-5, fp16 (dynamic loss scaling) see FP16_TOL.
+FP32_TOL = 1e-6
+BF16_TOL = 1e-4
+
+
+@dataclass(frozen=True)
+class Trained:
+    """One finished run: its folder, log, {iteration: lm loss}, every --log-jsonl field, its --save."""
+
+    name: str
+    work: Path
+    losses: Dict[int, float]
+    records: Dict[int, dict]
+    save: Optional[Path]
+
+    @property
+    def log(self) -> Path:
+        return self.work / f"{self.name}.log"
+
+
+class RunCache:
+    """Runs each distinct command once per test session: the key is the exact command line (family,
+    layout, iterations, extra flags, whether it saves), so a source checkpoint trained for one test is
+    resumed by every test that asks for the same command, and a resume two tests share runs once. The
+    universal conversions of those checkpoints are cached the same way."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._runs: Dict[tuple, Trained] = {}
+        self._ucp: Dict[tuple, Path] = {}
+
+    def run(self, family: str, layout: Layout, iters: int, extra: Sequence[str] = (), *,
+            save: bool = False) -> Trained:
+        key = (family, tuple(layout.flags()), iters, tuple(map(str, extra)), save)
+        if key not in self._runs:
+            work = self.root / f"run{len(self._runs):03d}"
+            name = "run"
+            flags = [*extra, "--save", str(work / "ckpt")] if save else list(extra)
+            train(family, layout, work, name, iters, flags)
+            records = read_records(work / f"{name}.jsonl")
+            self._runs[key] = Trained(name, work, {i: r["lm_loss"] for i, r in records.items()}, records,
+                                      work / "ckpt" if save else None)
+        return self._runs[key]
+
+    def source(self, family: str, layout: Layout, extra: Sequence[str] = (), *, iters: int = SOURCE_ITERS
+               ) -> Trained:
+        """A continuation source: SCHEDULE, `iters` iterations, saved at SAVED_AT (and at the end)."""
+        return self.run(family, layout, iters, [*SCHEDULE, *extra, "--save-interval", str(SAVED_AT)], save=True)
+
+    def resume(self, family: str, layout: Layout, load: Path, extra: Sequence[str] = (), *,
+               universal: bool = True, iters: int = SOURCE_ITERS) -> Trained:
+        """Iterations SAVED_AT+1..`iters` from `load` (a universal checkpoint, or a Megatron one)."""
+        return self.run(family, layout, iters,
+                        [*SCHEDULE, *extra, "--load", str(load), *(["--universal-checkpoint"] if universal else [])])
+
+    def universal(self, ckpt: Path, iteration: int = SAVED_AT, *, lazy: bool = False) -> Path:
+        from megatron_ucp.convert import to_universal
+
+        key = (str(ckpt), iteration, lazy)
+        if key not in self._ucp:
+            dst = self.root / f"ucp{len(self._ucp):03d}"
+            self._ucp[key] = Path(to_universal(ckpt, dst, iteration=iteration, lazy=lazy, progress=False))
+        return self._ucp[key]
+
+
+def rel_diff(a: Dict[int, float], b: Dict[int, float], iterations=RESUMED) -> float:
+    """max relative lm-loss difference over `iterations`, after checking both runs logged them all."""
+    missing = [i for i in iterations if i not in a or i not in b]
+    assert not missing, f"iterations {missing} missing from a run's log"
+    return max_rel_diff(a, b, iterations)

@@ -19,6 +19,7 @@ import pytest
 from megatron_ucp.adapters.gpt import expected_parameters
 from megatron_ucp.convert import to_universal
 from megatron_ucp.model_config import GPTModelConfig
+from megatron_ucp.plan import format_report as format_plan
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "megatron-lm"
@@ -212,8 +213,10 @@ def test_plan_incompatible_tp_exits_non_zero(ucp):
 
 
 def test_plan_reads_per_rank(ucp, capsys):
-    """TP2 PP2 DP2 with the distributed optimizer: every rank reads its weights' TP slice; the DP ranks of a
-    stage together read each Adam moment about once (bucket shards plus at most a boundary row each)."""
+    """TP2 PP2 DP2 with the distributed optimizer: the DP ranks of a stage together read each fp32 weight's TP
+    slice and each Adam moment about once (bucket shards plus at most a boundary row each; the param
+    all-gather completes the weights). test_e2e_buckets_targets.py checks the total against the bytes the
+    loader reports reading."""
     argv = ["plan", str(ucp["A8"]), "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--data-parallel-size", "2", "--use-distributed-optimizer", "--json"]
     assert CLI.main(argv) == 0
@@ -227,6 +230,8 @@ def test_plan_reads_per_rank(ucp, capsys):
                           for p in params.values())
     moments = sum(r["optimizer_bytes"] for r in plan["ranks"])
     assert 2 * weights <= moments <= 2 * weights * 1.05
+    fp32 = sum(r["weight_bytes"] for r in plan["ranks"])
+    assert 2 * fp32 == moments  # the same rows of the weight and of each moment
     names = [n for s in plan["stages"] if s["tp_rank"] == 0 for n in s["parameters"]]
     assert sorted(names) == sorted(params)
     # without the distributed optimizer each DP rank reads its stage's full moments; a Megatron source adds
@@ -240,6 +245,20 @@ def test_plan_reads_per_rank(ucp, capsys):
     out = CLI.readouterr().out
     assert "warning: vocabulary padding changes: the stored 1024 rows are not divisible by TP=3" in out
     assert "num_attention_heads=4 is not divisible by TP=3" in out and "not divisible by PP=3" in out
+
+
+def test_plan_uneven_split(ucp, capsys):
+    """Megatron-LM's split flags: the stages hold megatron-core's layers; a split it refuses is incompatible."""
+    argv = ["plan", str(ucp["A8"]), "-t", "1", "-p", "2", "--decoder-first-pipeline-num-layers", "1", "--json"]
+    assert CLI.main(argv) == 0
+    plan = json.loads(CLI.readouterr().out)
+    layers = [sorted({n.split(".")[2] for n in s["parameters"] if n.startswith("decoder.layers.")})
+              for s in plan["stages"]]
+    assert layers == [["0"], ["1", "2", "3"]] and plan["target"]["layout"]["first_stage_layers"] == 1
+    assert "[first stage 1 layers]" in format_plan(plan)
+    assert CLI.main(["plan", str(ucp["A8"]), "-t", "1", "-p", "2", "--decoder-first-pipeline-num-layers", "1",
+                     "--account-for-loss-in-pipeline-split"]) == 1
+    assert "cannot be combined" in CLI.readouterr().out
 
 
 # --------------------------------------------------------------------------------------------------

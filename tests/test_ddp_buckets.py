@@ -8,22 +8,17 @@
    --ddp-num-buckets, DP=3 with --ddp-pad-buckets-for-high-nccl-busbw (lcm(3, 128, 2**16) bucket
    ends), no distributed optimizer (no padding). Negative control: a one-bucket prediction differs from the live
    multi-bucket layout.
-2. Llama-like TP2 DP2 + SP with 9 buckets per rank saves torch_dist (dp_reshardable: one flat tensor
-   per bucket) and legacy (distrib_optim.pt, buckets coalesced); both convert to universal checkpoints
-   bitwise equal to the one-bucket run's (same losses to the last bit: per-element sums do not depend
-   on bucketing); the torch_dist one resumes reproducing the uninterrupted losses (1e-6 relative).
+2. End to end with many buckets (torch_dist dp_reshardable and legacy distrib_optim.pt written by megatron-core,
+   converted, resumed at layouts with other bucket counts): tests/test_e2e_buckets_targets.py.
 """
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from pretrain_runs import FAMILIES, REPO, TORCHRUN_TIMEOUT_S, Layout, max_rel_diff, train
+from pretrain_runs import FAMILIES, REPO, TORCHRUN_TIMEOUT_S
 
-from megatron_ucp.convert import to_universal
 from megatron_ucp.formats.bucket_layout import BufferParam, DDPBucketConfig, build_buffer_layout
 
 pytestmark = pytest.mark.torchrun
@@ -80,48 +75,3 @@ def test_bucket_layout_predicts_megatron_core_buffers(name, tmp_path):
     one_bucket = build_buffer_layout([BufferParam(n, (shapes[n],), torch.float32) for n in order],
                                      DDPBucketConfig(dp_size=2, use_distributed_optimizer=True))
     assert [[s.name, s.start, s.end, s.bucket] for s in one_bucket.params] != live["params"]
-
-
-@pytest.fixture(scope="module")
-def bucketed_runs(tmp_path_factory):
-    work = tmp_path_factory.mktemp("buckets")
-    layout = Layout(tp=2, dp=2, sp=True)
-    bucketed = [*OVERLAP, "--ddp-bucket-size", "4000"]
-    runs = {
-        "torch_dist": train("llama", layout, work, "torch_dist", 6,
-                            [*bucketed, "--save", str(work / "torch_dist"), "--save-interval", "4"]),
-        "legacy": train("llama", layout, work, "legacy", 6,
-                        [*bucketed, "--save", str(work / "legacy"), "--save-interval", "4", "--exit-interval", "4",
-                         "--ckpt-format", "torch"]),
-        "one_bucket": train("llama", layout, work, "one_bucket", 6,
-                            ["--use-distributed-optimizer", "--save", str(work / "one_bucket"), "--save-interval", "4",
-                             "--exit-interval", "4"]),
-    }
-    return work, layout, bucketed, runs
-
-
-def test_multi_bucket_checkpoints_convert_like_one_bucket(bucketed_runs):
-    work, _, _, runs = bucketed_runs
-    assert runs["torch_dist"][4] == runs["legacy"][4] == runs["one_bucket"][4]
-    ucp = {name: Path(to_universal(work / name, work / f"{name}_ucp", iteration=4, progress=False))
-           for name in ("one_bucket", "torch_dist", "legacy")}
-    reference = json.loads((ucp["one_bucket"] / "metadata.json").read_text())["parameters"]
-    for name in ("torch_dist", "legacy"):
-        params = json.loads((ucp[name] / "metadata.json").read_text())["parameters"]
-        assert params.keys() == reference.keys()
-        for param, info in reference.items():
-            with safe_open(ucp["one_bucket"] / info["file"], "pt") as a, \
-                    safe_open(ucp[name] / params[param]["file"], "pt") as b:
-                assert set(a.keys()) == set(b.keys()) == {"fp32", "exp_avg", "exp_avg_sq"}, param
-                for key in a.keys():
-                    assert torch.equal(a.get_tensor(key), b.get_tensor(key)), f"{name}: {param}/{key}"
-
-
-def test_multi_bucket_resume_is_exact(bucketed_runs):
-    """From the 9-bucket dp_reshardable checkpoint (one flat tensor per bucket in the .distcp files)."""
-    work, layout, bucketed, runs = bucketed_runs
-    source = "torch_dist"
-    resumed = train("llama", layout, work, f"resume_{source}", 6,
-                    [*bucketed, "--load", str(work / source), "--ckpt-step", "4"])
-    assert sorted(resumed) == [5, 6]
-    assert max_rel_diff(resumed, runs["torch_dist"], range(5, 7)) < 1e-6, (resumed, runs["torch_dist"])

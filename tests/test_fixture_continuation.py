@@ -1,6 +1,9 @@
 """Every Megatron-LM fixture converts to a universal checkpoint, and resuming it with
 --universal-checkpoint, at its own layout and at another one, continues Megatron-LM's own
-uninterrupted run (its train.log, iterations 5..8) within 1e-4 relative.
+uninterrupted run (its train.log, iterations 5..8) within FIXTURE_TOL = 1e-6 relative: its log prints 7
+significant digits (<= 7e-8 relative rounding) and fp32 layout noise is <= 5.2e-8 (measured here: <= 3e-7).
+Megatron-LM's fixture runs use a constant LR (their command lines are fixed); the continuation matrix with
+warmup + cosine and weight decay is in test_universal_resume.py and test_e2e_*.py.
 
 Megatron-LM's own same-layout resume does not reproduce its iteration 6 log line (a logging quirk
 described in the fixtures' README); the comparison is with the uninterrupted run's true losses.
@@ -18,6 +21,7 @@ A = "A_llama_tp2pp2dp2_distopt_sp_torch"
 B = "B_llama_tp2pp2dp2_distopt_sp_torch_dist"
 C = "C_gpt2_tp2pp2dp1_adam_torch"
 FAMILY = {A: "llama", B: "llama", C: "gpt2"}
+FIXTURE_TOL = 1e-6
 
 CASES = [
     (A, Layout(tp=2, pp=2, dp=2, sp=True), "own layout"),
@@ -41,4 +45,5 @@ def test_universal_resume_continues_megatron_lm_run(universal, fixture, layout, 
                     ["--use-distributed-optimizer", "--load", str(universal[fixture]), "--universal-checkpoint"])
     theirs = megatron_lm_losses(fixture)
     diff = max_rel_diff(resumed, theirs, range(5, 9))
-    assert diff < 1e-4, f"{fixture} at {layout} ({what}): {diff:.2e}\n{resumed}\n{theirs}"
+    print(f"{fixture} at {layout}: {diff:.2e}")
+    assert diff <= FIXTURE_TOL, f"{fixture} at {layout} ({what}): {diff:.2e}\n{resumed}\n{theirs}"

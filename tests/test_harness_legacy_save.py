@@ -9,7 +9,7 @@ generator states), every other value equal; only `args` may differ, and only in 
 and run-specific values listed below, and on TP rank 1 the CPU generator state is Megatron-LM's
 advanced by exactly 3 draws (seeding.py: data-loader draws on every TP rank, so that hidden dropout
 stays TP-consistent on CPU). Then the harness resumes from its own legacy files (C) and must
-continue Megatron-LM's uninterrupted run (iterations 5..8, 1e-5 relative: its log prints 7 digits).
+continue Megatron-LM's uninterrupted run (iterations 5..8, 1e-6 relative: its log prints 7 digits).
 Negative controls: the comparison reports the iteration-8 files as different, and a resume without the
 optimizer state leaves the curve by more than 1e-3.
 """
@@ -179,7 +179,7 @@ def test_resume_from_own_legacy_files_continues_megatron_lm(fixture_c_legacy, tm
     resumed = train("gpt2", Layout(tp=2, pp=2), tmp_path, "resume", 8, ["--load", str(work / "ckpt")])
     theirs = megatron_lm_losses(C)
     assert sorted(resumed) == [5, 6, 7, 8]
-    assert max_rel_diff(resumed, theirs, range(5, 9)) < 1e-5, (resumed, theirs)
+    assert max_rel_diff(resumed, theirs, range(5, 9)) <= 1e-6, (resumed, theirs)
     # Negative control: without the Adam state the curve leaves Megatron-LM's.
     no_optim = train("gpt2", Layout(tp=2, pp=2), tmp_path, "resume_no_optim", 8,
                      ["--load", str(work / "ckpt"), "--no-load-optim"])

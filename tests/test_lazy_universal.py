@@ -36,7 +36,7 @@ def test_lazy_reads_equal_the_copy(label, tmp_path):
     copy = UniversalCheckpoint.open(to_universal(SOURCES[label], tmp_path / "copy", iteration=4, progress=False))
     assert lazy.lazy_source == (SOURCES[label] / "iter_0000004").resolve() and copy.lazy_source is None
     assert not (tmp_path / "lazy" / "tensors").exists()
-    assert sorted(p.name for p in (tmp_path / "lazy").iterdir()) == ["COMPLETE", "metadata.json"]
+    assert sorted(p.name for p in (tmp_path / "lazy").iterdir()) == ["COMPLETE", "metadata.json", "rng_states.json"]
     meta_lazy = json.loads((tmp_path / "lazy" / "metadata.json").read_text())
     meta_copy = json.loads((tmp_path / "copy" / "metadata.json").read_text())
     for name, entry in meta_copy["parameters"].items():

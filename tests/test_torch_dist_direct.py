@@ -63,7 +63,7 @@ A = "A_llama_tp2pp2dp2_distopt_sp_torch"
 B = "B_llama_tp2pp2dp2_distopt_sp_torch_dist"
 C = "C_gpt2_tp2pp2dp1_adam_torch"
 # PP3 with the embedding and the loss counted as layers: 6 / 3 = 2 per stage, so layers 1, 2, 1
-UNEVEN = fu.PipelineFlags(embedding_in_split=True, loss_in_split=True)
+UNEVEN = {"embedding_in_split": True, "loss_in_split": True}
 UNEVEN_FLAGS = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
 # Args a resumed run derives its model and layout from, and megatron enums (pickled as references to
 # Megatron-LM's classes, without importing megatron-core): ours must equal megatron-core's.
@@ -227,7 +227,7 @@ def test_fully_reshardable_uneven_write_loads_at_two_layouts(sources, work, caps
     megatron-core loads it there and reshards it at TP1PP1DP2."""
     out = work / "full_uneven"
     summary = _write(sources[(A, 4)], out, Layout(pp=3), use_distributed_optimizer=True,
-                     optimizer_format="fully_reshardable", pipeline=UNEVEN)
+                     optimizer_format="fully_reshardable", pipeline_split=UNEVEN)
     assert summary.plan.layout.describe() == "TP1PP3DP1[embedding counted, loss counted]"
     common = load_pickled(_iter_dir(out) / "common.pt", what="common.pt")
     assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
@@ -338,8 +338,8 @@ def assert_universal_equal(ours: Path, theirs: Path) -> None:
 
 
 @pytest.mark.parametrize("name,target,kwargs", [
-    (A, Layout(pp=3), dict(use_distributed_optimizer=True, pipeline=UNEVEN)),
-    (A, Layout(pp=2, dp=2), dict(use_distributed_optimizer=True, pipeline=fu.PipelineFlags(first_stage_layers=1))),
+    (A, Layout(pp=3), dict(use_distributed_optimizer=True, pipeline_split=UNEVEN)),
+    (A, Layout(pp=2, dp=2), dict(use_distributed_optimizer=True, pipeline_split={"first_stage_layers": 1})),
     (C, Layout(tp=2, pp=2), {}),
 ], ids=["A-PP3-embedding-loss-counted-dp_reshardable", "A-PP2DP2-first-stage-1-layer-dp_reshardable",
         "C-TP2PP2-adam"])
@@ -360,7 +360,7 @@ def test_legacy_writer_takes_uneven_pipelines(sources, tmp_path):
     out = tmp_path / "legacy"
     fu.from_universal(sources[(A, 8)], out, pipeline_model_parallel_size=2, use_distributed_optimizer=True,
                       ckpt_format="torch", rng_state="cpu", progress=False,
-                      pipeline=fu.PipelineFlags(first_stage_layers=1))
+                      pipeline_split={"first_stage_layers": 1})
     rank1 = load_pickled(out / "iter_0000008" / "mp_rank_00_001" / "model_optim_rng.pt", what="rank")
     assert rank1["args"].decoder_first_pipeline_num_layers == 1
     assert sorted({k.split(".")[2] for k in rank1["model"] if k.startswith("decoder.layers.")}) == ["0", "1", "2"]
@@ -454,7 +454,7 @@ def test_errors_before_anything_is_written(sources, tmp_path):
         _write(ucp, tmp_path / "x", Layout(pp=3))
     with pytest.raises(fu.FromUniversalError, match="give the virtual pipeline size as "
                                                     "--num-virtual-stages-per-pipeline-rank"):
-        _write(ucp, tmp_path / "x", Layout(pp=2, vpp_layers=1), pipeline=fu.PipelineFlags(first_stage_layers=1))
+        _write(ucp, tmp_path / "x", Layout(pp=2, vpp_layers=1), pipeline_split={"first_stage_layers": 1})
     steps = tmp_path / "steps"  # parameters with different Adam steps cannot be torch_dist
     shutil.copytree(ucp, steps)
     _rewrite_metadata(steps, lambda meta: next(iter(meta["parameters"].values())).update(step=7))

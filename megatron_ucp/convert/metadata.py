@@ -1,6 +1,6 @@
 """The universal checkpoint's metadata.json content for a converted Megatron checkpoint (docs/FORMAT.md):
-iteration, consumed samples, source, model config, args (JSON-safe), optimizer hyper-parameters,
-scheduler state."""
+iteration, consumed samples, FLOP counter, source, model config, args (JSON-safe), optimizer
+hyper-parameters, scheduler state, loss scaler; and the source's RNG states for the writer's RNG file."""
 
 from __future__ import annotations
 
@@ -87,5 +87,29 @@ def build_metadata(ckpt: CheckpointReader, *, average_replicas: bool) -> dict:
         "args_dropped": dropped,
         "optimizer": {"type": "adam" if ckpt.optimizer_kind != "none" else None, "param_groups": param_groups},
         "scheduler": scheduler,
+        "loss_scaler": _loss_scaler(ckpt),
         "conversion": {"tool": "megatron-ucp to-universal", "average_replicas": bool(average_replicas)},
     }
+
+
+# --- run state besides tensors (docs/FORMAT.md "Loss scaler", "RNG states") -------------------------
+
+def _loss_scaler(ckpt: CheckpointReader):
+    """The source's dynamic loss-scaler state as JSON (None without one: fp32, bf16, --loss-scale)."""
+    if ckpt.optimizer_kind == "none":
+        return None
+    scaler = ckpt.loss_scaler()
+    return scaler.to_json() if scaler is not None else None
+
+
+def saved_rng_states(ckpt: CheckpointReader):
+    """The source's per-rank RNG states with the layout and micro-batch size they were drawn at, for
+    UniversalWriter.finish (None when the checkpoint saved none)."""
+    from megatron_ucp.universal import SavedRngStates
+
+    states = ckpt.rng_states()
+    if not states:
+        return None
+    mbs = ckpt.args.get("micro_batch_size")
+    return SavedRngStates(states=tuple(states), layout=ckpt.layout,
+                          micro_batch_size=int(mbs) if isinstance(mbs, int) else None)

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from megatron_ucp.adapters.gpt import expected_parameters
 from megatron_ucp.convert.consolidate import convert_parameter, source_keys
-from megatron_ucp.convert.metadata import build_metadata
+from megatron_ucp.convert.metadata import build_metadata, saved_rng_states
 from megatron_ucp.convert.tasks import ConversionError, ParamTask, conversion_tasks
 from megatron_ucp.formats import CheckpointReader, open_checkpoint
 from megatron_ucp.staging import fsync_path, join_staging
@@ -111,7 +111,7 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
             bar.close()
         if lazy:  # the index records the checksums of every source byte it reads
             metadata["lazy"] = lazy_section(ckpt.path, writer.parameters, workers=max(2, workers))
-        path = writer.finish(metadata, expected_parameters(ckpt.config))
+        path = writer.finish(metadata, expected_parameters(ckpt.config), rng=saved_rng_states(ckpt))
     return ConversionSummary(path=path, source=str(Path(ckpt.path).resolve()), source_format=ckpt.format,
                              iteration=ckpt.iteration, num_parameters=len(tasks), bytes_written=written,
                              seconds=time.perf_counter() - start, workers=workers, lazy=lazy)
@@ -213,7 +213,7 @@ def _convert_distributed(dist, start, src, dst, iteration, average_replicas, pro
                     for name, entry in rank_entries:
                         writer.record_parameter(name, entry)
                 path = writer.finish(build_metadata(ckpt, average_replicas=average_replicas),
-                                     expected_parameters(ckpt.config))
+                                     expected_parameters(ckpt.config), rng=saved_rng_states(ckpt))
                 writer = None
             except Exception as e:  # noqa: BLE001
                 error = str(e) or type(e).__name__

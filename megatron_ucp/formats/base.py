@@ -6,7 +6,9 @@ is named by its expert-parallel rank and its expert-TP rank (`ShardRef.ep_rank`,
 other parameter, replicated over the EP ranks like over DP, is listed once, at ep_rank 0. On request it returns a shard's tensors
 (`read`) or says where their bytes are in its files (`locate`, for the byte-copy converter), plus the
 state shared by all ranks (`common_state`). Readers register in `megatron_ucp.formats` (READERS);
-the converter never branches on the format.
+the converter never branches on the format. Besides tensors a reader gives the run state a resume needs:
+the fp16 loss scaler (`loss_scaler`) and every rank's RNG state (`rng_states`), in megatron_ucp.run_state's
+forms.
 
 Opening a checkpoint, listing its shards and its common state import no torch and run no code from its
 files (they are parsed through formats/safe_pickle.py's allow-list); read() and locate() import torch.
@@ -17,10 +19,13 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Collection, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Collection, Optional
 
 from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
+
+if TYPE_CHECKING:
+    from megatron_ucp.run_state import LossScalerState, RankRngState
 
 # Tensors a reader can return for a shard, besides the Adam 'step': the model weight ('param'), the
 # fp32 main weight ('fp32'; the weight itself when the optimizer steps it directly) and Adam's moments.
@@ -88,3 +93,15 @@ class CheckpointReader(abc.ABC):
     def common_state(self) -> dict:
         """Iteration, consumed samples, scheduler state, optimizer param groups (without parameter
         lists), checkpoint version: see formats.common.build_common_state."""
+
+    # -- run state besides tensors (docs/FORMAT.md "Loss scaler", "RNG states") ----------------------
+
+    @abc.abstractmethod
+    def loss_scaler(self) -> Optional["LossScalerState"]:
+        """The optimizer's dynamic loss-scaler state (fp16), None without one (fp32, bf16, a constant
+        --loss-scale, or no optimizer state saved)."""
+
+    @abc.abstractmethod
+    def rng_states(self) -> list["RankRngState"]:
+        """Every saved rank's RNG state (one per (pp, tp) rank, or per (pp, tp, dp) rank where DP ranks
+        saved their own), [] when the checkpoint has none (--no-save-rng)."""

@@ -554,3 +554,44 @@ class LegacyCheckpoint(CheckpointReader):
                                   param_groups=[g for i in sorted(self._param_groups) for g in self._param_groups[i]]
                                   if self._param_groups else None,
                                   num_flops=self._num_flops)
+
+    # -- run state besides tensors ------------------------------------------------------------------
+
+    def loss_scaler(self):
+        """model_optim_rng.pt['optimizer']['grad_scaler'] (the same in every rank's file: checked)."""
+        from megatron_ucp.run_state import LossScalerState, RunStateError
+
+        found = {}
+        for (t, p), meta in sorted(self._ranks.items()):
+            opt = meta.state.get("optimizer")
+            if not isinstance(opt, dict):
+                continue
+            try:
+                found[(t, p)] = LossScalerState.from_saved(opt.get("grad_scaler"), f"{meta.model_file} grad_scaler")
+            except RunStateError as e:
+                raise CheckpointFormatError(f"{e}; the file is corrupt, re-copy it") from None
+        states = set(found.values())
+        if len(states) > 1:
+            raise CheckpointFormatError(f"{self.path}: the ranks saved different loss-scaler states "
+                                        f"({sorted(map(str, states))}); rank folders of different saves were mixed, "
+                                        f"re-copy the iteration folder")
+        return states.pop() if states else None
+
+    def rng_states(self) -> list:
+        """model_optim_rng.pt['rng_state'] of every (tp, pp) rank: a list of one state, or of one per DP rank
+        (--data-parallel-random-init)."""
+        from megatron_ucp.run_state import RankRngState, RunStateError
+
+        out = []
+        for (t, p), meta in sorted(self._ranks.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            saved = meta.state.get("rng_state")
+            if saved is None:
+                return []  # --no-save-rng: none at all
+            if not isinstance(saved, list) or not saved:
+                raise structure_error(meta.model_file, "'rng_state' (a list of rank states)", saved)
+            try:
+                out += [RankRngState.from_saved(s, pp=p, tp=t, dp=d if len(saved) > 1 else None,
+                                                where=f"{meta.model_file} rng_state[{d}]") for d, s in enumerate(saved)]
+            except RunStateError as e:
+                raise CheckpointFormatError(f"{e}; the file is corrupt, re-copy it") from None
+        return out

@@ -848,3 +848,66 @@ class TorchDistCheckpoint(CheckpointReader):
                                   opt_param_scheduler=self._common.get("opt_param_scheduler"),
                                   param_groups=groups,
                                   num_flops=self._common.get("num_floating_point_operations_so_far"))
+
+    # -- run state besides tensors ------------------------------------------------------------------
+
+    _RNG_KEY = re.compile(r"^rng_state/shard_([\d.]+)_([\d.]+)$")
+
+    def _bytes_item(self, key: str):
+        """A pickled object saved as a DCP bytes item (a ShardedObject), parsed through the allow-list."""
+        index = DcpIndex(key)
+        if index not in self._metadata.storage_data:
+            raise CheckpointFormatError(f"{self.path / '.metadata'}: lists {key} but not where it is saved; the "
+                                        f"metadata is corrupt, re-copy the iteration folder.")
+        try:
+            saved = load_dcp_item(self._metadata, index)
+        except SafeLoadError as e:
+            raise CheckpointFormatError(str(e)) from e
+        return saved[0] if isinstance(saved, list) and len(saved) == 1 else saved  # DCP saves [object]
+
+    def loss_scaler(self):
+        """dp_reshardable: the ShardedObject optimizer.distributed.dp_group_idx_<m>.grad_scaler of every
+        model-parallel rank m (all equal: checked); otherwise common.pt['optimizer']['grad_scaler']."""
+        from megatron_ucp.run_state import LossScalerState, RunStateError
+
+        found = {}
+        try:
+            for key, md in self._keys.items():
+                if isinstance(md, DcpBytesMeta) and re.match(r"^optimizer\.distributed\.dp_group_idx_\d+\.grad_scaler/",
+                                                             key):
+                    found[key] = LossScalerState.from_saved(self._bytes_item(key), f"{self.path} item {key}")
+            for i, part in enumerate(self._optimizer_common_parts()):
+                if "grad_scaler" in part:
+                    found[f"common {i}"] = LossScalerState.from_saved(
+                        part["grad_scaler"], f"{self.path / 'common.pt'} optimizer grad_scaler")
+        except RunStateError as e:
+            raise CheckpointFormatError(f"{e}; the checkpoint is corrupt, re-copy it") from None
+        states = set(found.values())
+        if len(states) > 1:
+            raise CheckpointFormatError(f"{self.path}: the saved loss-scaler states differ ({sorted(found)}); the "
+                                        f"checkpoint mixes saves, re-copy the iteration folder")
+        return states.pop() if states else None
+
+    def rng_states(self) -> list:
+        """The ShardedObject 'rng_state': one item per (pp, tp) rank (rng_state/shard_<pp>.<tp>_<PP>.<TP>), or
+        per (pp, tp, dp) rank with expert parallelism; each holds a one-element list."""
+        from megatron_ucp.run_state import RankRngState, RunStateError
+
+        out = []
+        for key, md in self._keys.items():
+            m = self._RNG_KEY.match(key)
+            if not m or not isinstance(md, DcpBytesMeta):
+                continue
+            offsets = tuple(int(x) for x in m.group(1).split("."))
+            if len(offsets) not in (2, 3):
+                raise CheckpointFormatError(f"{self.path / '.metadata'}: {key} is not sharded by (pp, tp) or "
+                                            f"(pp, tp, dp); the checkpoint was not written by Megatron-LM.")
+            state = self._bytes_item(key)
+            state = state[0] if isinstance(state, list) and len(state) == 1 else state  # the harness's [state]
+            try:
+                out.append(RankRngState.from_saved(state, pp=offsets[0], tp=offsets[1],
+                                                   dp=offsets[2] if len(offsets) == 3 else None,
+                                                   where=f"{self.path} item {key}"))
+            except RunStateError as e:
+                raise CheckpointFormatError(f"{e}; the checkpoint is corrupt, re-copy it") from None
+        return sorted(out, key=lambda s: (s.pp, s.tp, -1 if s.dp is None else s.dp))

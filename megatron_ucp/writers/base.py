@@ -29,7 +29,8 @@ class WriteTarget:
     use_distributed_optimizer: bool
     padded_vocab_size: int
     args: Mapping[str, Any]  # Megatron-LM args (JSON values) with the target layout's values filled in
-    rng_state: str = "cuda"  # 'cuda' | 'cpu' | 'none': the fresh RNG state written for Megatron-LM to load
+    # 'cuda' | 'cpu' | 'none': the fresh RNG state written for Megatron-LM to load; 'source': the stored ones
+    rng_state: str = "cuda"
 
 
 @dataclass(frozen=True)
@@ -52,16 +53,18 @@ def target_args(metadata: Mapping[str, Any], layout: ParallelLayout, *, use_dist
         virtual_pipeline_model_parallel_size=layout.vpp,
         num_layers_per_virtual_pipeline_stage=vpp_layers if layout.vpp else None,
         data_parallel_size=layout.dp,
+        # the target's expert layout (Megatron-LM's default ETP is the TP), never the source's
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
+        # the target's pipeline split, never the source's (an even target of an uneven source is even)
+        decoder_first_pipeline_num_layers=layout.first_stage_layers,
+        decoder_last_pipeline_num_layers=layout.last_stage_layers,
+        account_for_embedding_in_pipeline_split=bool(layout.embedding_in_split),
+        account_for_loss_in_pipeline_split=bool(layout.loss_in_split),
+        num_virtual_stages_per_pipeline_rank=layout.vpp if layout.vpp and not vpp_layers else None,
         context_parallel_size=1,
         world_size=layout.world_size,
         sequence_parallel=bool(layout.sp),
-        num_virtual_stages_per_pipeline_rank=layout.vpp if layout.vpp and not vpp_layers else None,
-        decoder_first_pipeline_num_layers=layout.first_stage_layers,
-        decoder_last_pipeline_num_layers=layout.last_stage_layers,
-        account_for_embedding_in_pipeline_split=layout.embedding_in_split,
-        account_for_loss_in_pipeline_split=layout.loss_in_split,
         use_distributed_optimizer=bool(use_distributed_optimizer),
         padded_vocab_size=int(padded_vocab_size),
         ckpt_format=ckpt_format,

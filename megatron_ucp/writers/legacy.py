@@ -28,12 +28,17 @@ regrouped by Megatron's rule at the target layout; a group's hyper-parameters co
 checkpoint's group with the same identity (wd_mult, lr_mult, decoupled LR). ETP != TP is refused: Megatron-LM
 0.16.1 cannot write it consistently in this format.
 
-RNG: a universal checkpoint holds no RNG state (it means nothing at another layout). Megatron-LM's
-load_checkpoint exits ("Unable to load rng state") when `rng_state` is missing unless --no-load-rng,
-so by default a fresh deterministic state is written: Megatron's own seeding (_set_random_seed +
-model_parallel_cuda_manual_seed) with seed = args.seed + 7919 * iteration (+ 100 * pp_rank), in the
-CUDA generator format (16 bytes: seed, Philox offset) or, with rng_state="cpu", the CPU generator's
-(the CPU training harness). rng_state="none" omits it (then resume with --no-load-rng).
+fp16: the universal checkpoint's loss-scaler state goes into `optimizer['grad_scaler']` (megatron-core's
+optimizers load it from there; each of a ChainedOptimizer's).
+
+RNG: a universal checkpoint's RNG states (docs/FORMAT.md "RNG states") are the source ranks' and mean
+nothing at another layout. Megatron-LM's load_checkpoint exits ("Unable to load rng state") when
+`rng_state` is missing unless --no-load-rng, so by default a fresh deterministic state is written:
+Megatron's own seeding (_set_random_seed + model_parallel_cuda_manual_seed) with seed = args.seed + 7919 *
+iteration (+ 100 * pp_rank), in the CUDA generator format (16 bytes: seed, Philox offset) or, with
+rng_state="cpu", the CPU generator's (the CPU training harness). rng_state="none" omits it (then resume
+with --no-load-rng); rng_state="source" writes the stored states unchanged, for a target at the source
+layout (a dropout run then continues exactly).
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ from megatron_ucp.patterns import repadded_shard
 from megatron_ucp.writers.base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
 
 CHECKPOINT_VERSION = 3.0
-RNG_STATE_KINDS = ("cuda", "cpu", "none")
+RNG_STATE_KINDS = ("cuda", "cpu", "none", "source")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -369,6 +374,16 @@ def fresh_rng_state(args: Mapping[str, Any], iteration: int, tp_rank: int, pp_ra
     return states
 
 
+def source_rng_state(ucp, tp_rank: int, pp_rank: int) -> list:
+    """The universal checkpoint's stored RNG states of rank (pp, tp), as Megatron-LM's `rng_state` list (one
+    element, or one per DP rank where they were saved per DP rank). from_universal checked the layout."""
+    states = [s for s in ucp.rng_states() if (s.pp, s.tp) == (pp_rank, tp_rank)]
+    if not states:
+        raise LegacyWriteError(f"{ucp.path}: no stored RNG state for rank tp={tp_rank} pp={pp_rank}; use "
+                               f"--rng-state cuda or cpu")
+    return [s.to_megatron() for s in sorted(states, key=lambda s: -1 if s.dp is None else s.dp)]
+
+
 def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: Optional[TargetGroups], tp_rank: int,
                      pp_rank: int, ep_rank: int = 0) -> tuple[dict, Optional[Any]]:
     """(model_optim_rng.pt, distrib_optim.pt or None) of one (tp, pp, ep) rank folder; reads only its slices."""
@@ -430,9 +445,13 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
         sd["optimizer"] = optimizers if len(optimizers) > 1 else optimizers[0]
         if target.use_distributed_optimizer:
             distrib = distribs if len(distribs) > 1 else distribs[0]
+        for optimizer in optimizers:
+            _add_grad_scaler(optimizer, ucp, target)
         if ucp.scheduler_state:
             sd["opt_param_scheduler"] = dict(ucp.scheduler_state)
-    if target.rng_state != "none":
+    if target.rng_state == "source":
+        sd["rng_state"] = source_rng_state(ucp, tp_rank, pp_rank)
+    elif target.rng_state != "none":
         sd["rng_state"] = fresh_rng_state(target.args, ucp.iteration, tp_rank, pp_rank, layout.dp,
                                           target.rng_state, ep_rank)
     flops = ucp.metadata.get("num_floating_point_operations_so_far")
@@ -466,6 +485,19 @@ def _torch_adam_state(ucp, rank_groups, canonicals, masters, identities) -> dict
     if not mixed:
         return inner
     return {"optimizer": inner, "fp32_from_fp16_params": fp32_from_16}
+
+
+def _add_grad_scaler(optimizer: dict, ucp, target: WriteTarget) -> None:
+    """fp16: the dynamic loss scaler's state under 'grad_scaler', where megatron-core's optimizers keep it
+    (after 'optimizer', before 'fp32_from_fp16_params'); without a stored state the fp16 run starts a
+    fresh scaler from its flags (megatron-core logs "found an old checkpoint")."""
+    if not target.args.get("fp16") or ucp.loss_scaler is None:
+        return
+    items = list(optimizer.items())
+    optimizer.clear()
+    optimizer.update(items[:1])
+    optimizer["grad_scaler"] = ucp.loss_scaler.to_megatron()
+    optimizer.update(items[1:])
 
 
 def _distrib_optim(target: WriteTarget, pp_rank: int, chunks, masters, ucp, *, experts: bool = False) -> dict:

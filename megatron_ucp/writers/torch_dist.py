@@ -56,12 +56,15 @@ _VALUE_FLAGS = (
     ("lr", "--lr"), ("min_lr", "--min-lr"), ("lr_decay_style", "--lr-decay-style"),
     ("weight_decay", "--weight-decay"), ("clip_grad", "--clip-grad"), ("adam_beta1", "--adam-beta1"),
     ("adam_beta2", "--adam-beta2"), ("adam_eps", "--adam-eps"), ("loss_scale", "--loss-scale"),
-    ("initial_loss_scale", "--initial-loss-scale"), ("ddp_bucket_size", "--ddp-bucket-size"),
+    ("initial_loss_scale", "--initial-loss-scale"), ("min_loss_scale", "--min-loss-scale"),
+    ("loss_scale_window", "--loss-scale-window"), ("hysteresis", "--hysteresis"),
+    ("ddp_bucket_size", "--ddp-bucket-size"),
 )
 # Megatron arg -> harness flag for booleans passed when true.
 _TRUE_FLAGS = (
     ("swiglu", "--swiglu"), ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
-    ("add_qkv_bias", "--add-qkv-bias"), ("bf16", "--bf16"), ("overlap_grad_reduce", "--overlap-grad-reduce"),
+    ("add_qkv_bias", "--add-qkv-bias"), ("bf16", "--bf16"), ("fp16", "--fp16"),
+    ("overlap_grad_reduce", "--overlap-grad-reduce"),
     ("accumulate_allreduce_grads_in_fp32", "--accumulate-allreduce-grads-in-fp32"),
     ("dist_ckpt_optim_fully_reshardable", "--dist-ckpt-optim-fully-reshardable"),
 )
@@ -153,9 +156,6 @@ def harness_flags_from_universal(metadata: Mapping[str, Any], layout: ParallelLa
         args["max_position_embeddings"] = config["max_position_embeddings"]
     if config.get("num_experts"):
         raise ValueError("mixture-of-experts models are not supported by the harness")
-    if args.get("fp16"):
-        raise ValueError("the checkpoint was trained with --fp16, which the harness does not support; "
-                         "use --ckpt-format torch")
     if not args.get("seq_length"):
         args["seq_length"] = args.get("max_position_embeddings") or config.get("max_position_embeddings")
     if not args.get("micro_batch_size"):

@@ -28,14 +28,18 @@ Entries (formats/torch_dist.py documents them as the reader sees them):
     chunked as DistributedOptimizer.sharded_param_state_dp_reshardable does: each DP rank's equal slice
     of the padded bucket split at parameter boundaries, gaps (64-element alignment) as chunks of their
     own (zeros here), nothing past numel_unpadded; plus the objects `.optimizer` (param groups with
-    `step`), `.per_bucket_numel`, `.per_bucket_numel_unpadded`. Loads at this TP x PP only (any DP).
+    `step`), `.grad_scaler` (fp16), `.per_bucket_numel`, `.per_bucket_numel_unpadded`. Loads at this
+    TP x PP only (any DP).
   - "fully_reshardable": `optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`, chunked like the
     model key; param groups in common.pt. megatron-core loads it at any layout.
   - "adam" (no distributed optimizer): `optimizer.state.{exp_avg,exp_avg_sq}.<model key>` (+ `fp32_param`
     for bf16/fp16 models); common.pt holds the param groups and `common_step`.
   - None: weights only (args.no_save_optim), when the universal checkpoint has no Adam state.
 - `rng_state/shard_<pp>.<tp>_<PP>.<TP>`: a fresh deterministic state per (pp, tp) rank, as
-  writers/legacy.py writes it (`rng_state` "cuda" or "cpu"; "none" omits it, args.no_save_rng).
+  writers/legacy.py writes it (`rng_state` "cuda" or "cpu"; "source": the stored states, at the source
+  layout only; "none" omits it, args.no_save_rng).
+- fp16: the loss scaler's state as `grad_scaler` next to the optimizer's param groups (an object of its
+  own with dp_reshardable, in common.pt otherwise), where megatron-core's optimizers keep it.
 
 How bytes move (bounded memory, at disk speed): tensor items are framed by torch.save itself without
 their data (formats/tensor_archive.py); each item's data is the concatenation of pieces, each a run of
@@ -57,8 +61,7 @@ adapters/gpt.py, the DDP index map from formats/bucket_layout.py; this module on
 Not written: mixture-of-experts models (refused in plan with the fix; the keys and leading axes above
 already follow the rulebook's expert rows, but the chained [dense, expert] optimizer, the expert DDP
 buffers (`chained_1.` keys, `dp_group_idx` over ETP x EP x PP) and the per-DP RNG objects with EP > 1
-of docs/MOE_CHECKPOINTS.md are not), and the fp16 loss scaler (universal checkpoints do not carry it:
-megatron-core then starts from --initial-loss-scale).
+of docs/MOE_CHECKPOINTS.md are not): `--ckpt-format torch` or `--via-harness` write those.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.writers.base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
 from megatron_ucp.writers.legacy import (CHECKPOINT_VERSION, TargetGroups, args_namespace, fresh_rng_state, group_hyper,
-                                        param_groups_by_rank)
+                                        param_groups_by_rank, source_rng_state)
 
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed optimizer's torch_dist formats
 FILES_PER_RANK = 2  # megatron-core's default writer threads per rank (TorchDistSaveShardedStrategy thread_count)
@@ -341,7 +344,8 @@ def plan_checkpoint(ucp, target: WriteTarget, optimizer_format: Optional[str] = 
     if target.rng_state != "none":
         for pp_rank in range(layout.pp):
             for tp_rank in range(layout.tp):
-                value = fresh_rng_state(target.args, ucp.iteration, tp_rank, pp_rank, layout.dp, target.rng_state)
+                value = (source_rng_state(ucp, tp_rank, pp_rank) if target.rng_state == "source" else
+                         fresh_rng_state(target.args, ucp.iteration, tp_rank, pp_rank, layout.dp, target.rng_state))
                 owners.add(ObjectItem(sharded_object_key("rng_state", (pp_rank, tp_rank), (layout.pp, layout.tp)),
                                       value), tp_rank, pp_rank, 0)
     return DirectPlan(owners.files(), _common_state(ucp, target, opt, step, groups), ucp.iteration,
@@ -485,8 +489,11 @@ def _plan_flat_buckets(ucp, config: GPTModelConfig, target: WriteTarget, shapes:
                     gbuf += 1
             param_groups = [{**group_hyper(ucp, identity), "step": float(step or 0)}
                             for identity in _dense_identities(groups, tp_rank, pp_rank)]
-            for name, value in (("optimizer", {"param_groups": param_groups}), ("per_bucket_numel", numel),
-                                ("per_bucket_numel_unpadded", unpadded)):
+            objects = [("optimizer", {"param_groups": param_groups})]
+            scaler = _grad_scaler(ucp, target)
+            if scaler is not None:  # DistributedOptimizer.state_dict() keeps it next to 'optimizer'
+                objects.append(("grad_scaler", scaler))
+            for name, value in (*objects, ("per_bucket_numel", numel), ("per_bucket_numel_unpadded", unpadded)):
                 owners.add(ObjectItem(sharded_object_key(distributed_optimizer_object_key(mp, name), (0,), (1,)),
                                       value), tp_rank, pp_rank, 0)
 
@@ -522,6 +529,14 @@ def _bucket_chunks(bucket, spans, dp: int, flat_pieces: Callable, where: str) ->
     return out
 
 
+def _grad_scaler(ucp, target: WriteTarget) -> Optional[dict]:
+    """fp16: the loss scaler's state as megatron-core's optimizers keep it under 'grad_scaler' (None otherwise:
+    the run then starts a fresh scaler from its flags)."""
+    if not target.args.get("fp16") or ucp.loss_scaler is None:
+        return None
+    return ucp.loss_scaler.to_megatron()
+
+
 def _dense_identities(groups: TargetGroups, tp_rank: int, pp_rank: int) -> list:
     """The identities of the (dense) optimizer's param groups on a model-parallel rank, in Megatron's order."""
     return groups.identities[0][:len(groups.members[0][(tp_rank, 0, pp_rank)])]
@@ -540,17 +555,22 @@ def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: Op
                     "iteration": ucp.iteration}
     if opt is not None:
         hyper = [group_hyper(ucp, i) for i in _dense_identities(groups, 0, 0)]  # rank 0's (it writes common.pt)
+        scaler = _grad_scaler(ucp, target)
         if opt == "dp_reshardable":
             common["optimizer"] = {"param_state_sharding_type": "dp_reshardable"}
         elif opt == "fully_reshardable":
-            common["optimizer"] = {"optimizer": {"param_groups": [{**g, "step": float(step or 0)} for g in hyper]},
-                                   "param_state_sharding_type": "fully_reshardable"}
+            common["optimizer"] = {"optimizer": {"param_groups": [{**g, "step": float(step or 0)} for g in hyper]}}
+            if scaler is not None:
+                common["optimizer"]["grad_scaler"] = scaler
+            common["optimizer"]["param_state_sharding_type"] = "fully_reshardable"
         else:  # FP32Optimizer, or Float16OptimizerWithFloat16Params around it for 16-bit models
             inner: dict = {"state": {}, "param_groups": hyper}
             if step:  # megatron-core saves the shared step only when non-zero
                 inner["state"]["common_step"] = torch.tensor(float(step), dtype=torch.float32)
             mixed = any(_model_dtype(ucp, n) != torch.float32 for n in ucp.parameters)
             common["optimizer"] = {"optimizer": inner} if mixed else inner
+            if mixed and scaler is not None:
+                common["optimizer"]["grad_scaler"] = scaler
         common["opt_param_scheduler"] = dict(ucp.scheduler_state)
     flops = ucp.metadata.get("num_floating_point_operations_so_far")
     common["num_floating_point_operations_so_far"] = flops if flops is not None else 0
@@ -876,9 +896,9 @@ class DirectTorchDistWriter(CheckpointWriter):
 
     def plan(self, ucp, target: WriteTarget, notes: list) -> list[PlannedFile]:
         plan = self.checkpoint_plan(ucp, target)
-        if any(info.model_dtype == "float16" for info in ucp.parameters.values()) and plan.optimizer:
-            notes.append("fp16 model: universal checkpoints do not carry the loss scaler; megatron-core starts "
-                         "from --initial-loss-scale")
+        if target.args.get("fp16") and plan.optimizer and ucp.loss_scaler is None:
+            notes.append("fp16 model: this universal checkpoint holds no loss scaler (written before version 2 "
+                         "recorded it); megatron-core starts from --initial-loss-scale")
         it = iteration_dir_name(plan.iteration)
         files = [PlannedFile(f"{it}/{f.name}", f.nbytes) for f in plan.files]
         files += [PlannedFile(f"{it}/{name}", 0) for name in (DCP_METADATA_FILENAME, COMMON_FILENAME,
