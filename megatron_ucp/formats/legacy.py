@@ -562,14 +562,17 @@ class LegacyCheckpoint(CheckpointReader):
         from megatron_ucp.run_state import LossScalerState, RunStateError
 
         found = {}
-        for (t, p), meta in sorted(self._ranks.items()):
+        for (t, p, e), meta in sorted(self._ranks.items()):
             opt = meta.state.get("optimizer")
-            if not isinstance(opt, dict):
-                continue
-            try:
-                found[(t, p)] = LossScalerState.from_saved(opt.get("grad_scaler"), f"{meta.model_file} grad_scaler")
-            except RunStateError as e:
-                raise CheckpointFormatError(f"{e}; the file is corrupt, re-copy it") from None
+            # a ChainedOptimizer (experts in their own optimizer) saves a list: one scaler state in each
+            for i, one in enumerate(opt if isinstance(opt, list) else [opt]):
+                if not isinstance(one, dict):
+                    continue
+                try:
+                    found[(t, p, e, i)] = LossScalerState.from_saved(one.get("grad_scaler"),
+                                                                     f"{meta.model_file} grad_scaler")
+                except RunStateError as err:
+                    raise CheckpointFormatError(f"{err}; the file is corrupt, re-copy it") from None
         states = set(found.values())
         if len(states) > 1:
             raise CheckpointFormatError(f"{self.path}: the ranks saved different loss-scaler states "
@@ -582,8 +585,12 @@ class LegacyCheckpoint(CheckpointReader):
         (--data-parallel-random-init)."""
         from megatron_ucp.run_state import RankRngState, RunStateError
 
+        if any(e for _, _, e in self._ranks):
+            # expert-parallel folders hold each EP rank's expert RNG stream, which RankRngState does not key;
+            # the loader then re-seeds deterministically (as at a new layout)
+            return []
         out = []
-        for (t, p), meta in sorted(self._ranks.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        for (t, p, _), meta in sorted(self._ranks.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             saved = meta.state.get("rng_state")
             if saved is None:
                 return []  # --no-save-rng: none at all

@@ -77,6 +77,8 @@ from megatron_ucp.formats.safe_pickle import (
     DcpBytesMeta, DcpIndex, DcpTensorMeta, SafeLoadError, TensorRecord, TorchDType, load_dcp_item, load_dcp_metadata)
 from megatron_ucp.layout import LayoutError
 
+# the fp16 loss scaler of a distributed optimizer (dp_reshardable: an object per model-parallel rank)
+_SCALER_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\.grad_scaler/")
 # optimizer state in model space: fully_reshardable distributed optimizer, FP32 / Float16 optimizers
 _MODEL_SPACE_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
 
@@ -873,8 +875,7 @@ class TorchDistCheckpoint(CheckpointReader):
         found = {}
         try:
             for key, md in self._keys.items():
-                if isinstance(md, DcpBytesMeta) and re.match(r"^optimizer\.distributed\.dp_group_idx_\d+\.grad_scaler/",
-                                                             key):
+                if isinstance(md, DcpBytesMeta) and _SCALER_KEY.match(key):
                     found[key] = LossScalerState.from_saved(self._bytes_item(key), f"{self.path} item {key}")
             for i, part in enumerate(self._optimizer_common_parts()):
                 if "grad_scaler" in part:
