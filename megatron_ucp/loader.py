@@ -22,6 +22,8 @@ router's `expert_bias` (a persistent buffer, no optimizer state) is copied whole
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import random
 from dataclasses import dataclass
@@ -193,7 +195,7 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
     for vpp_chunk, chunk in enumerate(model):
         from megatron_ucp.training.model import unwrap_model
         module = unwrap_model(chunk)
-        _load_buffers(ucp, module, layout, pp_rank, vpp_chunk, ep_rank, parallel_state)
+        _load_buffers(ucp, module, layout, pp_rank, vpp_chunk, ep_rank, parallel_state, target_padded)
         for local, param in module.named_parameters():
             name = rulebook.canonical_name(local, layout, pp_rank, vpp_chunk if layout.vpp else None,
                                            config.num_layers, tied=config.tied, config=config, ep_rank=ep_rank)
@@ -269,10 +271,11 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
     return ucp.iteration
 
 
-def _load_buffers(ucp, module, layout, pp_rank: int, vpp_chunk: int, ep_rank: int, parallel_state) -> None:
+def _load_buffers(ucp, module, layout, pp_rank: int, vpp_chunk: int, ep_rank: int, parallel_state,
+                  padded_vocab_size: int) -> None:
     """Persistent buffers the rulebook knows (the router's expert_bias): copied whole (replicated, no
-    optimizer state)."""
-    config = ucp.config
+    optimizer state). The rank's parameters are listed at the run's padded vocabulary (re-padded or not)."""
+    config = dataclasses.replace(ucp.config, padded_vocab_size=padded_vocab_size)
     chunk = vpp_chunk if layout.vpp else None
     for local, shape, name in rulebook.parameters_for_rank(config, layout, pp_rank, chunk, ep_rank=ep_rank,
                                                            buffers=True):

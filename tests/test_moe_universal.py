@@ -118,7 +118,8 @@ def edited_copy(src: Path, dst: Path, edit) -> Path:
                 tensors[key] = tensor if changed is None else changed
             writer.write_parameter(name, tensors, {"model_dtype": info.model_dtype, "pattern": info.pattern,
                                                    "step": info.step, "param_group": info.param_group})
-        meta = {k: v for k, v in ucp.metadata.items() if k not in ("format", "version", "parameters")}
+        # without the source's RNG file (the copy's metadata must not point at one it does not have)
+        meta = {k: v for k, v in ucp.metadata.items() if k not in ("format", "version", "parameters", "rng")}
         writer.finish(meta, [(n, i.shape) for n, i in ucp.parameters.items()])
     return dst
 
