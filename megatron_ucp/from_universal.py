@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from megatron_ucp.adapters.gpt import (expected_parameters, experts_per_ep_rank, is_buffer, megatron_padded_vocab,
                                        virtual_chunks)
-from megatron_ucp.convert import in_torchrun
+from megatron_ucp.convert.runner import all_ranks_agree, in_torchrun
 from megatron_ucp.formats.common import TRACKER_FILENAME
 from megatron_ucp.layer_placement import PlacementError, add_split_arguments, resolve_vpp, split_options
 from megatron_ucp.layout import LayoutError, ParallelLayout
@@ -342,13 +342,7 @@ def _write_distributed(ucp_path: Path, dst: Path, writer, plan_for, marker, *, o
         rank, world = dist.get_rank(), dist.get_world_size()
 
         def agree(error: Optional[str]) -> None:
-            """Raise on every rank if any rank failed (the first error, with its rank)."""
-            errors = [None] * world
-            dist.all_gather_object(errors, error)
-            failed = [(r, e) for r, e in enumerate(errors) if e]
-            if failed:
-                r, e = failed[0]
-                raise FromUniversalError(e if r == rank else f"rank {r}: {e}")
+            all_ranks_agree(dist, error, FromUniversalError)
 
         def attempt(step) -> Optional[str]:
             try:

@@ -1,10 +1,17 @@
 """`megatron-ucp export-hf`: a Hugging Face transformers model directory from a universal checkpoint.
 
-Writes `config.json` and `model.safetensors` (HF parameter names) for two families:
+Writes `config.json` and `model.safetensors` (HF parameter names) for four families:
 - llama: SwiGLU, RMSNorm, RoPE; Megatron's per-query-group fused QKV is split into q/k/v_proj
   (GroupedQKV.split_qkv gives HF's head order), fc1 `[gate; up]` into gate_proj / up_proj;
 - gpt2: LayerNorm, learned positions, GELU, tied embeddings, biases; HF's Conv1D stores weights
-  transposed ([in, out]) and c_attn is [q; k; v] concatenated on the output axis.
+  transposed ([in, out]) and c_attn is [q; k; v] concatenated on the output axis;
+- mixtral (MoE): Llama's attention, every layer MoE, routed experts only: router -> block_sparse_moe.gate,
+  expert j's fc1 `[gate; up]` -> w1 / w3, fc2 -> w2 (the Hub's layout; transformers 5 fuses it on load);
+- qwen2_moe (MoE with a gated shared expert): routed experts -> mlp.experts.j.{gate,up,down}_proj, the
+  shared expert -> mlp.shared_expert, its gate -> mlp.shared_expert_gate, dense layers (moe_layer_freq)
+  -> mlp_only_layers.
+Megatron's router (softmax score, top-k of the logits, then softmax over the k: the same as Mixtral's /
+Qwen2-MoE's normalized top-k of the full softmax) is checked to be the default one.
 Vocabulary padding rows are dropped (HF vocab_size = the true vocabulary). Only weights are exported
 (the fp32 master weights, cast to --dtype, every block read checked against its checksums); the
 universal checkpoint itself is never modified. The output goes through `staging.Staging` (kind "hf":
@@ -29,7 +36,8 @@ from megatron_ucp.staging import TOOL_MARKER_FILENAME, Staging, StagingError, to
 from megatron_ucp.staging import check_destination as check_staging_destination
 
 PathLike = Union[str, os.PathLike]
-MODEL_TYPES = ("llama", "gpt2")
+MODEL_TYPES = ("llama", "gpt2", "mixtral", "qwen2_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -46,9 +54,13 @@ def check_exportable(config: GPTModelConfig, args: dict, model_type: str) -> Non
     """Raise ExportError unless the HF architecture computes exactly what the Megatron model computes."""
     if model_type not in MODEL_TYPES:
         raise ExportError(f"--model-type {model_type!r} is not supported; choose one of {', '.join(MODEL_TYPES)}")
-    _need(not config.num_experts, model_type, f"num_experts={config.num_experts} (MoE)", "MoE export is not supported")
+    if model_type in MOE_MODEL_TYPES:
+        _check_moe(config, args, model_type)
+    else:
+        _need(not config.num_experts, model_type, f"num_experts={config.num_experts} (MoE)",
+              "use --model-type mixtral (routed experts only) or qwen2_moe (with a gated shared expert)")
     other = "gpt2" if model_type == "llama" else "llama"
-    if model_type == "llama":
+    if model_type != "gpt2":  # Llama's attention, norms and MLP activation
         _need(config.swiglu, model_type, "the MLP is GELU, Llama's is SwiGLU", f"use --model-type {other}")
         _need(config.normalization == "RMSNorm", model_type, f"normalization is {config.normalization}, Llama's is "
               f"RMSNorm", f"use --model-type {other}")
@@ -76,16 +88,44 @@ def check_exportable(config: GPTModelConfig, args: dict, model_type: str) -> Non
               "GPT-2 has all biases or none")
 
 
+def _check_moe(config: GPTModelConfig, args: dict, model_type: str) -> None:
+    """The MoE families: Megatron's default router and the expert structure each HF class has."""
+    _need(bool(config.num_experts), model_type, "the model has no experts (num_experts is not set)",
+          "use --model-type llama or gpt2")
+    _need(not config.add_bias_linear, model_type, "the linear layers have biases", "train with --disable-bias-linear")
+    _need(not config.moe_router_enable_expert_bias, model_type, "the router has an expert bias "
+          "(--moe-router-enable-expert-bias)", "the HF class routes without one")
+    score = args.get("moe_router_score_function") or "softmax"
+    _need(score == "softmax", model_type, f"moe_router_score_function={score}", "the HF class routes by softmax")
+    _need(not args.get("moe_router_pre_softmax"), model_type, "moe_router_pre_softmax=True (top-k weights not "
+          "renormalized)", "the HF class renormalizes the top-k weights")
+    for name in ("moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_input_jitter_eps"):
+        _need(not args.get(name), model_type, f"{name}={args.get(name)}", "the HF class has no such routing option")
+    _need(bool(args.get("moe_router_topk")), model_type, "the checkpoint's args lack moe_router_topk",
+          "convert a checkpoint saved with its Megatron args")
+    shared = config.moe_shared_expert_intermediate_size
+    if model_type == "mixtral":
+        _need(all(config.moe_layers), model_type, f"dense and MoE layers are mixed (moe_layer_freq="
+              f"{config.moe_layer_freq})", "use --model-type qwen2_moe (mlp_only_layers)")
+        _need(not shared, model_type, "the model has shared experts", "use --model-type qwen2_moe")
+        _need(not config.add_qkv_bias, model_type, "QKV has a bias, Mixtral's attention has none",
+              "use --model-type qwen2_moe")
+    else:
+        _need(bool(shared) and config.moe_shared_expert_gate, model_type, "Qwen2-MoE has a shared expert with a "
+              "sigmoid gate in every MoE layer; this model has " + ("an ungated shared expert" if shared else
+                                                                      "no shared expert"),
+              "use --model-type mixtral" if not shared else "train with --moe-shared-expert-gate")
+
+
 def _hf_config(config: GPTModelConfig, args: dict, model_type: str, dtype: str) -> dict:
     eps = float(args.get("norm_epsilon", 1e-5) or 1e-5)
     # NullTokenizer and the byte-level tokenizer append EOD as the last token of the true vocabulary.
     eod = config.vocab_size - 1 if args.get("tokenizer_type") in ("NullTokenizer", "ByteLevelTokenizer") else None
     common = {"vocab_size": config.vocab_size, "torch_dtype": dtype, "dtype": dtype,
               "bos_token_id": eod, "eos_token_id": eod, "tie_word_embeddings": config.tied}
-    if model_type == "llama":
+    if model_type != "gpt2":
         theta = float(args.get("rotary_base", 10000) or 10000)
-        return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+        llama = {
             "hidden_size": config.hidden_size, "intermediate_size": config.ffn_hidden_size,
             "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_attention_heads,
             "num_key_value_heads": config.num_query_groups, "head_dim": config.kv_channels,
@@ -94,11 +134,25 @@ def _hf_config(config: GPTModelConfig, args: dict, model_type: str, dtype: str) 
             "rms_norm_eps": eps,
             "rope_theta": theta,  # transformers 4.x
             "rope_parameters": {"rope_type": "default", "rope_theta": theta},  # transformers 5.x
-            "rope_scaling": None,
-            "attention_bias": bool(config.add_qkv_bias or config.add_bias_linear),
-            "mlp_bias": bool(config.add_bias_linear), "attention_dropout": 0.0, "initializer_range": 0.02,
-            "pretraining_tp": 1, "use_cache": True,
+            "rope_scaling": None, "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
         }
+        if model_type == "llama":
+            return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **llama,
+                    "attention_bias": bool(config.add_qkv_bias or config.add_bias_linear),
+                    "mlp_bias": bool(config.add_bias_linear), "pretraining_tp": 1}
+        moe = {"num_experts_per_tok": int(args["moe_router_topk"]), "output_router_logits": False,
+               "router_aux_loss_coef": float(args.get("moe_aux_loss_coeff") or 0.0)}
+        if model_type == "mixtral":
+            return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common, **llama, **moe,
+                    "intermediate_size": config.moe_ffn_hidden_size, "num_local_experts": config.num_experts,
+                    "router_jitter_noise": 0.0, "sliding_window": None}
+        return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", **common, **llama, **moe,
+                "num_experts": config.num_experts, "moe_intermediate_size": config.moe_ffn_hidden_size,
+                "shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
+                "norm_topk_prob": True, "decoder_sparse_step": 1,
+                "mlp_only_layers": [i for i, moe_layer in enumerate(config.moe_layers) if not moe_layer],
+                "qkv_bias": bool(config.add_qkv_bias), "use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": config.num_layers}
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
         "n_positions": config.max_position_embeddings, "n_embd": config.hidden_size, "n_layer": config.num_layers,
@@ -126,10 +180,13 @@ def hf_state_dict(read: Callable[[str], torch.Tensor], config: GPTModelConfig, m
         qkv_bias = (qkv.split_qkv(read(prefix + "self_attention.linear_qkv.bias"))
                     if has(prefix + "self_attention.linear_qkv.bias") else None)
         proj = read(prefix + "self_attention.linear_proj.weight")
-        fc1, fc2 = read(prefix + "mlp.linear_fc1.weight"), read(prefix + "mlp.linear_fc2.weight")
+        moe_layer = bool(config.num_experts) and config.moe_layers[i]
+        fc1 = fc2 = None
+        if not moe_layer:
+            fc1, fc2 = read(prefix + "mlp.linear_fc1.weight"), read(prefix + "mlp.linear_fc2.weight")
         bias = {s: read(prefix + s) for s in ("self_attention.linear_proj.bias", "mlp.linear_fc1.bias",
                                               "mlp.linear_fc2.bias") if has(prefix + s)}
-        if model_type == "llama":
+        if model_type != "gpt2":
             h = f"model.layers.{i}."
             out[h + "input_layernorm.weight"] = read(prefix + "input_layernorm.weight")
             out[h + "self_attn.q_proj.weight"], out[h + "self_attn.k_proj.weight"] = q, k
@@ -138,10 +195,13 @@ def hf_state_dict(read: Callable[[str], torch.Tensor], config: GPTModelConfig, m
             if qkv_bias is not None:
                 for name, b in zip(("q_proj", "k_proj", "v_proj"), qkv_bias):
                     out[h + f"self_attn.{name}.bias"] = b
-                # HF's attention_bias also gives o_proj a bias: zero when Megatron has none
-                out[h + "self_attn.o_proj.bias"] = bias.get("self_attention.linear_proj.bias",
-                                                            torch.zeros(config.hidden_size))
+                if model_type == "llama":  # HF Llama's attention_bias also gives o_proj a bias: zero when none
+                    out[h + "self_attn.o_proj.bias"] = bias.get("self_attention.linear_proj.bias",
+                                                                torch.zeros(config.hidden_size))
             out[h + "post_attention_layernorm.weight"] = read(prefix + "pre_mlp_layernorm.weight")
+            if moe_layer:
+                out.update(_moe_tensors(read, config, model_type, prefix, h))
+                continue
             ffn = config.ffn_hidden_size
             out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = fc1[:ffn], fc1[ffn:]
             out[h + "mlp.down_proj.weight"] = fc2
@@ -167,7 +227,7 @@ def hf_state_dict(read: Callable[[str], torch.Tensor], config: GPTModelConfig, m
             out[h + "mlp.c_proj.weight"] = fc2.t()
             out[h + "mlp.c_proj.bias"] = bias.get("mlp.linear_fc2.bias", zeros)
     embeddings = read(WORD_EMBEDDINGS)[:vocab]
-    if model_type == "llama":
+    if model_type != "gpt2":
         out["model.embed_tokens.weight"] = embeddings
         out["model.norm.weight"] = read("decoder.final_layernorm.weight")
         if not config.tied:
@@ -177,6 +237,37 @@ def hf_state_dict(read: Callable[[str], torch.Tensor], config: GPTModelConfig, m
         out["transformer.wpe.weight"] = read(POSITION_EMBEDDINGS)
         out["transformer.ln_f.weight"] = read("decoder.final_layernorm.weight")
         out["transformer.ln_f.bias"] = read("decoder.final_layernorm.bias")
+    return out
+
+
+def _moe_tensors(read: Callable[[str], torch.Tensor], config: GPTModelConfig, model_type: str, prefix: str,
+                 h: str) -> dict[str, torch.Tensor]:
+    """One MoE layer's HF tensors: the router, every routed expert (global index j) with fc1 `[gate; up]`
+    split, and (qwen2_moe) the shared expert and its gate."""
+    out = {}
+    ffn = config.moe_ffn_hidden_size
+    if model_type == "mixtral":
+        block = h + "block_sparse_moe."
+        out[block + "gate.weight"] = read(prefix + "mlp.router.weight")
+        for j in range(config.num_experts):
+            expert = f"{prefix}mlp.experts.local_experts.{j}."
+            fc1 = read(expert + "linear_fc1.weight")
+            out[f"{block}experts.{j}.w1.weight"], out[f"{block}experts.{j}.w3.weight"] = fc1[:ffn], fc1[ffn:]
+            out[f"{block}experts.{j}.w2.weight"] = read(expert + "linear_fc2.weight")
+        return out
+    block = h + "mlp."
+    out[block + "gate.weight"] = read(prefix + "mlp.router.weight")
+    for j in range(config.num_experts):
+        expert = f"{prefix}mlp.experts.local_experts.{j}."
+        fc1 = read(expert + "linear_fc1.weight")
+        out[f"{block}experts.{j}.gate_proj.weight"], out[f"{block}experts.{j}.up_proj.weight"] = fc1[:ffn], fc1[ffn:]
+        out[f"{block}experts.{j}.down_proj.weight"] = read(expert + "linear_fc2.weight")
+    shared = config.moe_shared_expert_intermediate_size
+    fc1 = read(prefix + "mlp.shared_experts.linear_fc1.weight")
+    out[block + "shared_expert.gate_proj.weight"], out[block + "shared_expert.up_proj.weight"] = (fc1[:shared],
+                                                                                                  fc1[shared:])
+    out[block + "shared_expert.down_proj.weight"] = read(prefix + "mlp.shared_experts.linear_fc2.weight")
+    out[block + "shared_expert_gate.weight"] = read(prefix + "mlp.shared_experts.gate_weight")
     return out
 
 
@@ -250,8 +341,9 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p = subparsers.add_parser(
         "export-hf", parents=[common], help="write a Hugging Face transformers model from a universal checkpoint",
         description="Export the weights of a universal checkpoint as a Hugging Face transformers model directory "
-                    "(config.json + model.safetensors): --model-type llama (SwiGLU, RMSNorm, RoPE) or gpt2 "
-                    "(GELU, LayerNorm, learned positions, tied). Vocabulary padding rows are dropped.")
+                    "(config.json + model.safetensors): --model-type llama (SwiGLU, RMSNorm, RoPE), gpt2 "
+                    "(GELU, LayerNorm, learned positions, tied), mixtral (MoE, routed experts only) or qwen2_moe "
+                    "(MoE with a gated shared expert, dense layers allowed). Vocabulary padding rows are dropped.")
     p.add_argument("src", help="universal checkpoint directory (megatron-ucp to-universal's DST)")
     p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
     p.add_argument("--model-type", required=True, choices=MODEL_TYPES)

@@ -245,6 +245,27 @@ def test_from_universal_legacy_at_new_ep_is_loaded_by_megatron_core(sources):
     assert rel_diff(broken, src.records) > BROKEN
 
 
+def test_from_universal_torch_dist_at_new_ep_is_loaded_by_megatron_core(sources):
+    """from-universal --ckpt-format torch_dist at EP4 DP4 with the distributed optimizer from the EP2 DP4
+    source: the direct writer refuses MoE with its fix (nothing written), --via-harness (megatron-core saves it,
+    dp_reshardable with the chained dense + expert optimizer) writes it, and the harness's plain --load
+    (megatron-core's dist_checkpointing.load, no --universal-checkpoint) continues the source's run within TOL
+    (with the shifted-curve negative control of check_continues)."""
+    from megatron_ucp.from_universal import FromUniversalError, from_universal
+
+    src = sources("ep2dp4")
+    with pytest.raises(FromUniversalError, match="add --via-harness"):
+        from_universal(src.ucp, src.work / "td_refused", data_parallel_size=4, expert_model_parallel_size=4,
+                       use_distributed_optimizer=True, ckpt_format="torch_dist", progress=False)
+    assert not (src.work / "td_refused").exists()
+    dst = src.work / "td_ep4"
+    from_universal(src.ucp, dst, data_parallel_size=4, expert_model_parallel_size=4, use_distributed_optimizer=True,
+                   ckpt_format="torch_dist", via_harness=True, rng_state="cpu", progress=False)
+    meta = json.loads((dst / "iter_0000004" / "metadata.json").read_text())
+    assert meta["sharded_backend"] == "torch_dist"
+    src.check_continues(src.resume(Layout(dp=4, ep=4), "td_ep4", ucp=dst, universal=False), "torch_dist EP4 via --load")
+
+
 # --------------------------------------------------------------------------------------------------
 # Tools on MoE checkpoints
 

@@ -122,6 +122,17 @@ def in_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
+def all_ranks_agree(dist, error: Optional[str], error_type: type) -> None:
+    """Raise `error_type` on every rank of a torchrun job if any rank failed (the first failure, prefixed with
+    its rank on the others), so that all ranks stop together instead of waiting in the next collective."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        r, e = failed[0]
+        raise error_type(e if r == dist.get_rank() else f"rank {r}: {e}")
+
+
 def convert_distributed(src: PathLike, dst: PathLike, iteration: Optional[int] = None,
                         average_replicas: bool = False, progress: bool = True,
                         overwrite: bool = False, clean_stale: bool = False) -> ConversionSummary:
@@ -152,13 +163,7 @@ def _convert_distributed(dist, start, src, dst, iteration, average_replicas, pro
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def agree(error: Optional[str]) -> None:
-        """Raise on every rank if any rank failed (the first error, with its rank)."""
-        errors = [None] * world
-        dist.all_gather_object(errors, error)
-        failed = [(r, e) for r, e in enumerate(errors) if e]
-        if failed:
-            r, e = failed[0]
-            raise ConversionError(e if r == rank else f"rank {r}: {e}")
+        all_ranks_agree(dist, error, ConversionError)
 
     def message(e: Exception) -> str:
         return str(e) if isinstance(e, (ConversionError, ValueError, UniversalFormatError)) else \

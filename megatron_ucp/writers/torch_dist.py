@@ -3,7 +3,8 @@
 
 What it still serves: it is megatron-core's own save, so it is the reference the direct writer is tested
 against (tests/test_torch_dist_direct.py: same `.metadata`, tensor for tensor equal), and the fallback
-for a megatron-core whose torch_dist layout differs from 0.16.1's (the direct writer reproduces 0.16.1's).
+for a megatron-core whose torch_dist layout differs from 0.16.1's (the direct writer reproduces 0.16.1's), and
+the route for mixture-of-experts models (the direct writer does not write the chained expert optimizer yet).
 It needs T*P*D processes and the whole model and optimizer state in memory.
 
 The faithful route: launch `pretrain_scripts/pretrain_gpt.py` at the target layout with
@@ -59,6 +60,14 @@ _VALUE_FLAGS = (
     ("initial_loss_scale", "--initial-loss-scale"), ("min_loss_scale", "--min-loss-scale"),
     ("loss_scale_window", "--loss-scale-window"), ("hysteresis", "--hysteresis"),
     ("ddp_bucket_size", "--ddp-bucket-size"),
+    # mixture of experts (the model's shape from model_config, routing and losses from the args)
+    ("num_experts", "--num-experts"), ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
+    ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
+    ("moe_router_topk", "--moe-router-topk"), ("moe_router_load_balancing_type", "--moe-router-load-balancing-type"),
+    ("moe_aux_loss_coeff", "--moe-aux-loss-coeff"), ("moe_z_loss_coeff", "--moe-z-loss-coeff"),
+    ("moe_router_score_function", "--moe-router-score-function"),
+    ("moe_router_bias_update_rate", "--moe-router-bias-update-rate"),
+    ("moe_token_dispatcher_type", "--moe-token-dispatcher-type"),
 )
 # Megatron arg -> harness flag for booleans passed when true.
 _TRUE_FLAGS = (
@@ -67,11 +76,14 @@ _TRUE_FLAGS = (
     ("overlap_grad_reduce", "--overlap-grad-reduce"),
     ("accumulate_allreduce_grads_in_fp32", "--accumulate-allreduce-grads-in-fp32"),
     ("dist_ckpt_optim_fully_reshardable", "--dist-ckpt-optim-fully-reshardable"),
+    ("moe_shared_expert_gate", "--moe-shared-expert-gate"), ("moe_router_pre_softmax", "--moe-router-pre-softmax"),
+    ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias"),
 )
 _HARNESS_CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
     "position_embedding_type": ("learned_absolute", "rope"),
     "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+    "moe_token_dispatcher_type": ("allgather", "alltoall"),
 }
 _BYTE_LEVEL_VOCAB = 257  # the harness's ByteLevelTokenizer: 256 bytes + EOD
 
@@ -125,6 +137,9 @@ def layout_flags(layout: ParallelLayout, vpp_layers: Optional[int], use_distribu
         flags.append("--account-for-embedding-in-pipeline-split")
     if layout.loss_in_split:
         flags.append("--account-for-loss-in-pipeline-split")
+    if layout.ep > 1 or layout.expert_tp != layout.tp:
+        flags += ["--expert-model-parallel-size", str(layout.ep), "--expert-tensor-parallel-size",
+                  str(layout.expert_tp)]
     if layout.sp:
         flags.append("--sequence-parallel")
     if use_distributed_optimizer:
@@ -155,7 +170,12 @@ def harness_flags_from_universal(metadata: Mapping[str, Any], layout: ParallelLa
     if config.get("max_position_embeddings"):
         args["max_position_embeddings"] = config["max_position_embeddings"]
     if config.get("num_experts"):
-        raise ValueError("mixture-of-experts models are not supported by the harness")
+        args.update({k: config[k] for k in ("num_experts", "moe_ffn_hidden_size",
+                                            "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                                            "moe_router_enable_expert_bias") if k in config})
+        if args.get("moe_grouped_gemm"):
+            raise ValueError("--moe-grouped-gemm runs on GPUs only (TransformerEngine); the CPU harness uses "
+                             "sequential experts: write --ckpt-format torch")
     if not args.get("seq_length"):
         args["seq_length"] = args.get("max_position_embeddings") or config.get("max_position_embeddings")
     if not args.get("micro_batch_size"):
@@ -163,9 +183,15 @@ def harness_flags_from_universal(metadata: Mapping[str, Any], layout: ParallelLa
                          "Megatron-LM or harness run")
 
     flags = layout_flags(layout, vpp_layers, use_distributed_optimizer)
+    if config.get("num_experts"):
+        freq = config.get("moe_layer_freq", 1)
+        flags += ["--moe-layer-freq", "[" + ",".join(map(str, freq)) + "]" if isinstance(freq, list) else str(freq)]
     for name, flag in _VALUE_FLAGS:
         value = args.get(name)
         if value is None:
+            continue
+        if isinstance(value, (list, tuple)):  # nargs="+" flags (e.g. --moe-aux-loss-coeff per loss type)
+            flags += [flag, *map(_flag_value, value)]
             continue
         if name in _HARNESS_CHOICES and value not in _HARNESS_CHOICES[name]:
             raise ValueError(f"{name}={value!r} is not supported by the harness (it supports "

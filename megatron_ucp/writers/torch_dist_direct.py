@@ -330,8 +330,9 @@ def plan_checkpoint(ucp, target: WriteTarget, optimizer_format: Optional[str] = 
     if config.num_experts:
         raise TorchDistWriteError(
             f"{ucp.path}: a mixture-of-experts model (num_experts={config.num_experts}, --num-experts); the direct "
-            f"torch_dist writer does not write expert optimizer state yet: write --ckpt-format torch, or resume "
-            f"with --load UCP --universal-checkpoint")
+            f"torch_dist writer does not write expert optimizer state yet: add --via-harness (megatron-core saves "
+            f"it, T x P x D CPU processes), or write --ckpt-format torch, or resume with --load UCP "
+            f"--universal-checkpoint")
     opt = optimizer_kind(ucp, target, optimizer_format)
     shapes = dict(expected_parameters(config, layout))
     step = _single_step(ucp) if opt is not None else None
