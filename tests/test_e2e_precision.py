@@ -145,8 +145,10 @@ def test_fp16_loss_scaler_survives_the_universal_checkpoint(fp16_source, runs):
 @pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
 def test_fp16_from_universal_loads_in_megatron_core(fp16_source, runs, tmp_path, ckpt_format):
     """from-universal at TP1 PP2 with the distributed optimizer: legacy (grad_scaler in the optimizer state
-    DistributedOptimizer.load_state_dict restores) and torch_dist through the harness route (the loader
-    restores the scaler, megatron-core saves it); both loaded with a plain --load."""
+    DistributedOptimizer.load_state_dict restores) and torch_dist by the direct writer (the object
+    optimizer.distributed.dp_group_idx_<m>.grad_scaler, where megatron-core's dp_reshardable save keeps it; read
+    back equal to the universal checkpoint's scaler); both loaded with a plain --load. The harness route's flags
+    carry the scaler's settings too."""
     out = tmp_path / "megatron"
     ucp = runs.universal(fp16_source.save)
     if ckpt_format == "torch_dist":
@@ -161,5 +163,8 @@ def test_fp16_from_universal_loads_in_megatron_core(fp16_source, runs, tmp_path,
         state = load_pickled(out / f"iter_{SAVED_AT:07d}" / "mp_rank_00_001" / "model_optim_rng.pt", what="test")
         assert list(state["optimizer"]) == ["optimizer", "grad_scaler"]
         assert vars(state["args"])["fp16"] is True
+    else:
+        scaler = UniversalCheckpoint.open(ucp).loss_scaler
+        assert scaler is not None and open_checkpoint(out, iteration=SAVED_AT).loss_scaler() == scaler
     resumed = runs.resume(FP16_FAMILY, FP16_TARGET, out, [*FP16, *DISTOPT], universal=False, iters=FP16_ITERS)
     assert_fp16_continues(resumed, fp16_source)

@@ -1,6 +1,7 @@
 """GPT-MoE universal checkpoints end to end: train a source once (12 iterations, saving at 4), convert
 iteration 4, resume at another EP x ETP x TP x PP x DP (x VPP) layout with --universal-checkpoint, and
-compare iterations 5..12 (8 optimizer steps) with the source's uninterrupted run.
+compare iterations 5..12 (8 optimizer steps) with the source's uninterrupted run (warmup 2 + cosine decay, weight
+decay 0.1: pretrain_runs.SCHEDULE).
 
 Tolerance: 1e-6 relative on the lm loss and on the router's load-balancing loss (fp32, dropout 0; measured
 <= 3.6e-8 for both: the same math in another reduction order). Negative controls (each test names its own):
@@ -30,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain_runs import FAMILIES, Layout, read_records, run_pretrain, train
+from pretrain_runs import FAMILIES, SCHEDULE, Layout, read_records, run_pretrain, train
 
 from megatron_ucp.adapters import gpt
 from megatron_ucp.convert import to_universal
@@ -63,7 +64,10 @@ def rel_diff(a: dict, b: dict, key: str = "lm_loss", shift: int = 0) -> float:
 
 class Source:
     def __init__(self, name: str, work: Path):
-        self.family, self.layout, self.model_flags, flags = SOURCES[name]
+        self.family, self.layout, model_flags, flags = SOURCES[name]
+        # warmup + cosine decay with weight decay, as every continuation source (a wrong scheduler state or
+        # param-group mapping changes the loss); repeated on every resume
+        self.model_flags = [*SCHEDULE, *model_flags]
         self.name, self.work = name, work
         train(self.family, self.layout, work, "source", ITERS,
               [*self.model_flags, *flags, "--save", str(work / "ckpt"), "--save-interval", str(SAVE_AT)])
