@@ -758,13 +758,31 @@ def write_files(ucp, plan: DirectPlan, root: Path, files: Sequence[OutputFile], 
 # Metadata, common state, tracker
 
 
-def dcp_metadata(files: Sequence[OutputFile], written: Sequence[WrittenItem], checkpoint_id: str):
+# DCP's classes, named without importing torch.distributed.checkpoint (~0.7 s of every write): the
+# `.metadata` pickle holds references to them, which the reader (megatron-core's load) resolves.
+_DCP_META = "torch.distributed.checkpoint.metadata."
+DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION (torch 2.13)
+
+
+def dcp_metadata(files: Sequence[OutputFile], written: Sequence[WrittenItem], checkpoint_id: str) -> "_Obj":
     """The DCP `.metadata` of the planned files as written (chunks in file order, as megatron-core's
-    global plan lists them rank by rank)."""
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties,
-        TensorStorageMetadata)
+    global plan lists them rank by rank), as the object tree `pickle.dump(Metadata(...))` writes: each
+    dataclass as NEWOBJ + BUILD of its state, torch.Size as a reduce of a tuple, dtypes as globals
+    (tests/test_torch_dist_direct.py unpickles it with torch and compares it with DCP's own objects)."""
+    cls = {name: _GlobalRef(_DCP_META + name) for name in (
+        "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex", "StorageMeta",
+        "TensorProperties", "TensorStorageMetadata")}
+    storage_info = _GlobalRef("torch.distributed.checkpoint.filesystem._StorageInfo")
+    contiguous = _EnumMember(_GlobalRef(_DCP_META + "_MEM_FORMAT_ENCODING"), 0)  # TORCH_CONTIGUOUS_FORMAT
+    dtypes: dict = {}
+
+    def properties(dtype) -> _Obj:  # TensorProperties.__getstate__: (dtype, layout, requires_grad, format, pin)
+        ref = dtypes.setdefault(dtype, _GlobalRef(str(dtype)))  # "torch.float32" -> torch.float32
+        return _Obj(cls["TensorProperties"], (ref, _STRIDED, False, contiguous, False))
+
+    def index(key: str, offsets=None) -> _Obj:
+        return _Obj(cls["MetadataIndex"], {"fqn": key, "offset": None if offsets is None else _Size(offsets),
+                                           "index": None})
 
     where = {(w.key, w.offsets): w for w in written}
     state_dict_metadata: dict = {}
@@ -772,21 +790,25 @@ def dcp_metadata(files: Sequence[OutputFile], written: Sequence[WrittenItem], ch
     for out in files:
         for item in out.items:
             if isinstance(item, ObjectItem):
-                state_dict_metadata[item.key] = BytesStorageMetadata()
+                state_dict_metadata[item.key] = _Obj(cls["BytesStorageMetadata"], {})
                 w = where[(item.key, None)]
-                storage_data[MetadataIndex(item.key)] = _StorageInfo(w.relative_path, w.offset, w.length)
+                storage_data[index(item.key)] = _Obj(storage_info, {"relative_path": w.relative_path,
+                                                                    "offset": w.offset, "length": w.length})
                 continue
             md = state_dict_metadata.get(item.key)
             if md is None:
-                md = state_dict_metadata[item.key] = TensorStorageMetadata(
-                    TensorProperties(dtype=item.dtype), torch.Size(item.global_shape), [])
-            md.chunks.append(ChunkStorageMetadata(torch.Size(item.offsets), torch.Size(item.sizes)))
+                md = state_dict_metadata[item.key] = _Obj(cls["TensorStorageMetadata"], {
+                    "properties": properties(item.dtype), "size": _Size(item.global_shape), "chunks": []})
+            md.state["chunks"].append(_Obj(cls["ChunkStorageMetadata"], {"offsets": _Size(item.offsets),
+                                                                         "sizes": _Size(item.sizes)}))
             w = where[(item.key, item.offsets)]
-            storage_data[MetadataIndex(item.key, torch.Size(item.offsets))] = _StorageInfo(
-                w.relative_path, w.offset, w.length)
-    return Metadata(state_dict_metadata=state_dict_metadata, planner_data=None, storage_data=storage_data,
-                    storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())),
-                    version=CURRENT_DCP_VERSION)
+            storage_data[index(item.key, item.offsets)] = _Obj(storage_info, {
+                "relative_path": w.relative_path, "offset": w.offset, "length": w.length})
+    storage_meta = _Obj(cls["StorageMeta"], {"checkpoint_id": checkpoint_id, "save_id": str(uuid.uuid4()),
+                                             "load_id": None, "modules": []})
+    return _Obj(cls["Metadata"], {"state_dict_metadata": state_dict_metadata, "planner_data": None,
+                                  "storage_data": storage_data, "storage_meta": storage_meta,
+                                  "version": DCP_VERSION})
 
 
 class _GlobalRef:
@@ -811,6 +833,21 @@ class _EnumMember:
         return self.cls, (self.value,)
 
 
+class _Obj:
+    """An instance of the class `cls` (a _GlobalRef) as pickle writes a dataclass: NEWOBJ of the class, then
+    BUILD with `state` (the __dict__, or what the class's __getstate__ returns)."""
+
+    def __init__(self, cls: _GlobalRef, state: Any):
+        self.cls, self.state = cls, state
+
+
+class _Size(tuple):
+    """torch.Size, pickled as torch.Size.__reduce__ does: the class applied to a tuple."""
+
+    def __reduce__(self):
+        return _TORCH_SIZE, (tuple(self),)
+
+
 class _ArgsPickler(pickle._Pickler):  # the pure-Python pickler: its dispatch table can name a global
     dispatch = dict(pickle._Pickler.dispatch)
 
@@ -818,7 +855,20 @@ class _ArgsPickler(pickle._Pickler):  # the pure-Python pickler: its dispatch ta
         self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())  # what save_global writes (protocol 2)
         self.memoize(obj)
 
+    def _save_obj(self, obj: _Obj) -> None:  # what save_reduce writes for copyreg.__newobj__ (protocol >= 2)
+        self.save(obj.cls)
+        self.save(())
+        self.write(pickle.NEWOBJ)
+        self.memoize(obj)
+        self.save(obj.state)
+        self.write(pickle.BUILD)
+
     dispatch[_GlobalRef] = _save_ref
+    dispatch[_Obj] = _save_obj
+
+
+_TORCH_SIZE = _GlobalRef("torch.Size")
+_STRIDED = _GlobalRef("torch.strided")
 
 
 class _ArgsPickleModule:
@@ -854,7 +904,7 @@ def finish(root: Path, plan: DirectPlan, written: Sequence[WrittenItem],
     iter_name = iteration_dir_name(plan.iteration)
     iter_dir = Path(root) / iter_name
     metadata = dcp_metadata(plan.files, written, iter_name)
-    for name, write in ((DCP_METADATA_FILENAME, lambda f: pickle.dump(metadata, f)),
+    for name, write in ((DCP_METADATA_FILENAME, lambda f: _ArgsPickler(f, pickle.DEFAULT_PROTOCOL).dump(metadata)),
                         (COMMON_FILENAME, lambda f: torch.save({**plan.common,
                                                                 "args": _args_for_pickle(plan.common["args"])}, f,
                                                                pickle_module=_ArgsPickleModule)),
