@@ -246,22 +246,17 @@ def _moe_tensors(read: Callable[[str], torch.Tensor], config: GPTModelConfig, mo
     split, and (qwen2_moe) the shared expert and its gate."""
     out = {}
     ffn = config.moe_ffn_hidden_size
-    if model_type == "mixtral":
-        block = h + "block_sparse_moe."
-        out[block + "gate.weight"] = read(prefix + "mlp.router.weight")
-        for j in range(config.num_experts):
-            expert = f"{prefix}mlp.experts.local_experts.{j}."
-            fc1 = read(expert + "linear_fc1.weight")
-            out[f"{block}experts.{j}.w1.weight"], out[f"{block}experts.{j}.w3.weight"] = fc1[:ffn], fc1[ffn:]
-            out[f"{block}experts.{j}.w2.weight"] = read(expert + "linear_fc2.weight")
-        return out
-    block = h + "mlp."
+    # the family's module and names of an expert's (gate, up, down) projections
+    block, (gate, up, down) = ((h + "block_sparse_moe.", ("w1", "w3", "w2")) if model_type == "mixtral" else
+                               (h + "mlp.", ("gate_proj", "up_proj", "down_proj")))
     out[block + "gate.weight"] = read(prefix + "mlp.router.weight")
     for j in range(config.num_experts):
         expert = f"{prefix}mlp.experts.local_experts.{j}."
         fc1 = read(expert + "linear_fc1.weight")
-        out[f"{block}experts.{j}.gate_proj.weight"], out[f"{block}experts.{j}.up_proj.weight"] = fc1[:ffn], fc1[ffn:]
-        out[f"{block}experts.{j}.down_proj.weight"] = read(expert + "linear_fc2.weight")
+        out[f"{block}experts.{j}.{gate}.weight"], out[f"{block}experts.{j}.{up}.weight"] = fc1[:ffn], fc1[ffn:]
+        out[f"{block}experts.{j}.{down}.weight"] = read(expert + "linear_fc2.weight")
+    if model_type == "mixtral":
+        return out
     shared = config.moe_shared_expert_intermediate_size
     fc1 = read(prefix + "mlp.shared_experts.linear_fc1.weight")
     out[block + "shared_expert.gate_proj.weight"], out[block + "shared_expert.up_proj.weight"] = (fc1[:shared],
