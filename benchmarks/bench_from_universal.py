@@ -8,7 +8,8 @@ one process and converting it. Then measures, each as its own process tree, with
 dropped before each step when allowed:
 
   cp -r            copy of the universal checkpoint (what the disk costs)
-  start            python -c "import megatron_ucp.cli" (what every CLI run pays first: python, torch)
+  start            python importing the CLI and megatron_ucp.from_universal (what `from-universal` pays
+                   before it reads anything: the interpreter and its modules; torch is not among them)
   direct           megatron-ucp from-universal UCP OUT at the target layout (default TP2 PP2 DP2),
                    --use-distributed-optimizer --ckpt-format torch_dist (dp_reshardable), --workers W: bytes
                    copied file to file, every universal block read or copied checked against its checksum
@@ -122,8 +123,9 @@ class Bench:
         workers = ["--workers", str(a.workers)]
         for i in range(a.repeat):
             suffix = "" if i == 0 else f" #{i + 1}"
-            # what every CLI run pays before writing: interpreter, torch and megatron_ucp imports (cold cache)
-            self.measure("start" + suffix, [sys.executable, "-c", "import megatron_ucp.cli as c; c.build_parser()"])
+            # what from-universal pays before writing: interpreter and megatron_ucp imports (cold cache)
+            self.measure("start" + suffix, [sys.executable, "-c", "import megatron_ucp.cli as c; "
+                                            "c.build_parser(['from-universal', 'u', 'd']); import megatron_ucp.from_universal"])
             self.measure("cp -r" + suffix, ["cp", "-r", str(ucp), str(self.work / "copy")])
             shutil.rmtree(self.work / "copy")
             self.measure("direct" + suffix, self.from_universal(ucp, self.work / "direct", *workers))
@@ -176,7 +178,7 @@ class Bench:
 
         row("cp -r (universal checkpoint)", cp, f"runs {walls('cp -r')}")
         start = median("start").wall_s
-        row("CLI start (python, torch, megatron_ucp imports)", median("start"), f"runs {walls('start')}")
+        row("CLI start (python, megatron_ucp imports)", median("start"), f"runs {walls('start')}")
         direct = median("direct")
         own = [self.seconds.get(k) for k in r if k.startswith("direct") and "full" not in k]
         row(f"direct, dp_reshardable (--workers {a.workers})", direct, f"runs {walls('direct')}, own timer {own}")

@@ -523,6 +523,11 @@ def placement_from_json(d: dict, root: str) -> Placement:
 def read_box(files: FileHandles, placement: Placement, index: Optional[Sequence[slice]] = None) -> "torch.Tensor":
     """The region `index` (step-1 slices over leading dims; None = all) of the consolidated tensor, read
     from the shards' files: only the shards it overlaps, through mmaps (only the touched pages are read)."""
+    return to_torch(read_box_bits(files, placement, index), placement.dtype)
+
+
+def read_box_bits(files: FileHandles, placement: Placement, index: Optional[Sequence[slice]] = None):
+    """read_box as a numpy array of the elements' raw bits (see _bits); no torch."""
     import numpy
 
     shape = placement.shape
@@ -534,4 +539,4 @@ def read_box(files: FileHandles, placement: Placement, index: Optional[Sequence[
                          if all(max(x.start, d.start) < min(x.stop, d.stop) for x, d in zip(box, b.dst))})
         with _mapped_shards(files, placement, needed, readahead=False) as sources:
             _fill_box(out, box, placement, sources)
-    return to_torch(out, placement.dtype)
+    return out

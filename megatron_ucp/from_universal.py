@@ -50,7 +50,7 @@ from megatron_ucp.staging import check_destination as check_staging_destination
 from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError
 from megatron_ucp.writers import CKPT_FORMATS, WriteError, WriteTarget, make_writer
 from megatron_ucp.writers.base import target_args
-from megatron_ucp.writers.legacy import RNG_STATE_KINDS
+from megatron_ucp.writers.megatron_state import RNG_STATE_KINDS
 from megatron_ucp.writers.torch_dist import DEFAULT_TIMEOUT_S
 from megatron_ucp.writers.torch_dist_direct import OPTIMIZER_FORMATS
 

@@ -668,27 +668,33 @@ class VerifiedTensorFile:
 
     def read(self, key: str, index: Optional[Sequence[slice]] = None):
         """Tensor `key`, or its region `index` (step-1 slices over leading dims), as a new CPU tensor."""
-        import torch
+        from megatron_ucp.byteio import to_torch
+
+        return to_torch(self.read_bits(key, index), _SAFETENSORS_DTYPES[self.tensors[key][0]])
+
+    def read_bits(self, key: str, index: Optional[Sequence[slice]] = None):
+        """Tensor `key`, or its region `index`, as a new numpy array of the elements' raw bits (unsigned ints of
+        the element's width: numpy has no bfloat16; `.view(numpy.float32)` for F32). No torch."""
+        import numpy
 
         dtype_name, shape, start, stop = self.tensors[key]
-        dtype = getattr(torch, _SAFETENSORS_DTYPES[dtype_name])
-        item = dtype.itemsize
+        item = _ITEMSIZE[dtype_name]
+        bits = {1: numpy.uint8, 2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}[item]
         index = tuple(index or ())
-        if not shape:
-            r0, r1, rows = 0, 1, ()
-        else:
-            r0, r1, _ = index[0].indices(shape[0]) if index else (0, shape[0], 1)
-            r1 = max(r0, r1)
-            rows = (r1 - r0,)
+        if len(index) > len(shape):
+            raise ValueError(f"index {index} has more slices than '{key}' {list(shape)} has dimensions")
+        box = [slice(*s.indices(n)[:2]) for s, n in zip(index, shape)]
+        out_shape = tuple(max(0, s.stop - s.start) for s in box) + tuple(shape[len(box):])
+        r0, r1 = (box[0].start, max(box[0].start, box[0].stop)) if box else (0, shape[0] if shape else 1)
         row_bytes = math.prod(shape[1:]) * item
         lo, n = start + r0 * row_bytes, (r1 - r0) * row_bytes
-        if n == 0:
-            return torch.empty(torch.empty(shape, dtype=dtype, device="meta")[index].shape, dtype=dtype)
+        if n == 0 or not math.prod(out_shape):
+            return numpy.empty(out_shape, dtype=bits)
         with verified_view(self._fd, lo, n, self.record, path=self.path, label=self.label, remedy=self.remedy,
                            cache=self.cache) as view:
-            tensor = torch.frombuffer(view, dtype=dtype).view(rows + tuple(shape[1:]))
-            out = tensor[(slice(None),) + index[1:]].clone() if shape else tensor.view(()).clone()
-            del tensor  # the mapping closes with the view
+            stored = numpy.frombuffer(view, dtype=bits).reshape(((r1 - r0),) + tuple(shape[1:]) if shape else ())
+            out = stored[(slice(None),) + tuple(box[1:])].copy() if shape else stored.copy()
+            del stored  # the mapping closes with the view
         return out
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import base64
 import struct
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 RNG_FILE_FORMAT = "megatron-ucp-rng-states"
 RNG_FILE_VERSION = 1
@@ -128,11 +128,11 @@ class LossScalerState:
             raise RunStateError(f"{where}: loss_scaler is a {type(doc).__name__}, expected an object or null")
         return cls.from_saved(doc, where)
 
-    def to_megatron(self) -> dict:
-        """What DynamicGradScaler.load_state_dict takes (the scale as a float32 tensor of one element)."""
-        import torch
-
-        return {"scale": torch.tensor([self.scale], dtype=torch.float32), "growth_tracker": self.growth_tracker,
+    def to_megatron(self, tensor: Optional["TensorMaker"] = None) -> dict:
+        """What DynamicGradScaler.load_state_dict takes (the scale as a float32 tensor of one element), tensors
+        made by `tensor` (default torch_tensor)."""
+        tensor = tensor or torch_tensor
+        return {"scale": tensor(struct.pack("<f", self.scale), "float32", (1,)), "growth_tracker": self.growth_tracker,
                 "hysteresis_tracker": self.hysteresis_tracker}
 
 
@@ -207,20 +207,54 @@ class RankRngState:
                 raise
             raise RunStateError(f"{where}: malformed RNG state entry ({type(e).__name__}: {e})") from None
 
-    def to_megatron(self) -> dict:
-        """The dict Megatron-LM's get_rng_state() returns (torch, numpy imported here)."""
+    def to_megatron(self, tensor: Optional["TensorMaker"] = None) -> dict:
+        """The dict Megatron-LM's get_rng_state() returns (numpy imported here), generator states made by
+        `tensor` (default torch_tensor)."""
         import numpy as np
-        import torch
 
-        def tensor(data: bytes):
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+        tensor = tensor or torch_tensor
+
+        def state(data: bytes):
+            return tensor(data, "uint8", (len(data),))
 
         version, internal, gauss = self.python
         algorithm, words, pos, has_gauss, cached = self.numpy
         return {"random_rng_state": (version, tuple(internal), gauss),
                 "np_rng_state": (algorithm, np.array(words, dtype=np.uint32), pos, has_gauss, cached),
-                "torch_rng_state": tensor(self.torch_cpu), "cuda_rng_state": tensor(self.cuda),
-                "rng_tracker_states": {name: tensor(data) for name, data in self.tracker}}
+                "torch_rng_state": state(self.torch_cpu), "cuda_rng_state": state(self.cuda),
+                "rng_tracker_states": {name: state(data) for name, data in self.tracker}}
+
+
+# A maker of the tensors a Megatron state holds: (C-order little-endian bytes, dtype name, shape) -> tensor.
+# torch_tensor makes torch tensors; writers that frame torch.save's format themselves (formats/torch_save.py)
+# pass SavedTensor, and need no torch.
+TensorMaker = Callable[[bytes, str, tuple], Any]
+
+
+def torch_tensor(data: bytes, dtype: str, shape: tuple):
+    """A new torch tensor of the bytes (imports torch)."""
+    import torch
+
+    if not data:
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).view(shape).clone()
+
+
+_MT_MASK = 0xFFFFFFFF
+
+
+def cpu_generator_state(seed: int) -> bytes:
+    """torch.Generator().manual_seed(seed).get_state() without torch: CPUGeneratorImplState (5056 bytes, little
+    endian): the initial seed (u64), left = 1 and seeded = 1 (i32 each), next = 0 (u64), the 624 words of
+    mt19937 seeded with the seed's low 32 bits (as u64), the cached double normal (3 doubles and a flag,
+    unset) and the cached float normal (a float and a flag, unset), with C struct padding.
+    tests/test_torch_save.py compares it with torch's."""
+    words = [seed & _MT_MASK]
+    for j in range(1, MT_WORDS):
+        prev = words[-1]
+        words.append((1812433253 * (prev ^ (prev >> 30)) + j) & _MT_MASK)
+    return (struct.pack("<QiiQ", seed & 0xFFFFFFFFFFFFFFFF, 1, 1, 0) + struct.pack(f"<{MT_WORDS}Q", *words)
+            + struct.pack("<dddi4x", 0.0, 0.0, 0.0, 0) + struct.pack("<f?3x", 0.0, False))
 
 
 def _python_state(value: Any, where: str) -> tuple:

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Un
 
 from megatron_ucp import integrity
 from megatron_ucp.byteio import (
-    FileHandles, FileRegion, Placement, StorageError, dtype_name, placement_from_json, placement_to_json, read_box,
-    relative_inside, write_placement)
+    FileHandles, FileRegion, Placement, StorageError, dtype_name, placement_from_json, placement_to_json, read_box_bits,
+    relative_inside, to_torch, write_placement)
 from megatron_ucp.integrity import ChecksumError, DigestRecord, SourceDigests, VerifiedBlocks
 from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
@@ -748,10 +748,11 @@ class UniversalCheckpoint:
             files = self._files.handles = FileHandles()
         return files
 
-    def read(self, name: str, key: str = "fp32", index: Optional[tuple[slice, ...]] = None) -> "torch.Tensor":
+    def read(self, name: str, key: str = "fp32", index: Optional[tuple[slice, ...]] = None, *,
+             array: bool = False) -> "torch.Tensor":
         """One stored tensor of a parameter, or only the region `index` of it (just those bytes, and every
         checksum block they lie in, are read and checked). `index` is a tuple of step-1 slices, one per
-        leading dimension."""
+        leading dimension. `array`: a numpy float32 array instead of a torch tensor (no torch imported)."""
         info = self._info(name)
         if key not in info.tensors:
             where = self.path / info.file if info.file else self.path
@@ -764,15 +765,21 @@ class UniversalCheckpoint:
                 raise UniversalFormatError(f"{name}: index {index} must be at most {len(info.shape)} step-1 slices")
         self._check_backed(info)
         if info.placements is not None:
-            tensor = self._read_lazy(info, key, index)
+            values = self._read_lazy(info, key, index)
         elif info.checksum is not None:
-            tensor = self._read_verified(info, key, index)
+            values = self._read_verified(info, key, index)
         else:
-            tensor = self._read_unverified(info, key, index)
-        self.bytes_read += tensor.numel() * tensor.element_size()
-        return tensor
+            values = self._read_unverified(info, key, index, array)
+        self.bytes_read += values.nbytes
+        if array:
+            return values.view("float32")
+        return values if self._is_tensor(values) else to_torch(values, "float32")
 
-    def _read_verified(self, info: ParamInfo, key: str, index) -> "torch.Tensor":
+    @staticmethod
+    def _is_tensor(values) -> bool:
+        return type(values).__module__.startswith("torch")
+
+    def _read_verified(self, info: ParamInfo, key: str, index):  # raw float32 bits (numpy)
         file = self.path / info.file
         label = integrity.tensor_file_label(info.name)
         try:
@@ -783,7 +790,7 @@ class UniversalCheckpoint:
                     got = "absent" if stored is None else f"{stored[0]} {list(stored[1])}"
                     raise UniversalFormatError(f"{file}: '{key}' is {got}, metadata.json says F32 {list(info.shape)}; "
                                                f"restore the file from a copy or reconvert")
-                return f.read(key, index)
+                return f.read_bits(key, index)
         except UniversalFormatError:
             raise
         except ChecksumError as e:
@@ -792,13 +799,14 @@ class UniversalCheckpoint:
             raise UniversalFormatError(f"{file}: cannot read '{key}' of {info.name} ({type(e).__name__}: {e}); the "
                                        f"file is missing or damaged, restore it from a copy or reconvert") from None
 
-    def _read_unverified(self, info: ParamInfo, key: str, index) -> "torch.Tensor":
-        """Version 1 (no checksums): safetensors' own reader, after the header is checked against metadata."""
+    def _read_unverified(self, info: ParamInfo, key: str, index, array: bool):
+        """Version 1 (no checksums): safetensors' own reader (numpy with `array`), after the header is checked
+        against metadata."""
         from safetensors import safe_open
 
         file = self.path / info.file
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
+            with safe_open(str(file), framework="numpy" if array else "pt", device="cpu") as f:
                 region = f.get_slice(key)
                 if tuple(region.get_shape()) != info.shape or region.get_dtype() != "F32":
                     raise UniversalFormatError(f"{file}: '{key}' has shape {tuple(region.get_shape())} "
@@ -811,14 +819,14 @@ class UniversalCheckpoint:
                                        f"{' '.join(str(e).split())}); the file is missing or damaged, reconvert") from e
         return tensor
 
-    def _read_lazy(self, info: ParamInfo, key: str, index) -> "torch.Tensor":
+    def _read_lazy(self, info: ParamInfo, key: str, index):  # raw float32 bits (numpy)
         files = self._source_files()
         placement = info.placements[key]
         try:
             if self.source_digests is not None:
                 integrity.verify_box_sources(files, placement, index, self.source_digests,
                                              label=f"{info.name} [{key}] in the source checkpoint", cache=self._verified)
-            return read_box(files, placement, index)
+            return read_box_bits(files, placement, index)
         except ChecksumError as e:
             raise UniversalFormatError(f"{' '.join(str(e).split())} (read through the lazy checkpoint "
                                        f"{self.path})") from None

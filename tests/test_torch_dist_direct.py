@@ -39,7 +39,6 @@ import os
 import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -52,7 +51,7 @@ from pretrain_runs import FIXTURES, REPO, Layout, max_rel_diff, megatron_lm_loss
 from megatron_ucp import from_universal as fu
 from megatron_ucp.convert import to_universal
 from megatron_ucp.formats.common import load_pickled
-from megatron_ucp.formats.tensor_archive import tensor_archive
+from megatron_ucp.formats.torch_save import tensor_archive
 from megatron_ucp.universal import UniversalCheckpoint
 from megatron_ucp.verify import verify
 from megatron_ucp.writers.torch_dist_direct import Gap, TensorItem, plan_checkpoint
@@ -185,7 +184,7 @@ def flip_a_main_weight_byte(root: Path, summary: fu.FromUniversalSummary, ucp: P
     iter_dir = _iter_dir(root)
     info = dcp_metadata(iter_dir).storage_data[MetadataIndex(item.key, item.offsets)]
     with open(iter_dir / info.relative_path, "r+b") as f:
-        f.seek(info.offset + tensor_archive(item.sizes, item.dtype).data_offset + 3)
+        f.seek(info.offset + tensor_archive(item.sizes, item.dtype.name).data_offset + 3)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x40]))
@@ -295,36 +294,6 @@ def test_bf16_vpp_equal_to_megatron_core_saves(bf16, work):
 
 # ------------------------------------------------------------------------------------------------
 # 3. Offline checks
-
-
-@pytest.mark.parametrize("shape,dtype", [((3, 5), torch.float32), ((1, 48, 24), torch.bfloat16),
-                                         ((70000,), torch.float16), ((), torch.float32), ((0, 4), torch.float32)])
-def test_tensor_archive_is_torch_saves_framing(shape, dtype):
-    """head + data + tail == torch.save(tensor) except the data record's CRC-32 (0) and the 40-digit
-    serialization id; torch.load reads it back."""
-    tensor = torch.randn(shape).to(dtype)
-    buf = io.BytesIO()
-    torch.save(tensor, buf)
-    theirs = buf.getvalue()
-    archive = tensor_archive(shape, dtype)
-    ours = archive.head + tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes() + archive.tail
-    assert len(ours) == len(theirs) == archive.length and (archive.data_offset % 64 == 0 or not archive.nbytes)
-    allowed = set()  # byte positions that may differ: CRC fields of data/0 and the serialization id record
-    for info in zipfile.ZipFile(io.BytesIO(theirs)).infolist():
-        if info.filename.endswith(("/data/0", "/.data/serialization_id")):
-            name_len = int.from_bytes(theirs[info.header_offset + 26:info.header_offset + 28], "little")
-            extra_len = int.from_bytes(theirs[info.header_offset + 28:info.header_offset + 30], "little")
-            start = info.header_offset + 30 + name_len + extra_len
-            allowed |= set(range(start + info.file_size, start + info.file_size + 8))  # descriptor signature + CRC
-            if info.filename.endswith("serialization_id"):
-                allowed |= set(range(start, start + info.file_size))
-    central = theirs.index(b"PK\x01\x02")
-    allowed |= {p + 16 + k for p in range(central, len(theirs) - 4) if theirs[p:p + 4] == b"PK\x01\x02"
-                for k in range(4)}  # central directory CRC fields
-    differing = {i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y}
-    assert differing <= allowed and (differing or tensor.numel() == 0)
-    back = torch.load(io.BytesIO(ours), weights_only=True)
-    assert back.dtype == dtype and back.shape == tensor.shape and torch.equal(back, tensor)
 
 
 def assert_universal_equal(ours: Path, theirs: Path) -> None:
@@ -615,7 +584,10 @@ def test_write_memory_is_bounded_and_flat(tmp_path, capsys):
     """Peak RSS growth of the direct writer (TP2 DP2, dp_reshardable, bf16 model: copies, row-parallel bands
     and casts; one writer thread, so the peak does not depend on how threads interleave) is at most
     1 GiB + 3 x the largest parameter (all states), and flat (within 20% or 16 MiB) when the model doubles
-    from 4 to 8 layers (+45 MiB of universal checkpoint)."""
+    from 4 to 8 layers (+45 MiB of universal checkpoint). The child runs with a fixed glibc mmap threshold
+    (1 MiB): with glibc's dynamic one, whether a freed 8 MiB band is reused from the heap or mapped afresh
+    varied run to run (peaks of 21.8 or 38.6 MiB for the same write); fixed, the peak measured 38.0 +- 0.1 MiB
+    in 12 runs."""
     growth, largest = {}, {}
     for layers in (4, 8):
         ucp = _fabricate(tmp_path / f"ucp{layers}", layers, hidden=256)
@@ -623,7 +595,7 @@ def test_write_memory_is_bounded_and_flat(tmp_path, capsys):
         largest[layers] = max(torch.Size(p.shape).numel() * 4 * len(p.tensors) for p in u.parameters.values())
         proc = subprocess.run([sys.executable, "-c", WRITE_CHILD, str(ucp), str(tmp_path / f"out{layers}")],
                               cwd=REPO, capture_output=True, text=True, timeout=300,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+                              env=dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="1048576"))
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         growth[layers] = result["peak"] - result["baseline"]

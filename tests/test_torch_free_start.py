@@ -8,7 +8,8 @@ already-loaded modules count too):
   module is imported.
 - the readers on the three Megatron-LM fixtures (open, shards, common state) and every module of
   formats/, patterns, adapters/gpt, the CLI parser: torch (and numpy) not loaded at all.
-- `inspect A`, `inspect B`, `plan B --tensor-model-parallel-size 1`: no module of formats/, patterns,
+- `inspect A`, `inspect B`, `plan B --tensor-model-parallel-size 1`, to-universal, and from-universal
+  --ckpt-format torch_dist (the direct writer, three optimizer/RNG variants): no module of formats/, patterns,
   adapters/, layout, model_config or cli imports torch, or a module that does (universal, byteio, the
   converter); torch is imported only by the modules in WRITE_SIDE_PENDING (owned by the write-side work,
   which makes their torch imports lazy). When that work lands, empty WRITE_SIDE_PENDING: the same test
@@ -139,17 +140,28 @@ def test_readers_open_without_torch_or_numpy(tmp_path):
                                   ("plan", str(B), "--tensor-model-parallel-size", "1"),
                                   ("to-universal", str(A), "{tmp}/ucp_a"), ("to-universal", str(B), "{tmp}/ucp_b"),
                                   ("to-universal", str(C), "{tmp}/ucp_c"), ("inspect", "{tmp}/ucp_c"),
-                                  ("check", "{tmp}/ucp_c")],
+                                  ("check", "{tmp}/ucp_c"),
+                                  ("from-universal", "{tmp}/ucp_a", "{tmp}/td_a", "--ckpt-format", "torch_dist", "-t",
+                                   "2", "-d", "2", "--use-distributed-optimizer", "--sequence-parallel"),
+                                  ("from-universal", "{tmp}/ucp_a", "{tmp}/td_a_full", "--ckpt-format", "torch_dist",
+                                   "-p", "2", "--use-distributed-optimizer", "--optimizer-format",
+                                   "fully_reshardable", "--rng-state", "cpu"),
+                                  ("from-universal", "{tmp}/ucp_c", "{tmp}/td_c", "--ckpt-format", "torch_dist",
+                                   "-t", "2", "-p", "2", "--rng-state", "source")],
                          ids=["inspect A", "inspect B", "plan B", "to-universal A", "to-universal B", "to-universal C",
-                              "inspect universal", "check universal"])
+                              "inspect universal", "check universal", "torch_dist write dp_reshardable",
+                              "torch_dist write fully_reshardable", "torch_dist write plain Adam"])
 def test_metadata_commands_import_torch_only_through_the_write_side(tmp_path_factory, args):
-    """Commands that need no tensor values load no torch: metadata commands, and to-universal, which copies,
-    compares and checksums bytes (all three fixtures take the byte path)."""
+    """Commands that need no tensor values load no torch: metadata commands, to-universal, which copies,
+    compares and checksums bytes (all three fixtures take the byte path), and the direct torch_dist writer,
+    which writes torch.save's format itself (formats/torch_save.py): every optimizer format, RNG states
+    fresh (CUDA, CPU generator) and stored; the files it writes are checked by test_torch_dist_direct.py."""
     tmp = tmp_path_factory.getbasetemp() / "torch_free"
     tmp.mkdir(exist_ok=True)
-    if "{tmp}/ucp_c" in args and args[0] != "to-universal" and not (tmp / "ucp_c").exists():
-        from megatron_ucp.convert import to_universal
-        to_universal(C, tmp / "ucp_c", progress=False)
+    for name, source in (("ucp_a", A), ("ucp_c", C)):
+        if f"{{tmp}}/{name}" in args and args[0] != "to-universal" and not (tmp / name).exists():
+            from megatron_ucp.convert import to_universal
+            to_universal(source, tmp / name, progress=False)
     args = tuple(a.replace("{tmp}", str(tmp)) for a in args)
     found = traced(tmp, cli(*args, "--quiet"))
     edges = [tuple(e) for e in found["edges"]]
@@ -162,3 +174,5 @@ def test_metadata_commands_import_torch_only_through_the_write_side(tmp_path_fac
     assert importers <= WRITE_SIDE_PENDING, importers - WRITE_SIDE_PENDING
     if not WRITE_SIDE_PENDING:
         assert "torch" not in found["modules"]
+    if args[0] == "from-universal":  # it did write the checkpoint
+        assert (Path(args[2]) / "latest_checkpointed_iteration.txt").read_text() == "8"

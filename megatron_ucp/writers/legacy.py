@@ -44,33 +44,27 @@ layout (a dropout run then continues exactly).
 from __future__ import annotations
 
 import argparse
-import enum
-import importlib
-import random
-import struct
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-import numpy as np
 import torch
 
-from megatron_ucp.adapters.gpt import (experts_in_own_optimizer, group_identity, group_overrides,
-                                      in_expert_optimizer, is_buffer, is_last_chunk, is_vocab_parameter,
-                                      megatron_param_groups, parameters_for_rank, rule_for, tp_size_of)
+from megatron_ucp.adapters.gpt import is_buffer, is_last_chunk, is_vocab_parameter, rule_for, tp_size_of
 from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
                                                 shared_embedding_names)
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
 from megatron_ucp.formats.legacy import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, rank_dir_name
-from megatron_ucp.formats.safe_pickle import DTYPE_ITEMSIZE, MEGATRON_ENUMS
 from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.patterns import repadded_shard
 from megatron_ucp.writers.base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
+from megatron_ucp.writers.megatron_state import (CHECKPOINT_VERSION, TargetGroups, args_values,
+                                                 ep_ranks, fresh_rng_state, group_hyper, optimizer_index,
+                                                 param_groups_by_rank, rank_buffer_params, rank_chunks,
+                                                 source_rng_state)
 
-CHECKPOINT_VERSION = 3.0
-RNG_STATE_KINDS = ("cuda", "cpu", "none", "source")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -82,74 +76,23 @@ class LegacyWriteError(WriteError):
 # Args
 
 
-def _restore_json_value(key: str, value: Any) -> Any:
-    """Undo convert.json_safe where Megatron needs the real type: dtypes, enums, non-finite floats."""
-    if isinstance(value, str):
-        if value.startswith("torch.") and value[len("torch."):] in DTYPE_ITEMSIZE:  # dtype names only
-            return getattr(torch, value[len("torch."):])
-        if value in ("nan", "inf", "-inf"):
-            return float(value)
-        return value
-    if isinstance(value, dict) and set(value) == {"enum", "value"}:
-        # only the Megatron enums a checkpoint may hold: metadata.json must not make us import any module
-        if value["enum"] not in MEGATRON_ENUMS:
-            return _DROP
-        module, _, cls = value["enum"].rpartition(".")
-        try:
-            enum_cls = getattr(importlib.import_module(module), cls)
-            if isinstance(enum_cls, type) and issubclass(enum_cls, enum.Enum):
-                return enum_cls(value["value"])
-        except Exception:  # megatron not importable here: the enum cannot be pickled faithfully
-            pass
-        return _DROP
-    return value
-
-
-_DROP = object()
-
-
 def args_namespace(args: Mapping[str, Any]) -> argparse.Namespace:
     """argparse.Namespace for model_optim_rng.pt: only plain values, torch dtypes and importable
     megatron enums (a Megatron-LM without megatron-ucp must be able to unpickle it)."""
-    plain = {}
-    for key, value in args.items():
-        restored = _restore_json_value(key, value)
-        if restored is not _DROP:
-            plain[key] = restored
-    return argparse.Namespace(**plain)
+    return argparse.Namespace(**args_values(args, dtype=lambda name: getattr(torch, name)))
 
 
 # --------------------------------------------------------------------------------------------------
 # Plan (pure)
 
 
-def _chunks(config: GPTModelConfig, layout: ParallelLayout, pp_rank: int, ep_rank: int = 0
-            ) -> list[list[tuple[str, tuple, str]]]:
-    """One (pp, ep) rank's state entries per chunk (parameters and persistent buffers, registration order)."""
-    return [parameters_for_rank(config, layout, pp_rank, chunk if layout.vpp else None, ep_rank=ep_rank, buffers=True)
-            for chunk in range(layout.num_chunks)]
-
-
-def _ep_ranks(config: GPTModelConfig, layout: ParallelLayout) -> range:
-    """The EP ranks that get folders of their own (Megatron-LM adds `_EEE` with EP > 1)."""
-    return range(layout.ep if config.num_experts else 1)
-
-
 def _model_dtype(ucp, canonical: str) -> torch.dtype:
     return _DTYPES[ucp.parameters[canonical].model_dtype]
 
 
-def _optimizer_index(canonical: str, config: GPTModelConfig, layout: ParallelLayout) -> int:
-    """0: the dense optimizer, 1: the expert optimizer (megatron-core's ChainedOptimizer order)."""
-    return 1 if in_expert_optimizer(canonical, config, layout) else 0
-
-
 def _rank_buffer_params(ucp, config, layout, pp_rank, ep_rank: int = 0) -> list[list[BufferParam]]:
-    """Parameters of one (pp, ep) rank per chunk (no persistent buffers), each marked with its optimizer."""
-    return [[BufferParam(local, tuple(shape), _model_dtype(ucp, canonical),
-                         expert=_optimizer_index(canonical, config, layout) == 1)
-             for local, shape, canonical in chunk if not is_buffer(canonical)]
-            for chunk in _chunks(config, layout, pp_rank, ep_rank)]
+    """Parameters of one (pp, ep) rank per chunk with torch dtypes (they key distrib_optim.pt's buffers)."""
+    return rank_buffer_params(ucp, config, layout, pp_rank, ep_rank, dtypes=_DTYPES)
 
 
 def _chunk_buffers(target: WriteTarget, pp_rank: int, chunks: list[list[BufferParam]], *, experts: bool = False):
@@ -167,69 +110,6 @@ def _chunk_buffers(target: WriteTarget, pp_rank: int, chunks: list[list[BufferPa
     return out
 
 
-def _identity(group: Mapping[str, Any]) -> tuple:
-    """What makes two param groups the same group across layouts (megatron-core's ParamKey overrides)."""
-    return (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)), bool(group.get("is_decoupled_lr")))
-
-
-def _stored_identity(ucp, entry: Mapping[str, Any]) -> Optional[tuple]:
-    """A parameter's recorded group identity: its own fields, or (checkpoints written before the fields were
-    recorded: only `index`) those of the group it points at; None when it records none."""
-    if not entry:
-        return None
-    if "wd_mult" in entry:
-        return _identity(entry)
-    index = entry.get("index")
-    if index is not None and 0 <= int(index) < len(ucp.param_groups):
-        return _identity(ucp.param_groups[int(index)])
-    return None
-
-
-@dataclass(frozen=True)
-class TargetGroups:
-    """Megatron's optimizer param groups at the target layout, per optimizer (0 dense, 1 expert) and rank
-    ((tp, ep, pp); dense ranks have ep 0), as [(vpp chunk, local name)] lists, and each group's identity."""
-
-    members: dict  # optimizer index -> {(tp, ep, pp): [[(chunk, local name)], ...]}
-    identities: dict  # optimizer index -> [group identity dict, ...]
-
-
-def param_groups_by_rank(ucp, config: GPTModelConfig, target: WriteTarget) -> TargetGroups:
-    """Megatron's grouping at the target layout (the dense optimizer over every (tp, pp) rank, the expert optimizer
-    over every (tp, ep, pp) rank when experts have their own), each parameter's group checked against the group
-    identity the universal checkpoint records for it (layouts may chain differently, identities do not change)."""
-    layout = target.layout
-    chained = experts_in_own_optimizer(config, layout)
-    rank_chunks = {(t, e, p): _rank_buffer_params(ucp, config, layout, p, e)
-                   for p in range(layout.pp) for t in range(layout.tp) for e in _ep_ranks(config, layout)}
-    members, identities = {}, {}
-    for index in ((0, 1) if chained else (0,)):
-        experts = index == 1
-        chunks = rank_chunks if experts else {k: v for k, v in rank_chunks.items() if k[1] == 0}
-        members[index] = megatron_param_groups(chunks, target.args, experts=experts)
-        identities[index] = [group_identity(o, expert=experts)
-                             for o in group_overrides(chunks, target.args, experts=experts)]
-    saved = {_identity(g) for g in ucp.param_groups}
-    for index, by_rank in members.items():
-        for (t, e, p), groups in by_rank.items():
-            names = {(c, local): canonical for c, chunk in enumerate(_chunks(config, layout, p, e))
-                     for local, _, canonical in chunk}
-            for identity, group in zip(identities[index], groups):
-                for ref in group:
-                    stored = _stored_identity(ucp, ucp.parameters[names[ref]].param_group)
-                    if stored is not None and stored != _identity(identity):
-                        raise LegacyWriteError(
-                            f"{ucp.path}: {names[ref]} is in a param group with {stored} but Megatron's grouping rule "
-                            f"puts it in one with {_identity(identity)} (wd_mult, lr_mult, decoupled LR); custom "
-                            f"param-group overrides are not supported")
-        missing = [i for i in identities[index] if _identity(i) not in saved]
-        if ucp.param_groups and missing:
-            raise LegacyWriteError(f"{ucp.path}: the universal checkpoint has no optimizer param group like {missing} "
-                                   f"that Megatron's grouping rule needs at {layout.describe()}; custom param-group "
-                                   f"overrides are not supported")
-    return TargetGroups(members, identities)
-
-
 def plan(ucp, config: GPTModelConfig, target: WriteTarget) -> list[PlannedFile]:
     """Every file the writer will produce, with the tensor bytes in it (no I/O)."""
     layout = target.layout
@@ -239,9 +119,9 @@ def plan(ucp, config: GPTModelConfig, target: WriteTarget) -> list[PlannedFile]:
     files = []
     it = iteration_dir_name(ucp.iteration)
     for pp_rank in range(layout.pp):
-        for ep_rank in _ep_ranks(config, layout):
+        for ep_rank in ep_ranks(config, layout):
             chunks = _rank_buffer_params(ucp, config, layout, pp_rank, ep_rank)
-            model_bytes = sum(p.numel * torch.empty((), dtype=p.dtype).element_size() for c in chunks for p in c)
+            model_bytes = sum(p.numel * p.dtype.itemsize for c in chunks for p in c)
             fp32_elems = sum(p.numel for c in chunks for p in c)
             half = sum(p.numel for c in chunks for p in c if p.dtype != torch.float32)
             opt_bytes = 0
@@ -324,19 +204,6 @@ def _model_state(chunk: list[tuple[str, tuple, str]], tensors: dict, *, last: bo
     return sd
 
 
-def group_hyper(ucp, identity: Mapping[str, Any]) -> dict:
-    """A target group's hyper-parameters: the universal checkpoint's group of the same identity (lr, weight decay,
-    betas, ... as the source optimizer kept them), with the target's is_expert_parallel."""
-    found = [g for g in ucp.param_groups if _identity(g) == _identity(identity)]
-    same_kind = [g for g in found if bool(g.get("is_expert_parallel")) == identity["is_expert_parallel"]]
-    group = dict((same_kind or found or [{}])[0])
-    if group:
-        group["is_expert_parallel"] = identity["is_expert_parallel"]
-    if isinstance(group.get("betas"), list):
-        group["betas"] = tuple(group["betas"])  # torch keeps a tuple
-    return group
-
-
 def _rank_step(ucp, canonicals: list[str], where: str) -> Optional[int]:
     steps = {ucp.parameters[c].step for c in canonicals}
     if len(steps) > 1:
@@ -347,49 +214,12 @@ def _rank_step(ucp, canonicals: list[str], where: str) -> Optional[int]:
     return steps.pop()
 
 
-def fresh_rng_state(args: Mapping[str, Any], iteration: int, tp_rank: int, pp_rank: int, dp: int, kind: str,
-                    ep_rank: int = 0) -> list:
-    """Megatron's get_rng_state() as freshly seeded by _set_random_seed/model_parallel_cuda_manual_seed."""
-    per_dp = dp if args.get("data_parallel_random_init") else 1
-    states = []
-    for dp_rank in range(per_dp):
-        seed = int(args.get("seed") or 1234) + 7919 * int(iteration) + 100 * pp_rank + 10 * dp_rank * (per_dp > 1)
-
-        def generator_state(s: int) -> torch.Tensor:
-            if kind == "cuda":  # CUDAGeneratorImpl::get_state: uint64 seed, int64 Philox offset
-                return torch.tensor(list(struct.pack("<Qq", s, 0)), dtype=torch.uint8)
-            return torch.Generator().manual_seed(s).get_state()
-
-        states.append({
-            "random_rng_state": random.Random(seed).getstate(),
-            "np_rng_state": np.random.RandomState(seed % 2 ** 32).get_state(),
-            "torch_rng_state": torch.Generator().manual_seed(seed).get_state(),
-            "cuda_rng_state": generator_state(seed),
-            "rng_tracker_states": {
-                "data-parallel-rng": generator_state(seed),
-                "model-parallel-rng": generator_state(seed + 2718 + tp_rank),
-                "expert-parallel-rng": generator_state(seed + 1024 + 100 * ep_rank + tp_rank),
-            },
-        })
-    return states
-
-
-def source_rng_state(ucp, tp_rank: int, pp_rank: int) -> list:
-    """The universal checkpoint's stored RNG states of rank (pp, tp), as Megatron-LM's `rng_state` list (one
-    element, or one per DP rank where they were saved per DP rank). from_universal checked the layout."""
-    states = [s for s in ucp.rng_states() if (s.pp, s.tp) == (pp_rank, tp_rank)]
-    if not states:
-        raise LegacyWriteError(f"{ucp.path}: no stored RNG state for rank tp={tp_rank} pp={pp_rank}; use "
-                               f"--rng-state cuda or cpu")
-    return [s.to_megatron() for s in sorted(states, key=lambda s: -1 if s.dp is None else s.dp)]
-
-
 def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: Optional[TargetGroups], tp_rank: int,
                      pp_rank: int, ep_rank: int = 0) -> tuple[dict, Optional[Any]]:
     """(model_optim_rng.pt, distrib_optim.pt or None) of one (tp, pp, ep) rank folder; reads only its slices."""
     layout = target.layout
     reader = _RankReader(ucp, config, target.padded_vocab_size, tp_rank, layout)
-    chunks = _chunks(config, layout, pp_rank, ep_rank)
+    chunks = rank_chunks(config, layout, pp_rank, ep_rank)
     with_optim = _has_moments(ucp)
     where = f"rank tp={tp_rank} pp={pp_rank}" + (f" ep={ep_rank}" if ep_rank else "")
 
@@ -430,7 +260,7 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
         optimizers, distribs = [], []
         for index, by_rank in groups.members.items():  # the ChainedOptimizer's order: dense, expert
             rank_groups = by_rank[(tp_rank, ep_rank if index == 1 else 0, pp_rank)]
-            mine = {ref: c for ref, c in canonicals.items() if _optimizer_index(c, config, layout) == index}
+            mine = {ref: c for ref, c in canonicals.items() if optimizer_index(c, config, layout) == index}
             identities = groups.identities[index]
             if target.use_distributed_optimizer:
                 step = _rank_step(ucp, list(mine.values()), where)
@@ -505,7 +335,7 @@ def _distrib_optim(target: WriteTarget, pp_rank: int, chunks, masters, ucp, *, e
     buckets (the dense buffers, or the expert-parallel ones)."""
     config, layout = ucp.config, target.layout
     params = [[BufferParam(local, tuple(shape), _model_dtype(ucp, canonical),
-                           expert=_optimizer_index(canonical, config, layout) == 1)
+                           expert=optimizer_index(canonical, config, layout) == 1)
                for local, shape, canonical in chunk if not is_buffer(canonical)] for chunk in chunks]
     out: dict = {"buckets_coalesced": True}
     gbuf = 0
@@ -539,7 +369,7 @@ def write(ucp, config: GPTModelConfig, target: WriteTarget, root: Path,
     iter_dir = Path(root) / iteration_dir_name(ucp.iteration)
     written = []
     for pp_rank, tp_rank, ep_rank in [(p, t, e) for p in range(layout.pp) for t in range(layout.tp)
-                                      for e in _ep_ranks(config, layout)]:
+                                      for e in ep_ranks(config, layout)]:
         rank_dir = iter_dir / rank_dir_name(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep)
         rank_dir.mkdir(parents=True, exist_ok=True)
         state, distrib = build_rank_state(ucp, config, target, groups, tp_rank, pp_rank, ep_rank)

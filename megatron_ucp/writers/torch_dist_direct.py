@@ -35,14 +35,15 @@ Entries (formats/torch_dist.py documents them as the reader sees them):
   - "adam" (no distributed optimizer): `optimizer.state.{exp_avg,exp_avg_sq}.<model key>` (+ `fp32_param`
     for bf16/fp16 models); common.pt holds the param groups and `common_step`.
   - None: weights only (args.no_save_optim), when the universal checkpoint has no Adam state.
-- `rng_state/shard_<pp>.<tp>_<PP>.<TP>`: a fresh deterministic state per (pp, tp) rank, as
-  writers/legacy.py writes it (`rng_state` "cuda" or "cpu"; "source": the stored states, at the source
-  layout only; "none" omits it, args.no_save_rng).
+- `rng_state/shard_<pp>.<tp>_<PP>.<TP>`: a fresh deterministic state per (pp, tp) rank, as the legacy
+  writer writes it (writers/megatron_state.py; `rng_state` "cuda" or "cpu"; "source": the stored states,
+  at the source layout only; "none" omits it, args.no_save_rng).
 - fp16: the loss scaler's state as `grad_scaler` next to the optimizer's param groups (an object of its
   own with dp_reshardable, in common.pt otherwise), where megatron-core's optimizers keep it.
 
-How bytes move (bounded memory, at disk speed): tensor items are framed by torch.save itself without
-their data (formats/tensor_archive.py); each item's data is the concatenation of pieces, each a run of
+How bytes move (bounded memory, at disk speed): tensor items are torch.save's archive framing without
+their data (formats/torch_save.py: torch.save's format written without torch, checked byte for byte
+against torch.save by tests/test_torch_save.py); each item's data is the concatenation of pieces, each a run of
 elements of a box of a universal tensor. A run that is contiguous in its universal tensor file and
 needs no cast (dim-0 layouts, replicated, whole-width flat bucket ranges) is copied file to file with
 copy_file_range (`UniversalCheckpoint.locate`), then the blocks it came from are checked against their
@@ -53,7 +54,10 @@ Output files are written by `workers` threads; under torchrun the processes spli
 (`write_share`) and rank 0 writes .metadata, common.pt, metadata.json and the tracker last.
 
 common.pt's args are Megatron-LM's Namespace at the target layout; its megatron enums (attention_backend,
-model_type) are pickled as references to megatron-core's classes, so writing never imports megatron-core.
+model_type) are pickled as references to megatron-core's classes. Writing imports neither torch nor
+megatron-core (~1.4 s and seconds of every command): every pickle and archive is built by
+formats/torch_save.py, casts to bf16/fp16 are numpy's (rounded as torch rounds), generator states by
+run_state.cpu_generator_state.
 
 Model rules (keys, shapes, placement, patterns, registration order, param groups) come from
 adapters/gpt.py, the DDP index map from formats/bucket_layout.py; this module only lays out the format.
@@ -68,18 +72,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import heapq
-import io
 import json
 import math
 import os
 import pickle
+import struct
 import threading
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
-import torch
+import numpy as np
 
 from megatron_ucp import integrity
 from megatron_ucp.adapters.gpt import (LAYER, expected_parameters, local_name, parameters_for_rank, pattern_for,
@@ -88,13 +92,14 @@ from megatron_ucp.byteio import BAND_BYTES, FileHandles, FileRegion, copy_region
 from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
                                                 shared_embedding_names)
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
-from megatron_ucp.formats.safe_pickle import MEGATRON_ENUMS
-from megatron_ucp.formats.tensor_archive import tensor_archive
+from megatron_ucp.formats.safe_pickle import TorchDType
+from megatron_ucp.formats.torch_save import (EnumMember, GlobalRef, Obj, SavedTensor, TorchSize, cast_float32, pickle_bytes,
+                                             save_bytes, tensor_archive, torch_dtype)
 from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.writers.base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
-from megatron_ucp.writers.legacy import (CHECKPOINT_VERSION, TargetGroups, args_namespace, fresh_rng_state, group_hyper,
-                                        param_groups_by_rank, source_rng_state)
+from megatron_ucp.writers.megatron_state import (CHECKPOINT_VERSION, MODEL_DTYPES, TargetGroups, args_values,
+                                                 fresh_rng_state, group_hyper, param_groups_by_rank, source_rng_state)
 
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed optimizer's torch_dist formats
 FILES_PER_RANK = 2  # megatron-core's default writer threads per rank (TorchDistSaveShardedStrategy thread_count)
@@ -103,7 +108,7 @@ DCP_METADATA_FILENAME = ".metadata"
 METADATA_JSON_FILENAME = "metadata.json"
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                  "common_backend_version": 1}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_F32 = MODEL_DTYPES["float32"]
 _STATE_NAMES = {"fp32": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # universal -> bucket key
 
 
@@ -193,7 +198,7 @@ class TensorItem:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: TorchDType
     pieces: tuple[Union[Piece, Gap], ...]
 
     @property
@@ -258,8 +263,8 @@ def _box_numel(box: Box) -> int:
     return math.prod(b - a for a, b in box)
 
 
-def _model_dtype(ucp, name: str) -> torch.dtype:
-    return _DTYPES[ucp.parameters[name].model_dtype]
+def _model_dtype(ucp, name: str) -> TorchDType:
+    return MODEL_DTYPES[ucp.parameters[name].model_dtype]
 
 
 def _lead_sizes(config: GPTModelConfig, lead: tuple) -> tuple:
@@ -345,8 +350,9 @@ def plan_checkpoint(ucp, target: WriteTarget, optimizer_format: Optional[str] = 
     if target.rng_state != "none":
         for pp_rank in range(layout.pp):
             for tp_rank in range(layout.tp):
-                value = (source_rng_state(ucp, tp_rank, pp_rank) if target.rng_state == "source" else
-                         fresh_rng_state(target.args, ucp.iteration, tp_rank, pp_rank, layout.dp, target.rng_state))
+                value = (source_rng_state(ucp, tp_rank, pp_rank, SavedTensor) if target.rng_state == "source" else
+                         fresh_rng_state(target.args, ucp.iteration, tp_rank, pp_rank, layout.dp, target.rng_state,
+                                         tensor=SavedTensor))
                 owners.add(ObjectItem(sharded_object_key("rng_state", (pp_rank, tp_rank), (layout.pp, layout.tp)),
                                       value), tp_rank, pp_rank, 0)
     return DirectPlan(owners.files(), _common_state(ucp, target, opt, step, groups), ucp.iteration,
@@ -381,7 +387,7 @@ def _plan_model(ucp, config: GPTModelConfig, layout: ParallelLayout, opt: Option
         states = []  # (saved key, universal tensor)
         if opt == "fully_reshardable":
             states.append((model_space_state_key("param", key), "fp32"))
-        elif opt == "adam" and dtype != torch.float32:
+        elif opt == "adam" and dtype != _F32:
             states.append((model_space_state_key("fp32_param", key), "fp32"))
         if opt in ("fully_reshardable", "adam"):
             states += [(model_space_state_key(s, key), s) for s in ("exp_avg", "exp_avg_sq")]
@@ -395,7 +401,7 @@ def _plan_model(ucp, config: GPTModelConfig, layout: ParallelLayout, opt: Option
                 owners.add(TensorItem(key, global_shape, offsets, sizes, dtype,
                                       (Piece(name, "fp32", box, 0, numel),)), tp_rank, pp_rank)
                 for saved, state in states:
-                    owners.add(TensorItem(saved, global_shape, offsets, sizes, torch.float32,
+                    owners.add(TensorItem(saved, global_shape, offsets, sizes, _F32,
                                           (Piece(name, state, box, 0, numel),)), tp_rank, pp_rank)
 
 
@@ -485,7 +491,7 @@ def _plan_flat_buckets(ucp, config: GPTModelConfig, target: WriteTarget, shapes:
                                 for offset, size, pieces in chunk_list:
                                     owners.add(TensorItem(flat_bucket_key(mp, gbuf, dtypes, b, saved_name),
                                                           (bucket.numel_unpadded,), (offset,), (size,),
-                                                          torch.float32, pieces(universal_key)),
+                                                          _F32, pieces(universal_key)),
                                                tp_rank, pp_rank, dp_rank)
                     gbuf += 1
             param_groups = [{**group_hyper(ucp, identity), "step": float(step or 0)}
@@ -535,7 +541,7 @@ def _grad_scaler(ucp, target: WriteTarget) -> Optional[dict]:
     the run then starts a fresh scaler from its flags)."""
     if not target.args.get("fp16") or ucp.loss_scaler is None:
         return None
-    return ucp.loss_scaler.to_megatron()
+    return ucp.loss_scaler.to_megatron(SavedTensor)
 
 
 def _dense_identities(groups: TargetGroups, tp_rank: int, pp_rank: int) -> list:
@@ -567,8 +573,8 @@ def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: Op
         else:  # FP32Optimizer, or Float16OptimizerWithFloat16Params around it for 16-bit models
             inner: dict = {"state": {}, "param_groups": hyper}
             if step:  # megatron-core saves the shared step only when non-zero
-                inner["state"]["common_step"] = torch.tensor(float(step), dtype=torch.float32)
-            mixed = any(_model_dtype(ucp, n) != torch.float32 for n in ucp.parameters)
+                inner["state"]["common_step"] = SavedTensor(struct.pack("<f", float(step)), "float32", ())
+            mixed = any(_model_dtype(ucp, n) != _F32 for n in ucp.parameters)
             common["optimizer"] = {"optimizer": inner} if mixed else inner
             if mixed and scaler is not None:
                 common["optimizer"]["grad_scaler"] = scaler
@@ -613,44 +619,44 @@ class _Sources:
             return None
         return FileRegion(located.path, located.offset + 4 * start, 4 * (stop - start))
 
-    def rows(self, name: str, state: str, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+    def rows(self, name: str, state: str, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
         """Rows [r0, r1), columns [c0, c1) of the tensor as float32 (r1 - r0, c1 - c0)."""
         rows, _ = self.shape2d(name)
         parts = []
         if r0 < rows:
             top = min(r1, rows)
             if len(self.ucp.parameters[name].shape) == 1:
-                parts.append(self.ucp.read(name, state, (slice(c0, c1),)).view(1, c1 - c0))
+                parts.append(self.ucp.read(name, state, (slice(c0, c1),), array=True).reshape(1, c1 - c0))
             else:
-                parts.append(self.ucp.read(name, state, (slice(r0, top), slice(c0, c1))))
+                parts.append(self.ucp.read(name, state, (slice(r0, top), slice(c0, c1)), array=True))
         if r1 > rows:
-            parts.append(self.fill_row(name, state)[:, c0:c1].expand(r1 - max(r0, rows), c1 - c0))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            parts.append(np.broadcast_to(self.fill_row(name, state)[:, c0:c1], (r1 - max(r0, rows), c1 - c0)))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def fill_row(self, name: str, state: str) -> torch.Tensor:
+    def fill_row(self, name: str, state: str) -> np.ndarray:
         found = self._fill.get((name, state))
         if found is None:
             rows, cols = self.shape2d(name)
             if state != "fp32":
-                found = torch.zeros(1, cols)
+                found = np.zeros((1, cols), dtype=np.float32)
             else:  # the mean of the stored padding rows (all rows if none), in float64
                 lo = self.config.vocab_size if rows > self.config.vocab_size else 0
-                total = torch.zeros(cols, dtype=torch.float64)
+                total = np.zeros(cols, dtype=np.float64)
                 step = max(1, BAND_BYTES // (4 * cols))
                 for a in range(lo, rows, step):
-                    total += self.rows(name, state, a, min(rows, a + step), 0, cols).to(torch.float64).sum(0)
-                found = (total / (rows - lo)).to(torch.float32).view(1, cols)
+                    total += self.rows(name, state, a, min(rows, a + step), 0, cols).astype(np.float64).sum(0)
+                found = (total / (rows - lo)).astype(np.float32).reshape(1, cols)
             self._fill[(name, state)] = found
         return found
 
 
-def _write_piece(sources: _Sources, fd: int, pos: int, piece: Piece, dtype: torch.dtype) -> None:
+def _write_piece(sources: _Sources, fd: int, pos: int, piece: Piece, dtype: TorchDType) -> None:
     """Write the piece's elements, cast to `dtype`, at byte `pos` of the open file `fd`."""
     rows, cols = sources.shape2d(piece.name)
     (r0, _), (c0, c1) = piece.box if len(piece.box) == 2 else ((0, 1), piece.box[0])
     width = c1 - c0
     first_row, last_row = piece.start // width, (piece.stop - 1) // width
-    if dtype == torch.float32 and (width == cols or first_row == last_row) and r0 + last_row < rows:
+    if dtype == _F32 and (width == cols or first_row == last_row) and r0 + last_row < rows:
         start = (r0 + first_row) * cols + c0 + piece.start % width
         region = sources.region(piece.name, piece.state, start, start + piece.numel)
         if region is not None:  # one run of the stored tensor: file to file, then checked
@@ -664,19 +670,14 @@ def _write_piece(sources: _Sources, fd: int, pos: int, piece: Piece, dtype: torc
         end_row = min(row + band_rows, -(-piece.stop // width))
         block = sources.rows(piece.name, piece.state, r0 + row, r0 + end_row, c0, c1)
         lo, hi = e - row * width, min(piece.stop, end_row * width) - row * width
-        values = block.reshape(-1)[lo:hi]
-        if dtype != torch.float32:
-            values = values.to(dtype)
-        data = values.contiguous().view(torch.uint8).numpy()
-        integrity.pwrite_hashed(fd, memoryview(data), pos + (e - piece.start) * dtype.itemsize, None)
+        data = cast_float32(block.reshape(-1)[lo:hi], dtype.name)  # torch's rounding (bf16/fp16)
+        integrity.pwrite_hashed(fd, memoryview(data.view(np.uint8)), pos + (e - piece.start) * dtype.itemsize, None)
         e = row * width + hi
 
 
 def _object_bytes(value: Any) -> bytes:
     """A ShardedObject item: megatron-core saves torch.save([data]) (one list entry per local object)."""
-    buf = io.BytesIO()
-    torch.save([value], buf)
-    return buf.getvalue()
+    return save_bytes([value])
 
 
 def write_file(sources: _Sources, iter_dir: Path, out: OutputFile, *, fsync: bool = False) -> list[WrittenItem]:
@@ -692,7 +693,7 @@ def write_file(sources: _Sources, iter_dir: Path, out: OutputFile, *, fsync: boo
                 written.append(WrittenItem(item.key, None, out.name, pos, len(data)))
                 pos += len(data)
                 continue
-            archive = tensor_archive(item.sizes, item.dtype)
+            archive = tensor_archive(item.sizes, item.dtype.name)
             integrity.pwrite_hashed(fd, archive.head, pos, None)
             at = pos + archive.data_offset
             for piece in item.pieces:  # a Gap is left unwritten: a hole of the new file, zeros
@@ -764,25 +765,23 @@ _DCP_META = "torch.distributed.checkpoint.metadata."
 DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION (torch 2.13)
 
 
-def dcp_metadata(files: Sequence[OutputFile], written: Sequence[WrittenItem], checkpoint_id: str) -> "_Obj":
+def dcp_metadata(files: Sequence[OutputFile], written: Sequence[WrittenItem], checkpoint_id: str) -> Obj:
     """The DCP `.metadata` of the planned files as written (chunks in file order, as megatron-core's
     global plan lists them rank by rank), as the object tree `pickle.dump(Metadata(...))` writes: each
     dataclass as NEWOBJ + BUILD of its state, torch.Size as a reduce of a tuple, dtypes as globals
     (tests/test_torch_dist_direct.py unpickles it with torch and compares it with DCP's own objects)."""
-    cls = {name: _GlobalRef(_DCP_META + name) for name in (
+    cls = {name: GlobalRef(_DCP_META + name) for name in (
         "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex", "StorageMeta",
         "TensorProperties", "TensorStorageMetadata")}
-    storage_info = _GlobalRef("torch.distributed.checkpoint.filesystem._StorageInfo")
-    contiguous = _EnumMember(_GlobalRef(_DCP_META + "_MEM_FORMAT_ENCODING"), 0)  # TORCH_CONTIGUOUS_FORMAT
-    dtypes: dict = {}
+    storage_info = GlobalRef("torch.distributed.checkpoint.filesystem._StorageInfo")
+    contiguous = EnumMember(GlobalRef(_DCP_META + "_MEM_FORMAT_ENCODING"), 0)  # TORCH_CONTIGUOUS_FORMAT
 
-    def properties(dtype) -> _Obj:  # TensorProperties.__getstate__: (dtype, layout, requires_grad, format, pin)
-        ref = dtypes.setdefault(dtype, _GlobalRef(str(dtype)))  # "torch.float32" -> torch.float32
-        return _Obj(cls["TensorProperties"], (ref, _STRIDED, False, contiguous, False))
+    def properties(dtype: TorchDType) -> Obj:  # TensorProperties.__getstate__: (dtype, layout, requires_grad, format, pin)
+        return Obj(cls["TensorProperties"], (torch_dtype(dtype.name), _STRIDED, False, contiguous, False))
 
-    def index(key: str, offsets=None) -> _Obj:
-        return _Obj(cls["MetadataIndex"], {"fqn": key, "offset": None if offsets is None else _Size(offsets),
-                                           "index": None})
+    def index(key: str, offsets=None) -> Obj:
+        return Obj(cls["MetadataIndex"], {"fqn": key, "offset": None if offsets is None else TorchSize(offsets),
+                                          "index": None})
 
     where = {(w.key, w.offsets): w for w in written}
     state_dict_metadata: dict = {}
@@ -790,105 +789,36 @@ def dcp_metadata(files: Sequence[OutputFile], written: Sequence[WrittenItem], ch
     for out in files:
         for item in out.items:
             if isinstance(item, ObjectItem):
-                state_dict_metadata[item.key] = _Obj(cls["BytesStorageMetadata"], {})
+                state_dict_metadata[item.key] = Obj(cls["BytesStorageMetadata"], {})
                 w = where[(item.key, None)]
-                storage_data[index(item.key)] = _Obj(storage_info, {"relative_path": w.relative_path,
+                storage_data[index(item.key)] = Obj(storage_info, {"relative_path": w.relative_path,
                                                                     "offset": w.offset, "length": w.length})
                 continue
             md = state_dict_metadata.get(item.key)
             if md is None:
-                md = state_dict_metadata[item.key] = _Obj(cls["TensorStorageMetadata"], {
-                    "properties": properties(item.dtype), "size": _Size(item.global_shape), "chunks": []})
-            md.state["chunks"].append(_Obj(cls["ChunkStorageMetadata"], {"offsets": _Size(item.offsets),
-                                                                         "sizes": _Size(item.sizes)}))
+                md = state_dict_metadata[item.key] = Obj(cls["TensorStorageMetadata"], {
+                    "properties": properties(item.dtype), "size": TorchSize(item.global_shape), "chunks": []})
+            md.state["chunks"].append(Obj(cls["ChunkStorageMetadata"], {"offsets": TorchSize(item.offsets),
+                                                                         "sizes": TorchSize(item.sizes)}))
             w = where[(item.key, item.offsets)]
-            storage_data[index(item.key, item.offsets)] = _Obj(storage_info, {
+            storage_data[index(item.key, item.offsets)] = Obj(storage_info, {
                 "relative_path": w.relative_path, "offset": w.offset, "length": w.length})
-    storage_meta = _Obj(cls["StorageMeta"], {"checkpoint_id": checkpoint_id, "save_id": str(uuid.uuid4()),
+    storage_meta = Obj(cls["StorageMeta"], {"checkpoint_id": checkpoint_id, "save_id": str(uuid.uuid4()),
                                              "load_id": None, "modules": []})
-    return _Obj(cls["Metadata"], {"state_dict_metadata": state_dict_metadata, "planner_data": None,
+    return Obj(cls["Metadata"], {"state_dict_metadata": state_dict_metadata, "planner_data": None,
                                   "storage_data": storage_data, "storage_meta": storage_meta,
                                   "version": DCP_VERSION})
 
 
-class _GlobalRef:
-    """A class named by its module and name, pickled as that global reference without importing the module:
-    Megatron-LM's enums in the args (the reader of common.pt has megatron-core; importing it here would
-    cost seconds of every write)."""
-
-    def __init__(self, qualified: str):
-        self.module, self.name = qualified.rsplit(".", 1)
-
-    def __call__(self, *args):  # pickle's save_reduce wants a callable; only its reference is written
-        raise TypeError(f"{self.module}.{self.name} is only a reference for pickling")
+_STRIDED = GlobalRef("torch.strided")
+_NAMESPACE = GlobalRef("argparse.Namespace")
 
 
-class _EnumMember:
-    """A member of a megatron enum, unpickled as `<enum class>(value)`."""
-
-    def __init__(self, cls: _GlobalRef, value: Any):
-        self.cls, self.value = cls, value
-
-    def __reduce__(self):
-        return self.cls, (self.value,)
-
-
-class _Obj:
-    """An instance of the class `cls` (a _GlobalRef) as pickle writes a dataclass: NEWOBJ of the class, then
-    BUILD with `state` (the __dict__, or what the class's __getstate__ returns)."""
-
-    def __init__(self, cls: _GlobalRef, state: Any):
-        self.cls, self.state = cls, state
-
-
-class _Size(tuple):
-    """torch.Size, pickled as torch.Size.__reduce__ does: the class applied to a tuple."""
-
-    def __reduce__(self):
-        return _TORCH_SIZE, (tuple(self),)
-
-
-class _ArgsPickler(pickle._Pickler):  # the pure-Python pickler: its dispatch table can name a global
-    dispatch = dict(pickle._Pickler.dispatch)
-
-    def _save_ref(self, obj: _GlobalRef) -> None:
-        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())  # what save_global writes (protocol 2)
-        self.memoize(obj)
-
-    def _save_obj(self, obj: _Obj) -> None:  # what save_reduce writes for copyreg.__newobj__ (protocol >= 2)
-        self.save(obj.cls)
-        self.save(())
-        self.write(pickle.NEWOBJ)
-        self.memoize(obj)
-        self.save(obj.state)
-        self.write(pickle.BUILD)
-
-    dispatch[_GlobalRef] = _save_ref
-    dispatch[_Obj] = _save_obj
-
-
-_TORCH_SIZE = _GlobalRef("torch.Size")
-_STRIDED = _GlobalRef("torch.strided")
-
-
-class _ArgsPickleModule:
-    """The pickle module torch.save uses for common.pt."""
-
-    __name__ = "megatron_ucp_args_pickle"
-    Pickler = _ArgsPickler
-
-
-def _args_for_pickle(args: dict):
-    """The args as Megatron-LM's Namespace, megatron enums as global references (args_namespace would import
-    megatron-core to build them; enums it does not know are dropped, as it does)."""
-    plain = {}
-    for key, value in args.items():
-        if isinstance(value, dict) and set(value) == {"enum", "value"}:
-            if value["enum"] in MEGATRON_ENUMS:
-                plain[key] = _EnumMember(_GlobalRef(value["enum"]), value["value"])
-            continue
-        plain[key] = value
-    return args_namespace(plain)
+def _args_for_pickle(args: dict) -> Obj:
+    """The args as Megatron-LM's Namespace: dtypes as torch's, megatron enums as references to megatron-core's
+    classes (megatron-core is not imported; enums it does not list are dropped, as args_values does)."""
+    return Obj(_NAMESPACE, args_values(args, dtype=torch_dtype,
+                                       enum_member=lambda cls, value: EnumMember(GlobalRef(cls), value)))
 
 
 def _write_file(path: Path, write: Callable[[Any], None]) -> None:
@@ -904,10 +834,10 @@ def finish(root: Path, plan: DirectPlan, written: Sequence[WrittenItem],
     iter_name = iteration_dir_name(plan.iteration)
     iter_dir = Path(root) / iter_name
     metadata = dcp_metadata(plan.files, written, iter_name)
-    for name, write in ((DCP_METADATA_FILENAME, lambda f: _ArgsPickler(f, pickle.DEFAULT_PROTOCOL).dump(metadata)),
-                        (COMMON_FILENAME, lambda f: torch.save({**plan.common,
-                                                                "args": _args_for_pickle(plan.common["args"])}, f,
-                                                               pickle_module=_ArgsPickleModule)),
+    common = {**plan.common, "args": _args_for_pickle(plan.common["args"])}
+    # common.pt's archive is named after the file, as torch.save(obj, path) names it in megatron-core's save
+    for name, write in ((DCP_METADATA_FILENAME, lambda f: f.write(pickle_bytes(metadata, pickle.DEFAULT_PROTOCOL))),
+                        (COMMON_FILENAME, lambda f: f.write(save_bytes(common, prefix="common"))),
                         (METADATA_JSON_FILENAME, lambda f: f.write(json.dumps(METADATA_JSON).encode()))):
         _write_file(iter_dir / name, write)
         if on_file:

@@ -1,0 +1,237 @@
+"""formats/torch_save.py writes torch.save's format without torch; these tests hold it to torch.save itself
+(torch 2.13), byte for byte.
+
+The only bytes allowed to differ are the 40-digit `.data/serialization_id` (torch hashes the record names
+with std::hash, which this module does not reproduce; torch's reader only logs the id) and the CRC-32
+fields of that record and, for framing without data (`tensor_archive`, as under torch's skip_data), of the
+data record (torch's reader does not check CRC-32s). Everything else (record order, alignment padding,
+data descriptors, central directory, zip64 end records, the pickle opcodes and memo references) must be
+equal. Also checked: torch.load and megatron-ucp's own allow-list reader read what is written; the CPU
+generator state and the bf16/fp16 casts equal torch's, including NaN, infinities, subnormals and overflow.
+Runtime: ~5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http
+import io
+import math
+import struct
+import zipfile
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_ucp.formats import torch_save
+from megatron_ucp.formats.safe_pickle import TensorRecord, TorchDType, load_archive, read_tensor_bytes
+from megatron_ucp.formats.torch_save import (EnumMember, GlobalRef, Obj, SavedTensor, TorchSaveError, cast_float32,
+                                             save_bytes, tensor_archive, torch_dtype)
+from megatron_ucp.run_state import cpu_generator_state
+
+
+def torch_saved(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def differing_allowed(theirs: bytes, records=("/.data/serialization_id",)) -> set:
+    """Byte positions of `theirs` that may differ: the serialization id's digits, and the CRC-32 fields (data
+    descriptor and central directory entry) of the named records."""
+    allowed = set()
+    for info in zipfile.ZipFile(io.BytesIO(theirs)).infolist():
+        if not info.filename.endswith(records):
+            continue
+        name_len, extra_len = struct.unpack_from("<HH", theirs, info.header_offset + 26)
+        start = info.header_offset + 30 + name_len + extra_len
+        allowed |= set(range(start + info.file_size, start + info.file_size + 8))  # descriptor signature + CRC
+        if info.filename.endswith("serialization_id"):
+            allowed |= set(range(start, start + info.file_size))
+    pos = theirs.index(b"PK\x01\x02")
+    while pos >= 0:  # central directory entries of those records: their CRC field
+        name_len = struct.unpack_from("<H", theirs, pos + 28)[0]
+        if theirs[pos + 46:pos + 46 + name_len].decode().endswith(records):
+            allowed |= set(range(pos + 16, pos + 20))
+        pos = theirs.find(b"PK\x01\x02", pos + 46)
+    return allowed
+
+
+def assert_same_bytes(ours: bytes, theirs: bytes, records=("/.data/serialization_id",)) -> None:
+    assert len(ours) == len(theirs)
+    differing = {i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y}
+    assert differing <= differing_allowed(theirs, records), sorted(differing - differing_allowed(theirs, records))[:10]
+
+
+def numpy_of(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+# --------------------------------------------------------------------------------------------------
+# One tensor's framing (the direct torch_dist writer's items)
+
+
+SHAPES = [((3, 5), "float32"), ((1, 48, 24), "bfloat16"), ((70000,), "float16"), ((), "float32"),
+          ((0, 4), "float32"), ((2, 3, 4, 5), "float64"), ((7,), "int64"), ((9,), "bool"), ((2, 2), "uint8"),
+          ((3,), "int32"), ((1000, 33), "float32"), ((5, 0, 2), "int16"), ((4,), "int8")]
+
+
+@pytest.mark.parametrize("shape,dtype", SHAPES, ids=[f"{d}{list(s)}" for s, d in SHAPES])
+def test_tensor_archive_is_torch_saves_framing(shape, dtype):
+    """head + data + tail == torch.save(tensor) but for the data CRC (0, as under skip_data) and the
+    serialization id; torch.load reads it back."""
+    tensor = (torch.randn(shape) * 100).to(getattr(torch, dtype))
+    theirs = torch_saved(tensor)
+    archive = tensor_archive(shape, dtype)
+    ours = archive.head + numpy_of(tensor) + archive.tail
+    assert archive.length == len(ours) and (archive.data_offset % 64 == 0 or not archive.nbytes)
+    assert_same_bytes(ours, theirs, ("/data/0", "/.data/serialization_id"))
+    assert tensor_archive(shape, f"torch.{dtype}") is archive  # torch's spelling, cached
+    back = torch.load(io.BytesIO(ours), weights_only=True)
+    assert back.dtype == tensor.dtype and back.shape == tensor.shape and torch.equal(back, tensor)
+
+
+def test_tensor_archive_leaves_zip64_records_to_torch(monkeypatch):
+    """A record at or past 4 GiB needs zip64 fields: torch frames it (here a small limit forces that path,
+    and its framing is the same as ours for a small tensor)."""
+    ours = tensor_archive((64, 3), "bfloat16")
+    torch_save._tensor_archive.cache_clear()
+    monkeypatch.setattr(torch_save, "_ZIP32_LIMIT", 100)
+    try:
+        with pytest.raises(TorchSaveError, match="4 GiB"):
+            save_bytes(SavedTensor(bytes(384), "bfloat16", (64, 3)))
+        theirs = tensor_archive((64, 3), "bfloat16")
+        assert (theirs.head, len(theirs.tail)) == (ours.head, len(ours.tail)) and theirs.nbytes == ours.nbytes
+        full = theirs.head + bytes(384) + theirs.tail
+        assert_same_bytes(ours.head + bytes(384) + ours.tail, full, ("/data/0", "/.data/serialization_id"))
+    finally:
+        torch_save._tensor_archive.cache_clear()
+
+
+# --------------------------------------------------------------------------------------------------
+# Whole objects (common.pt, ShardedObject items)
+
+
+def _pair():
+    """The same value as torch objects and as torch_save's stand-ins."""
+    weights = torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7
+    half = torch.tensor([1.5, -2.25, 65504.0], dtype=torch.bfloat16)
+    state = np.random.RandomState(7).get_state()
+    theirs = {"weights": weights, "scalar": torch.tensor(3.0), "half": half, "empty": torch.zeros(0, 2),
+              "rng": torch.Generator().manual_seed(11).get_state(), "np": state,
+              "args": argparse.Namespace(params_dtype=torch.bfloat16, main_dtype=torch.float32,
+                                         status=http.HTTPStatus(404), lr=1e-3, name="x", none=None),
+              "dtypes": {(torch.bfloat16, torch.float32): [64, 128]}, "plain": [1, 2.5, "s", True, None, (1, 2)],
+              "ordered": OrderedDict(a=1)}
+    ours = {"weights": SavedTensor.of(weights.numpy(), "float32"),
+            "scalar": SavedTensor(struct.pack("<f", 3.0), "float32", ()),
+            "half": SavedTensor(numpy_of(half), "bfloat16", (3,)), "empty": SavedTensor(b"", "float32", (0, 2)),
+            "rng": SavedTensor.of(cpu_generator_state(11), "uint8"), "np": state,
+            "args": Obj(GlobalRef("argparse.Namespace"), {
+                "params_dtype": torch_dtype("torch.bfloat16"), "main_dtype": torch_dtype("float32"),
+                "status": EnumMember(GlobalRef("http.HTTPStatus"), 404), "lr": 1e-3, "name": "x", "none": None}),
+            "dtypes": {(TorchDType("bfloat16"), TorchDType("float32")): [64, 128]},
+            "plain": [1, 2.5, "s", True, None, (1, 2)], "ordered": OrderedDict(a=1)}
+    return ours, theirs
+
+
+@pytest.mark.parametrize("prefix", ["archive", "common"])
+def test_save_bytes_is_torch_save(prefix, tmp_path):
+    """Tensors of several dtypes (a scalar, an empty one), numpy state, a Namespace with dtypes and an enum,
+    dtype-keyed dicts: the same bytes as torch.save (to a stream: "archive"; to a path named common.pt:
+    "common", as megatron-core saves common.pt), the same value on torch.load."""
+    ours, theirs = _pair()
+    if prefix == "archive":
+        expected = torch_saved(theirs)
+    else:
+        torch.save(theirs, tmp_path / "common.pt")
+        expected = (tmp_path / "common.pt").read_bytes()
+    written = save_bytes(ours, prefix=prefix)
+    assert_same_bytes(written, expected)
+    back = torch.load(io.BytesIO(written), weights_only=False)
+    assert back.keys() == theirs.keys()
+    for key in ("weights", "scalar", "half", "empty", "rng"):
+        assert back[key].dtype == theirs[key].dtype and torch.equal(back[key], theirs[key]), key
+    assert vars(back["args"]) == vars(theirs["args"]) and back["dtypes"] == theirs["dtypes"]
+    assert back["np"][0] == "MT19937" and np.array_equal(back["np"][1], theirs["np"][1])
+    assert back["plain"] == theirs["plain"] and back["ordered"] == theirs["ordered"]
+
+
+def test_allow_list_reader_reads_it(tmp_path):
+    """megatron-ucp's own reader (no unpickling outside the allow-list) reads what torch_save writes."""
+    ours, _ = _pair()
+    del ours["args"], ours["np"]  # http.HTTPStatus is (rightly) not on the allow-list
+    path = tmp_path / "item.pt"
+    path.write_bytes(save_bytes([ours]))
+    (value,) = load_archive(path, what="a ShardedObject item")
+    assert isinstance(value["weights"], TensorRecord) and value["weights"].shape == (3, 4)
+    assert bytes(read_tensor_bytes(value["weights"])) == ours["weights"].data
+    assert bytes(read_tensor_bytes(value["rng"])) == cpu_generator_state(11)
+    assert value["plain"] == [1, 2.5, "s", True, None, (1, 2)]
+
+
+def test_refuses_what_it_cannot_write():
+    with pytest.raises(TorchSaveError, match="bytes for a float32 tensor"):
+        SavedTensor(b"abc", "float32", (1,))
+    with pytest.raises(TorchSaveError, match="complex64"):
+        SavedTensor(bytes(8), "complex64", (1,))
+    with pytest.raises(TorchSaveError, match="unknown torch dtype"):
+        torch_dtype("float17")
+    with pytest.raises(TorchSaveError, match="tensors need"):
+        torch_save.pickle_bytes([SavedTensor(bytes(4), "float32", (1,))])
+
+
+# --------------------------------------------------------------------------------------------------
+# Values torch computes
+
+
+@pytest.mark.parametrize("seed", [0, 1, 1234, 1234 + 7919 * 8 + 100, 2 ** 32 + 5, 2 ** 63 - 1, 2 ** 64 - 1])
+def test_cpu_generator_state_is_torchs(seed):
+    assert cpu_generator_state(seed) == numpy_of(torch.Generator().manual_seed(seed).get_state())
+
+
+def test_cpu_generator_state_sees_a_wrong_word():
+    """Negative control: the comparison above sees one word of 624 off (the seed's high bits ignored)."""
+    a, b = cpu_generator_state(2 ** 32 + 5), cpu_generator_state(5)
+    assert a != b and a[8:] == b[8:]  # only the stored initial seed differs: mt19937 takes the low 32 bits
+
+
+SPECIAL = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-45, -1e-45, 1e-40, 6e-8, 3e-8, 2.98e-8,
+                    65504.0, 65519.99, 65520.0, 1e38, 3.3895314e38, 3.4e38, -3.4e38, 1.00390625, 1.01171875,
+                    1.0078125, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8], dtype=np.float32)
+
+
+def _cast_inputs() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    scaled = rng.standard_normal(50000).astype(np.float32) * np.float32(10) ** rng.integers(-45, 38, 50000).astype(
+        np.float32)
+    any_bits = rng.integers(0, 2 ** 32, 50000, dtype=np.uint64).astype(np.uint32).view(np.float32)  # NaN payloads
+    return np.concatenate([SPECIAL, scaled, any_bits])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("n", [1, 7, 24, None])
+def test_cast_rounds_as_torch(dtype, n):
+    """cast_float32 == torch's CPU Tensor.to(dtype), bit for bit: rounding to nearest even (ties included),
+    subnormals, overflow to infinity, NaNs with any payload; short inputs too (torch's scalar tail path)."""
+    values = _cast_inputs()[:n]
+    ours = cast_float32(values, dtype)
+    theirs = numpy_of(torch.from_numpy(values.copy()).to(getattr(torch, dtype)))
+    assert ours.tobytes() == theirs
+
+
+def test_cast_comparison_sees_truncation():
+    """Negative control: truncating instead of rounding differs from torch on the ties and many values."""
+    values = _cast_inputs()
+    truncated = (values.view(np.uint32) >> 16).astype(np.uint16)
+    theirs = np.frombuffer(numpy_of(torch.from_numpy(values.copy()).to(torch.bfloat16)), dtype=np.uint16)
+    assert (truncated != theirs).sum() > len(values) // 4
+
+
+def test_saved_tensor_of_numpy():
+    values = np.arange(6, dtype=np.float32).reshape(2, 3)
+    t = SavedTensor.of(values, "float32")
+    assert t.shape == (2, 3) and t.data == values.tobytes()
+    assert math.prod(SavedTensor.of(b"\0" * 8, "uint8").shape) == 8
