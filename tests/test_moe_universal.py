@@ -19,7 +19,11 @@ expert; gpt2_moe: biased experts and router, GELU, tied embeddings):
   axis before the expert axis), EP2 DP2, plain Adam (no distributed optimizer);
 - legacy_bias: llama_moe with a sigmoid router, its expert_bias buffer and a gated shared expert, EP2 DP2,
   distributed optimizer, saved in Megatron-LM's legacy format (--ckpt-format torch).
-Runtime ~4-6 min on 2 shared cores (5 sources, 7 resumes, 4 negative-control resumes: 16 torchrun runs).
+from-universal --ckpt-format torch_dist is written directly (no training process) and compared with
+megatron-core's own save of the same layout (the harness route): EP4 DP4 chained dp_reshardable, EP1
+dp_reshardable, plain Adam with stacked MoE layers; two direct writes are loaded by megatron-core and continue
+the run (EP4 dp_reshardable; fully_reshardable written at TP2 ETP1 EP2, loaded at EP4).
+Runtime ~5-7 min on 2 shared cores (5 sources, 9 resumes, 4 negative-control resumes, 3 harness saves).
 """
 
 import contextlib
@@ -32,6 +36,7 @@ import pytest
 import torch
 
 from pretrain_runs import FAMILIES, SCHEDULE, Layout, read_records, run_pretrain, train
+from torch_dist_checks import assert_equal_to_megatron, gap_chunks, structure
 
 from megatron_ucp.adapters import gpt
 from megatron_ucp.convert import to_universal
@@ -251,23 +256,62 @@ def test_from_universal_legacy_at_new_ep_is_loaded_by_megatron_core(sources):
 
 def test_from_universal_torch_dist_at_new_ep_is_loaded_by_megatron_core(sources):
     """from-universal --ckpt-format torch_dist at EP4 DP4 with the distributed optimizer from the EP2 DP4
-    source: the direct writer refuses MoE with its fix (nothing written), --via-harness (megatron-core saves it,
-    dp_reshardable with the chained dense + expert optimizer) writes it, and the harness's plain --load
-    (megatron-core's dist_checkpointing.load, no --universal-checkpoint) continues the source's run within TOL
-    (with the shifted-curve negative control of check_continues)."""
-    from megatron_ucp.from_universal import FromUniversalError, from_universal
+    source, written directly (no training process): every key, chunk box and byte, every optimizer object
+    (chained `chained_0.` dense / `chained_1.` expert buckets over the ETP x EP x PP groups, param groups, bucket
+    numels) and common.pt's ChainedOptimizer entry equal megatron-core's own save through the harness
+    (`--via-harness`; alignment gaps and RNG states aside), verify atol 0; the harness's plain --load
+    (megatron-core's dist_checkpointing.load) continues the source's run within TOL (with the shifted-curve
+    negative control of check_continues)."""
+    from megatron_ucp.from_universal import from_universal
 
     src = sources("ep2dp4")
-    with pytest.raises(FromUniversalError, match="add --via-harness"):
-        from_universal(src.ucp, src.work / "td_refused", data_parallel_size=4, expert_model_parallel_size=4,
-                       use_distributed_optimizer=True, ckpt_format="torch_dist", progress=False)
-    assert not (src.work / "td_refused").exists()
-    dst = src.work / "td_ep4"
-    from_universal(src.ucp, dst, data_parallel_size=4, expert_model_parallel_size=4, use_distributed_optimizer=True,
-                   ckpt_format="torch_dist", via_harness=True, rng_state="cpu", progress=False)
-    meta = json.loads((dst / "iter_0000004" / "metadata.json").read_text())
-    assert meta["sharded_backend"] == "torch_dist"
-    src.check_continues(src.resume(Layout(dp=4, ep=4), "td_ep4", ucp=dst, universal=False), "torch_dist EP4 via --load")
+    target = dict(data_parallel_size=4, expert_model_parallel_size=4, use_distributed_optimizer=True,
+                  ckpt_format="torch_dist", rng_state="cpu", progress=False)
+    direct = from_universal(src.ucp, src.work / "td_ep4", **target)
+    from_universal(src.ucp, src.work / "td_ep4_harness", via_harness=True, **target)
+    ours, theirs = (src.work / name / "iter_0000004" for name in ("td_ep4", "td_ep4_harness"))
+    assert any(k.startswith("chained_1.optimizer.distributed.dp_group_idx_3.") for k in structure(ours))
+    assert_equal_to_megatron(ours, theirs, gap_chunks(direct, src.ucp))
+    src.check_continues(src.resume(Layout(dp=4, ep=4), "td_ep4", ucp=src.work / "td_ep4", universal=False),
+                        "torch_dist EP4 via --load")
+
+
+@pytest.mark.parametrize("name,source,target,kwargs", [
+    ("ep1_dp_reshardable", "ep2dp4", Layout(dp=2), dict(use_distributed_optimizer=True)),
+    ("adam_stacked", "adam_allmoe", Layout(dp=2, ep=2), {}),
+])
+def test_direct_torch_dist_equals_megatron_cores_save(sources, name, source, target, kwargs):
+    """The direct torch_dist writer equals megatron-core's own save (the harness route) where the MoE layout
+    differs from the test above: EP1 (experts in the dense optimizer's buffers, no ChainedOptimizer) and
+    plain Adam with every layer MoE (stacked keys: layer axis, then expert axis; two optimizers' common_step)."""
+    from megatron_ucp.from_universal import from_universal
+
+    src = sources(source)
+    args = dict(data_parallel_size=target.dp, expert_model_parallel_size=target.ep, ckpt_format="torch_dist",
+                rng_state="cpu", progress=False, **kwargs)
+    direct = from_universal(src.ucp, src.work / f"direct_{name}", **args)
+    from_universal(src.ucp, src.work / f"harness_{name}", via_harness=True, **args)
+    ours, theirs = (src.work / f"{kind}_{name}" / "iter_0000004" for kind in ("direct", "harness"))
+    skip = gap_chunks(direct, src.ucp) if kwargs.get("use_distributed_optimizer") else set()
+    assert_equal_to_megatron(ours, theirs, skip)
+
+
+def test_fully_reshardable_moe_write_loads_at_another_ep(sources):
+    """fully_reshardable (model-space optimizer state, expert state keyed with the global expert axis) written
+    directly at TP2 SP ETP1 EP2 DP2 and loaded by megatron-core at TP1 EP4 DP4 (it reshards the chained
+    optimizers' state itself): the run continues within TOL."""
+    from megatron_ucp.from_universal import from_universal
+
+    src = sources("ep2dp4")
+    dst = src.work / "td_full"
+    from_universal(src.ucp, dst, tensor_model_parallel_size=2, data_parallel_size=2, expert_model_parallel_size=2,
+                   expert_tensor_parallel_size=1, sequence_parallel=True, use_distributed_optimizer=True,
+                   optimizer_format="fully_reshardable", ckpt_format="torch_dist", rng_state="cpu", progress=False)
+    keys = structure(dst / "iter_0000004")
+    assert "optimizer.state.exp_avg.decoder.layers.1.mlp.experts.experts.linear_fc1.weight" in keys
+    assert not any(k.startswith("chained_") for k in keys)
+    src.check_continues(src.resume(Layout(dp=4, ep=4), "td_full_ep4", ucp=dst, universal=False),
+                        "fully_reshardable TP2 ETP1 EP2 -> EP4 via --load")
 
 
 # --------------------------------------------------------------------------------------------------

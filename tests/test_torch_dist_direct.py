@@ -33,7 +33,6 @@ processes, one 2-process CLI run under torchrun, the rest offline (~20 s).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -43,10 +42,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from pretrain_runs import FIXTURES, REPO, Layout, max_rel_diff, megatron_lm_losses, train
+from torch_dist_checks import (_iter_dir, assert_equal_to_megatron, chunk_differences, dcp_metadata, gap_chunks,
+                               structure)
 
 from megatron_ucp import from_universal as fu
 from megatron_ucp.convert import to_universal
@@ -64,15 +64,6 @@ C = "C_gpt2_tp2pp2dp1_adam_torch"
 # PP3 with the embedding and the loss counted as layers: 6 / 3 = 2 per stage, so layers 1, 2, 1
 UNEVEN = {"embedding_in_split": True, "loss_in_split": True}
 UNEVEN_FLAGS = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
-# Args a resumed run derives its model and layout from, and megatron enums (pickled as references to
-# Megatron-LM's classes, without importing megatron-core): ours must equal megatron-core's.
-COMPARED_ARGS = ("attention_backend", "model_type", "num_layers", "hidden_size", "ffn_hidden_size",
-                 "num_attention_heads", "num_query_groups", "padded_vocab_size", "tensor_model_parallel_size",
-                 "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "data_parallel_size",
-                 "world_size", "use_distributed_optimizer", "sequence_parallel", "consumed_train_samples",
-                 "global_batch_size", "micro_batch_size", "bf16")
-
-
 def _layout_kwargs(layout: Layout) -> dict:
     return dict(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                 data_parallel_size=layout.dp, num_layers_per_virtual_pipeline_stage=layout.vpp_layers,
@@ -97,83 +88,6 @@ def sources(work) -> dict:
         out[(name, iteration)] = to_universal(FIXTURES / name / "ckpt", work / f"ucp_{name[0]}{iteration}",
                                               iteration=iteration, progress=False)
     return out
-
-
-# ------------------------------------------------------------------------------------------------
-# Comparing torch_dist checkpoints
-
-
-def _iter_dir(root: Path, iteration=None) -> Path:
-    return Path(root) / f"iter_{iteration:07d}" if iteration else next(Path(root).glob("iter_*"))
-
-
-def dcp_metadata(iter_dir: Path):
-    return FileSystemReader(str(iter_dir)).read_metadata()
-
-
-def structure(iter_dir: Path) -> dict:
-    """.metadata as {key: ('bytes',) or (global shape, dtype, sorted chunk boxes)}."""
-    md = dcp_metadata(iter_dir)
-    out = {}
-    for key, value in md.state_dict_metadata.items():
-        if isinstance(value, TensorStorageMetadata):
-            out[key] = (tuple(value.size), value.properties.dtype,
-                        sorted((tuple(c.offsets), tuple(c.sizes)) for c in value.chunks))
-        else:
-            out[key] = ("bytes",)
-    return out
-
-
-def load_item(iter_dir: Path, key: str, offsets=None, md=None):
-    info = (md or dcp_metadata(iter_dir)).storage_data[MetadataIndex(key, offsets)]
-    with open(iter_dir / info.relative_path, "rb") as f:
-        f.seek(info.offset)
-        data = f.read(info.length)
-    return torch.load(io.BytesIO(data), weights_only=False)
-
-
-def gap_chunks(summary: fu.FromUniversalSummary, ucp: Path) -> set:
-    """(key, offsets) of the flat-bucket alignment gaps the direct writer planned."""
-    ckpt = UniversalCheckpoint.open(ucp)
-    plan = plan_checkpoint(ckpt, summary.plan.target, "dp_reshardable")
-    return {(item.key, item.offsets) for f in plan.files for item in f.items
-            if isinstance(item, TensorItem) and all(isinstance(p, Gap) for p in item.pieces)}
-
-
-def chunk_differences(ours: Path, theirs: Path, skip: set = frozenset()) -> list:
-    """Keys / chunks whose bytes (tensors) or values (objects; RNG states aside) differ."""
-    found = []
-    md_ours, md_theirs = dcp_metadata(ours), dcp_metadata(theirs)
-    for key, entry in structure(theirs).items():
-        if entry == ("bytes",):
-            if not key.startswith("rng_state") and repr(load_item(ours, key, md=md_ours)) != repr(
-                    load_item(theirs, key, md=md_theirs)):
-                found.append(key)
-            continue
-        for offsets, _ in entry[2]:
-            if (key, offsets) in skip:
-                continue
-            a, b = load_item(ours, key, offsets, md_ours), load_item(theirs, key, offsets, md_theirs)
-            if a.dtype != b.dtype or not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
-                found.append((key, offsets))
-    return found
-
-
-def assert_equal_to_megatron(ours: Path, theirs: Path, skip: set = frozenset()) -> None:
-    """`ours` and `theirs` are iteration folders."""
-    assert structure(ours) == structure(theirs)
-    assert chunk_differences(ours, theirs, skip) == []
-    common_ours, common_theirs = (load_pickled(p / "common.pt", what="common.pt") for p in (ours, theirs))
-    assert sorted(common_ours) == sorted(common_theirs)
-    for key in ("checkpoint_version", "iteration", "optimizer", "opt_param_scheduler"):
-        assert repr(common_ours.get(key)) == repr(common_theirs.get(key)), key
-    assert common_ours["content_metadata"] == common_theirs["content_metadata"]  # the harness orders it otherwise
-    args_ours, args_theirs = vars(common_ours["args"]), vars(common_theirs["args"])
-    assert {k: args_ours.get(k) for k in COMPARED_ARGS} == {k: args_theirs.get(k) for k in COMPARED_ARGS}
-    assert json.loads((ours / "metadata.json").read_text()) == json.loads((theirs / "metadata.json").read_text())
-    result = verify(ours, theirs, progress=False)
-    assert result.equal and result.compared_keys == ("fp32", "exp_avg", "exp_avg_sq", "step"), \
-        [d for d in result.diffs if not d.equal][:3]
 
 
 def flip_a_main_weight_byte(root: Path, summary: fu.FromUniversalSummary, ucp: Path) -> tuple:
@@ -429,10 +343,7 @@ def test_errors_before_anything_is_written(sources, tmp_path):
     _rewrite_metadata(steps, lambda meta: next(iter(meta["parameters"].values())).update(step=7))
     with pytest.raises(fu.FromUniversalError, match=r"different Adam steps \[7, 8\].*write --ckpt-format torch"):
         _write(steps, tmp_path / "x", Layout())
-    moe = _fabricate(tmp_path / "moe", 2, num_experts=4, hidden=16)
-    with pytest.raises(fu.FromUniversalError, match=r"num_experts=4, --num-experts\); the direct torch_dist writer"):
-        _write(moe, tmp_path / "x", Layout(), use_distributed_optimizer=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["moe", "steps"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["steps"]
 
 
 def test_plan_takes_uneven_pipelines(sources):

@@ -52,15 +52,14 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from megatron_ucp.adapters.gpt import is_buffer, is_last_chunk, is_vocab_parameter, rule_for, tp_size_of
-from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
-                                                shared_embedding_names)
+from megatron_ucp.formats.bucket_layout import BufferParam
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
 from megatron_ucp.formats.legacy import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, rank_dir_name
 from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.patterns import repadded_shard
 from megatron_ucp.writers.base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
-from megatron_ucp.writers.megatron_state import (CHECKPOINT_VERSION, TargetGroups, args_values,
+from megatron_ucp.writers.megatron_state import (CHECKPOINT_VERSION, TargetGroups, args_values, chunk_buffers,
                                                  ep_ranks, fresh_rng_state, group_hyper, optimizer_index,
                                                  param_groups_by_rank, rank_buffer_params, rank_chunks,
                                                  source_rng_state)
@@ -95,21 +94,6 @@ def _rank_buffer_params(ucp, config, layout, pp_rank, ep_rank: int = 0) -> list[
     return rank_buffer_params(ucp, config, layout, pp_rank, ep_rank, dtypes=_DTYPES)
 
 
-def _chunk_buffers(target: WriteTarget, pp_rank: int, chunks: list[list[BufferParam]], *, experts: bool = False):
-    """Per chunk: the DDP buffer layouts megatron-core builds at the target layout (the expert-parallel ones
-    with `experts`)."""
-    num_params = sum(p.numel for chunk in chunks for p in chunk)
-    out = []
-    for chunk_index, params in enumerate(chunks):
-        config = DDPBucketConfig.from_megatron_args(target.args, pp_rank=pp_rank, vpp_chunk=chunk_index,
-                                                    rank_num_parameters=num_params, experts=experts)
-        shared = shared_embedding_names(target.args, pp_rank=pp_rank, vpp_chunk=chunk_index,
-                                        names=[p.name for p in params])
-        selected = [replace(p, shared_embedding=p.name in shared) for p in params if p.expert == experts]
-        out.append(build_chunk_buffers(selected, config, experts=experts) if selected else [])
-    return out
-
-
 def plan(ucp, config: GPTModelConfig, target: WriteTarget) -> list[PlannedFile]:
     """Every file the writer will produce, with the tensor bytes in it (no I/O)."""
     layout = target.layout
@@ -127,9 +111,9 @@ def plan(ucp, config: GPTModelConfig, target: WriteTarget) -> list[PlannedFile]:
             opt_bytes = 0
             distrib_bytes = 0
             if has_moments and target.use_distributed_optimizer:
-                buffers = _chunk_buffers(target, pp_rank, chunks, experts=True)
+                buffers = chunk_buffers(target, pp_rank, chunks, experts=True)
                 if ep_rank == 0:  # the dense optimizer's DP rank 0 writes into EP folder 0
-                    buffers += _chunk_buffers(target, pp_rank, chunks)
+                    buffers += chunk_buffers(target, pp_rank, chunks)
                 distrib_bytes = sum(3 * 4 * b.numel_unpadded for bufs in buffers for b in bufs)
             elif has_moments:
                 opt_bytes = 4 * (2 * fp32_elems + half)
@@ -339,7 +323,7 @@ def _distrib_optim(target: WriteTarget, pp_rank: int, chunks, masters, ucp, *, e
                for local, shape, canonical in chunk if not is_buffer(canonical)] for chunk in chunks]
     out: dict = {"buckets_coalesced": True}
     gbuf = 0
-    for chunk_index, buffers in enumerate(_chunk_buffers(target, pp_rank, params, experts=experts)):
+    for chunk_index, buffers in enumerate(chunk_buffers(target, pp_rank, params, experts=experts)):
         for buf in buffers:
             world = {key: torch.zeros(buf.numel_unpadded, dtype=torch.float32) for key in ("param", "exp_avg", "exp_avg_sq")}
             for span in buf.params:

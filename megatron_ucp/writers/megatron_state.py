@@ -19,12 +19,13 @@ import enum
 import importlib
 import random
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional
 
 from megatron_ucp.adapters.gpt import (experts_in_own_optimizer, group_identity, group_overrides,
                                       in_expert_optimizer, is_buffer, megatron_param_groups, parameters_for_rank)
-from megatron_ucp.formats.bucket_layout import BufferParam
+from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
+                                                shared_embedding_names)
 from megatron_ucp.formats.safe_pickle import DTYPE_ITEMSIZE, MEGATRON_ENUMS, TorchDType
 from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
@@ -109,6 +110,21 @@ def rank_buffer_params(ucp, config, layout, pp_rank, ep_rank: int = 0, dtypes: M
                          expert=optimizer_index(canonical, config, layout) == 1)
              for local, shape, canonical in chunk if not is_buffer(canonical)]
             for chunk in rank_chunks(config, layout, pp_rank, ep_rank)]
+
+
+def chunk_buffers(target: WriteTarget, pp_rank: int, chunks: list[list[BufferParam]], *, experts: bool = False):
+    """Per chunk: the DDP buffer layouts megatron-core builds at the target layout for one (pp, ep) rank's
+    parameters (rank_buffer_params): the dense ones, or with `experts` the expert-parallel ones."""
+    num_params = sum(p.numel for chunk in chunks for p in chunk)
+    out = []
+    for chunk_index, params in enumerate(chunks):
+        config = DDPBucketConfig.from_megatron_args(target.args, pp_rank=pp_rank, vpp_chunk=chunk_index,
+                                                    rank_num_parameters=num_params, experts=experts)
+        shared = shared_embedding_names(target.args, pp_rank=pp_rank, vpp_chunk=chunk_index,
+                                        names=[p.name for p in params])
+        selected = [replace(p, shared_embedding=p.name in shared) for p in params if p.expert == experts]
+        out.append(build_chunk_buffers(selected, config, experts=experts) if selected else [])
+    return out
 
 
 def group_key(group: Mapping[str, Any]) -> tuple:
@@ -224,10 +240,16 @@ def fresh_rng_state(args: Mapping[str, Any], iteration: int, tp_rank: int, pp_ra
     return states
 
 
-def source_rng_state(ucp, tp_rank: int, pp_rank: int, tensor: Optional[TensorMaker] = None) -> list:
+def source_rng_state(ucp, tp_rank: int, pp_rank: int, tensor: Optional[TensorMaker] = None,
+                     dp_rank: Optional[int] = None) -> list:
     """The universal checkpoint's stored RNG states of rank (pp, tp), as Megatron-LM's `rng_state` list (one
-    element, or one per DP rank where they were saved per DP rank). from_universal checked the layout."""
+    element, or one per DP rank where they were saved per DP rank); with `dp_rank` (torch_dist's per-DP RNG
+    objects with expert parallelism) that DP rank's own state, or the shared one. from_universal checked the
+    layout."""
     states = [s for s in ucp.rng_states() if (s.pp, s.tp) == (pp_rank, tp_rank)]
+    if dp_rank is not None:
+        own = [s for s in states if s.dp == dp_rank]
+        states = own or [s for s in states if s.dp is None]
     if not states:
         raise MegatronStateError(f"{ucp.path}: no stored RNG state for rank tp={tp_rank} pp={pp_rank}; use "
                                  f"--rng-state cuda or cpu")

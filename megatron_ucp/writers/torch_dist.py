@@ -2,9 +2,9 @@
 (`from-universal --via-harness`; the default route is writers/torch_dist_direct.py, offline).
 
 What it still serves: it is megatron-core's own save, so it is the reference the direct writer is tested
-against (tests/test_torch_dist_direct.py: same `.metadata`, tensor for tensor equal), and the fallback
-for a megatron-core whose torch_dist layout differs from 0.16.1's (the direct writer reproduces 0.16.1's), and
-the route for mixture-of-experts models (the direct writer does not write the chained expert optimizer yet).
+against (tests/test_torch_dist_direct.py, tests/test_moe_universal.py: same `.metadata`, chunk for chunk
+equal), and the fallback for a megatron-core whose torch_dist layout differs from 0.16.1's (the direct writer
+reproduces 0.16.1's).
 It needs T*P*D processes and the whole model and optimizer state in memory.
 
 The faithful route: launch `pretrain_scripts/pretrain_gpt.py` at the target layout with

@@ -62,10 +62,13 @@ run_state.cpu_generator_state.
 Model rules (keys, shapes, placement, patterns, registration order, param groups) come from
 adapters/gpt.py, the DDP index map from formats/bucket_layout.py; this module only lays out the format.
 
-Not written: mixture-of-experts models (refused in plan with the fix; the keys and leading axes above
-already follow the rulebook's expert rows, but the chained [dense, expert] optimizer, the expert DDP
-buffers (`chained_1.` keys, `dp_group_idx` over ETP x EP x PP) and the per-DP RNG objects with EP > 1
-of docs/MOE_CHECKPOINTS.md are not): `--ckpt-format torch` or `--via-harness` write those.
+Mixture of experts (docs/MOE_CHECKPOINTS.md): routed experts' keys carry the global expert axis (after the
+layer axis when stacked), chunked over ETP and written by a rank of their EP rank; their `_extra_state`
+objects are one per global expert. With experts in their own optimizer (EP > 1 or ETP != TP: megatron-core's
+ChainedOptimizer [dense, expert]) dp_reshardable keys are prefixed `chained_0.` (dense buckets over TP x PP
+x DP) and `chained_1.` (each EP rank's local experts' buckets, `dp_group_idx` over ETP x EP x PP, chunked
+over the expert-DP group), common.pt's optimizer is {0: dense, 1: expert}, and RNG states are sharded per
+(pp, tp, dp) rank. tests/test_moe_universal.py compares these with megatron-core's own saves.
 """
 
 from __future__ import annotations
@@ -86,11 +89,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from megatron_ucp import integrity
-from megatron_ucp.adapters.gpt import (LAYER, expected_parameters, local_name, parameters_for_rank, pattern_for,
-                                      rule_for, torch_dist_key, torch_dist_stacked, tp_size_of)
+from megatron_ucp.adapters.gpt import (LAYER, expected_parameters, expert_location, experts_in_own_optimizer, is_buffer,
+                                      is_expert, local_name, parameters_for_rank, pattern_for, rule_for, torch_dist_key,
+                                      torch_dist_stacked, tp_size_of)
 from megatron_ucp.byteio import BAND_BYTES, FileHandles, FileRegion, copy_region
-from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
-                                                shared_embedding_names)
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
 from megatron_ucp.formats.safe_pickle import TorchDType
 from megatron_ucp.formats.torch_save import (EnumMember, GlobalRef, Obj, SavedTensor, TorchSize, cast_float32, pickle_bytes,
@@ -99,7 +101,8 @@ from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.writers.base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
 from megatron_ucp.writers.megatron_state import (CHECKPOINT_VERSION, MODEL_DTYPES, TargetGroups, args_values,
-                                                 fresh_rng_state, group_hyper, param_groups_by_rank, source_rng_state)
+                                                 chunk_buffers, fresh_rng_state, group_hyper, param_groups_by_rank,
+                                                 rank_buffer_params, source_rng_state)
 
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed optimizer's torch_dist formats
 FILES_PER_RANK = 2  # megatron-core's default writer threads per rank (TorchDistSaveShardedStrategy thread_count)
@@ -158,6 +161,11 @@ def sharded_object_key(key: str, offset: tuple, shape: tuple) -> str:
 def global_rank(layout: ParallelLayout, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
     """megatron-core's default rank order (tp-cp-ep-dp-pp, CP = 1; EP is carved out of DP x TP)."""
     return tp_rank + layout.tp * (dp_rank + layout.dp * pp_rank)
+
+
+def expert_global_rank(layout: ParallelLayout, etp_rank: int, ep_rank: int, edp_rank: int, pp_rank: int) -> int:
+    """The global rank with these expert coordinates (the inverse of ParallelLayout.expert_coordinates)."""
+    return etp_rank + layout.expert_tp * (ep_rank + layout.ep * (edp_rank + layout.expert_dp * pp_rank))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -286,10 +294,18 @@ class _Owners:
 
     def add(self, item: Item, tp_rank: int, pp_rank: int, dp_rank: Optional[int] = None) -> None:
         if dp_rank is None:
-            ranks = [global_rank(self.layout, tp_rank, pp_rank, d) for d in range(self.layout.dp)]
-            rank = min(ranks, key=lambda r: (self.load.get(r, 0), r))
+            self.add_any(item, [global_rank(self.layout, tp_rank, pp_rank, d) for d in range(self.layout.dp)])
         else:
-            rank = global_rank(self.layout, tp_rank, pp_rank, dp_rank)
+            self.add_any(item, [global_rank(self.layout, tp_rank, pp_rank, dp_rank)])
+
+    def add_expert(self, item: Item, etp_rank: int, ep_rank: int, pp_rank: int, edp_rank: Optional[int] = None) -> None:
+        """A routed expert's item: written by its expert-DP rank `edp_rank`, or the least loaded of them."""
+        edps = range(self.layout.expert_dp) if edp_rank is None else (edp_rank,)
+        self.add_any(item, [expert_global_rank(self.layout, etp_rank, ep_rank, d, pp_rank) for d in edps])
+
+    def add_any(self, item: Item, ranks: list) -> None:
+        """Written by the least loaded of `ranks` (global ranks)."""
+        rank = min(ranks, key=lambda r: (self.load.get(r, 0), r))
         self.items.setdefault(rank, []).append(item)
         self.load[rank] = self.load.get(rank, 0) + item.nbytes
 
@@ -332,12 +348,6 @@ def plan_checkpoint(ucp, target: WriteTarget, optimizer_format: Optional[str] = 
     """Every item of the checkpoint, which file holds it, and common.pt. Raises TorchDistWriteError."""
     layout = target.layout
     config = replace(ucp.config, padded_vocab_size=target.padded_vocab_size)
-    if config.num_experts:
-        raise TorchDistWriteError(
-            f"{ucp.path}: a mixture-of-experts model (num_experts={config.num_experts}, --num-experts); the direct "
-            f"torch_dist writer does not write expert optimizer state yet: add --via-harness (megatron-core saves "
-            f"it, T x P x D CPU processes), or write --ckpt-format torch, or resume with --load UCP "
-            f"--universal-checkpoint")
     opt = optimizer_kind(ucp, target, optimizer_format)
     shapes = dict(expected_parameters(config, layout))
     step = _single_step(ucp) if opt is not None else None
@@ -348,15 +358,32 @@ def plan_checkpoint(ucp, target: WriteTarget, optimizer_format: Optional[str] = 
     _plan_model(ucp, config, layout, opt, shapes, owners)
     _plan_extra_states(config, layout, shapes, owners)
     if target.rng_state != "none":
-        for pp_rank in range(layout.pp):
-            for tp_rank in range(layout.tp):
-                value = (source_rng_state(ucp, tp_rank, pp_rank, SavedTensor) if target.rng_state == "source" else
-                         fresh_rng_state(target.args, ucp.iteration, tp_rank, pp_rank, layout.dp, target.rng_state,
-                                         tensor=SavedTensor))
-                owners.add(ObjectItem(sharded_object_key("rng_state", (pp_rank, tp_rank), (layout.pp, layout.tp)),
-                                      value), tp_rank, pp_rank, 0)
+        _plan_rng(ucp, config, target, owners)
     return DirectPlan(owners.files(), _common_state(ucp, target, opt, step, groups), ucp.iteration,
                       target.padded_vocab_size, opt)
+
+
+def _plan_rng(ucp, config: GPTModelConfig, target: WriteTarget, owners: _Owners) -> None:
+    """`rng_state` objects: one per (pp, tp) rank; with expert parallelism one per (pp, tp, dp) rank, as
+    Megatron-LM shards it then (each DP rank has its own expert-parallel stream)."""
+    layout = target.layout
+    per_dp = bool(config.num_experts) and layout.ep > 1
+    for pp_rank in range(layout.pp):
+        for tp_rank in range(layout.tp):
+            for dp_rank in (range(layout.dp) if per_dp else (None,)):
+                ep_rank = 0
+                if per_dp:
+                    ep_rank = layout.expert_coordinates(global_rank(layout, tp_rank, pp_rank, dp_rank))[1]
+                if target.rng_state == "source":
+                    value = source_rng_state(ucp, tp_rank, pp_rank, SavedTensor, dp_rank=dp_rank)
+                else:
+                    value = fresh_rng_state(target.args, ucp.iteration, tp_rank, pp_rank, layout.dp, target.rng_state,
+                                            ep_rank, tensor=SavedTensor)
+                if per_dp:
+                    key = sharded_object_key("rng_state", (pp_rank, tp_rank, dp_rank), (layout.pp, layout.tp, layout.dp))
+                else:
+                    key = sharded_object_key("rng_state", (pp_rank, tp_rank), (layout.pp, layout.tp))
+                owners.add(ObjectItem(key, value), tp_rank, pp_rank, dp_rank or 0)
 
 
 def _single_step(ucp) -> Optional[int]:
@@ -384,25 +411,34 @@ def _plan_model(ucp, config: GPTModelConfig, layout: ParallelLayout, opt: Option
         pp_rank = local_name(name, layout, config.num_layers, tied=config.tied, config=config)[0][0]
         dtype = _model_dtype(ucp, name)
         global_shape = _lead_sizes(config, lead) + tuple(shape)
-        states = []  # (saved key, universal tensor)
-        if opt == "fully_reshardable":
+        states = []  # (saved key, universal tensor); persistent buffers (MoE's expert_bias) have no optimizer state
+        if is_buffer(name):
+            pass
+        elif opt == "fully_reshardable":
             states.append((model_space_state_key("param", key), "fp32"))
         elif opt == "adam" and dtype != _F32:
             states.append((model_space_state_key("fp32_param", key), "fp32"))
-        if opt in ("fully_reshardable", "adam"):
+        if opt in ("fully_reshardable", "adam") and not is_buffer(name):
             states += [(model_space_state_key(s, key), s) for s in ("exp_avg", "exp_avg_sq")]
         pattern, tp = pattern_for(name, config), tp_size_of(name, layout)
+        ep_rank = expert_location(lead[-1], config, layout)[0] if is_expert(name) else None
+
+        def add(item: TensorItem, tp_rank: int) -> None:
+            if ep_rank is None:
+                owners.add(item, tp_rank, pp_rank)
+            else:  # a routed expert's chunk: on the ranks of its EP rank and expert-TP rank
+                owners.add_expert(item, tp_rank, ep_rank, pp_rank)
+
         for tp_rank in range(1 if pattern.dim is None else tp):
             for block in pattern.rank_blocks(shape, tp_rank, tp, name=name):
                 box = _box(block)
                 offsets = tuple(lead) + tuple(a for a, _ in box)
                 sizes = (1,) * len(lead) + tuple(b - a for a, b in box)
                 numel = _box_numel(box)
-                owners.add(TensorItem(key, global_shape, offsets, sizes, dtype,
-                                      (Piece(name, "fp32", box, 0, numel),)), tp_rank, pp_rank)
+                add(TensorItem(key, global_shape, offsets, sizes, dtype, (Piece(name, "fp32", box, 0, numel),)), tp_rank)
                 for saved, state in states:
-                    owners.add(TensorItem(saved, global_shape, offsets, sizes, _F32,
-                                          (Piece(name, state, box, 0, numel),)), tp_rank, pp_rank)
+                    add(TensorItem(saved, global_shape, offsets, sizes, _F32, (Piece(name, state, box, 0, numel),)),
+                        tp_rank)
 
 
 def _plan_extra_states(config: GPTModelConfig, layout: ParallelLayout, shapes: dict, owners: _Owners) -> None:
@@ -415,7 +451,8 @@ def _plan_extra_states(config: GPTModelConfig, layout: ParallelLayout, shapes: d
         if not rule.linear or rule.scope != LAYER:
             continue
         key, lead = torch_dist_key(name, config)
-        object_key = sharded_object_key(f"{key.rsplit('.', 1)[0]}._extra_state", lead, _lead_sizes(config, lead))
+        offset, sizes = (lead, _lead_sizes(config, lead)) if lead else ((0,), (1,))  # per-layer keys: one object
+        object_key = sharded_object_key(f"{key.rsplit('.', 1)[0]}._extra_state", offset, sizes)
         if object_key in seen:
             continue
         seen.add(object_key)
@@ -423,23 +460,15 @@ def _plan_extra_states(config: GPTModelConfig, layout: ParallelLayout, shapes: d
         owners.add(ObjectItem(object_key, None), 0, pp_rank, 0)
 
 
-def _rank_buffers(ucp, config: GPTModelConfig, target: WriteTarget, pp_rank: int) -> tuple[list, list]:
-    """(per chunk: [(local name, local shape, canonical)], per chunk: the DDP buffers megatron-core builds)."""
+def _rank_buffers(ucp, config: GPTModelConfig, target: WriteTarget, pp_rank: int, ep_rank: int = 0,
+                  experts: bool = False) -> tuple[list, list]:
+    """(per chunk: [(local name, local shape, canonical)], per chunk: the DDP buffers megatron-core builds) of one
+    (pp, ep) rank: the dense buffers, or with `experts` the expert-parallel ones (its local experts)."""
     layout = target.layout
-    chunks = [parameters_for_rank(config, layout, pp_rank, chunk if layout.vpp else None)
+    chunks = [parameters_for_rank(config, layout, pp_rank, chunk if layout.vpp else None, ep_rank=ep_rank)
               for chunk in range(layout.num_chunks)]
-    params = [[BufferParam(local, tuple(shape), _model_dtype(ucp, name)) for local, shape, name in chunk]
-              for chunk in chunks]
-    num_params = sum(p.numel for chunk in params for p in chunk)
-    buffers = []
-    for index, chunk_params in enumerate(params):
-        ddp = DDPBucketConfig.from_megatron_args(target.args, pp_rank=pp_rank, vpp_chunk=index,
-                                                 rank_num_parameters=num_params)
-        shared = shared_embedding_names(target.args, pp_rank=pp_rank, vpp_chunk=index,
-                                        names=[p.name for p in chunk_params])
-        buffers.append(build_chunk_buffers([replace(p, shared_embedding=p.name in shared) for p in chunk_params],
-                                           ddp))
-    return chunks, buffers
+    params = rank_buffer_params(ucp, config, layout, pp_rank, ep_rank)
+    return chunks, chunk_buffers(target, pp_rank, params, experts=experts)
 
 
 def _local_flat_pieces(config: GPTModelConfig, layout: ParallelLayout, name: str, shape: tuple, tp_rank: int,
@@ -465,44 +494,65 @@ def _local_flat_pieces(config: GPTModelConfig, layout: ParallelLayout, name: str
 
 def _plan_flat_buckets(ucp, config: GPTModelConfig, target: WriteTarget, shapes: dict, step, groups: Optional[TargetGroups],
                        owners: _Owners) -> None:
-    """DistributedOptimizer.sharded_param_state_dp_reshardable, for every (tp, pp, dp) rank."""
+    """DistributedOptimizer.sharded_param_state_dp_reshardable, for every rank of each optimizer: the dense one
+    over (tp, pp) x DP, and with experts in their own optimizer (megatron-core's ChainedOptimizer, keys prefixed
+    `chained_<i>.`) the expert one over (etp, ep, pp) x expert-DP."""
     layout = target.layout
-    for pp_rank in range(layout.pp):
-        chunks, buffers = _rank_buffers(ucp, config, target, pp_rank)
-        canonical = {(c, local): name for c, chunk in enumerate(chunks) for local, _, name in chunk}
-        for tp_rank in range(layout.tp):
-            mp = tp_rank + layout.tp * pp_rank
-            numel, unpadded, gbuf = [], [], 0
-            for chunk_index, chunk_buffers in enumerate(buffers):
-                for buf in chunk_buffers:
-                    dtypes = (buf.param_dtype, buf.grad_dtype)
-                    numel.append({dtypes: [b.numel for b in buf.buckets]})
-                    unpadded.append({dtypes: [b.numel_unpadded for b in buf.buckets]})
-                    for b, bucket in enumerate(buf.buckets):
-                        spans = [s for s in buf.params if s.bucket == b]
+    chained = experts_in_own_optimizer(config, layout)
+    for index in ((0, 1) if chained else (0,)):
+        experts = index == 1
+        prefix = f"chained_{index}." if chained else ""
+        for pp_rank in range(layout.pp):
+            for ep_rank in (range(layout.ep) if experts else (0,)):
+                chunks, buffers = _rank_buffers(ucp, config, target, pp_rank, ep_rank, experts)
+                canonical = {(c, local): name for c, chunk in enumerate(chunks) for local, _, name in chunk}
+                identities = groups.identities[index][:len(groups.members[index][(0, ep_rank, pp_rank)])]
+                for tp_rank in range(layout.expert_tp if experts else layout.tp):
+                    if experts:
+                        mp = layout.expert_mp_rank(tp_rank, ep_rank, pp_rank)
+                        dp_size = layout.expert_dp
 
-                        def flat(span, lo, hi, state, chunk_index=chunk_index):
-                            name = canonical[(chunk_index, span.name)]
-                            return _local_flat_pieces(config, layout, name, shapes[name], tp_rank, state, lo, hi)
+                        def add(item, dp_rank, tp_rank=tp_rank, ep_rank=ep_rank, pp_rank=pp_rank):
+                            owners.add_expert(item, tp_rank, ep_rank, pp_rank, dp_rank)
+                    else:
+                        mp, dp_size = layout.dense_mp_rank(tp_rank, pp_rank), layout.dp
 
-                        where = f"bucket {b} of buffer {gbuf} of rank tp={tp_rank} pp={pp_rank}"
-                        for dp_rank, chunk_list in enumerate(_bucket_chunks(bucket, spans, layout.dp, flat, where)):
-                            for universal_key, saved_name in _STATE_NAMES.items():
-                                for offset, size, pieces in chunk_list:
-                                    owners.add(TensorItem(flat_bucket_key(mp, gbuf, dtypes, b, saved_name),
-                                                          (bucket.numel_unpadded,), (offset,), (size,),
-                                                          _F32, pieces(universal_key)),
-                                               tp_rank, pp_rank, dp_rank)
-                    gbuf += 1
-            param_groups = [{**group_hyper(ucp, identity), "step": float(step or 0)}
-                            for identity in _dense_identities(groups, tp_rank, pp_rank)]
-            objects = [("optimizer", {"param_groups": param_groups})]
-            scaler = _grad_scaler(ucp, target)
-            if scaler is not None:  # DistributedOptimizer.state_dict() keeps it next to 'optimizer'
-                objects.append(("grad_scaler", scaler))
-            for name, value in (*objects, ("per_bucket_numel", numel), ("per_bucket_numel_unpadded", unpadded)):
-                owners.add(ObjectItem(sharded_object_key(distributed_optimizer_object_key(mp, name), (0,), (1,)),
-                                      value), tp_rank, pp_rank, 0)
+                        def add(item, dp_rank, tp_rank=tp_rank, pp_rank=pp_rank):
+                            owners.add(item, tp_rank, pp_rank, dp_rank)
+                    _plan_rank_buckets(ucp, config, layout, shapes, step, identities, buffers, canonical, prefix, mp,
+                                       dp_size, tp_rank, pp_rank, add, _grad_scaler(ucp, target))
+
+
+def _plan_rank_buckets(ucp, config, layout, shapes, step, identities, buffers, canonical, prefix: str, mp: int,
+                       dp_size: int, tp_rank: int, pp_rank: int, add: Callable, scaler) -> None:
+    """One model-parallel rank `mp` of one optimizer: its buckets' chunks per DP rank, and its objects."""
+    numel, unpadded, gbuf = [], [], 0
+    for chunk_index, chunk_buffers_ in enumerate(buffers):
+        for buf in chunk_buffers_:
+            dtypes = (buf.param_dtype, buf.grad_dtype)
+            numel.append({dtypes: [b.numel for b in buf.buckets]})
+            unpadded.append({dtypes: [b.numel_unpadded for b in buf.buckets]})
+            for b, bucket in enumerate(buf.buckets):
+                spans = [s for s in buf.params if s.bucket == b]
+
+                def flat(span, lo, hi, state, chunk_index=chunk_index):
+                    name = canonical[(chunk_index, span.name)]
+                    return _local_flat_pieces(config, layout, name, shapes[name], tp_rank, state, lo, hi)
+
+                where = f"bucket {b} of buffer {gbuf} of {prefix}dp_group_idx_{mp} (pp={pp_rank})"
+                for dp_rank, chunk_list in enumerate(_bucket_chunks(bucket, spans, dp_size, flat, where)):
+                    for universal_key, saved_name in _STATE_NAMES.items():
+                        for offset, size, pieces in chunk_list:
+                            add(TensorItem(prefix + flat_bucket_key(mp, gbuf, dtypes, b, saved_name),
+                                           (bucket.numel_unpadded,), (offset,), (size,), _F32, pieces(universal_key)),
+                                dp_rank)
+            gbuf += 1
+    param_groups = [{**group_hyper(ucp, identity), "step": float(step or 0)} for identity in identities]
+    objects = [("optimizer", {"param_groups": param_groups})]
+    if scaler is not None:  # DistributedOptimizer.state_dict() keeps it next to 'optimizer'
+        objects.append(("grad_scaler", scaler))
+    for name, value in (*objects, ("per_bucket_numel", numel), ("per_bucket_numel_unpadded", unpadded)):
+        add(ObjectItem(sharded_object_key(prefix + distributed_optimizer_object_key(mp, name), (0,), (1,)), value), 0)
 
 
 def _bucket_chunks(bucket, spans, dp: int, flat_pieces: Callable, where: str) -> list:
@@ -544,9 +594,26 @@ def _grad_scaler(ucp, target: WriteTarget) -> Optional[dict]:
     return ucp.loss_scaler.to_megatron(SavedTensor)
 
 
-def _dense_identities(groups: TargetGroups, tp_rank: int, pp_rank: int) -> list:
-    """The identities of the (dense) optimizer's param groups on a model-parallel rank, in Megatron's order."""
-    return groups.identities[0][:len(groups.members[0][(tp_rank, 0, pp_rank)])]
+def _optimizer_common(ucp, target: WriteTarget, opt: str, step, groups: TargetGroups, index: int, mixed: bool) -> dict:
+    """What one optimizer (0 dense, 1 expert) keeps in common.pt: rank 0's param groups (it writes common.pt)."""
+    hyper = [group_hyper(ucp, i) for i in groups.identities[index][:len(groups.members[index][(0, 0, 0)])]]
+    scaler = _grad_scaler(ucp, target)
+    if opt == "dp_reshardable":
+        return {"param_state_sharding_type": "dp_reshardable"}
+    if opt == "fully_reshardable":
+        out: dict = {"optimizer": {"param_groups": [{**g, "step": float(step or 0)} for g in hyper]}}
+        if scaler is not None:
+            out["grad_scaler"] = scaler
+        out["param_state_sharding_type"] = "fully_reshardable"
+        return out
+    # FP32Optimizer, or Float16OptimizerWithFloat16Params around it for 16-bit models
+    inner: dict = {"state": {}, "param_groups": hyper}
+    if step:  # megatron-core saves the shared step only when non-zero
+        inner["state"]["common_step"] = SavedTensor(struct.pack("<f", float(step)), "float32", ())
+    out = {"optimizer": inner} if mixed else inner
+    if mixed and scaler is not None:
+        out["grad_scaler"] = scaler
+    return out
 
 
 def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: Optional[TargetGroups]) -> dict:
@@ -561,23 +628,12 @@ def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: Op
     common: dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,  # args: a Namespace when written
                     "iteration": ucp.iteration}
     if opt is not None:
-        hyper = [group_hyper(ucp, i) for i in _dense_identities(groups, 0, 0)]  # rank 0's (it writes common.pt)
-        scaler = _grad_scaler(ucp, target)
-        if opt == "dp_reshardable":
-            common["optimizer"] = {"param_state_sharding_type": "dp_reshardable"}
-        elif opt == "fully_reshardable":
-            common["optimizer"] = {"optimizer": {"param_groups": [{**g, "step": float(step or 0)} for g in hyper]}}
-            if scaler is not None:
-                common["optimizer"]["grad_scaler"] = scaler
-            common["optimizer"]["param_state_sharding_type"] = "fully_reshardable"
-        else:  # FP32Optimizer, or Float16OptimizerWithFloat16Params around it for 16-bit models
-            inner: dict = {"state": {}, "param_groups": hyper}
-            if step:  # megatron-core saves the shared step only when non-zero
-                inner["state"]["common_step"] = SavedTensor(struct.pack("<f", float(step)), "float32", ())
-            mixed = any(_model_dtype(ucp, n) != _F32 for n in ucp.parameters)
-            common["optimizer"] = {"optimizer": inner} if mixed else inner
-            if mixed and scaler is not None:
-                common["optimizer"]["grad_scaler"] = scaler
+        config = replace(ucp.config, padded_vocab_size=target.padded_vocab_size)
+        chained = experts_in_own_optimizer(config, target.layout)
+        mixed = any(_model_dtype(ucp, n) != _F32 for n in ucp.parameters)
+        states = [_optimizer_common(ucp, target, opt, step, groups, index, mixed)
+                  for index in ((0, 1) if chained else (0,))]
+        common["optimizer"] = dict(enumerate(states)) if chained else states[0]  # ChainedOptimizer: {0: .., 1: ..}
         common["opt_param_scheduler"] = dict(ucp.scheduler_state)
     flops = ucp.metadata.get("num_floating_point_operations_so_far")
     common["num_floating_point_operations_so_far"] = flops if flops is not None else 0
