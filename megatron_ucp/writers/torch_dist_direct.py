@@ -412,13 +412,11 @@ def _plan_model(ucp, config: GPTModelConfig, layout: ParallelLayout, opt: Option
         dtype = _model_dtype(ucp, name)
         global_shape = _lead_sizes(config, lead) + tuple(shape)
         states = []  # (saved key, universal tensor); persistent buffers (MoE's expert_bias) have no optimizer state
-        if is_buffer(name):
-            pass
-        elif opt == "fully_reshardable":
-            states.append((model_space_state_key("param", key), "fp32"))
-        elif opt == "adam" and dtype != _F32:
-            states.append((model_space_state_key("fp32_param", key), "fp32"))
         if opt in ("fully_reshardable", "adam") and not is_buffer(name):
+            if opt == "fully_reshardable":
+                states.append((model_space_state_key("param", key), "fp32"))
+            elif dtype != _F32:
+                states.append((model_space_state_key("fp32_param", key), "fp32"))
             states += [(model_space_state_key(s, key), s) for s in ("exp_avg", "exp_avg_sq")]
         pattern, tp = pattern_for(name, config), tp_size_of(name, layout)
         ep_rank = expert_location(lead[-1], config, layout)[0] if is_expert(name) else None
