@@ -677,9 +677,11 @@ class VerifiedTensorFile:
         the element's width: numpy has no bfloat16; `.view(numpy.float32)` for F32). No torch."""
         import numpy
 
+        from megatron_ucp.byteio import _bits  # byteio imports this module: imported on use
+
         dtype_name, shape, start, stop = self.tensors[key]
         item = _ITEMSIZE[dtype_name]
-        bits = {1: numpy.uint8, 2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}[item]
+        bits = _bits(_SAFETENSORS_DTYPES[dtype_name])
         index = tuple(index or ())
         if len(index) > len(shape):
             raise ValueError(f"index {index} has more slices than '{key}' {list(shape)} has dimensions")

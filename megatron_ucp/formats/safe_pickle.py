@@ -145,7 +145,7 @@ DTYPE_ITEMSIZE = {
 }
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 # torch.<Name>Storage, as torch.save names a tensor's typed storage -> dtype name
-_TYPED_STORAGES = {
+TYPED_STORAGES = {
     "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
     "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
     "ByteStorage": "uint8", "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
@@ -680,7 +680,7 @@ ARCHIVE_GLOBALS: Mapping[str, Any] = types.MappingProxyType({
     "torch._tensor._rebuild_from_type_v2": _Global("torch._tensor._rebuild_from_type_v2", _rebuild_from_type_v2),
     "torch.Tensor": _TENSOR_TYPES[0],
     "torch.nn.parameter.Parameter": _TENSOR_TYPES[1],
-    **{f"torch.{name}": _Marker(f"torch.{name}", dtype) for name, dtype in _TYPED_STORAGES.items()},
+    **{f"torch.{name}": _Marker(f"torch.{name}", dtype) for name, dtype in TYPED_STORAGES.items()},
     "torch.UntypedStorage": _UNTYPED_STORAGE,
     "torch.storage.UntypedStorage": _UNTYPED_STORAGE,
     **_TORCH_DTYPES,

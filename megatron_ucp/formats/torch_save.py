@@ -54,15 +54,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_ucp.formats.safe_pickle import DTYPE_ITEMSIZE, TorchDType
+from megatron_ucp.formats.safe_pickle import DTYPE_ITEMSIZE, TYPED_STORAGES, TorchDType
 
 ALIGNMENT = 64  # torch's kFieldAlignment: every record's data starts at a multiple of it
 FILE_FORMAT_VERSION = b"3\n"  # the "version" record (torch's kProducedFileFormatVersion)
 _ZIP32_LIMIT = 0xFFFFFFFF  # records and offsets at or above this need zip64 fields: torch frames those
-STORAGE_TYPES = {  # dtype name -> torch.<Name>Storage, as torch.save names a tensor's typed storage
-    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage", "bfloat16": "BFloat16Storage",
-    "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage", "int8": "CharStorage",
-    "uint8": "ByteStorage", "bool": "BoolStorage"}
+STORAGE_TYPES = {dtype: name for name, dtype in TYPED_STORAGES.items()}  # dtype name -> torch.<Name>Storage
 
 
 class TorchSaveError(ValueError):
@@ -129,16 +126,17 @@ def torch_dtype(name: str) -> GlobalRef:
 
 @dataclass(frozen=True, eq=False)
 class SavedTensor:
-    """A CPU tensor for torch.save: `data` is its C-order bytes (little endian), `dtype` a torch dtype name."""
+    """A CPU tensor for torch.save: `data` is its C-order bytes (little endian; None: not given, for framing
+    only), `dtype` a torch dtype name."""
 
-    data: bytes
+    data: Optional[bytes]
     dtype: str
     shape: tuple
 
     def __post_init__(self):
         if self.dtype not in STORAGE_TYPES:
             raise TorchSaveError(f"tensors of dtype {self.dtype} are not written by this module")
-        if len(self.data) != math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]:
+        if self.data is not None and len(self.data) != math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]:
             raise TorchSaveError(f"{len(self.data)} bytes for a {self.dtype} tensor of shape {self.shape}")
 
     @classmethod
@@ -238,6 +236,7 @@ class _Archive:
         self.parts: list = []
         self.pos = 0
         self.central: list[bytes] = []
+        self.names: list[str] = []
         self.crc_ids: list[int] = []
 
     def _put(self, part) -> None:
@@ -261,12 +260,13 @@ class _Archive:
             self._put(struct.pack("<IIII", 0x08074B50, crc, nbytes, nbytes))
         self.central.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, flags, 0, 0, 0, crc, nbytes, nbytes,
                                         len(full), 0, 0, 0, 0, 0, offset) + full)
+        self.names.append(full.decode())
         self.crc_ids.append(crc)
 
     def finish(self) -> None:
         """The version and serialization id records, the central directory and the end records."""
         self.record("version", FILE_FORMAT_VERSION)
-        names = zlib.crc32("\0".join(f"{self.prefix}/{n}" for n in self._names()).encode())
+        names = zlib.crc32("\0".join(self.names).encode())
         combined = 0
         for crc in self.crc_ids:
             combined = zlib.crc32(struct.pack("<I", crc), combined)
@@ -283,19 +283,13 @@ class _Archive:
         self._put(struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1))
         self._put(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, size, start, 0))
 
-    def _names(self) -> list[str]:
-        names = []
-        for entry in self.central:
-            n = struct.unpack_from("<H", entry, 28)[0]
-            names.append(entry[46:46 + n].decode())
-        return names
-
 
 class _NeedsZip64(Exception):
     pass
 
 
-def _archive(obj: Any, prefix: str, *, skip_data: bool = False) -> _Archive:
+def _archive(obj: Any, prefix: str) -> _Archive:
+    """The records of torch.save(obj); a tensor given without data (SavedTensor(None, ...)) leaves a hole."""
     buf = io.BytesIO()
     pickler = Pickler(buf)
     pickler.dump(obj)
@@ -306,7 +300,7 @@ def _archive(obj: Any, prefix: str, *, skip_data: bool = False) -> _Archive:
     archive.record("byteorder", b"little")
     for storage in pickler.storages:
         nbytes = storage.numel * DTYPE_ITEMSIZE[storage.dtype]
-        archive.record(f"data/{storage.key}", None if skip_data else storage.data, nbytes)
+        archive.record(f"data/{storage.key}", storage.data, nbytes)
     archive.finish()
     return archive
 
@@ -314,9 +308,12 @@ def _archive(obj: Any, prefix: str, *, skip_data: bool = False) -> _Archive:
 def save_bytes(obj: Any, prefix: str = "archive") -> bytes:
     """What torch.save(obj, f) writes (tensors as SavedTensor), apart from the serialization id's digits."""
     try:
-        return b"".join(_archive(obj, prefix).parts)
+        parts = _archive(obj, prefix).parts
     except _NeedsZip64:
         raise TorchSaveError("a record of 4 GiB or more needs torch.save's zip64 framing") from None
+    if any(isinstance(p, int) for p in parts):
+        raise TorchSaveError("a tensor without its data (SavedTensor(None, ...)) is framing only: use tensor_archive")
+    return b"".join(parts)
 
 
 @dataclass(frozen=True)
@@ -352,7 +349,7 @@ def tensor_archive(shape: tuple[int, ...], dtype) -> TensorArchive:
 def _tensor_archive(shape: tuple[int, ...], dtype: str) -> TensorArchive:
     nbytes = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
     try:
-        parts = _archive(_Placeholder(dtype, shape), "archive", skip_data=True).parts
+        parts = _archive(SavedTensor(None, dtype, shape), "archive").parts
     except _NeedsZip64:  # >= 4 GiB: torch's own writer frames it (zip64 extra fields)
         return _torch_framing(shape, dtype)
     holes = [i for i, p in enumerate(parts) if isinstance(p, int)]
@@ -360,18 +357,6 @@ def _tensor_archive(shape: tuple[int, ...], dtype: str) -> TensorArchive:
         return TensorArchive(shape, dtype, b"".join(parts), b"")
     (hole,) = holes
     return TensorArchive(shape, dtype, b"".join(parts[:hole]), b"".join(parts[hole + 1:]))
-
-
-class _Placeholder(SavedTensor):
-    """A SavedTensor whose bytes are not given (framing only)."""
-
-    def __init__(self, dtype: str, shape: tuple):
-        object.__setattr__(self, "data", None)
-        object.__setattr__(self, "dtype", dtype)
-        object.__setattr__(self, "shape", shape)
-
-
-Pickler.dispatch[_Placeholder] = Pickler._save_tensor
 
 
 def _torch_framing(shape: tuple, dtype: str) -> TensorArchive:

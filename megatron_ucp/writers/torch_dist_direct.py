@@ -298,10 +298,11 @@ class _Owners:
         else:
             self.add_any(item, [global_rank(self.layout, tp_rank, pp_rank, dp_rank)])
 
-    def add_expert(self, item: Item, etp_rank: int, ep_rank: int, pp_rank: int, edp_rank: Optional[int] = None) -> None:
-        """A routed expert's item: written by its expert-DP rank `edp_rank`, or the least loaded of them."""
-        edps = range(self.layout.expert_dp) if edp_rank is None else (edp_rank,)
-        self.add_any(item, [expert_global_rank(self.layout, etp_rank, ep_rank, d, pp_rank) for d in edps])
+    def add_expert(self, item: Item, etp_rank: int, ep_rank: int, pp_rank: int) -> None:
+        """A routed expert's item: written by the least loaded rank of its (expert-TP, EP, PP) rank's expert-DP
+        group."""
+        self.add_any(item, [expert_global_rank(self.layout, etp_rank, ep_rank, d, pp_rank)
+                            for d in range(self.layout.expert_dp)])
 
     def add_any(self, item: Item, ranks: list) -> None:
         """Written by the least loaded of `ranks` (global ranks)."""
@@ -507,23 +508,19 @@ def _plan_flat_buckets(ucp, config: GPTModelConfig, target: WriteTarget, shapes:
                 identities = groups.identities[index][:len(groups.members[index][(0, ep_rank, pp_rank)])]
                 for tp_rank in range(layout.expert_tp if experts else layout.tp):
                     if experts:
-                        mp = layout.expert_mp_rank(tp_rank, ep_rank, pp_rank)
-                        dp_size = layout.expert_dp
-
-                        def add(item, dp_rank, tp_rank=tp_rank, ep_rank=ep_rank, pp_rank=pp_rank):
-                            owners.add_expert(item, tp_rank, ep_rank, pp_rank, dp_rank)
+                        mp, dp_size = layout.expert_mp_rank(tp_rank, ep_rank, pp_rank), layout.expert_dp
+                        ranks = [expert_global_rank(layout, tp_rank, ep_rank, d, pp_rank) for d in range(dp_size)]
                     else:
                         mp, dp_size = layout.dense_mp_rank(tp_rank, pp_rank), layout.dp
-
-                        def add(item, dp_rank, tp_rank=tp_rank, pp_rank=pp_rank):
-                            owners.add(item, tp_rank, pp_rank, dp_rank)
+                        ranks = [global_rank(layout, tp_rank, pp_rank, d) for d in range(dp_size)]
                     _plan_rank_buckets(ucp, config, layout, shapes, step, identities, buffers, canonical, prefix, mp,
-                                       dp_size, tp_rank, pp_rank, add, _grad_scaler(ucp, target))
+                                       tp_rank, pp_rank, ranks, owners, _grad_scaler(ucp, target))
 
 
 def _plan_rank_buckets(ucp, config, layout, shapes, step, identities, buffers, canonical, prefix: str, mp: int,
-                       dp_size: int, tp_rank: int, pp_rank: int, add: Callable, scaler) -> None:
-    """One model-parallel rank `mp` of one optimizer: its buckets' chunks per DP rank, and its objects."""
+                       tp_rank: int, pp_rank: int, ranks: list, owners: _Owners, scaler) -> None:
+    """One model-parallel rank `mp` of one optimizer: its buckets' chunks per DP rank (`ranks`: the global rank
+    of each DP rank of its group, which writes that DP rank's chunks), and its objects (DP rank 0's)."""
     numel, unpadded, gbuf = [], [], 0
     for chunk_index, chunk_buffers_ in enumerate(buffers):
         for buf in chunk_buffers_:
@@ -538,19 +535,20 @@ def _plan_rank_buckets(ucp, config, layout, shapes, step, identities, buffers, c
                     return _local_flat_pieces(config, layout, name, shapes[name], tp_rank, state, lo, hi)
 
                 where = f"bucket {b} of buffer {gbuf} of {prefix}dp_group_idx_{mp} (pp={pp_rank})"
-                for dp_rank, chunk_list in enumerate(_bucket_chunks(bucket, spans, dp_size, flat, where)):
+                for rank, chunk_list in zip(ranks, _bucket_chunks(bucket, spans, len(ranks), flat, where)):
                     for universal_key, saved_name in _STATE_NAMES.items():
                         for offset, size, pieces in chunk_list:
-                            add(TensorItem(prefix + flat_bucket_key(mp, gbuf, dtypes, b, saved_name),
-                                           (bucket.numel_unpadded,), (offset,), (size,), _F32, pieces(universal_key)),
-                                dp_rank)
+                            owners.add_any(TensorItem(prefix + flat_bucket_key(mp, gbuf, dtypes, b, saved_name),
+                                                      (bucket.numel_unpadded,), (offset,), (size,), _F32,
+                                                      pieces(universal_key)), [rank])
             gbuf += 1
     param_groups = [{**group_hyper(ucp, identity), "step": float(step or 0)} for identity in identities]
     objects = [("optimizer", {"param_groups": param_groups})]
     if scaler is not None:  # DistributedOptimizer.state_dict() keeps it next to 'optimizer'
         objects.append(("grad_scaler", scaler))
     for name, value in (*objects, ("per_bucket_numel", numel), ("per_bucket_numel_unpadded", unpadded)):
-        add(ObjectItem(sharded_object_key(prefix + distributed_optimizer_object_key(mp, name), (0,), (1,)), value), 0)
+        owners.add_any(ObjectItem(sharded_object_key(prefix + distributed_optimizer_object_key(mp, name), (0,), (1,)),
+                                  value), ranks[:1])
 
 
 def _bucket_chunks(bucket, spans, dp: int, flat_pieces: Callable, where: str) -> list:
@@ -626,8 +624,7 @@ def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: Op
     common: dict = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,  # args: a Namespace when written
                     "iteration": ucp.iteration}
     if opt is not None:
-        config = replace(ucp.config, padded_vocab_size=target.padded_vocab_size)
-        chained = experts_in_own_optimizer(config, target.layout)
+        chained = experts_in_own_optimizer(ucp.config, target.layout)
         mixed = any(_model_dtype(ucp, n) != _F32 for n in ucp.parameters)
         states = [_optimizer_common(ucp, target, opt, step, groups, index, mixed)
                   for index in ((0, 1) if chained else (0,))]
