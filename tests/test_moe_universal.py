@@ -23,9 +23,9 @@ expert; gpt2_moe: biased experts and router, GELU, tied embeddings):
   again by from-universal and compared with megatron-core's save; not resumed).
 from-universal --ckpt-format torch_dist is written directly (no training process) and compared with
 megatron-core's own save of the same layout (the harness route): EP4 DP4 chained dp_reshardable, EP1
-dp_reshardable, plain Adam with stacked MoE layers, fp16 in both optimizer formats; two direct writes are loaded by megatron-core and continue
+dp_reshardable, plain Adam with stacked MoE layers, fp16 dp_reshardable; two direct writes are loaded by megatron-core and continue
 the run (EP4 dp_reshardable; fully_reshardable written at TP2 ETP1 EP2, loaded at EP4).
-Runtime ~6-8 min on 2 shared cores (6 sources, 9 resumes, 4 negative-control resumes, 5 harness saves).
+Runtime ~6-8 min on 2 shared cores (6 sources, 9 resumes, 4 negative-control resumes, 4 harness saves).
 """
 
 import contextlib
@@ -283,15 +283,13 @@ def test_from_universal_torch_dist_at_new_ep_is_loaded_by_megatron_core(sources)
     ("ep1_dp_reshardable", "ep2dp4", Layout(dp=2), dict(use_distributed_optimizer=True)),
     ("adam_stacked", "adam_allmoe", Layout(dp=2, ep=2), {}),
     ("fp16_dp_reshardable", "ep2_fp16", Layout(dp=2, ep=2), dict(use_distributed_optimizer=True)),
-    ("fp16_fully_reshardable", "ep2_fp16", Layout(dp=2, ep=2),
-     dict(use_distributed_optimizer=True, optimizer_format="fully_reshardable")),
 ])
 def test_direct_torch_dist_equals_megatron_cores_save(sources, name, source, target, kwargs):
     """The direct torch_dist writer equals megatron-core's own save (the harness route) where the MoE layout
     differs from the test above: EP1 (experts in the dense optimizer's buffers, no ChainedOptimizer), plain
     Adam with every layer MoE (stacked keys: layer axis, then expert axis; two optimizers' common_step), and an
-    fp16 model in both distributed-optimizer formats (fp16 weights cast as torch casts them, each chained
-    optimizer's loss-scaler state)."""
+    fp16 model (fp16 weights cast as torch casts them, each chained optimizer's loss-scaler object; its
+    fully_reshardable write matched too when checked once by hand, left out of CI for time)."""
     from megatron_ucp.from_universal import from_universal
 
     src = sources(source)
