@@ -17,6 +17,7 @@ import argparse
 import errno
 import importlib
 import json
+import logging
 import sys
 import traceback
 from dataclasses import dataclass
@@ -52,7 +53,9 @@ def common_options() -> argparse.ArgumentParser:
     """Options every subcommand takes (used as an argparse parent parser)."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
-    common.add_argument("--debug", action="store_true", help="print the full traceback on errors")
+    common.add_argument("--debug", action="store_true",
+                        help="print the full traceback on errors, and debug lines (e.g. classes of a newer Megatron "
+                             "read as inert records)")
     common.add_argument("--json", action="store_true", help="print the result (or the error) as one JSON object")
     return common
 
@@ -96,6 +99,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point (`megatron-ucp`, `python -m megatron_ucp.cli`); returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
+    if args.debug:  # megatron-ucp's own debug lines (e.g. classes loaded as inert records) on stderr
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("debug: %(message)s"))
+        logger = logging.getLogger("megatron_ucp")
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
     try:
         result = args.handler(args) or {}
     except KeyboardInterrupt:

@@ -42,6 +42,7 @@ from megatron_ucp.adapters.gpt import (expected_parameters, experts_per_ep_rank,
                                        virtual_chunks)
 from megatron_ucp.convert.runner import all_ranks_agree, in_torchrun
 from megatron_ucp.formats.common import TRACKER_FILENAME
+from megatron_ucp.formats.versions import NEWEST as _NEWEST, SUPPORTED as SUPPORTED_RELEASES
 from megatron_ucp.layer_placement import PlacementError, add_split_arguments, resolve_vpp, split_options
 from megatron_ucp.layout import LayoutError, ParallelLayout
 from megatron_ucp.patterns import PatternError
@@ -53,6 +54,8 @@ from megatron_ucp.writers.base import target_args
 from megatron_ucp.writers.megatron_state import RNG_STATE_KINDS
 from megatron_ucp.writers.torch_dist import DEFAULT_TIMEOUT_S
 from megatron_ucp.writers.torch_dist_direct import OPTIMIZER_FORMATS
+
+NEWEST_RELEASE = _NEWEST.name
 
 PathLike = Union[str, os.PathLike]
 
@@ -227,7 +230,8 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
                    rng_state: str = "cuda", timeout_s: int = DEFAULT_TIMEOUT_S,
                    progress: bool = True, warn=None, clean_stale: bool = False,
                    optimizer_format: Optional[str] = None, workers: Optional[int] = None, via_harness: bool = False,
-                   pipeline_split: Optional[dict] = None) -> FromUniversalSummary:
+                   pipeline_split: Optional[dict] = None,
+                   megatron_core_version: Optional[str] = None) -> FromUniversalSummary:
     """Write the universal checkpoint at `ucp_path` as a Megatron checkpoint root `dst` at the given layout.
 
     Validation (layout, vocabulary, batch, destination) happens before any file is created; on any error
@@ -249,7 +253,7 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
     if not rank0:
         emit = lambda message: None  # noqa: E731 - rank 0 reports
     writer = _make_writer(ckpt_format, via_harness, timeout_s=timeout_s, optimizer_format=optimizer_format,
-                          workers=workers)
+                          workers=workers, megatron_core_version=megatron_core_version)
     if distributed and not writer.splits_over_processes:
         raise FromUniversalError(f"--ckpt-format {ckpt_format}{' --via-harness' if via_harness else ''} writes "
                                  f"from one process: launch it without torchrun (the direct torch_dist writer "
@@ -431,6 +435,11 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
                    help="torch_dist with --use-distributed-optimizer: dp_reshardable (default, as megatron-core: "
                         "flat buckets for this TP x PP, cheapest to load, any DP) or fully_reshardable (model "
                         "space: megatron-core loads it at any TP x PP x DP, so one write serves every layout)")
+    p.add_argument("--megatron-core-version", default=None, metavar="X.Y",
+                   help=f"write what that megatron-core release's own save writes ({', '.join(SUPPORTED_RELEASES)}; "
+                        f"default: the release that wrote the universal checkpoint's source, {NEWEST_RELEASE} for "
+                        f"one without a Megatron source). 0.19 keeps the common state inside the .distcp files "
+                        f"(0.19 still reads the older common.pt form; 0.16-0.18 read only that)")
     p.add_argument("--workers", type=int, default=None,
                    help="torch_dist: threads writing the output files (default: min(4, CPUs)); under torchrun "
                         "the processes also split the files (a shared filesystem)")
@@ -465,7 +474,7 @@ def run_cli(args: argparse.Namespace) -> dict:
         ckpt_format=args.ckpt_format, dry_run=args.dry_run, overwrite=args.overwrite, rng_state=args.rng_state,
         timeout_s=args.timeout, progress=not args.quiet, clean_stale=args.clean_stale,
         optimizer_format=args.optimizer_format, workers=args.workers, via_harness=args.via_harness,
-        pipeline_split=split_options(args))
+        pipeline_split=split_options(args), megatron_core_version=args.megatron_core_version)
     result = summary.to_dict()
     if in_torchrun() and not summary.dry_run and int(os.environ["RANK"]) != 0:
         return result  # rank 0 reports

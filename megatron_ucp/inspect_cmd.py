@@ -229,6 +229,7 @@ def describe(ckpt) -> dict:
         consumed = ckpt.consumed_train_samples
         optimizer_kind = (meta.get("source") or {}).get("optimizer_kind")
         extra = {"format_version": meta.get("version"), "source": meta.get("source"),
+                 "megatron_core": (meta.get("source") or {}).get("megatron_core"),
                  "optimizer_type": (meta.get("optimizer") or {}).get("type"),
                  "lazy_source": (meta.get("lazy") or {}).get("source"),
                  "checksums": ckpt.version >= 2}
@@ -238,7 +239,8 @@ def describe(ckpt) -> dict:
         layout = ckpt.layout.to_dict()
         consumed = int(common.get("consumed_train_samples") or 0)
         optimizer_kind = ckpt.optimizer_kind
-        extra = {"checkpoint_version": _json_scalar(common.get("checkpoint_version"))}
+        extra = {"checkpoint_version": _json_scalar(common.get("checkpoint_version")),
+                 "megatron_core": ckpt.release.label}
     numel = sum(r.numel for r in rows)
     return {
         "path": str(Path(ckpt.path).resolve()),
@@ -279,7 +281,8 @@ def format_report(info: dict) -> str:
     lines = [
         f"{info['path']}",
         f"  format        {info['format']}"
-        + (f" (version {info['format_version']})" if "format_version" in info else ""),
+        + (f" (version {info['format_version']})" if "format_version" in info else "")
+        + (f", written by megatron-core {info['megatron_core']}" if info.get("megatron_core") else ""),
         f"  iteration     {info['iteration']}   consumed samples {info['consumed_train_samples']}",
         f"  layout        {_layout_text(info['layout'])}" + ("   (as trained)" if info["format"] == UNIVERSAL else ""),
         f"  model         {c['num_layers']} layers, hidden {c['hidden_size']}, ffn {c['ffn_hidden_size']}, "

@@ -103,7 +103,10 @@ class GPTModelConfig:
         padded = get("padded_vocab_size")
         vocab = get("vocab_size")
         if get("tokenizer_type") == "NullTokenizer" and vocab is not None:
-            vocab = vocab + 1  # NullTokenizer appends EOD
+            # EOD appended (<= 0.17) or inside --vocab-size (>= 0.18): as the release that wrote the args means it
+            from megatron_ucp.formats.versions import true_vocab_size
+
+            vocab = true_vocab_size(args if isinstance(args, Mapping) else vars(args))
         elif get("tokenizer_type") == "ByteLevelTokenizer":
             vocab = 257  # megatron-ucp's byte-level tokenizer: 256 bytes + EOD
         divisible = get("make_vocab_size_divisible_by", 128) or 128

@@ -153,7 +153,7 @@ class RankRngState:
     numpy: tuple  # np.random.get_state(): ('MT19937', 624 uint32 words, pos, has_gauss, cached_gaussian)
     torch_cpu: bytes  # torch.get_rng_state()
     cuda: bytes  # torch.cuda.get_rng_state() (the CPU generator's on CPU runs)
-    tracker: tuple  # megatron-core's tracker streams: ((name, state bytes), ...), sorted by name
+    tracker: tuple  # megatron-core's tracker streams: ((name, state bytes), ...), in the saved order
 
     @property
     def key(self) -> tuple:
@@ -175,8 +175,8 @@ class RankRngState:
                    numpy=_numpy_state(state["np_rng_state"], f"{where} np_rng_state"),
                    torch_cpu=_bytes_of(state["torch_rng_state"], f"{where} torch_rng_state"),
                    cuda=_bytes_of(state["cuda_rng_state"], f"{where} cuda_rng_state"),
-                   tracker=tuple(sorted((name, _bytes_of(value, f"{where} rng_tracker_states[{name!r}]"))
-                                        for name, value in tracker.items())))
+                   tracker=tuple((name, _bytes_of(value, f"{where} rng_tracker_states[{name!r}]"))
+                                 for name, value in tracker.items()))
 
     def to_json(self) -> dict:
         version, internal, gauss = self.python
@@ -200,8 +200,8 @@ class RankRngState:
                                            numpy["cached_gaussian"]), rank),
                        torch_cpu=_unb64(doc["torch_cpu"], f"{rank} torch_cpu"),
                        cuda=_unb64(doc["cuda"], f"{rank} cuda"),
-                       tracker=tuple(sorted((str(n), _unb64(v, f"{rank} tracker {n}"))
-                                            for n, v in dict(doc["tracker"]).items())))
+                       tracker=tuple((str(n), _unb64(v, f"{rank} tracker {n}"))
+                                     for n, v in dict(doc["tracker"]).items()))
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, RunStateError):
                 raise

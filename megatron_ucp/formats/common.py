@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 from megatron_ucp.formats import safe_pickle
-from megatron_ucp.formats.safe_pickle import MEGATRON_ENUMS, PickledEnum, SafeLoadError, TensorRecord, TorchDType
+from megatron_ucp.formats.safe_pickle import (MEGATRON_ENUMS, InertRecord, PickledEnum, SafeLoadError, TensorRecord,
+                                             TorchDType)
 from megatron_ucp.layout import LayoutError, ParallelLayout
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -113,13 +114,16 @@ def scalar(value: Any, *, path: Any, what: str) -> float:
 
 def _plain(value: Any) -> Any:
     """Args as plain values: a Namespace becomes a dict, a torch dtype its spelling 'torch.float32' (as
-    metadata.json keeps it), signal numbers signal.Signals, Megatron enums stay PickledEnum."""
+    metadata.json keeps it), signal numbers signal.Signals, Megatron enums stay PickledEnum (a newer Megatron's
+    enum member, loaded as an InertRecord, becomes one too); other inert records stay as they are."""
     if isinstance(value, argparse.Namespace):
         return {k: _plain(v) for k, v in vars(value).items()}
     if isinstance(value, TorchDType) or type(value).__name__ == "dtype" and type(value).__module__ == "torch":
         return str(value)
     if isinstance(value, PickledEnum) and value.qualname == "signal.Signals":
         return signal.Signals(value.value)
+    if isinstance(value, InertRecord) and value.enum_value is not None:  # a newer Megatron's enum member
+        return PickledEnum(value.qualname, value.enum_value)
     if isinstance(value, enum.Enum) and not isinstance(value, int):
         qualname = f"{type(value).__module__}.{type(value).__qualname__}"
         return PickledEnum(qualname, value.value) if qualname in MEGATRON_ENUMS else value

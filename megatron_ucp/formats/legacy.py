@@ -39,6 +39,7 @@ from typing import Any, Collection, Mapping, Optional
 
 from megatron_ucp.adapters.gpt import (UnknownParameterError, canonical_name, experts_in_own_optimizer,
                                       is_buffer, is_expert, is_ignorable, megatron_param_groups, parameters_for_rank)
+from megatron_ucp.formats import versions
 from megatron_ucp.formats.archive import read_tensor, stored_tensor, sub_record
 from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef, unknown_shard
 from megatron_ucp.formats.bucket_layout import (
@@ -142,6 +143,7 @@ class LegacyCheckpoint(CheckpointReader):
         if "args" not in state:
             raise CheckpointFormatError(f"{first}: has no 'args'; it was not written by Megatron-LM's save_checkpoint.")
         self.args = args_to_dict(state["args"], source=first)
+        self.release = versions.detect(self.args)
         self.layout = layout_from_args(self.args, first)
         self.config = model_config_from_args(self.args, first)
         if self.config.num_experts and self.layout.expert_tp != self.layout.tp:

@@ -14,7 +14,10 @@ Owns every pickled file a Megatron checkpoint has: legacy `model_optim_rng.pt` /
 
 The unpickler knows an explicit allow-list of globals (`ARCHIVE_GLOBALS`, `DCP_METADATA_GLOBALS`),
 each mapped to a stand-in written here, never to the real callable: calling or building a stand-in
-only makes data. A pickle naming anything else raises `UnsafePickleError` before anything runs.
+only makes data. A class of the Megatron family's packages (`RECORD_NAMESPACES`) that is not on the list (a
+newer release's enum or dataclass in `args`) loads as an `InertRecord`: its class path, arguments and state
+as data, the class never imported (named with --debug). A pickle naming anything else (os, builtins,
+subprocess, ...) raises `UnsafePickleError` before anything runs.
 Stand-ins refuse BUILD (pickle's `__setstate__`) except where one is part of the format (a Namespace,
 a numpy array, a DCP record, each on its own fresh object), so no pickle can alter a shared object.
 This module imports neither torch nor numpy; `to_torch` and `NumpyArray.to_numpy` import them on use.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import _compat_pickle
 import argparse
 import io
+import logging
 import os
 import pathlib
 import pickle
@@ -38,9 +42,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Union
 
 __all__ = [
-    "ARCHIVE_GLOBALS", "DCP_METADATA_GLOBALS", "ByteRegion", "DcpBytesMeta", "DcpChunk", "DcpIndex", "DcpMetadata",
-    "DcpStorageItem", "DcpTensorMeta", "NumpyArray", "NumpyDType", "PickledEnum", "SafeLoadError", "StorageRef",
-    "TensorRecord", "TorchDType", "TorchDevice", "UnsafePickleError", "iter_region_bytes", "load_archive",
+    "ARCHIVE_GLOBALS", "DCP_METADATA_GLOBALS", "RECORD_NAMESPACES", "ByteRegion", "DcpBytesMeta", "DcpChunk", "DcpIndex", "DcpMetadata",
+    "DcpStorageItem", "DcpTensorMeta", "InertRecord", "NumpyArray", "NumpyDType", "PickledEnum", "SafeLoadError", "StorageRef",
+    "TensorRecord", "TorchDType", "TorchDevice", "UnsafePickleError", "inert_class", "is_record_name", "iter_region_bytes", "load_archive",
     "load_dcp_item", "load_dcp_metadata", "materialize", "read_scalar", "read_tensor_bytes", "to_torch",
 ]
 
@@ -49,6 +53,7 @@ RECOPY = "truncated or crafted; re-copy it"
 MAX_PICKLE_BYTES = 1 << 30  # a data.pkl or .metadata larger than this is refused before it is read
 READ_CHUNK_BYTES = 4 * 2 ** 20  # bounded reads of tensor bytes
 _SMALL_WINDOW = 64 * 1024  # archives up to this size are read with one pread
+_log = logging.getLogger(__name__)
 
 
 class SafeLoadError(ValueError):
@@ -267,7 +272,8 @@ class PickledEnum:
     value: Any
 
     def __post_init__(self) -> None:
-        _expect(self.qualname in ENUM_CLASSES, lambda: f"a PickledEnum of {_short(self.qualname)}, not an allowed enum")
+        _expect(self.qualname in ENUM_CLASSES or is_record_name(self.qualname),
+                lambda: f"a PickledEnum of {_short(self.qualname)}, not an allowed enum")
         _expect(_is_scalar(self.value), lambda: f"a PickledEnum with value {_short(self.value)}")
 
     def __setstate__(self, state) -> None:
@@ -282,7 +288,7 @@ class PickledEnum:
             state = state[1]  # (no __dict__, slot values)
         _expect(isinstance(state, dict) and set(state) == {"qualname", "value"},
                 lambda: f"a PickledEnum with state {_short(state)}")
-        _expect(state["qualname"] in ENUM_CLASSES,
+        _expect(state["qualname"] in ENUM_CLASSES or is_record_name(state["qualname"]),
                 lambda: f"a PickledEnum of {_short(state['qualname'])}, not an allowed enum")
         _expect(_is_scalar(state["value"]), lambda: f"a PickledEnum with value {_short(state['value'])}")
         object.__setattr__(self, "qualname", state["qualname"])
@@ -294,6 +300,67 @@ class PickledEnum:
 
 def _is_scalar(x: Any) -> bool:
     return x is None or isinstance(x, (bool, int, float, str))
+
+
+# Where the classes of the Megatron family live (megatron-core, Megatron-LM, Transformer Engine, Apex, NVIDIA's
+# resiliency and model-optimizer packages, NeMo / Megatron-Bridge). A class from these packages that megatron-ucp
+# has never seen (a newer release's enum or dataclass in `args`) loads as an InertRecord; a name from anywhere
+# else outside the allow-list (os, builtins, subprocess, ...: what a crafted pickle calls) is refused.
+RECORD_NAMESPACES = ("megatron.", "transformer_engine.", "apex.", "nvidia_resiliency_ext.", "modelopt.", "nemo.",
+                     "megatron_bridge.")
+
+
+def is_record_name(qualname: str) -> bool:
+    """A class path of the Megatron family, loaded as data (PickledEnum / InertRecord) whatever it is."""
+    return isinstance(qualname, str) and qualname.startswith(RECORD_NAMESPACES) and qualname.isascii() and all(
+        part.isidentifier() for part in qualname.split("."))
+
+
+class InertRecord:
+    """An object of a Megatron-family class megatron-ucp does not know, kept as data: the class path, the
+    arguments the pickle gave it (REDUCE / NEWOBJ) and the state it set (BUILD, once). The class is never
+    imported and nothing of it runs; readers that need a value check what they find, as for any record.
+    A single scalar argument and no state is how an enum member pickles: `enum_value` gives it."""
+
+    __slots__ = ("args", "kwargs", "state")
+    qualname = ""
+
+    def __new__(cls, *args, **kwargs):
+        _expect(cls is not InertRecord, "an InertRecord without a class")
+        self = object.__new__(cls)
+        self.args, self.kwargs, self.state = args, kwargs, None
+        return self
+
+    def __init__(self, *args, **kwargs) -> None:  # REDUCE calls the class: __new__ kept the arguments
+        pass
+
+    def __setstate__(self, state) -> None:
+        _expect(self.state is None and state is not None,
+                lambda: f"the pickle sets {self.qualname} to {_short(state)} twice")
+        self.state = state
+
+    @property
+    def enum_value(self) -> Any:
+        """The member's value when this looks like an enum member (one scalar argument, no state), else None."""
+        if len(self.args) == 1 and not self.kwargs and self.state is None and _is_scalar(self.args[0]):
+            return self.args[0]
+        return None
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, InertRecord) and other.qualname == self.qualname
+                and (self.args, self.kwargs, self.state) == (other.args, other.kwargs, other.state))
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"<inert {self.qualname}{_short(self.args)}>"
+
+
+def inert_class(qualname: str) -> type:
+    """A fresh InertRecord subclass standing in for the unknown class `qualname` (one per load: no pickle can
+    reach a class another load uses)."""
+    _expect(is_record_name(qualname), lambda: f"an inert record of {_short(qualname)}")
+    return type(qualname.rsplit(".", 1)[1], (InertRecord,), {"__slots__": (), "qualname": qualname})
 
 
 class NumpyDType:
@@ -645,6 +712,7 @@ MEGATRON_ENUMS = (
     "megatron.core.rerun_state_machine.RerunMode",
     "megatron.core.rerun_state_machine.RerunState",
     "megatron.core.rerun_state_machine.RerunDiagnostic",
+    "megatron.core.transformer.enums.InferenceCudaGraphScope",  # in args since megatron-core 0.17-0.19
 )
 _DCP_ENUMS = ("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
               "torch.distributed.checkpoint.planner.WriteItemType")
@@ -761,6 +829,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, where: str, allowed: Mapping[str, Any], archive: Optional["_TorchArchive"]):
         super().__init__(io.BytesIO(data))
         self._where, self._allowed, self._archive = where, allowed, archive
+        self.inert: dict[str, type] = {}  # qualname -> its InertRecord class, for this load
 
     def find_class(self, module: str, name: str) -> Any:
         qualname = f"{module}.{name}"
@@ -774,6 +843,12 @@ class _RestrictedUnpickler(pickle.Unpickler):
             if qualname in _UNSUPPORTED and self._allowed is ARCHIVE_GLOBALS:
                 raise SafeLoadError(f"{self._where}: holds {_UNSUPPORTED[qualname]} ({qualname}), which megatron-ucp "
                                     f"cannot read; save plain dense tensors.")
+            if is_record_name(qualname):  # a newer Megatron's class: data, never imported
+                if qualname not in self.inert:
+                    self.inert[qualname] = inert_class(qualname)
+                    _log.debug("%s: %s is not a class megatron-ucp knows; loaded as an inert record (never "
+                               "imported or run)", self._where, qualname)
+                return self.inert[qualname]
             raise _unsafe(self._where, qualname)
         return found
 

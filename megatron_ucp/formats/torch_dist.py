@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Collection, Optional
 
 from megatron_ucp.adapters import gpt as rulebook
+from megatron_ucp.formats import versions
 from megatron_ucp.formats.archive import box_record, read_tensor, stored_tensor, torch_dtype
 from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef, unknown_shard
 from megatron_ucp.formats.bucket_layout import (
@@ -181,9 +182,10 @@ class TorchDistCheckpoint(CheckpointReader):
         self.path = Path(iter_dir)
         self.iteration = iteration
         self._check_backend()
-        common_file = self.path / "common.pt"
-        common = load_archive_file(inside(self.path, common_file), what="the common state (args, iteration, scheduler)",
-                                   fix="Every torch_dist checkpoint has one; re-copy the iteration folder.")
+        self._metadata = self._open_dcp()
+        self._keys = self._metadata.state_dict_metadata
+        common, common_file = self._load_common()
+        self._common_file = common_file
         if not isinstance(common, dict) or "args" not in common:
             raise CheckpointFormatError(f"{common_file}: has no 'args'; not written by Megatron-LM's save_checkpoint.")
         if common.get("iteration") != iteration:
@@ -191,12 +193,11 @@ class TorchDistCheckpoint(CheckpointReader):
                 f"{common_file}: holds iteration {common.get('iteration')} but lives in {self.path.name}; files of "
                 f"different iterations were mixed. Re-copy the iteration folder from one save.")
         self.args = args_to_dict(common["args"], source=common_file)
+        self.release = versions.detect(self.args)
         self.layout = layout_from_args(self.args, common_file)
         self.config = model_config_from_args(self.args, common_file)
         self._common = {k: v for k, v in common.items() if k not in ("args", "rng_state")}
         del common
-        self._metadata = self._open_dcp()
-        self._keys = self._metadata.state_dict_metadata
         # 'dp_reshardable' | 'fully_reshardable' with the distributed optimizer, else None
         self.distrib_optim_sharding: Optional[str] = None
         self.optimizer_kind = self._detect_optimizer()
@@ -233,6 +234,29 @@ class TorchDistCheckpoint(CheckpointReader):
         self._check_all_keys_used()
 
     # -- opening ------------------------------------------------------------------------------
+
+    COMMON_STATE_KEY = "common_state/shard_0_1"  # megatron-core >= 0.19 (formats/versions.py)
+
+    def _load_common(self) -> tuple[dict, str]:
+        """The common state (args, iteration, scheduler, optimizer param groups) and where it was read: a
+        `common.pt` beside the .distcp files (megatron-core <= 0.18, and what 0.19 still reads first), or the
+        ShardedObject 'common_state' inside them (megatron-core >= 0.19)."""
+        common_file = self.path / "common.pt"
+        what = "the common state (args, iteration, scheduler)"
+        if common_file.exists() or common_file.is_symlink():
+            return load_archive_file(inside(self.path, common_file), what=what), str(common_file)
+        md = self._keys.get(self.COMMON_STATE_KEY)
+        if md is None:
+            raise CheckpointFormatError(
+                f"{self.path}: has neither common.pt (megatron-core <= 0.18) nor the sharded object "
+                f"{self.COMMON_STATE_KEY!r} in .metadata (megatron-core >= 0.19), so its args, iteration and "
+                f"scheduler are missing; the folder is incomplete, re-copy it from the original checkpoint.")
+        if not isinstance(md, DcpBytesMeta):
+            raise CheckpointFormatError(f"{self.path / '.metadata'}: {self.COMMON_STATE_KEY} is a tensor, not the "
+                                        f"pickled common state; the metadata is corrupt, re-copy the iteration folder.")
+        item = self._metadata.storage_data.get(DcpIndex(self.COMMON_STATE_KEY))
+        where = f"{item.path} (item {self.COMMON_STATE_KEY})" if item else str(self.path / ".metadata")
+        return self._bytes_item(self.COMMON_STATE_KEY), where
 
     def _check_backend(self) -> None:
         meta_json = self.path / "metadata.json"
@@ -275,9 +299,9 @@ class TorchDistCheckpoint(CheckpointReader):
             return "none"
         content = self._common.get("content_metadata") or {}
         if not isinstance(content, dict):
-            raise structure_error(self.path / "common.pt", "'content_metadata' (a dict)", content)
+            raise structure_error(self._common_file, "'content_metadata' (a dict)", content)
         sharding = content.get("distrib_optim_sharding_type")
-        common_file = self.path / "common.pt"
+        common_file = self._common_file
         if self.args.get("optimizer", "adam") != "adam":
             raise CheckpointFormatError(f"{common_file}: args.optimizer={self.args.get('optimizer')!r}; only Adam "
                                         f"state (exp_avg, exp_avg_sq) can be read.")
@@ -310,12 +334,12 @@ class TorchDistCheckpoint(CheckpointReader):
         if opt is None:
             return []
         if not isinstance(opt, dict):
-            raise CheckpointFormatError(f"{self.path / 'common.pt'}: 'optimizer' is a {type(opt).__name__}, "
+            raise CheckpointFormatError(f"{self._common_file}: 'optimizer' is a {type(opt).__name__}, "
                                         f"expected the dict megatron-core's optimizer.sharded_state_dict leaves.")
         parts = [opt[k] for k in sorted(opt)] if opt and all(isinstance(k, int) for k in opt) else [opt]
         for part in parts:
             if not isinstance(part, dict):
-                raise structure_error(self.path / "common.pt", "an optimizer entry of 'optimizer' (a dict)", part)
+                raise structure_error(self._common_file, "an optimizer entry of 'optimizer' (a dict)", part)
         return parts
 
     def _index_model_space_state(self) -> dict[str, dict[str, str]]:
@@ -353,7 +377,7 @@ class TorchDistCheckpoint(CheckpointReader):
         """(param groups, Adam step) from common.pt for model-space optimizer state."""
         groups: list = []
         steps: set = set()
-        common_file = self.path / "common.pt"
+        common_file = self._common_file
         for sub in self._optimizer_common_parts():
             inner = sub.get("optimizer", sub)  # Float16 optimizer and distributed optimizer nest it
             found = inner.get("param_groups") if isinstance(inner, dict) else None
@@ -367,7 +391,7 @@ class TorchDistCheckpoint(CheckpointReader):
             if common_step is not None:
                 steps.add(scalar(common_step, path=common_file, what="the optimizer's 'common_step'"))
         if len(steps) > 1:
-            raise CheckpointFormatError(f"{self.path / 'common.pt'}: the optimizer state disagrees on the Adam step "
+            raise CheckpointFormatError(f"{self._common_file}: the optimizer state disagrees on the Adam step "
                                         f"{sorted(steps)}.")
         return groups, (steps.pop() if steps else None)
 
@@ -880,7 +904,7 @@ class TorchDistCheckpoint(CheckpointReader):
             for i, part in enumerate(self._optimizer_common_parts()):
                 if "grad_scaler" in part:
                     found[f"common {i}"] = LossScalerState.from_saved(
-                        part["grad_scaler"], f"{self.path / 'common.pt'} optimizer grad_scaler")
+                        part["grad_scaler"], f"{self._common_file} optimizer grad_scaler")
         except RunStateError as e:
             raise CheckpointFormatError(f"{e}; the checkpoint is corrupt, re-copy it") from None
         states = set(found.values())

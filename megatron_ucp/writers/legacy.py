@@ -58,6 +58,7 @@ from megatron_ucp.formats.legacy import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, 
 from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.patterns import repadded_shard
+from megatron_ucp.formats import versions
 from megatron_ucp.writers.base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
 from megatron_ucp.writers.megatron_state import (CHECKPOINT_VERSION, TargetGroups, args_values, chunk_buffers,
                                                  ep_ranks, fresh_rng_state, group_hyper, optimizer_index,
@@ -373,9 +374,19 @@ def write(ucp, config: GPTModelConfig, target: WriteTarget, root: Path,
 
 
 class LegacyWriter(CheckpointWriter):
-    """`--ckpt-format torch`: offline, one (tp, pp, ep) rank's state in memory at a time."""
+    """`--ckpt-format torch`: offline, one (tp, pp, ep) rank's state in memory at a time. megatron-core 0.16
+    through 0.19 save the same legacy files (the same entries and layout; only the args they pickle differ,
+    and those are the universal checkpoint's), so `megatron_core_version` is checked, not branched on."""
 
     ckpt_format = "torch"
+    OPTIONS = ("megatron_core_version",)
+
+    def __init__(self, megatron_core_version: Optional[str] = None):
+        if megatron_core_version is not None:
+            try:
+                versions.release(megatron_core_version)
+            except ValueError as e:
+                raise WriteError(f"--megatron-core-version: {e}") from None
 
     def plan(self, ucp, target: WriteTarget, notes: list) -> list[PlannedFile]:
         return plan(ucp, ucp.config, target)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import signal
 import random
 import struct
 from dataclasses import dataclass, replace
@@ -59,6 +60,7 @@ def import_enum(qualified: str, value: Any) -> Any:
 
 
 _DROP = object()
+_SIGNAL_PREFIX = "signal.Signals."
 
 
 def args_values(args: Mapping[str, Any], *, dtype: Callable[[str], Any], enum_member: Callable[[str, Any], Any] = import_enum
@@ -74,6 +76,9 @@ def args_values(args: Mapping[str, Any], *, dtype: Callable[[str], Any], enum_me
                 value = dtype(value[len("torch."):])
             elif value in ("nan", "inf", "-inf"):
                 value = float(value)
+            elif value.startswith(_SIGNAL_PREFIX) and value[len(_SIGNAL_PREFIX):] in signal.Signals.__members__:
+                # --exit-signal: json_safe spells the member "signal.Signals.SIGTERM"; pickled as the enum
+                value = enum_member("signal.Signals", signal.Signals[value[len(_SIGNAL_PREFIX):]].value)
         elif isinstance(value, dict) and set(value) == {"enum", "value"}:
             value = enum_member(value["enum"], value["value"]) if value["enum"] in MEGATRON_ENUMS else _DROP
         if value is not _DROP:

@@ -93,6 +93,7 @@ from megatron_ucp.adapters.gpt import (LAYER, expected_parameters, expert_locati
                                       is_expert, local_name, parameters_for_rank, pattern_for, rule_for, torch_dist_key,
                                       torch_dist_stacked, tp_size_of)
 from megatron_ucp.byteio import BAND_BYTES, FileHandles, FileRegion, copy_region
+from megatron_ucp.formats import versions
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
 from megatron_ucp.formats.safe_pickle import TorchDType
 from megatron_ucp.formats.torch_save import (EnumMember, GlobalRef, Obj, SavedTensor, TorchSize, cast_float32, pickle_bytes,
@@ -105,12 +106,11 @@ from megatron_ucp.writers.megatron_state import (CHECKPOINT_VERSION, MODEL_DTYPE
                                                  rank_buffer_params, source_rng_state)
 
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed optimizer's torch_dist formats
-FILES_PER_RANK = 2  # megatron-core's default writer threads per rank (TorchDistSaveShardedStrategy thread_count)
-COMMON_FILENAME = "common.pt"
+COMMON_FILENAME = "common.pt"  # megatron-core <= 0.18; from 0.19 the ShardedObject COMMON_STATE_KEY
+COMMON_STATE_KEY = "common_state"
+RERUN_STATE_KEY = "rerun_state_machine_state"
 DCP_METADATA_FILENAME = ".metadata"
 METADATA_JSON_FILENAME = "metadata.json"
-METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-                 "common_backend_version": 1}
 _F32 = MODEL_DTYPES["float32"]
 _STATE_NAMES = {"fp32": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # universal -> bucket key
 
@@ -242,10 +242,11 @@ class DirectPlan:
     """Every .distcp file with its items, and common.pt's content."""
 
     files: tuple[OutputFile, ...]
-    common: dict = field(compare=False)
+    common: Optional[dict] = field(compare=False)  # common.pt's content; None where it is a ShardedObject item
     iteration: int = 0
     padded_vocab_size: int = 0
     optimizer: Optional[str] = None  # 'dp_reshardable' | 'fully_reshardable' | 'adam' | None (weights only)
+    release: versions.MegatronRelease = versions.NEWEST  # the megatron-core release whose save this is
 
     @property
     def nbytes(self) -> int:
@@ -287,8 +288,8 @@ class _Owners:
     """Which rank writes each item: fixed for data that lives on one DP rank, else the least-loaded DP
     rank of its (tp, pp) group (what megatron-core's fully parallel save balances)."""
 
-    def __init__(self, layout: ParallelLayout):
-        self.layout = layout
+    def __init__(self, layout: ParallelLayout, files_per_rank: int):
+        self.layout, self.files_per_rank = layout, files_per_rank
         self.items: dict[int, list] = {}
         self.load: dict[int, int] = {}
 
@@ -311,16 +312,17 @@ class _Owners:
         self.load[rank] = self.load.get(rank, 0) + item.nbytes
 
     def files(self) -> tuple[OutputFile, ...]:
-        """Each rank's items in FILES_PER_RANK files: objects dealt round-robin, tensors largest first into
-        the lightest file (megatron-core's _split_by_size_and_type)."""
+        """Each rank's items in `files_per_rank` files (the save strategy's writer threads): objects dealt
+        round-robin, tensors largest first into the lightest file (megatron-core's _split_by_size_and_type)."""
         out = []
+        per_rank = self.files_per_rank
         for rank in sorted(self.items):
-            bins: list[list] = [[] for _ in range(FILES_PER_RANK)]
+            bins: list[list] = [[] for _ in range(per_rank)]
             objects = [i for i in self.items[rank] if isinstance(i, ObjectItem)]
             tensors = sorted((i for i in self.items[rank] if isinstance(i, TensorItem)), key=lambda i: -i.nbytes)
             for n, item in enumerate(objects):
-                bins[n % FILES_PER_RANK].append(item)
-            heap = [(0, n) for n in range(FILES_PER_RANK)]
+                bins[n % per_rank].append(item)
+            heap = [(0, n) for n in range(per_rank)]
             for item in tensors:
                 size, n = heapq.heappop(heap)
                 bins[n].append(item)
@@ -345,30 +347,68 @@ def optimizer_kind(ucp, target: WriteTarget, optimizer_format: Optional[str]) ->
     return "adam"
 
 
-def plan_checkpoint(ucp, target: WriteTarget, optimizer_format: Optional[str] = None) -> DirectPlan:
-    """Every item of the checkpoint, which file holds it, and common.pt. Raises TorchDistWriteError."""
+def target_release(ucp, megatron_core_version: Optional[str]) -> versions.MegatronRelease:
+    """The release to write for: the one named, else the one that wrote the universal checkpoint's source."""
+    try:
+        if megatron_core_version:
+            return versions.release(megatron_core_version)
+        return versions.write_default(ucp.metadata.get("source"))
+    except ValueError as e:
+        raise TorchDistWriteError(f"--megatron-core-version: {e}") from None
+
+
+def plan_checkpoint(ucp, target: WriteTarget, optimizer_format: Optional[str] = None,
+                    release: Optional[versions.MegatronRelease] = None) -> DirectPlan:
+    """Every item of the checkpoint, which file holds it, and the common state. Raises TorchDistWriteError."""
+    release = release or target_release(ucp, None)
     layout = target.layout
     config = replace(ucp.config, padded_vocab_size=target.padded_vocab_size)
     opt = optimizer_kind(ucp, target, optimizer_format)
     shapes = dict(expected_parameters(config, layout))
     step = _single_step(ucp) if opt is not None else None
     groups = _rank_param_groups(ucp, config, target) if opt is not None else None
-    owners = _Owners(layout)
+    owners = _Owners(layout, versions.torch_dist_files_per_rank(release, target.args))
     if opt == "dp_reshardable":  # first: its items have fixed owners, the replicated ones balance around them
         _plan_flat_buckets(ucp, config, target, shapes, step, groups, owners)
     _plan_model(ucp, config, layout, opt, shapes, owners)
     _plan_extra_states(config, layout, shapes, owners)
     if target.rng_state != "none":
-        _plan_rng(ucp, config, target, owners)
-    return DirectPlan(owners.files(), _common_state(ucp, target, opt, step, groups), ucp.iteration,
-                      target.padded_vocab_size, opt)
+        _plan_rng(ucp, config, target, owners, release)
+    common = _common_state(ucp, target, opt, step, groups, release)
+    if release.rerun_state_always:
+        world = layout.world_size
+        for rank in range(world):
+            owners.add_any(ObjectItem(sharded_object_key(RERUN_STATE_KEY, (rank,), (world,)),
+                                      _rerun_sharded_state(target.args)), [rank])
+    if release.torch_dist_common == "sharded":  # megatron-core >= 0.19: rank 0 saves it as a ShardedObject
+        owners.add_any(ObjectItem(sharded_object_key(COMMON_STATE_KEY, (0,), (1,)), _common_for_pickle(common)), [0])
+        common = None
+    return DirectPlan(owners.files(), common, ucp.iteration, target.padded_vocab_size, opt, release)
 
 
-def _plan_rng(ucp, config: GPTModelConfig, target: WriteTarget, owners: _Owners) -> None:
-    """`rng_state` objects: one per (pp, tp) rank; with expert parallelism one per (pp, tp, dp) rank, as
-    Megatron-LM shards it then (each DP rank has its own expert-parallel stream)."""
+_RERUN = "megatron.core.rerun_state_machine."
+
+
+def _rerun_sharded_state(args: dict) -> dict:
+    """What a rank's rerun state machine saves when no rerun is pending (RerunStateMachine.state_dict: the
+    sentinel megatron-core keeps so that every save has the same structure)."""
+    injection = args.get("error_injection_type") or "transient_error"
+    return {"rerun_requested": False, "checkpoint_requested": False, "restart_again_requested": False,
+            "continue_requested": False,
+            "error_injector_checkpoint": {"error_injection_rate": args.get("error_injection_rate") or 0,
+                                          "error_injection_type": EnumMember(GlobalRef(_RERUN + "RerunDiagnostic"),
+                                                                             injection),
+                                          "injected_error_type": None},
+            "failed_validation_call": None, "initial_result": None, "suspicious_node": None,
+            "suspicious_device": None, "data_iterator_checkpoints": None, "large_value_counts": {}, "max_values": {}}
+
+
+def _plan_rng(ucp, config: GPTModelConfig, target: WriteTarget, owners: _Owners,
+              release: versions.MegatronRelease) -> None:
+    """`rng_state` objects: one per (pp, tp) rank; with expert parallelism one per (pp, tp, dp) rank where the
+    release shards it so (Megatron-LM 0.16: each DP rank has its own expert-parallel stream)."""
     layout = target.layout
-    per_dp = bool(config.num_experts) and layout.ep > 1
+    per_dp = bool(config.num_experts) and layout.ep > 1 and release.rng_per_dp_with_experts
     for pp_rank in range(layout.pp):
         for tp_rank in range(layout.tp):
             for dp_rank in (range(layout.dp) if per_dp else (None,)):
@@ -612,8 +652,10 @@ def _optimizer_common(ucp, target: WriteTarget, opt: str, step, groups: TargetGr
     return out
 
 
-def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: Optional[TargetGroups]) -> dict:
-    """common.pt: what dist_checkpointing.save keeps of Megatron-LM's state dict besides sharded entries."""
+def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: Optional[TargetGroups],
+                  release: versions.MegatronRelease) -> dict:
+    """The common state (common.pt or the ShardedObject 'common_state'): what dist_checkpointing.save keeps of
+    Megatron-LM's state dict besides sharded entries."""
     args = dict(target.args)
     args["rank"] = args["local_rank"] = 0  # common.pt is rank 0's
     args["dist_ckpt_optim_fully_reshardable"] = opt == "fully_reshardable"
@@ -630,10 +672,19 @@ def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: Op
                   for index in ((0, 1) if chained else (0,))]
         common["optimizer"] = dict(enumerate(states)) if chained else states[0]  # ChainedOptimizer: {0: .., 1: ..}
         common["opt_param_scheduler"] = dict(ucp.scheduler_state)
+    if release.rerun_state_always:  # mode from --rerun-mode; state NOT_RUNNING_YET (0) between iterations
+        common["rerun_state_machine"] = {
+            "mode": EnumMember(GlobalRef(_RERUN + "RerunMode"), args.get("rerun_mode") or "validate_results"),
+            "state": EnumMember(GlobalRef(_RERUN + "RerunState"), 0), "current_iteration": ucp.iteration}
     flops = ucp.metadata.get("num_floating_point_operations_so_far")
     common["num_floating_point_operations_so_far"] = flops if flops is not None else 0
     common["content_metadata"] = content_metadata(target.use_distributed_optimizer, opt)
     return common
+
+
+def _common_for_pickle(common: dict) -> dict:
+    """The common state as it is pickled: args as Megatron-LM's Namespace."""
+    return {**common, "args": _args_for_pickle(common["args"])}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -885,11 +936,14 @@ def finish(root: Path, plan: DirectPlan, written: Sequence[WrittenItem],
     iter_name = iteration_dir_name(plan.iteration)
     iter_dir = Path(root) / iter_name
     metadata = dcp_metadata(plan.files, written, iter_name)
-    common = {**plan.common, "args": _args_for_pickle(plan.common["args"])}
-    # common.pt's archive is named after the file, as torch.save(obj, path) names it in megatron-core's save
-    for name, write in ((DCP_METADATA_FILENAME, lambda f: f.write(pickle_bytes(metadata, pickle.DEFAULT_PROTOCOL))),
-                        (COMMON_FILENAME, lambda f: f.write(save_bytes(common, prefix="common"))),
-                        (METADATA_JSON_FILENAME, lambda f: f.write(json.dumps(METADATA_JSON).encode()))):
+    outputs = [(DCP_METADATA_FILENAME, lambda f: f.write(pickle_bytes(metadata, pickle.DEFAULT_PROTOCOL)))]
+    if plan.common is not None:  # megatron-core <= 0.18 (0.19: an item of rank 0's .distcp file)
+        common = _common_for_pickle(plan.common)
+        # common.pt's archive is named after the file, as torch.save(obj, path) names it in megatron-core's save
+        outputs.append((COMMON_FILENAME, lambda f: f.write(save_bytes(common, prefix="common"))))
+    metadata_json = json.dumps(dict(plan.release.torch_dist_metadata_json)).encode()
+    outputs.append((METADATA_JSON_FILENAME, lambda f: f.write(metadata_json)))
+    for name, write in outputs:
         _write_file(iter_dir / name, write)
         if on_file:
             on_file(iter_dir / name, (iter_dir / name).stat().st_size)
@@ -905,16 +959,23 @@ class DirectTorchDistWriter(CheckpointWriter):
     thread; `workers` threads over the output files; under torchrun the processes split the files."""
 
     ckpt_format = "torch_dist"
-    OPTIONS = ("optimizer_format", "workers")
+    OPTIONS = ("optimizer_format", "workers", "megatron_core_version")
     splits_over_processes = True
 
-    def __init__(self, optimizer_format: Optional[str] = None, workers: Optional[int] = None):
+    def __init__(self, optimizer_format: Optional[str] = None, workers: Optional[int] = None,
+                 megatron_core_version: Optional[str] = None):
         if optimizer_format is not None and optimizer_format not in OPTIMIZER_FORMATS:
             raise TorchDistWriteError(f"--optimizer-format {optimizer_format!r}: choose one of "
                                       f"{', '.join(OPTIMIZER_FORMATS)}")
         if workers is not None and int(workers) < 1:
             raise TorchDistWriteError(f"--workers {workers}: use at least 1")
         self.optimizer_format = optimizer_format
+        self.megatron_core_version = megatron_core_version
+        if megatron_core_version is not None:
+            try:
+                versions.release(megatron_core_version)
+            except ValueError as e:
+                raise TorchDistWriteError(f"--megatron-core-version: {e}") from None
         self.workers = int(workers) if workers else max(1, min(4, os.cpu_count() or 1))
         self._cached: Optional[tuple] = None  # (ucp, target, plan): plan() and write() share one plan
 
@@ -922,7 +983,7 @@ class DirectTorchDistWriter(CheckpointWriter):
         """The plan of every item (computed once per universal checkpoint and target)."""
         if self._cached is not None and self._cached[0] is ucp and self._cached[1] == target:
             return self._cached[2]
-        plan = plan_checkpoint(ucp, target, self.optimizer_format)
+        plan = plan_checkpoint(ucp, target, self.optimizer_format, target_release(ucp, self.megatron_core_version))
         self._cached = (ucp, target, plan)
         return plan
 
@@ -933,14 +994,16 @@ class DirectTorchDistWriter(CheckpointWriter):
                          "recorded it); megatron-core starts from --initial-loss-scale")
         it = iteration_dir_name(plan.iteration)
         files = [PlannedFile(f"{it}/{f.name}", f.nbytes) for f in plan.files]
-        files += [PlannedFile(f"{it}/{name}", 0) for name in (DCP_METADATA_FILENAME, COMMON_FILENAME,
-                                                               METADATA_JSON_FILENAME)]
+        names = (DCP_METADATA_FILENAME,) + ((COMMON_FILENAME,) if plan.common is not None else ()) + (
+            METADATA_JSON_FILENAME,)
+        files += [PlannedFile(f"{it}/{name}", 0) for name in names]
         return files + [PlannedFile(TRACKER_FILENAME, 0)]
 
     def describe(self, ucp, target: WriteTarget) -> list[str]:
         plan = self.checkpoint_plan(ucp, target)
         items = sum(len(f.items) for f in plan.files)
         return [f"optimizer state: {plan.optimizer or 'none (weights only)'}",
+                f"as megatron-core {plan.release.name} saves it",
                 f"written directly: {items} items in {len(plan.files)} files, {self.workers} writer threads"]
 
     def write(self, ucp, target: WriteTarget, root: Path, on_file=None) -> None:
