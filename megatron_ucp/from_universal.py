@@ -5,8 +5,8 @@
         [--account-for-embedding-in-pipeline-split] [--account-for-loss-in-pipeline-split]
         [--expert-model-parallel-size E] [--expert-tensor-parallel-size ET]
         [--use-distributed-optimizer [--optimizer-format {dp_reshardable,fully_reshardable}]]
-        [--sequence-parallel] --ckpt-format {torch,torch_dist} [--workers K] [--via-harness] [--dry-run]
-        [--overwrite] [--clean-stale]
+        [--sequence-parallel] --ckpt-format {torch,torch_dist} [--megatron-core-version X.Y] [--workers K]
+        [--via-harness] [--dry-run] [--overwrite] [--clean-stale]
 
 The target layout is validated against the model before anything is written. The vocabulary keeps its
 stored padded size when Megatron-LM would compute the same one at TP=T (it recomputes
