@@ -282,7 +282,8 @@ def format_report(info: dict) -> str:
         f"{info['path']}",
         f"  format        {info['format']}"
         + (f" (version {info['format_version']})" if "format_version" in info else "")
-        + (f", written by megatron-core {info['megatron_core']}" if info.get("megatron_core") else ""),
+        + ((f", converted from a megatron-core {info['megatron_core']} checkpoint" if info["format"] == UNIVERSAL
+            else f", written by megatron-core {info['megatron_core']}") if info.get("megatron_core") else ""),
         f"  iteration     {info['iteration']}   consumed samples {info['consumed_train_samples']}",
         f"  layout        {_layout_text(info['layout'])}" + ("   (as trained)" if info["format"] == UNIVERSAL else ""),
         f"  model         {c['num_layers']} layers, hidden {c['hidden_size']}, ffn {c['ffn_hidden_size']}, "

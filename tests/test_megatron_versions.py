@@ -127,6 +127,7 @@ def test_three_formats_of_one_run_convert_alike(ucp19):
         meta = json.loads((path / "metadata.json").read_text())
         assert meta["source"]["megatron_core"] == "0.19" and meta["iteration"] == 4, name
         assert meta["model_config"]["vocab_size"] == 1000, name
+    assert "converted from a megatron-core 0.19 checkpoint" in cli("inspect", ucp19[A19]).stdout
     moe = json.loads((ucp19[E19] / "metadata.json").read_text())
     assert moe["model_config"]["num_experts"] == 4
     assert cli("check", ucp19[E19]).returncode == 0
