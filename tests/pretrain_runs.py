@@ -133,6 +133,15 @@ def read_records(jsonl: Path) -> Dict[int, dict]:
     return {r["iteration"]: r for r in map(json.loads, jsonl.read_text().splitlines())}
 
 
+# Relative lm-loss tolerance against Megatron-LM's logged runs (LOSSES.txt). Its log prints 7 significant
+# digits: <= 7e-8 relative rounding, <= 1.1e-7 for the 'true' iteration-2 value derived from two printed ones.
+# The fixtures were written on another machine, and another CPU's kernels round differently: re-running A
+# and C with other kernel paths (ATEN_CPU_CAPABILITY=default / avx2, MKL_CBWR=COMPATIBLE, OMP_NUM_THREADS=2,
+# and all three at once; test_harness_legacy_save.py) moved the losses of iterations 1..8 by <= 5.2e-8
+# relative. Resuming at another layout adds layout noise (measured <= 4e-7). 1e-6 covers their sum twice.
+FIXTURE_LOSS_TOL = 1e-6
+
+
 def megatron_lm_losses(fixture: str) -> Dict[int, float]:
     """The 'true' lm loss column of the fixture's uninterrupted run, from LOSSES.txt."""
     text = (FIXTURES / "LOSSES.txt").read_text().splitlines()
