@@ -47,7 +47,8 @@ Then the harness resumes from its own legacy files (C) and must continue Megatro
 (iterations 5..8, FIXTURE_LOSS_TOL = 1e-6 relative: its log prints 7 digits, cross-CPU loss noise
 measured <= 5.2e-8).
 Negative control: a resume without the optimizer state leaves the curve by more than 1e-3.
-Runtime ~2.5 min on 2 shared cores (A: 8 processes; C, C with scalar kernels and two resumes: 4 each).
+Runtime 2.5 min on 2 shared cores, 3.7 min at load average 17 (A: 8 processes; C, C with scalar kernels and
+two resumes: 4 each; before this comparison ~2 min: the scalar-kernel run and iteration 5 add ~25 s).
 """
 
 import argparse
@@ -224,8 +225,8 @@ def assert_equal_to_megatron_lm(ours: Path, theirs: Path, expected_files: int) -
     assert len(report) == expected_files, sorted(report)
     assert all(not d for d in report.values()), {f: d[:5] for f, d in report.items() if d}
     assert deviations, "no trained tensor compared"
-    worst = max(deviations, key=deviations.get)
-    assert deviations[worst] <= 1, (worst, deviations[worst], {k: v for k, v in deviations.items() if v > 1})
+    beyond = {k: v for k, v in deviations.items() if not v <= 1}  # NaN included
+    assert not beyond, beyond
     return deviations
 
 
@@ -254,11 +255,12 @@ def test_legacy_files_equal_megatron_lm(which, request, capsys):
     deviations = assert_equal_to_megatron_lm(work / "ckpt" / "iter_0000004", fixture, expected_files)
 
     # Negative control: one Adam step more (the run's own iteration 5) leaves the tolerance in every trained
-    # tensor, and its steps, RNG states and iteration differ exactly.
+    # tensor by >= 10x (measured >= 31x), so a tenth of a step's change in any one of them would fail; its
+    # steps and iteration differ exactly.
     report, later = compare_iteration_dirs(work / "ckpt" / "iter_0000005", fixture)
     assert later.keys() == deviations.keys()
     closest = min(later, key=later.get)
-    assert later[closest] > 1, (closest, later[closest])
+    assert all(v > 10 for v in later.values()), {k: v for k, v in later.items() if not v > 10}
     assert all(any("/iteration: 5 vs 4" in d for d in diffs) for rel, diffs in report.items()
                if rel.endswith("model_optim_rng.pt")), report
     with capsys.disabled():
