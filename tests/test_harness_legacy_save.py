@@ -48,7 +48,7 @@ Then the harness resumes from its own legacy files (C) and must continue Megatro
 measured <= 5.2e-8).
 Negative control: a resume without the optimizer state leaves the curve by more than 1e-3.
 Runtime 2.5 min on 2 shared cores, 3.7 min at load average 17 (A: 8 processes; C, C with scalar kernels and
-two resumes: 4 each; before this comparison ~2 min: the scalar-kernel run and iteration 5 add ~25 s).
+two resumes: 4 each). Of that, the scalar-kernel run takes 20-40 s and iteration 5 a few seconds.
 """
 
 import argparse
