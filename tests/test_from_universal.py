@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pretrain_runs import FIXTURES, Layout, max_rel_diff, megatron_lm_losses, train  # noqa: E402
+from pretrain_runs import FIXTURE_LOSS_TOL, FIXTURES, Layout, max_rel_diff, megatron_lm_losses, train  # noqa: E402
 
 from megatron_ucp import from_universal as fu  # noqa: E402
 from megatron_ucp.convert import to_universal  # noqa: E402
@@ -179,8 +179,9 @@ def assert_universal_equal(ours: Path, theirs: Path) -> None:
 
 
 # Continuing Megatron-LM's uninterrupted runs (iterations 5..8 of LOSSES.txt, printed with 7 significant
-# digits) from a from-universal output loaded with a plain --load: measured <= 4e-7 relative.
-FIXTURE_TOL = 1e-6
+# digits) from a from-universal output loaded with a plain --load: measured <= 4e-7 relative; the tolerance
+# also covers cross-CPU noise (pretrain_runs.py).
+FIXTURE_TOL = FIXTURE_LOSS_TOL
 FAMILY = {A: "llama", C: "gpt2"}
 
 

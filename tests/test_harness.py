@@ -1,14 +1,15 @@
 """The training harness: real multi-process pretrain_gpt.py runs on CPU (gloo), compared with
 Megatron-LM's own loss logs, across layouts, and across save/resume.
 
-Tolerances: Megatron-LM parity 1e-6 relative (its log prints 7 significant digits: <= 7e-8 relative
-rounding; the harness reproduces its runs bit for bit); layouts 1e-6 relative (same math, different
+Tolerances: Megatron-LM parity FIXTURE_LOSS_TOL = 1e-6 relative (its log prints 7 significant digits: <= 7e-8
+relative rounding; the harness runs Megatron-LM's computation, bit for bit on a CPU like the fixtures' and
+within 5.2e-8 on other kernel paths: pretrain_runs.py); layouts 1e-6 relative (same math, different
 reduction order: measured fp32 layout noise <= 5.2e-8); same-layout resume 1e-6 relative.
 """
 
 import pytest
 
-from pretrain_runs import FIXTURES, Layout, max_rel_diff, megatron_lm_losses, train
+from pretrain_runs import FIXTURE_LOSS_TOL, FIXTURES, Layout, max_rel_diff, megatron_lm_losses, train
 
 pytestmark = pytest.mark.torchrun
 
@@ -28,7 +29,7 @@ def test_llama_losses_equal_megatron_lm(llama_fixture_run):
     """Same flags and seed as Megatron-LM's run: init, mock data, loss and Adam agree number for number."""
     _, ours = llama_fixture_run
     theirs = megatron_lm_losses("A_llama_tp2pp2dp2_distopt_sp_torch")
-    assert max_rel_diff(ours, theirs, range(1, 9)) <= 1e-6, (ours, theirs)
+    assert max_rel_diff(ours, theirs, range(1, 9)) <= FIXTURE_LOSS_TOL, (ours, theirs)
 
 
 def test_same_layout_resume_is_exact(llama_fixture_run):
@@ -61,7 +62,7 @@ def test_resumes_megatron_lm_checkpoint(fixture, family, layout, optim, tmp_path
     ckpt = FIXTURES / fixture / "ckpt"
     resumed = train(family, layout, tmp_path, "resume_megatron_lm", 8, [*optim, "--load", str(ckpt), "--ckpt-step", "4"])
     theirs = megatron_lm_losses(fixture)
-    assert max_rel_diff(resumed, theirs, range(5, 9)) <= 1e-6, (resumed, theirs)
+    assert max_rel_diff(resumed, theirs, range(5, 9)) <= FIXTURE_LOSS_TOL, (resumed, theirs)
 
 
 def test_gpt2_plain_adam_resume_is_exact(tmp_path):
