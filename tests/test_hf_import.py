@@ -9,13 +9,13 @@ then perturbed (N(0, 0.02) added, so norms are not 1 and biases not 0 and a wron
 Vocabulary 1024 (NullTokenizer --vocab-size 1023: no padding rows, so Megatron's softmax is HF's).
 
 End to end (tests/pretrain_runs, torchrun, gloo, CPU): each imported checkpoint is loaded with
-`--universal-checkpoint` at TP2 PP2 (qwen2_moe: EP2 ETP1) and trained 8 iterations with --mock-data; the first
+`--universal-checkpoint` at TP2 PP2 (qwen2_moe: EP2 ETP1, sequence parallel) and trained 8 iterations with --mock-data; the first
 iteration's lm loss (before any update) is compared with transformers' loss on exactly that global batch
 (megatron-core's MockGPTDataset samples 0..7, built here with the run's own flags).
 Tolerance: 1e-5 relative (fp32; measured <= 1e-8). Negative control: the HF model with query groups 0 and 1
-swapped in q/k/v_proj (what a QKV fusion that mixes up groups would load) must miss by > 1e-5 (measured in
+swapped in every layer's q/k/v_proj (what a QKV fusion that mixes up groups would load) must miss by > 1e-5 (measured in
 the test's output). `from-universal` writes the llama and qwen2_moe imports as Megatron-LM checkpoints (legacy
-torch and torch_dist) at TP2 PP2 (EP2 ETP1): `verify` finds every tensor equal (atol 0).
+torch at EP1, torch_dist at EP2 ETP1) at TP2 PP2: `verify` finds every tensor equal (atol 0).
 
 Round trip: `export-hf` (fp32) of Megatron-LM's trained fixtures A (llama) and C (gpt2) and `import-hf` of the
 export give back every true-vocabulary row of every fp32 master bit for bit.
@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 TRAIN = ("--seq-length 32 --micro-batch-size 2 --global-batch-size 8 --lr 1e-4 --train-iters 8 --mock-data "
          "--attention-dropout 0 --hidden-dropout 0 --log-interval 1 --seed 1234").split()
-LAYOUTS = {"llama": Layout(tp=2, pp=2), "gpt2": Layout(tp=2, pp=2), "qwen2_moe": Layout(tp=2, pp=2, ep=2, etp=1)}
+LAYOUTS = {"llama": Layout(tp=2, pp=2), "gpt2": Layout(tp=2, pp=2), "qwen2_moe": Layout(tp=2, pp=2, ep=2, etp=1, sp=True)}  # MoE with TP needs SP
 
 
 def hf_model(model_type: str):
@@ -100,28 +100,29 @@ def hf_loss(model, batch) -> float:
 
 
 def swap_query_groups(model) -> None:
-    """Query groups 0 and 1 of layer 0 exchanged in q_proj, k_proj, v_proj (weights and biases)."""
-    attn = model.model.layers[0].self_attn
-    head_dim = attn.head_dim
-    per_group = attn.config.num_attention_heads // attn.config.num_key_value_heads
-    with torch.no_grad():
-        for proj, rows in ((attn.q_proj, per_group * head_dim), (attn.k_proj, head_dim), (attn.v_proj, head_dim)):
-            for p in (proj.weight, proj.bias):
-                if p is None:
-                    continue
-                p[: 2 * rows] = torch.cat([p[rows: 2 * rows], p[:rows]]).clone()
+    """Query groups 0 and 1 exchanged in q_proj, k_proj, v_proj (weights and biases) of every layer."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        head_dim = attn.head_dim
+        per_group = attn.config.num_attention_heads // attn.config.num_key_value_heads
+        with torch.no_grad():
+            for proj, rows in ((attn.q_proj, per_group * head_dim), (attn.k_proj, head_dim),
+                               (attn.v_proj, head_dim)):
+                for p in (proj.weight, proj.bias):
+                    if p is not None:
+                        p[: 2 * rows] = torch.cat([p[rows: 2 * rows], p[:rows]]).clone()
 
 
 def swap_query_heads_gpt2(model) -> None:
-    """GPT-2 (MHA: one head per group): heads 0 and 1 of layer 0 exchanged in q, k and v of c_attn."""
-    attn = model.transformer.h[0].attn
-    hidden, head_dim = attn.embed_dim, attn.head_dim
-    with torch.no_grad():
-        for p in (attn.c_attn.weight, attn.c_attn.bias):  # Conv1D: [in, 3h]; bias [3h]
-            for base in (0, hidden, 2 * hidden):
-                a = p[..., base: base + head_dim].clone()
-                p[..., base: base + head_dim] = p[..., base + head_dim: base + 2 * head_dim]
-                p[..., base + head_dim: base + 2 * head_dim] = a
+    """GPT-2 (MHA: one head per group): heads 0 and 1 exchanged in q, k and v of every layer's c_attn."""
+    for block in model.transformer.h:
+        hidden, head_dim = block.attn.embed_dim, block.attn.head_dim
+        with torch.no_grad():
+            for p in (block.attn.c_attn.weight, block.attn.c_attn.bias):  # Conv1D: [in, 3h]; bias [3h]
+                for base in (0, hidden, 2 * hidden):
+                    a = p[..., base: base + head_dim].clone()
+                    p[..., base: base + head_dim] = p[..., base + head_dim: base + 2 * head_dim]
+                    p[..., base + head_dim: base + 2 * head_dim] = a
 
 
 @pytest.mark.parametrize("model_type", list(LAYOUTS))
@@ -156,12 +157,13 @@ def test_imported_checkpoint_written_as_megatron_at_tp2_pp2(imported, ckpt_forma
     from megatron_ucp.from_universal import from_universal
     from megatron_ucp.verify import verify
 
+    # legacy torch cannot hold ETP != TP (Megatron-LM's folder naming): the MoE goes there at EP1 ETP2
+    moe = {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1} if ckpt_format == "torch_dist" else {}
     for model_type in ("llama", "qwen2_moe"):
         ucp = imported[model_type][1]
         dst = tmp_path / model_type
         from_universal(ucp, dst, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                       expert_model_parallel_size=2 if model_type == "qwen2_moe" else 1,
-                       expert_tensor_parallel_size=1 if model_type == "qwen2_moe" else None,
+                       **(moe if model_type == "qwen2_moe" else {}),
                        ckpt_format=ckpt_format, progress=False, warn=lambda message: None)
         result = verify(ucp, dst, progress=False)
         assert result.equal and result.diffs and result.compared_keys == ("fp32",), model_type
@@ -221,3 +223,101 @@ def test_bf16_weights_are_widened_exactly_and_vocabulary_padded(tmp_path):
     assert torch.equal(embed[1000:], mean.expand(24, -1))
     assert ucp.parameters["decoder.final_layernorm.weight"].model_dtype == "bfloat16"
     assert torch.equal(ucp.read("decoder.final_layernorm.weight"), hf["model.norm.weight"].float())
+
+
+# --------------------------------------------------------------------------------------------------
+# Checked inputs: one line naming the cause and the fix, exit 1, nothing left behind
+
+
+def _corrupt(hf: Path, case: str) -> str:
+    """Damage a copy of an HF directory as `case` says; returns the text the error line must contain."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((hf / "config.json").read_text())
+    weights = hf / "model.safetensors"
+    if case == "missing tensor":
+        tensors = load_file(weights)
+        del tensors["model.layers.1.mlp.up_proj.weight"]
+        save_file(tensors, weights)
+        return "tensor(s) missing, e.g. model.layers.1.mlp.up_proj.weight"
+    if case == "shape mismatch":
+        config["intermediate_size"] = 80
+        (hf / "config.json").write_text(json.dumps(config))
+        return "model.layers.0.mlp.gate_proj.weight has shape [64, 48], config.json implies [80, 48]"
+    if case == "untied without lm_head":
+        tensors = load_file(weights)
+        del tensors["lm_head.weight"]
+        save_file(tensors, weights)
+        return "set tie_word_embeddings to true"
+    if case == "tied but lm_head differs":
+        config["tie_word_embeddings"] = True
+        (hf / "config.json").write_text(json.dumps(config))
+        return "tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight"
+    if case == "integer dtype":
+        tensors = load_file(weights)
+        tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
+        save_file(tensors, weights)
+        return "tensor model.norm.weight is I32; a model's weights must be F32, BF16 or F16"
+    if case == "index outside the folder":
+        outside = hf.parent / "elsewhere.safetensors"
+        weights.rename(outside)
+        names = list(load_file(outside))
+        (hf / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {n: "../elsewhere.safetensors" for n in names}}))
+        return "outside"
+    if case == "truncated file":
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) - 100])
+        return "the file is truncated, re-download it"
+    if case == "pickle only":
+        weights.rename(hf / "pytorch_model.bin")
+        return "has only pickled weights (pytorch_model.bin); they are never loaded"
+    if case == "rope scaling":
+        config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
+        (hf / "config.json").write_text(json.dumps(config))
+        return "RoPE scaling 'llama3': Megatron's GPT cannot express it as llama"
+    raise AssertionError(case)
+
+
+CASES = ["missing tensor", "shape mismatch", "untied without lm_head", "tied but lm_head differs", "integer dtype",
+         "index outside the folder", "truncated file", "pickle only", "rope scaling"]
+
+
+def test_bad_inputs_fail_in_one_line_leaving_nothing(tmp_path):
+    import shutil
+    import subprocess
+
+    from megatron_ucp.hf_import import HFImportError, import_hf
+
+    good = tmp_path / "good"
+    hf_model("llama").save_pretrained(good)
+    for i, case in enumerate(CASES):
+        hf = tmp_path / f"case{i}" / "hf"
+        shutil.copytree(good, hf)
+        expected = _corrupt(hf, case)
+        dst = tmp_path / f"case{i}" / "ucp"
+        with pytest.raises(HFImportError) as error:
+            import_hf(hf, dst, progress=False)
+        assert expected in str(error.value) and "\n" not in str(error.value), (case, str(error.value))
+        left = sorted(p.name for p in dst.parent.iterdir() if p.name != "elsewhere.safetensors")
+        assert left == ["hf"], f"{case}: something was left behind: {left}"
+    # as a user runs it: exit 1, one line, no traceback
+    proc = subprocess.run([sys.executable, "-m", "megatron_ucp.cli", "import-hf", tmp_path / "case0" / "hf",
+                           tmp_path / "case0" / "ucp"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: ") and "tensor(s) missing" in proc.stderr
+
+
+def test_refuses_configs_megatron_cannot_express(tmp_path):
+    from megatron_ucp.hf_import import HFImportError, megatron_model
+
+    gpt2 = hf_model("gpt2").config.to_dict()
+    with pytest.raises(HFImportError, match="activation_function='gelu_new'.*tanh approximation"):
+        megatron_model({**gpt2, "activation_function": "gelu_new"}, "gpt2")
+    llama = hf_model("llama").config.to_dict()
+    with pytest.raises(HFImportError, match="mlp_bias without attention_bias"):
+        megatron_model({**llama, "mlp_bias": True}, "llama")
+    with pytest.raises(HFImportError, match="hidden_act='gelu'"):
+        megatron_model({**llama, "hidden_act": "gelu"}, "llama")
+    with pytest.raises(HFImportError, match="sliding_window"):
+        megatron_model({**llama, "use_sliding_window": True, "sliding_window": 16}, "llama")
