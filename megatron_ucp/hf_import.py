@@ -3,8 +3,8 @@
 The input is untrusted and only read as data: `config.json` (and `model.safetensors.index.json`) as JSON, the
 weights as safetensors parsed here (header JSON, then raw bytes read with pread); no pickle, no remote code.
 Every shard named by the index must resolve inside HF_DIR, every header's declared dtype, shape and byte range
-is checked against the file's size before anything is allocated, and one tensor (or one band of vocabulary
-rows) is in memory at a time, so memory stays bounded whatever the model size.
+is checked against the file's size before anything is allocated, and one band of rows (16 MiB in fp32; GPT-2's
+transposed Conv1D weights whole) is in memory at a time, so memory stays bounded whatever the model size.
 
 `hf_names` is the mapping (the same table `export-hf` uses): Megatron's fused QKV per query group, SwiGLU
 `[gate; up]`, routed experts by global index. Weights are widened to fp32 exactly (bf16 and fp16 are subsets
@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from megatron_ucp.hf_names import MODEL_TYPES, VOCAB, ZERO, HFRow, from_hf, hf_rows, hf_shapes
+from megatron_ucp.hf_names import MODEL_TYPES, VOCAB, ZERO, HFRow, from_hf_bands, hf_rows, hf_shapes
 from megatron_ucp.model_config import GPTModelConfig, pad_vocab_size
 
 PathLike = Union[str, os.PathLike]
 MAX_JSON = 64 << 20  # bytes a config.json, index or safetensors header may take
 _DTYPES = {"F32": ("float32", 4), "BF16": ("bfloat16", 2), "F16": ("float16", 2)}
-VOCAB_BAND_BYTES = 64 << 20  # fp32 bytes of vocabulary rows widened at a time
+BAND_BYTES = 16 << 20  # fp32 bytes of a parameter widened at a time (one band of rows)
 # HF tensors that are derived buffers, never weights (older Llama checkpoints store RoPE's inv_freq).
 _DERIVED = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
@@ -388,22 +388,34 @@ def _raw(t: StoredTensor) -> bytes:
     return read_tensor(t).reshape(-1).view(__import__("torch").uint8).numpy().tobytes()
 
 
-def _vocab_bands(t: StoredTensor, padded: int) -> Iterator["torch.Tensor"]:
-    """fp32 bands of the padded vocabulary: the true rows widened, then the padding rows (their mean row, as
-    patterns.resize_vocab fills new rows of a vocabulary without padding rows)."""
+def _band_rows(elements_per_row: int) -> int:
+    return max(1, BAND_BYTES // (4 * max(1, elements_per_row)))
+
+
+def _param_bands(row: HFRow, parts: list[StoredTensor], config: GPTModelConfig, padded_rows: int
+                 ) -> Iterator["torch.Tensor"]:
+    """The parameter's fp32 bands (hf_names.from_hf_bands over pread row ranges); a vocabulary's padding rows
+    after its true rows, filled with their mean row (as patterns.resize_vocab fills rows appended to a
+    vocabulary without padding rows)."""
     import torch
 
-    rows = t.shape[0]
-    per_band = max(1, VOCAB_BAND_BYTES // (4 * math.prod(t.shape[1:]) or 1))
-    total = torch.zeros(t.shape[1:], dtype=torch.float64)
-    for r0 in range(0, rows, per_band):
-        band = read_tensor(t, (r0, min(rows, r0 + per_band))).to(torch.float32)
-        total += band.to(torch.float64).sum(dim=0)
+    def read_rows(part: int, r0: int, r1: int) -> torch.Tensor:
+        return read_tensor(parts[part], (r0, r1)).to(torch.float32)
+
+    bands = from_hf_bands(row, config, [p.shape for p in parts], read_rows, _band_rows)
+    if row.join != VOCAB:
+        yield from bands
+        return
+    rows, width = parts[0].shape[0], parts[0].shape[1:]
+    total = torch.zeros(width, dtype=torch.float64)
+    for band in bands:
+        total += torch.sum(band, dim=0, dtype=torch.float64)
         yield band
-    if padded > rows:
+    if padded_rows > rows:
         mean = (total / rows).to(torch.float32)
-        for r0 in range(rows, padded, per_band):
-            yield mean.expand(min(padded, r0 + per_band) - r0, *t.shape[1:]).contiguous()
+        step = _band_rows(math.prod(width))
+        for r0 in range(rows, padded_rows, step):
+            yield mean.expand(min(padded_rows, r0 + step) - r0, *width).contiguous()
 
 
 def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None, overwrite: bool = False,
@@ -411,7 +423,6 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
     """Write the universal checkpoint `dst` from the HF model directory `src`; returns a summary."""
     import sys
 
-    import torch
     from tqdm import tqdm
 
     from megatron_ucp.adapters.gpt import expected_parameters, pattern_for
@@ -462,16 +473,9 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
                 info = {"pattern": pattern_for(row.megatron, config), "step": None,
                         "model_dtype": parts[0].dtype}
                 shape = expected[row.megatron]
-                if row.join == VOCAB:
-                    entry = write_tensor_file_streamed(writer.staging_dir, row.megatron, shape,
-                                                       _vocab_bands(parts[0], shape[0]), info)
-                    writer.record_parameter(row.megatron, entry)
-                else:
-                    tensor = from_hf(row, [read_tensor(p) for p in parts], config, pad_vocab=None)
-                    if tuple(tensor.shape) != tuple(shape):  # the table and the rulebook disagree: a bug here
-                        raise AssertionError(f"{row.megatron}: built {tuple(tensor.shape)}, expected {shape}")
-                    writer.write_parameter(row.megatron, {"fp32": tensor}, info)
-                    del tensor
+                entry = write_tensor_file_streamed(writer.staging_dir, row.megatron, shape,
+                                                   _param_bands(row, parts, config, shape[0]), info)
+                writer.record_parameter(row.megatron, entry)
                 bar.update(math.prod(shape) * 4)
             metadata = {
                 "iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0,

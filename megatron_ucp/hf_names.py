@@ -6,14 +6,16 @@ canonical parameter with the HF tensors it is made of and how (`Join`): the same
 inverse of split_qkv) or from GPT-2's c_attn, SwiGLU `[gate; up]` concatenated, routed experts by their
 global index, the vocabulary padded (rows beyond the true vocabulary exist only on Megatron's side), and
 HF tensors Megatron does not have, which must be zero (HF Llama's o_proj bias when only QKV has a bias).
-`to_hf` and `from_hf` apply a row in each direction and are exact inverses on the true vocabulary; nothing
-else in the project spells an HF name.
+`to_hf` and `from_hf` apply a row in each direction and are exact inverses on the true vocabulary
+(`from_hf_bands` is `from_hf` a band of rows at a time, for bounded memory); nothing else in the project
+spells an HF name.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 from megatron_ucp.model_config import GPTModelConfig
 
@@ -187,26 +189,46 @@ def to_hf(row: HFRow, tensor: Optional["torch.Tensor"], config: GPTModelConfig) 
     return [torch.cat([q, k, v], dim=0).t()]  # QKV_CONV1D (a bias's .t() is itself)
 
 
-def from_hf(row: HFRow, parts: Sequence["torch.Tensor"], config: GPTModelConfig,
-            pad_vocab: Callable[["torch.Tensor"], "torch.Tensor"]) -> Optional["torch.Tensor"]:
-    """The row's HF tensors (as read, any float dtype) -> the Megatron tensor in fp32 (None for ZERO rows).
-    `pad_vocab` appends the padding rows to a VOCAB row's true-vocabulary rows."""
+def from_hf_bands(row: HFRow, config: GPTModelConfig, shapes: Sequence[Sequence[int]],
+                  read_rows: Callable[[int, int, int], "torch.Tensor"], band_rows: Callable[[int], int]
+                  ) -> Iterator["torch.Tensor"]:
+    """The Megatron tensor of a row as consecutive dim-0 bands in fp32, reading its HF parts a few rows at a
+    time: `read_rows(part, r0, r1)` gives rows [r0, r1) of part `part` (shapes[part]) in fp32, `band_rows(n)`
+    how many rows of n elements make a band. A VOCAB row yields only the true vocabulary's rows (the caller
+    pads). GPT-2's Conv1D rows (transposed) are read whole. ZERO rows yield nothing."""
     import torch
 
-    parts = [p.to(torch.float32) for p in parts]
+    if row.join == ZERO:
+        return
+    if row.join in (SAME, VOCAB, CONCAT):  # dim 0 of the parts, one after the other
+        for part, shape in enumerate(shapes):
+            step = band_rows(math.prod(shape[1:]))
+            for r0 in range(0, shape[0], step):
+                yield read_rows(part, r0, min(shape[0], r0 + step))
+        return
+    if row.join == QKV:  # per query group: its q heads, then its k and v
+        pattern = _qkv_pattern(row, config)
+        q_rows, kv_rows = pattern.heads_per_group * pattern.head_dim, pattern.head_dim
+        for g in range(pattern.num_query_groups):
+            yield torch.cat([read_rows(0, g * q_rows, (g + 1) * q_rows), read_rows(1, g * kv_rows, (g + 1) * kv_rows),
+                             read_rows(2, g * kv_rows, (g + 1) * kv_rows)], dim=0)
+        return
+    whole = read_rows(0, 0, shapes[0][0])
+    if row.join == TRANSPOSED:
+        yield whole.t().contiguous()
+        return
+    q, k, v = torch.split(whole.t(), [config.query_projection_size, config.kv_projection_size,
+                                      config.kv_projection_size], dim=0)  # QKV_CONV1D
+    yield _qkv_pattern(row, config).merge_qkv(q, k, v).contiguous()
+
+
+def from_hf(row: HFRow, parts: Sequence["torch.Tensor"], config: GPTModelConfig) -> Optional["torch.Tensor"]:
+    """The row's whole HF tensors (any float dtype) -> the Megatron tensor in fp32 (None for ZERO rows; a
+    VOCAB row without its padding rows): from_hf_bands over tensors in memory."""
+    import torch
+
     if row.join == ZERO:
         return None
-    if row.join == SAME:
-        return parts[0]
-    if row.join == TRANSPOSED:
-        return parts[0].t().contiguous()
-    if row.join == VOCAB:
-        return pad_vocab(parts[0])
-    if row.join == CONCAT:
-        return torch.cat(parts, dim=0)
-    pattern = _qkv_pattern(row, config)
-    if row.join == QKV:
-        return pattern.merge_qkv(*parts)
-    q, k, v = torch.split(parts[0].t(), [config.query_projection_size, config.kv_projection_size,
-                                         config.kv_projection_size], dim=0)
-    return pattern.merge_qkv(q, k, v).contiguous()
+    bands = from_hf_bands(row, config, [tuple(p.shape) for p in parts],
+                          lambda i, r0, r1: parts[i][r0:r1].to(torch.float32), lambda n: 1 << 62)
+    return torch.cat(list(bands), dim=0)
