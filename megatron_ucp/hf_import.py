@@ -150,7 +150,7 @@ def weight_files(root: Path) -> list[Path]:
         return files
     single = root / "model.safetensors"
     if single.is_file():
-        return [single]
+        return [_inside(root, single.name, root)]
     pickled = [p.name for p in root.glob("*.bin")] + [p.name for p in root.glob("*.pt")]
     if pickled:
         _fail(f"{root}: has only pickled weights ({', '.join(sorted(pickled)[:3])}); they are never loaded "
@@ -379,13 +379,22 @@ def _check_tensors(rows: list[HFRow], stored: dict[str, StoredTensor], config: G
     if tied_head:
         embed = next(r.hf[0] for r in rows if r.megatron == "embedding.word_embeddings.weight")
         a, b = stored["lm_head.weight"], stored[embed]
-        if a.dtype != b.dtype or a.shape != b.shape or _raw(a) != _raw(b):
-            _fail(f"{a.file}: tie_word_embeddings=true but lm_head.weight differs from {embed}; set "
-                  f"tie_word_embeddings to false in config.json (an untied model)")
+        if a.dtype != b.dtype or a.shape != b.shape or not _same_bytes(a, b):
+            _fail(f"{a.file}: tie_word_embeddings=true but lm_head.weight differs from {embed}; the weights "
+                  f"are untied: set tie_word_embeddings to false in config.json (GPT-2 always ties: not importable)")
 
 
-def _raw(t: StoredTensor) -> bytes:
-    return read_tensor(t).reshape(-1).view(__import__("torch").uint8).numpy().tobytes()
+def _same_bytes(a: StoredTensor, b: StoredTensor) -> bool:
+    """Whether two tensors of one shape and dtype hold the same bits (compared a band of rows at a time)."""
+    import torch
+
+    bits = torch.int32 if a.dtype == "float32" else torch.int16
+    step = _band_rows(math.prod(a.shape[1:]))
+    for r0 in range(0, a.shape[0], step):
+        rows = (r0, min(a.shape[0], r0 + step))
+        if not torch.equal(read_tensor(a, rows).view(bits), read_tensor(b, rows).view(bits)):
+            return False
+    return True
 
 
 def _band_rows(elements_per_row: int) -> int:
@@ -434,7 +443,7 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
         _fail(f"{src}: no such directory; pass a Hugging Face model directory (config.json + safetensors)")
     if make_vocab_size_divisible_by < 1:
         _fail(f"--make-vocab-size-divisible-by {make_vocab_size_divisible_by}: must be >= 1")
-    cfg = _read_json(root / "config.json", "config.json")
+    cfg = _read_json(_inside(root, "config.json", root), "config.json")
     if not isinstance(cfg, dict):
         _fail(f"{root / 'config.json'}: not a JSON object; pass a Hugging Face model directory")
     detected = detect_model_type(cfg, root / "config.json") if model_type is None else model_type

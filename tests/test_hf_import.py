@@ -265,6 +265,11 @@ def _corrupt(hf: Path, case: str) -> str:
         (hf / "model.safetensors.index.json").write_text(json.dumps(
             {"weight_map": {n: "../elsewhere.safetensors" for n in names}}))
         return "outside"
+    if case == "symlink outside the folder":
+        outside = hf.parent / "elsewhere.safetensors"
+        weights.rename(outside)
+        weights.symlink_to(outside)
+        return "resolves to"
     if case == "truncated file":
         data = weights.read_bytes()
         weights.write_bytes(data[: len(data) - 100])
@@ -280,7 +285,7 @@ def _corrupt(hf: Path, case: str) -> str:
 
 
 CASES = ["missing tensor", "shape mismatch", "untied without lm_head", "tied but lm_head differs", "integer dtype",
-         "index outside the folder", "truncated file", "pickle only", "rope scaling"]
+         "index outside the folder", "symlink outside the folder", "truncated file", "pickle only", "rope scaling"]
 
 
 def test_bad_inputs_fail_in_one_line_leaving_nothing(tmp_path):
