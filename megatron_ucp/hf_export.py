@@ -166,7 +166,8 @@ def _hf_config(config: GPTModelConfig, args: dict, model_type: str, dtype: str) 
     }
 
 
-def hf_state_dict(read: Callable[[str], torch.Tensor], config: GPTModelConfig, model_type: str) -> dict[str, torch.Tensor]:
+def hf_state_dict(read: Callable[[str], torch.Tensor], config: GPTModelConfig, model_type: str
+                  ) -> dict[str, torch.Tensor]:
     """HF tensors from canonical fp32 tensors (`read(name)`), vocabulary padding dropped (hf_names' table)."""
     out: dict[str, torch.Tensor] = {}
     for row in hf_rows(config, model_type):

@@ -362,9 +362,9 @@ def _check_tensors(rows: list[HFRow], stored: dict[str, StoredTensor], config: G
         wanted.update(zip(row.hf, hf_shapes(row, config, shape)))
     missing = [n for n in wanted if n not in stored]
     if missing:
-        hint = ("config.json says the embeddings are untied (tie_word_embeddings=false) but there is no "
-                "lm_head.weight; set tie_word_embeddings to true if the model ties them" if missing == ["lm_head.weight"]
-                else "the weights do not belong to this config.json, or a shard is missing")
+        hint = ("the weights do not belong to this config.json, or a shard is missing" if missing != ["lm_head.weight"]
+                else "config.json says the embeddings are untied (tie_word_embeddings=false) but there is no "
+                     "lm_head.weight; set tie_word_embeddings to true if the model ties them")
         _fail(f"{root}: {len(missing)} tensor(s) missing, e.g. {missing[0]}; {hint}")
     for name, shape in wanted.items():
         if stored[name].shape != tuple(shape):

@@ -9,13 +9,14 @@ then perturbed (N(0, 0.02) added, so norms are not 1 and biases not 0 and a wron
 Vocabulary 1024 (NullTokenizer --vocab-size 1023: no padding rows, so Megatron's softmax is HF's).
 
 End to end (tests/pretrain_runs, torchrun, gloo, CPU): each imported checkpoint is loaded with
-`--universal-checkpoint` at TP2 PP2 (qwen2_moe: EP2 ETP1, sequence parallel) and trained 8 iterations with --mock-data; the first
-iteration's lm loss (before any update) is compared with transformers' loss on exactly that global batch
-(megatron-core's MockGPTDataset samples 0..7, built here with the run's own flags).
+`--universal-checkpoint` at TP2 PP2 (qwen2_moe: EP2 ETP1, sequence parallel) and trained 8 iterations with
+--mock-data; the first iteration's lm loss (before any update) is compared with transformers' loss on exactly
+that global batch (megatron-core's MockGPTDataset samples 0..7, built here with the run's own flags).
 Tolerance: 1e-5 relative (fp32; measured 2.1e-8 llama, 1.3e-8 gpt2, 3.8e-9 qwen2_moe). Negative control: the HF
 model with query groups 0 and 1 swapped in every layer's q/k/v_proj (what a QKV fusion that mixes up groups would
-load) must miss by > 1e-5 (measured 2.2e-2, 9.6e-4, 1.3e-3: margins 96x or more; printed with -s). `from-universal` writes the llama and qwen2_moe imports as Megatron-LM checkpoints (legacy
-torch at EP1, torch_dist at EP2 ETP1) at TP2 PP2: `verify` finds every tensor equal (atol 0).
+load) must miss by > 1e-5 (measured 2.2e-2, 9.6e-4, 1.3e-3: margins 96x or more; printed with -s).
+`from-universal` writes the llama and qwen2_moe imports as Megatron-LM checkpoints (legacy torch at EP1,
+torch_dist at EP2 ETP1) at TP2 PP2: `verify` finds every tensor equal (atol 0).
 
 Round trip: `export-hf` (fp32) of Megatron-LM's trained fixtures A (llama) and C (gpt2) and `import-hf` of the
 export give back every true-vocabulary row of every fp32 master bit for bit.
@@ -36,7 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 TRAIN = ("--seq-length 32 --micro-batch-size 2 --global-batch-size 8 --lr 1e-4 --train-iters 8 --mock-data "
          "--attention-dropout 0 --hidden-dropout 0 --log-interval 1 --seed 1234").split()
-LAYOUTS = {"llama": Layout(tp=2, pp=2), "gpt2": Layout(tp=2, pp=2), "qwen2_moe": Layout(tp=2, pp=2, ep=2, etp=1, sp=True)}  # MoE with TP needs SP
+LAYOUTS = {"llama": Layout(tp=2, pp=2), "gpt2": Layout(tp=2, pp=2),
+           "qwen2_moe": Layout(tp=2, pp=2, ep=2, etp=1, sp=True)}  # MoE layers with TP need SP
 
 
 def hf_model(model_type: str):
