@@ -328,3 +328,44 @@ def test_refuses_configs_megatron_cannot_express(tmp_path):
         megatron_model({**llama, "hidden_act": "gelu"}, "llama")
     with pytest.raises(HFImportError, match="sliding_window"):
         megatron_model({**llama, "use_sliding_window": True, "sliding_window": 16}, "llama")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "llama_biases", "gpt2", "mixtral", "qwen2_moe"])
+def test_name_table_directions_are_inverses(model_type):
+    """hf_names: to_hf then from_hf (and from_hf_bands in small bands) gives every Megatron tensor back bit for bit
+    (true vocabulary rows), for every row of every family; ZERO rows export zeros."""
+    from megatron_ucp.adapters.gpt import expected_parameters
+    from megatron_ucp.hf_names import VOCAB, ZERO, from_hf, from_hf_bands, hf_rows, hf_shapes, to_hf
+    from megatron_ucp.model_config import GPTModelConfig
+
+    base = dict(num_layers=2, hidden_size=48, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                kv_channels=12, vocab_size=1001, padded_vocab_size=1024)
+    rope = dict(swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
+                untie_embeddings_and_output_weights=True, add_bias_linear=False)
+    moe = dict(num_experts=4, moe_ffn_hidden_size=32)
+    config = {
+        "llama": GPTModelConfig(**base, **rope),
+        "llama_biases": GPTModelConfig(**base, **{**rope, "add_bias_linear": True}),
+        "gpt2": GPTModelConfig(**{**base, "num_query_groups": 4}, max_position_embeddings=32),
+        "mixtral": GPTModelConfig(**base, **rope, **moe),
+        "qwen2_moe": GPTModelConfig(**base, **rope, **moe, add_qkv_bias=True, moe_layer_freq=(0, 1),
+                                    moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True),
+    }[model_type]
+    family = model_type.split("_biases")[0]
+    shapes = dict(expected_parameters(config))
+    g = torch.Generator().manual_seed(0)
+    covered = set()
+    for row in hf_rows(config, family):
+        original = torch.randn(shapes[row.megatron], generator=g) if row.megatron else None
+        parts = to_hf(row, original, config)
+        assert [tuple(p.shape) for p in parts] == hf_shapes(row, config, original.shape if row.megatron else None)
+        if row.join == ZERO:
+            assert all(not p.any() for p in parts)
+            continue
+        covered.add(row.megatron)
+        want = original[: config.vocab_size] if row.join == VOCAB else original
+        assert torch.equal(from_hf(row, parts, config), want), row
+        banded = from_hf_bands(row, config, [tuple(p.shape) for p in parts], lambda i, r0, r1: parts[i][r0:r1],
+                               lambda n: 5)
+        assert torch.equal(torch.cat(list(banded)), want), row
+    assert covered == set(shapes), set(shapes) ^ covered  # the table names every Megatron parameter once
