@@ -42,6 +42,8 @@ SUBCOMMANDS = (  # in help order
     Subcommand("plan", "megatron_ucp.plan", "check a target layout and show what each rank would read"),
     Subcommand("export-hf", "megatron_ucp.hf_export",
                "write a Hugging Face transformers model from a universal checkpoint"),
+    Subcommand("import-hf", "megatron_ucp.hf_import",
+               "write a universal checkpoint (weights only, iteration 0) from a Hugging Face model"),
     Subcommand("check", "megatron_ucp.check_cmd",
                "check every block, file and shape of a universal checkpoint (exit 1 naming what is damaged)"),
     Subcommand("plot-loss", "megatron_ucp.plot_cmd", "plot loss curves of --log-jsonl files, resume point marked"),

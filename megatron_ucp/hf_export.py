@@ -1,6 +1,7 @@
 """`megatron-ucp export-hf`: a Hugging Face transformers model directory from a universal checkpoint.
 
-Writes `config.json` and `model.safetensors` (HF parameter names) for four families:
+Writes `config.json` and `model.safetensors` (HF parameter names, from `hf_names`' table, which `import-hf`
+reads the other way) for four families:
 - llama: SwiGLU, RMSNorm, RoPE; Megatron's per-query-group fused QKV is split into q/k/v_proj
   (GroupedQKV.split_qkv gives HF's head order), fc1 `[gate; up]` into gate_proj / up_proj;
 - gpt2: LayerNorm, learned positions, GELU, tied embeddings, biases; HF's Conv1D stores weights
@@ -11,7 +12,8 @@ Writes `config.json` and `model.safetensors` (HF parameter names) for four famil
   shared expert -> mlp.shared_expert, its gate -> mlp.shared_expert_gate, dense layers (moe_layer_freq)
   -> mlp_only_layers.
 Megatron's router (softmax score, top-k of the logits, then softmax over the k: the same as Mixtral's /
-Qwen2-MoE's normalized top-k of the full softmax) is checked to be the default one.
+Qwen2-MoE's normalized top-k of the full softmax) is checked to be the default one; with
+--moe-router-pre-softmax (top-k of the full softmax, not renormalized) it is Qwen2-MoE's norm_topk_prob=false.
 Vocabulary padding rows are dropped (HF vocab_size = the true vocabulary). Only weights are exported
 (the fp32 master weights, cast to --dtype, every block read checked against its checksums); the
 universal checkpoint itself is never modified. The output goes through `staging.Staging` (kind "hf":
@@ -31,13 +33,12 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from megatron_ucp.hf_names import MODEL_TYPES, MOE_MODEL_TYPES, hf_rows, to_hf
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.staging import TOOL_MARKER_FILENAME, Staging, StagingError, tool_marker
 from megatron_ucp.staging import check_destination as check_staging_destination
 
 PathLike = Union[str, os.PathLike]
-MODEL_TYPES = ("llama", "gpt2", "mixtral", "qwen2_moe")
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -97,8 +98,9 @@ def _check_moe(config: GPTModelConfig, args: dict, model_type: str) -> None:
           "(--moe-router-enable-expert-bias)", "the HF class routes without one")
     score = args.get("moe_router_score_function") or "softmax"
     _need(score == "softmax", model_type, f"moe_router_score_function={score}", "the HF class routes by softmax")
-    _need(not args.get("moe_router_pre_softmax"), model_type, "moe_router_pre_softmax=True (top-k weights not "
-          "renormalized)", "the HF class renormalizes the top-k weights")
+    _need(not args.get("moe_router_pre_softmax") or model_type == "qwen2_moe", model_type, "moe_router_pre_softmax"
+          "=True (top-k weights not renormalized)", "Mixtral renormalizes the top-k weights; use --model-type "
+          "qwen2_moe (norm_topk_prob=false) if the model fits it")
     for name in ("moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_input_jitter_eps"):
         _need(not args.get(name), model_type, f"{name}={args.get(name)}", "the HF class has no such routing option")
     _need(bool(args.get("moe_router_topk")), model_type, "the checkpoint's args lack moe_router_topk",
@@ -149,7 +151,7 @@ def _hf_config(config: GPTModelConfig, args: dict, model_type: str, dtype: str) 
         return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", **common, **llama, **moe,
                 "num_experts": config.num_experts, "moe_intermediate_size": config.moe_ffn_hidden_size,
                 "shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
-                "norm_topk_prob": True, "decoder_sparse_step": 1,
+                "norm_topk_prob": not args.get("moe_router_pre_softmax"), "decoder_sparse_step": 1,
                 "mlp_only_layers": [i for i, moe_layer in enumerate(config.moe_layers) if not moe_layer],
                 "qkv_bias": bool(config.add_qkv_bias), "use_sliding_window": False, "sliding_window": None,
                 "max_window_layers": config.num_layers}
@@ -164,105 +166,13 @@ def _hf_config(config: GPTModelConfig, args: dict, model_type: str, dtype: str) 
     }
 
 
-def hf_state_dict(read: Callable[[str], torch.Tensor], config: GPTModelConfig, model_type: str,
-                  has: Callable[[str], bool]) -> dict[str, torch.Tensor]:
-    """HF tensors from canonical fp32 tensors (`read(name)`), vocabulary padding dropped."""
-    from megatron_ucp.adapters.gpt import OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS, pattern_for
-
-    vocab = config.vocab_size
+def hf_state_dict(read: Callable[[str], torch.Tensor], config: GPTModelConfig, model_type: str
+                  ) -> dict[str, torch.Tensor]:
+    """HF tensors from canonical fp32 tensors (`read(name)`), vocabulary padding dropped (hf_names' table)."""
     out: dict[str, torch.Tensor] = {}
-    qkv = None
-    for i in range(config.num_layers):
-        prefix = f"decoder.layers.{i}."
-        if qkv is None:
-            qkv = pattern_for(prefix + "self_attention.linear_qkv.weight", config)
-        q, k, v = qkv.split_qkv(read(prefix + "self_attention.linear_qkv.weight"))
-        qkv_bias = (qkv.split_qkv(read(prefix + "self_attention.linear_qkv.bias"))
-                    if has(prefix + "self_attention.linear_qkv.bias") else None)
-        proj = read(prefix + "self_attention.linear_proj.weight")
-        moe_layer = bool(config.num_experts) and config.moe_layers[i]
-        fc1 = fc2 = None
-        if not moe_layer:
-            fc1, fc2 = read(prefix + "mlp.linear_fc1.weight"), read(prefix + "mlp.linear_fc2.weight")
-        bias = {s: read(prefix + s) for s in ("self_attention.linear_proj.bias", "mlp.linear_fc1.bias",
-                                              "mlp.linear_fc2.bias") if has(prefix + s)}
-        if model_type != "gpt2":
-            h = f"model.layers.{i}."
-            out[h + "input_layernorm.weight"] = read(prefix + "input_layernorm.weight")
-            out[h + "self_attn.q_proj.weight"], out[h + "self_attn.k_proj.weight"] = q, k
-            out[h + "self_attn.v_proj.weight"] = v
-            out[h + "self_attn.o_proj.weight"] = proj
-            if qkv_bias is not None:
-                for name, b in zip(("q_proj", "k_proj", "v_proj"), qkv_bias):
-                    out[h + f"self_attn.{name}.bias"] = b
-                if model_type == "llama":  # HF Llama's attention_bias also gives o_proj a bias: zero when none
-                    out[h + "self_attn.o_proj.bias"] = bias.get("self_attention.linear_proj.bias",
-                                                                torch.zeros(config.hidden_size))
-            out[h + "post_attention_layernorm.weight"] = read(prefix + "pre_mlp_layernorm.weight")
-            if moe_layer:
-                out.update(_moe_tensors(read, config, model_type, prefix, h))
-                continue
-            ffn = config.ffn_hidden_size
-            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = fc1[:ffn], fc1[ffn:]
-            out[h + "mlp.down_proj.weight"] = fc2
-            if "mlp.linear_fc1.bias" in bias:
-                fc1_bias = bias["mlp.linear_fc1.bias"]
-                out[h + "mlp.gate_proj.bias"], out[h + "mlp.up_proj.bias"] = fc1_bias[:ffn], fc1_bias[ffn:]
-                out[h + "mlp.down_proj.bias"] = bias["mlp.linear_fc2.bias"]
-        else:
-            h = f"transformer.h.{i}."
-            zeros = torch.zeros(config.hidden_size)
-            out[h + "ln_1.weight"] = read(prefix + "input_layernorm.weight")
-            out[h + "ln_1.bias"] = read(prefix + "input_layernorm.bias")
-            # Conv1D: y = x @ W + b with W [in, out]; Megatron's Linear stores [out, in].
-            out[h + "attn.c_attn.weight"] = torch.cat([q, k, v], dim=0).t()
-            out[h + "attn.c_attn.bias"] = (torch.cat(qkv_bias) if qkv_bias is not None
-                                           else torch.zeros(3 * config.hidden_size))
-            out[h + "attn.c_proj.weight"] = proj.t()
-            out[h + "attn.c_proj.bias"] = bias.get("self_attention.linear_proj.bias", zeros)
-            out[h + "ln_2.weight"] = read(prefix + "pre_mlp_layernorm.weight")
-            out[h + "ln_2.bias"] = read(prefix + "pre_mlp_layernorm.bias")
-            out[h + "mlp.c_fc.weight"] = fc1.t()
-            out[h + "mlp.c_fc.bias"] = bias.get("mlp.linear_fc1.bias", torch.zeros(config.ffn_hidden_size))
-            out[h + "mlp.c_proj.weight"] = fc2.t()
-            out[h + "mlp.c_proj.bias"] = bias.get("mlp.linear_fc2.bias", zeros)
-    embeddings = read(WORD_EMBEDDINGS)[:vocab]
-    if model_type != "gpt2":
-        out["model.embed_tokens.weight"] = embeddings
-        out["model.norm.weight"] = read("decoder.final_layernorm.weight")
-        if not config.tied:
-            out["lm_head.weight"] = read(OUTPUT_LAYER)[:vocab]
-    else:
-        out["transformer.wte.weight"] = embeddings
-        out["transformer.wpe.weight"] = read(POSITION_EMBEDDINGS)
-        out["transformer.ln_f.weight"] = read("decoder.final_layernorm.weight")
-        out["transformer.ln_f.bias"] = read("decoder.final_layernorm.bias")
-    return out
-
-
-def _moe_tensors(read: Callable[[str], torch.Tensor], config: GPTModelConfig, model_type: str, prefix: str,
-                 h: str) -> dict[str, torch.Tensor]:
-    """One MoE layer's HF tensors: the router, every routed expert (global index j) with fc1 `[gate; up]`
-    split, and (qwen2_moe) the shared expert and its gate."""
-    out = {}
-    ffn = config.moe_ffn_hidden_size
-    # the family's module and names of an expert's (gate, up, down) projections
-    block, (gate, up, down) = ((h + "block_sparse_moe.", ("w1", "w3", "w2")) if model_type == "mixtral" else
-                               (h + "mlp.", ("gate_proj", "up_proj", "down_proj")))
-    out[block + "gate.weight"] = read(prefix + "mlp.router.weight")
-    for j in range(config.num_experts):
-        expert = f"{prefix}mlp.experts.local_experts.{j}."
-        fc1 = read(expert + "linear_fc1.weight")
-        out[f"{block}experts.{j}.{gate}.weight"], out[f"{block}experts.{j}.{up}.weight"] = fc1[:ffn], fc1[ffn:]
-        out[f"{block}experts.{j}.{down}.weight"] = read(expert + "linear_fc2.weight")
-    if model_type == "mixtral":
-        return out
-    shared = config.moe_shared_expert_intermediate_size
-    fc1 = read(prefix + "mlp.shared_experts.linear_fc1.weight")
-    out[block + "shared_expert.gate_proj.weight"], out[block + "shared_expert.up_proj.weight"] = (fc1[:shared],
-                                                                                                  fc1[shared:])
-    out[block + "shared_expert.down_proj.weight"] = read(prefix + "mlp.shared_experts.linear_fc2.weight")
-    out[block + "shared_expert_gate.weight"] = read(prefix + "mlp.shared_experts.gate_weight")
+    for row in hf_rows(config, model_type):
+        tensor = read(row.megatron) if row.megatron is not None else None
+        out.update(zip(row.hf, to_hf(row, tensor, config)))
     return out
 
 
@@ -313,7 +223,7 @@ def export_hf(src: PathLike, dst: PathLike, model_type: str, *, dtype: Optional[
                 return tensor
 
             try:
-                tensors = hf_state_dict(read, config, model_type, has=lambda n: n in ucp.parameters)
+                tensors = hf_state_dict(read, config, model_type)
             finally:
                 bar.close()
             torch_dtype = DTYPES[dtype]

@@ -28,7 +28,7 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from megatron_ucp import integrity
 from megatron_ucp.byteio import (
@@ -208,6 +208,42 @@ def write_tensor_file(staging_dir: PathLike, name: str, tensors: Mapping[str, "t
     size = len(prefix) + len(ordered) * math.prod(shape) * 4
     try:
         record = integrity.write_file_hashed(target, size, pieces, fsync=False)
+    except OSError as e:
+        raise _named(e, target) from e
+    entry["checksum"] = record.to_json()
+    return entry
+
+
+def write_tensor_file_streamed(staging_dir: PathLike, name: str, shape: Sequence[int], bands: Iterable["torch.Tensor"],
+                               info: Mapping[str, Any]) -> dict:
+    """write_tensor_file for a weight-only parameter whose fp32 tensor comes as consecutive dim-0 bands (so
+    only one band is in memory: `import-hf` widens a vocabulary band by band); the file is byte for byte
+    what write_tensor_file writes for the bands' concatenation."""
+    import torch
+
+    shape = tuple(int(n) for n in shape)
+    _check_tensors(name, {"fp32": (shape, torch.float32)})
+    entry = _entry(name, shape, ["fp32"], info)
+    target = Path(staging_dir) / entry["file"]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    prefix, offsets = safetensors_header({"fp32": shape}, _file_metadata(name))
+    size = len(prefix) + math.prod(shape) * 4
+
+    def pieces():
+        yield 0, prefix
+        pos = offsets["fp32"]
+        for band in bands:
+            if band.dtype != torch.float32 or tuple(band.shape[1:]) != shape[1:]:
+                raise UniversalFormatError(f"{name}: band {tuple(band.shape)} {band.dtype} does not fit {shape}")
+            data = band.contiguous().reshape(-1).view(torch.uint8).numpy()
+            yield pos, data
+            pos += data.nbytes
+        if pos != size:
+            raise UniversalFormatError(f"{name}: bands hold {pos - offsets['fp32']} bytes, {shape} needs "
+                                       f"{size - offsets['fp32']}")
+
+    try:
+        record = integrity.write_file_hashed(target, size, pieces(), fsync=False)
     except OSError as e:
         raise _named(e, target) from e
     entry["checksum"] = record.to_json()

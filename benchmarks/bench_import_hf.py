@@ -1,0 +1,112 @@
+"""Memory and time of `megatron-ucp import-hf` on a ~1 GB Hugging Face model (bf16, sharded safetensors + index).
+
+Writes a Llama-shaped model (hidden 2048, 10 layers, 16 heads in 4 query groups, SwiGLU 5632, vocabulary 32000,
+untied: 580 M parameters, 1.16 GB in bf16) as three safetensors shards and an index, one tensor at a time
+(random values; no transformers needed) in a child process, then runs the CLI as a user does and reports its wall
+time and peak RSS (that child's own ru_maxrss from wait4: resident memory at its peak; this parent imports no torch
+and holds no tensors, so the fork before exec adds nothing).
+
+    .venv/bin/python benchmarks/bench_import_hf.py [--workdir DIR] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HIDDEN, LAYERS, HEADS, GROUPS, FFN, VOCAB = 2048, 10, 16, 4, 5632, 32000
+REPO = Path(__file__).resolve().parents[1]
+
+
+def llama_tensors():
+    """(name, shape) of every tensor of the model, in HF's names."""
+    head_dim = HIDDEN // HEADS
+    yield "model.embed_tokens.weight", (VOCAB, HIDDEN)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (HIDDEN,)
+        yield p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN)
+        yield p + "self_attn.k_proj.weight", (GROUPS * head_dim, HIDDEN)
+        yield p + "self_attn.v_proj.weight", (GROUPS * head_dim, HIDDEN)
+        yield p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN)
+        yield p + "post_attention_layernorm.weight", (HIDDEN,)
+        yield p + "mlp.gate_proj.weight", (FFN, HIDDEN)
+        yield p + "mlp.up_proj.weight", (FFN, HIDDEN)
+        yield p + "mlp.down_proj.weight", (HIDDEN, FFN)
+    yield "model.norm.weight", (HIDDEN,)
+    yield "lm_head.weight", (VOCAB, HIDDEN)
+
+
+def write_model(hf: Path, shard_bytes: int = 450 << 20) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    hf.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    shards, current, size, total = [], {}, 0, 0
+    for name, shape in llama_tensors():
+        current[name] = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+        size += current[name].numel() * 2
+        if size >= shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+            save_file(shards[-1], str(hf / f"model-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
+            total += sum(t.numel() * 2 for t in shards[-1].values())
+            shards[-1] = list(shards[-1])  # keep names only
+    if current:
+        shards.append(current)
+        save_file(current, str(hf / f"model-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
+        total += sum(t.numel() * 2 for t in current.values())
+        shards[-1] = list(current)
+    weight_map = {name: f"model-{i + 1:05d}.safetensors" for i, names in enumerate(shards) for name in names}
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                 "weight_map": weight_map}))
+    (hf / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB, "hidden_size": HIDDEN,
+        "intermediate_size": FFN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": GROUPS, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16"}))
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--write-model", help=argparse.SUPPRESS)  # the child that writes the model
+    args = parser.parse_args()
+    if args.write_model:
+        print(write_model(Path(args.write_model)))
+        return
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_import_hf_"))
+    try:
+        total = int(subprocess.run([sys.executable, __file__, "--write-model", str(work / "hf")], check=True,
+                                   capture_output=True, text=True).stdout)
+        start = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_ucp.cli", "import-hf", str(work / "hf"),
+                                 str(work / "ucp"), "--quiet", "--json"], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        stdout, stderr = proc.stdout.read(), proc.stderr.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        if status:
+            sys.exit(stderr)
+        peak = usage.ru_maxrss * 1024
+        out = sum(f.stat().st_size for f in (work / "ucp").rglob("*") if f.is_file())
+        result = {"hf_bytes": total, "ucp_bytes": out, "wall_s": round(wall, 2), "peak_rss_bytes": peak,
+                  "peak_rss_gib": round(peak / 2 ** 30, 3), "elements": json.loads(stdout)["elements"]}
+        print(json.dumps(result, indent=1))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
