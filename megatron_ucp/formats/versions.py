@@ -74,6 +74,7 @@ RELEASES: tuple[MegatronRelease, ...] = (
                     rerun_state_always=True, rng_per_dp_with_experts=False),
 )
 NEWEST = RELEASES[-1]
+MEGATRON_FORMATS = ("torch", "torch_dist")  # checkpoint formats whose writing release is recorded
 SUPPORTED = tuple(r.name for r in RELEASES)
 
 
@@ -92,7 +93,7 @@ def write_default(source: Optional[Mapping[str, Any]]) -> MegatronRelease:
     """The release `from-universal` writes for when the user names none: the one that wrote the universal
     checkpoint's source (the stack the user trains with); a source converted before megatron-ucp recorded it
     was a 0.16 checkpoint (all it read then); a checkpoint with no Megatron source: the newest."""
-    if not source:
+    if not source or source.get("format") not in MEGATRON_FORMATS:  # e.g. import-hf: no Megatron source
         return NEWEST
     recorded = source.get("megatron_core")
     return release(recorded) if recorded else RELEASES[0]
