@@ -40,8 +40,10 @@ def install_import_patches() -> None:
     """Patches megatron must see at import time; call before any megatron import."""
     _typing_override_on_py311()
     _stub_triton_only_modules()
-    if not torch.cuda.is_available():
-        _import_megatron_without_torch_compile()
+    # Deliberately not skipped, though slow on CPU: Megatron-LM's warm-up of its torch.compile'd fused
+    # kernels (set_jit_fusion_options, even with --disable-jit-fuser). Inductor's compiled dropout draws its
+    # seeds from the CPU generator unlike eager dropout, and the MoE router's weight is initialized from
+    # that generator next: without the compile, GPT-MoE runs start from other weights than Megatron-LM's.
 
 
 def _typing_override_on_py311() -> None:
@@ -76,30 +78,6 @@ def _stub_triton_only_modules() -> None:
     stub.paged_stash_pop_kernel = Kernel()
     stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
     sys.modules[name] = stub
-
-
-def _import_megatron_without_torch_compile() -> None:
-    # Not a fix, a speed-up: megatron.core.jit's jit_fuser is torch.compile at import time, so the fused
-    # kernels (bias_swiglu, ...) are compiled by TorchDynamo when Megatron-LM's set_jit_fusion_options
-    # warms them up, even with --disable-jit-fuser (applied after the decorators ran): many seconds per
-    # process on CPU. Import megatron with a no-op decorator instead; the warm-up runs them eagerly (same
-    # random inputs drawn, outputs discarded) and the model never calls them with the --no-*-fusion flags.
-    if "megatron.core" in sys.modules:
-        return
-    original = torch.compile
-
-    def no_compile(model=None, **kwargs):
-        return model if model is not None else (lambda fn: fn)
-
-    torch.compile = no_compile
-    try:
-        import megatron.core  # noqa: F401
-        import megatron.training  # noqa: F401
-        from megatron.core import jit
-
-        jit.disable_jit_fuser()
-    finally:
-        torch.compile = original
 
 
 # --- after `import megatron` ---------------------------------------------------------------------
