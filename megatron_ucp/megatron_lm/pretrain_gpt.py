@@ -36,6 +36,8 @@ from megatron.training.argument_utils import pretrain_cfg_container_from_args  #
 from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args  # noqa: E402
 from megatron.training.utils import is_first_or_last_pipeline_stage  # noqa: E402
 
+from megatron_ucp.megatron_lm import universal_plugin  # noqa: E402
+
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 
@@ -139,10 +141,11 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     ).build()
 
 
-def main(extra_args_provider=None):
+def main():
     cpu_shims.install()  # before the arguments: validate_args asks for the GPU architecture
+    universal_plugin.install()  # --universal-checkpoint: --load reads a universal checkpoint
     train_valid_test_datasets_provider.is_distributed = True
-    args = parse_and_validate_args(extra_args_provider=extra_args_provider,
+    args = parse_and_validate_args(extra_args_provider=universal_plugin.add_arguments,
                                    args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
              forward_step, model_provider=model_provider)
