@@ -11,7 +11,10 @@ on `megatron.training.pretrain`, and the CPU patches of cpu_shims.py). Each trai
   --megatron-core-version 0.19 --rng-state cpu at another layout (A19 -> TP1 PP2 DP2; E19 -> TP1 PP1 DP4
   EP4), then Megatron-LM's plain --load: iterations 5-8 within 1e-6 relative of the fixture's train.log
   (fp32; measured ~1.5e-7, the log's own rounding);
-- negative control: the same resume with --no-load-optim (fresh Adam moments and step) misses by > 1e-4.
+- negative control: the same resume with --no-load-optim (fresh Adam moments and step) misses by > 1e-4;
+- the --universal-checkpoint plugin (megatron_lm/universal_plugin.py, through Megatron-LM's extra_args_provider
+  and its own load_checkpoint call): E19's universal checkpoint loaded directly at EP1 (TP1 PP2 DP2), a move
+  megatron-core's own fully_reshardable load refuses, continues within 1e-6 (measured: every digit).
 
 Reading the logs: Megatron-LM 0.19's training_log does not reset its loss sum after a run's first logged
 iteration (`should_reset = not is_first_iteration`), so a run's second printed loss is the mean of its first
@@ -109,15 +112,22 @@ class Runs:
             self._done[key] = launch.printed_losses(proc.stdout)
         return self._done[key]
 
+    def universal(self, name: str) -> Path:
+        """The fixture's iteration 4 as a universal checkpoint (converted once)."""
+        from megatron_ucp.convert import to_universal
+
+        dst = self.root / f"{name}.ucp"
+        if not dst.exists():
+            to_universal(F19 / name / "ckpt", dst, iteration=4, progress=False)
+        return dst
+
     def checkpoint_at_other_layout(self, name: str) -> Path:
         """The fixture's iteration 4, through the universal format, as Megatron-LM 0.19 saves it at OTHER_LAYOUT."""
-        from megatron_ucp.convert import to_universal
         from megatron_ucp.from_universal import from_universal
 
         dst = self.root / f"{name}.ckpt"
         if not dst.exists():
-            ucp = to_universal(F19 / name / "ckpt", self.root / f"{name}.ucp", iteration=4, progress=False)
-            from_universal(ucp, dst, ckpt_format="torch_dist", use_distributed_optimizer=True,
+            from_universal(self.universal(name), dst, ckpt_format="torch_dist", use_distributed_optimizer=True,
                            megatron_core_version="0.19", rng_state="cpu", progress=False,
                            **OTHER_LAYOUT_WRITE[name])
         return dst
@@ -157,3 +167,14 @@ def test_resume_without_optimizer_state_misses(runs019):
     printed = runs019.train(flags, f"{A19}.resume_no_optim")
     diff = max_rel(true_resumed_losses(printed), fixture_losses(A19))
     assert diff > MISS, f"without the optimizer state the resume still matched ({diff:.2e}): the test sees nothing"
+
+
+def test_universal_checkpoint_plugin_resumes_at_another_expert_parallel_size(runs019):
+    """E19 (EP2) iteration 4 as a universal checkpoint, loaded by `--load UCP --universal-checkpoint` inside
+    Megatron-LM 0.19's own setup at EP1: iterations 5-8 equal the uninterrupted run's within RESUME_TOL."""
+    flags = [*with_layout(fixture_flags(E19), {"--expert-model-parallel-size": "1"}),
+             "--load", str(runs019.universal(E19)), "--universal-checkpoint"]
+    printed = runs019.train(flags, f"{E19}.universal_ep1")
+    assert sorted(printed) == [5, 6, 7, 8], f"the resume should start at iteration 5: {printed}"
+    diff = max_rel(true_resumed_losses(printed), fixture_losses(E19))
+    assert diff <= RESUME_TOL, f"E19 loaded from the universal checkpoint at EP1: max relative diff {diff:.2e}"
