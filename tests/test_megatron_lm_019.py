@@ -178,3 +178,18 @@ def test_universal_checkpoint_plugin_resumes_at_another_expert_parallel_size(run
     assert sorted(printed) == [5, 6, 7, 8], f"the resume should start at iteration 5: {printed}"
     diff = max_rel(true_resumed_losses(printed), fixture_losses(E19))
     assert diff <= RESUME_TOL, f"E19 loaded from the universal checkpoint at EP1: max relative diff {diff:.2e}"
+
+
+def test_cpu_shims_refuse_another_megatron_core(monkeypatch):
+    """The 0.19 patches check the megatron-core they patch: the venv's 0.16.1 is refused, naming the fix."""
+    from megatron_ucp.megatron_lm import cpu_shims
+
+    monkeypatch.delenv("MEGATRON_UCP_ALLOW_UNTESTED_MCORE", raising=False)
+    monkeypatch.setattr(cpu_shims, "mcore_version", lambda: "0.16.1")
+    with pytest.raises(cpu_shims.UntestedMegatronCoreError, match="megatron-core-0.19 first on PYTHONPATH"):
+        cpu_shims.check_mcore_version()
+    monkeypatch.setattr(cpu_shims, "mcore_version", lambda: "0.19.2+53c57f1")  # 0.19 appends the cwd's git hash
+    cpu_shims.check_mcore_version()
+    monkeypatch.setattr(cpu_shims, "mcore_version", lambda: "0.20.0")
+    monkeypatch.setenv("MEGATRON_UCP_ALLOW_UNTESTED_MCORE", "1")
+    cpu_shims.check_mcore_version()
