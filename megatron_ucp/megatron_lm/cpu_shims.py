@@ -1,15 +1,17 @@
 """CPU support for Megatron-LM 0.19's training loop (megatron-core 0.19.2): every patch, in one place.
 
 megatron-core 0.19 and megatron.training assume CUDA, TransformerEngine/Apex and Python 3.12 in a few
-places. `install()` applies the patches below, each written against megatron-core 0.19.2 and saying why
-(the list was found by running Megatron-LM core_v0.19.0 on CPU and turning each patch off; see
-tests/fixtures/megatron-core-0.19/*/train.log). None changes a number: with them, Megatron-LM 0.19 on
-CPU reproduces the fixtures' losses to every printed digit (tests/test_megatron_lm_019.py).
+places. `install()` applies the patches below, each written against megatron-core 0.19.2 and saying why.
+The list is the one the fixtures' own Megatron-LM core_v0.19.0 runs on CPU needed (each checked there by
+turning it off; tests/fixtures/megatron-core-0.19/*/train.log), less the MoE router's TransformerEngine GEMM
+patch of 0.16.1, which 0.19 no longer needs. None changes a number: with them, Megatron-LM 0.19 on CPU
+reproduces the fixtures' losses to every printed digit (tests/test_megatron_lm_019.py).
 
 Two kinds:
 - before `import megatron` (`install_import_patches`): Python 3.11, triton absent;
 - after (`install`): CUDA absent, and megatron-core's torch-Adam distributed-optimizer resume bugs.
-The CUDA patches are installed only when CUDA is absent; other megatron-core versions are refused
+The CUDA patches are installed only when CUDA is absent; the torch-Adam ones act only on torch Adam's
+per-parameter `step` (no TransformerEngine/Apex), and are inert otherwise. Other megatron-core versions are refused
 unless MEGATRON_UCP_ALLOW_UNTESTED_MCORE=1 (the 0.16.1 harness has its own: megatron_ucp/cpu_backend.py).
 """
 
