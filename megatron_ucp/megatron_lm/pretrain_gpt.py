@@ -3,8 +3,8 @@
 A thin provider set, as Megatron-LM's pretrain_gpt.py plugs into the same loop: a model provider (local
 spec: dense GPT, or GPT-MoE through the decoder block spec), a forward step with the masked LM loss, and
 the mock-data datasets provider. Megatron-LM does everything else: arguments, initialization, the
-schedule, the optimizer, logging, `--save` / `--load` (torch_dist and legacy). On CPU the patches of
-`cpu_shims` are installed first. Run with megatron-core 0.19.2 first on PYTHONPATH:
+schedule, the optimizer, logging, `--save` / `--load`; `--load UCP --universal-checkpoint` resumes from a
+universal checkpoint (universal_plugin). On CPU the patches of `cpu_shims` are installed first. Run with megatron-core 0.19.2 first on PYTHONPATH:
 
     PYTHONPATH=.venv/megatron-core-0.19 torchrun --nproc-per-node 4 pretrain_scripts/pretrain_gpt_mcore019.py \
         <Megatron-LM flags> --transformer-impl local --distributed-backend gloo --mock-data ...
