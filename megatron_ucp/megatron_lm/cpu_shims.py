@@ -1,0 +1,397 @@
+"""CPU support for Megatron-LM 0.19's training loop (megatron-core 0.19.2): every patch, in one place.
+
+megatron-core 0.19 and megatron.training assume CUDA, TransformerEngine/Apex and Python 3.12 in a few
+places. `install()` applies the patches below, each written against megatron-core 0.19.2 and saying why.
+The list is the one the fixtures' own Megatron-LM core_v0.19.0 runs on CPU needed (each checked there by
+turning it off; tests/fixtures/megatron-core-0.19/*/train.log), less the MoE router's TransformerEngine GEMM
+patch of 0.16.1, which 0.19 no longer needs. None changes a number: with them, Megatron-LM 0.19 on CPU
+reproduces the fixtures' losses to every printed digit (tests/test_megatron_lm_019.py).
+
+Two kinds:
+- before `import megatron` (`install_import_patches`): Python 3.11, triton absent;
+- after (`install`): CUDA absent, and megatron-core's torch-Adam distributed-optimizer resume bugs.
+The CUDA patches are installed only when CUDA is absent; the torch-Adam ones act only on torch Adam's
+per-parameter `step` (no TransformerEngine/Apex), and are inert otherwise. Other megatron-core versions are refused
+unless MEGATRON_UCP_ALLOW_UNTESTED_MCORE=1 (the 0.16.1 harness has its own: megatron_ucp/cpu_backend.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import sys
+import types
+import typing
+
+import torch
+
+TESTED_MCORE_VERSIONS = ("0.19.2",)
+
+_installed = False
+
+
+class UntestedMegatronCoreError(RuntimeError):
+    pass
+
+
+# --- before `import megatron` -------------------------------------------------------------------
+
+def install_import_patches() -> None:
+    """Patches megatron must see at import time; call before any megatron import."""
+    _typing_override_on_py311()
+    _stub_triton_only_modules()
+    # Deliberately not skipped, though slow on CPU: Megatron-LM's warm-up of its torch.compile'd fused
+    # kernels (set_jit_fusion_options, even with --disable-jit-fuser). Inductor's compiled dropout draws its
+    # seeds from the CPU generator unlike eager dropout, and the MoE router's weight is initialized from
+    # that generator next: without the compile, GPT-MoE runs start from other weights than Megatron-LM's.
+
+
+def _typing_override_on_py311() -> None:
+    # megatron/training/models/gpt.py and hybrid.py import typing.override (new in Python 3.12, PEP 698),
+    # reached from `import megatron.training`. The decorator only sets __override__ = True.
+    if not hasattr(typing, "override"):
+        def override(method):
+            method.__override__ = True
+            return method
+
+        typing.override = override
+
+
+def _stub_triton_only_modules() -> None:
+    # `import megatron.core` reaches moe/ops/paged_stash.py (core -> finalize_model_grads -> schedules ->
+    # moe.paged_stash), which imports triton at module level for kernels used only by --moe-paged-stash.
+    # triton is a GPU package; without it, stand-in kernels that refuse to launch.
+    if importlib.util.find_spec("triton") is not None:
+        return
+    name = "megatron.core.transformer.moe.ops.paged_stash"
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("--moe-paged-stash needs triton (a GPU package); not available on CPU")
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return refuse
+
+    stub = types.ModuleType(name)
+    stub.GLOBAL_BLOCK_SIZE = 1024  # megatron-core 0.19.2's value, kept for its importers
+    stub.paged_stash_copy_kernel = Kernel()
+    stub.paged_stash_pop_kernel = Kernel()
+    stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+    sys.modules[name] = stub
+
+
+# --- after `import megatron` ---------------------------------------------------------------------
+
+def mcore_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def check_mcore_version() -> None:
+    version = mcore_version().split("+")[0]  # 0.19's package_info appends the cwd's git hash ("0.19.2+abc1234")
+    if version not in TESTED_MCORE_VERSIONS and not os.environ.get("MEGATRON_UCP_ALLOW_UNTESTED_MCORE"):
+        raise UntestedMegatronCoreError(
+            f"megatron-core {version} is first on the path, but megatron_ucp.megatron_lm.cpu_shims was written "
+            f"for {', '.join(TESTED_MCORE_VERSIONS)}; put .venv/megatron-core-0.19 first on PYTHONPATH "
+            "(make install puts megatron-core 0.19.2 there) or set MEGATRON_UCP_ALLOW_UNTESTED_MCORE=1")
+
+
+def install() -> bool:
+    """Install every patch (CUDA ones only without CUDA). Returns True when running on CPU."""
+    global _installed
+    install_import_patches()
+    check_mcore_version()
+    on_cpu = not torch.cuda.is_available()
+    if _installed:
+        return on_cpu
+    _torch_adam_state_before_load()
+    _distopt_set_states_under_no_grad_keeping_step()
+    _distopt_unshare_step_after_load()
+    if on_cpu:
+        _cuda_device_to_cpu()
+        _cuda_calls_on_cpu()
+        _cuda_streams_and_events()
+        _cuda_available_for_initialize()
+        _cuda_device_properties()
+        _cuda_rng_on_cpu_generator()
+        _tensor_type_cuda_names()
+        _moe_alltoall_splits_as_numpy()
+        _dataset_helpers_prebuilt()
+        _torch_norm_under_sequence_parallel()
+    _installed = True
+    return on_cpu
+
+
+# --- CUDA absent ---------------------------------------------------------------------------------
+
+def _cuda_device_to_cpu() -> None:
+    # megatron allocates with device='cuda' / torch.cuda.current_device() and calls .cuda() / .to('cuda')
+    # (DDP buffers, p2p buffers, loss dicts, iteration tensors, batch broadcast): all mean the CPU here.
+    from megatron_ucp import cpu_backend
+
+    cpu_backend._map_cuda_device_to_cpu()
+
+
+def _cuda_calls_on_cpu() -> None:
+    # initialize.py calls torch.cuda.set_device(local_rank); timers, p2p and DDP call synchronize();
+    # training calls empty_cache(). CPU ops are synchronous and there is one device.
+    # one function object per name: TorchDynamo refuses one object registered under two torch names
+    torch.cuda.set_device = lambda *args, **kwargs: None
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.empty_cache = lambda *args, **kwargs: None
+
+
+class _Event:
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def query(self):
+        return True
+
+
+class _Stream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, event=None):
+        # 0.19's alltoall dispatcher records an event on its DtoH stream, then calls event.synchronize()
+        return event or _Event()
+
+    def synchronize(self):
+        pass
+
+
+def _cuda_streams_and_events() -> None:
+    # training.get_model builds DDP inside torch.cuda.stream(torch.cuda.Stream()); DDP and the MoE
+    # alltoall dispatcher use current_stream()/Event. On CPU: placeholders and a null context.
+    torch.cuda.Stream = _Stream
+    torch.cuda.Event = lambda *args, **kwargs: _Event()
+    torch.cuda.current_stream = lambda *args, **kwargs: _Stream()
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+
+
+class _CudaAsSeenByInitialize:
+    """torch.cuda for megatron.training.initialize only: one device, available."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def is_available():
+        return True
+
+    @staticmethod
+    def device_count():
+        return 1
+
+
+class _TorchAsSeenByInitialize:
+    def __getattr__(self, name):
+        return _CudaAsSeenByInitialize() if name == "cuda" else getattr(torch, name)
+
+
+def _cuda_available_for_initialize() -> None:
+    # initialize.py asserts torch.cuda.is_available() and sets up the model-parallel groups and the RNG
+    # tracker only when torch.cuda.device_count() > 0. Answer "one device" to that module alone, so the
+    # rest of megatron-core keeps its CPU paths.
+    from megatron.training import initialize
+
+    initialize.torch = _TorchAsSeenByInitialize()
+
+
+def _cuda_device_properties() -> None:
+    # arguments.validate_args asks get_device_arch_version() (torch.cuda.get_device_properties) with TP > 1;
+    # report a Hopper (sm_90) so the usual CUDA_DEVICE_MAX_CONNECTIONS=1 path is taken.
+    from megatron.training import arguments
+    from megatron.training.utils import common_utils
+
+    hopper = lambda: 9  # noqa: E731
+    common_utils.get_device_arch_version = hopper
+    arguments.get_device_arch_version = hopper
+
+
+def _cuda_rng_on_cpu_generator() -> None:
+    # checkpointing.py saves/restores 'cuda_rng_state' with torch.cuda.get/set_rng_state, and
+    # tensor_parallel.random's tracker seeds and forks CUDA generators. On CPU the only generator is the
+    # CPU one: the tracker keeps CPU generator states (seeded as Megatron seeds CUDA's), and the
+    # checkpoint's "cuda" RNG state is the CPU generator's.
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    class CPURNGStatesTracker(mcore_random.CudaRNGStatesTracker):
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"cuda rng state {name} already exists")
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(seed)
+            self.states_[name] = generator.get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"cuda rng state {name} is not added")
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+    original_initialize = mcore_random.initialize_rng_tracker
+
+    @functools.wraps(original_initialize)
+    def initialize_rng_tracker(*args, force_reset=False, **kwargs):
+        if mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED and not force_reset:
+            return
+        mcore_random._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
+        mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+    mcore_random.initialize_rng_tracker = initialize_rng_tracker
+    mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: None  # the tracker seeds its own CPU generators
+
+
+def _tensor_type_cuda_names() -> None:
+    # optimizer / distrib_optimizer / clip_grads require param.type() == 'torch.cuda.FloatTensor'.
+    from megatron_ucp import cpu_backend
+
+    cpu_backend._cuda_type_names()
+
+
+def _moe_alltoall_splits_as_numpy() -> None:
+    # MoEAlltoAllTokenDispatcher turns its all-to-all split sizes into numpy with
+    # moe_utils.maybe_move_tensor_to_cpu(t, as_numpy=True), which converts CUDA tensors only; on CPU the
+    # splits stay tensors and gloo's all_to_all_single rejects them. Convert CPU tensors too (same values).
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu  # imported by name there
+
+
+def _dataset_helpers_prebuilt() -> None:
+    # initialize._compile_dependencies runs compile_helpers() = `make -C megatron/core/datasets`; the
+    # 0.19.2 wheel ships the prebuilt helpers_cpp extension but not the Makefile, so make fails and
+    # compile_helpers exits. Skip the build when the extension imports.
+    from megatron.core.datasets import utils as dataset_utils
+
+    original = dataset_utils.compile_helpers
+
+    @functools.wraps(original)
+    def compile_helpers():
+        try:
+            from megatron.core.datasets import helpers_cpp  # noqa: F401
+        except ImportError:
+            original()
+
+    dataset_utils.compile_helpers = compile_helpers
+
+
+def _torch_norm_under_sequence_parallel() -> None:
+    # The local spec's WrappedTorchNorm (torch LayerNorm/RMSNorm) refuses sequence parallelism (Apex's
+    # fused norm is the intended SP norm). Torch norms are per token, so they are right on sequence
+    # shards; mark their parameters `sequence_parallel` so finalize_model_grads all-reduces their grads.
+    from megatron_ucp import cpu_backend
+
+    cpu_backend._torch_norm_under_sequence_parallel()
+
+
+# --- torch Adam without TE/Apex (any device) -------------------------------------------------------
+
+def _torch_adam_state_before_load() -> None:
+    # Without TE/Apex megatron-core uses torch Adam, whose per-parameter state (with `step`) appears at
+    # the first step; DistributedOptimizer.state_dict() asserts one `step`, so building the load
+    # template (sharded_state_dict(is_loading=True)) before any step fails. Allocate that state first:
+    # zeros, step 0, all overwritten by the load.
+    from megatron.core.optimizer import distrib_optimizer
+
+    from megatron_ucp import cpu_backend
+
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls.state_dict
+
+    @functools.wraps(original)
+    def state_dict(self):
+        inner = self.optimizer
+        if (not distrib_optimizer.HAVE_APEX_OR_TE and isinstance(inner, torch.optim.Optimizer)
+                and not inner.state and any(g["params"] for g in inner.param_groups)):
+            cpu_backend.init_adam_state_for_loading(self)
+        return original(self)
+
+    cls.state_dict = state_dict
+
+
+def _distopt_set_states_under_no_grad_keeping_step() -> None:
+    # DistributedOptimizer._set_main_param_and_optimizer_states (loading distrib_optim.pt and the
+    # torch_dist dp_reshardable state):
+    # (a) is reached without torch.no_grad() from load_parameter_state_from_dp_zero; with fp32 params the
+    #     main param is a view of the model param and the in-place copy is refused by autograd;
+    # (b) copies every torch-Adam state key, `step` included: distrib_optim.pt has none (KeyError) and the
+    #     dp_reshardable template's is stale (Adam's step would restart at 0). Keep the step that
+    #     load_state_dict restored from the param groups.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    @functools.wraps(original)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = dict(tensors, step=step)  # copying a tensor onto itself: unchanged
+        with torch.no_grad():
+            return original(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+
+def _distopt_unshare_step_after_load() -> None:
+    # DistributedOptimizer.load_state_dict() (no TE/Apex) puts ONE `step` tensor into every parameter's
+    # torch-Adam state; torch Adam increments it in place per parameter, so after a resume it advances
+    # by #params per iteration and the bias correction is wrong (the loss diverges from the 2nd step
+    # after the resume). Give each parameter its own copy.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.load_state_dict
+
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        result = original(self, state_dict)
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            for state in self.optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].detach().clone()
+        return result
+
+    DistributedOptimizer.load_state_dict = load_state_dict

@@ -1,0 +1,155 @@
+"""GPT pretraining on Megatron-LM 0.19's own training loop (`megatron.training.pretrain`), mock data.
+
+A thin provider set, as Megatron-LM's pretrain_gpt.py plugs into the same loop: a model provider (local
+spec: dense GPT, or GPT-MoE through the decoder block spec), a forward step with the masked LM loss, and
+the mock-data datasets provider. Megatron-LM does everything else: arguments, initialization, the
+schedule, the optimizer, logging, `--save` / `--load`; `--load UCP --universal-checkpoint` resumes from a
+universal checkpoint (universal_plugin). On CPU the patches of `cpu_shims` are installed first. Run with megatron-core 0.19.2 first on PYTHONPATH:
+
+    PYTHONPATH=.venv/megatron-core-0.19 torchrun --nproc-per-node 4 pretrain_scripts/pretrain_gpt_mcore019.py \
+        <Megatron-LM flags> --transformer-impl local --distributed-backend gloo --mock-data ...
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from megatron_ucp.megatron_lm import cpu_shims
+
+cpu_shims.install_import_patches()  # Python 3.11 and no triton: before megatron is imported
+
+import torch  # noqa: E402
+
+from megatron.core import mpu  # noqa: E402
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset  # noqa: E402
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
+from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
+from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank, get_batch_on_this_tp_rank  # noqa: E402
+from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0  # noqa: E402
+from megatron.training.argument_utils import pretrain_cfg_container_from_args  # noqa: E402
+from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args  # noqa: E402
+from megatron.training.utils import is_first_or_last_pipeline_stage  # noqa: E402
+
+from megatron_ucp.megatron_lm import universal_plugin  # noqa: E402
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    """One pipeline chunk of a GPT (or GPT-MoE) model with megatron-core's local (non-TE) layers."""
+    args = get_args()
+    if args.transformer_impl != "local":
+        raise ValueError(f"--transformer-impl {args.transformer_impl}: this entry point builds the local spec "
+                         "only (TransformerEngine is a GPU package); pass --transformer-impl local")
+    print_rank_0("building GPT model ...")
+    config = config or core_transformer_config_from_args(args)
+    if args.num_experts:
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                normalization=args.normalization, qk_l2_norm=args.qk_l2_norm,
+                                                vp_stage=vp_stage)
+    else:
+        layer_spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
+                                              args.multi_latent_attention, normalization=args.normalization)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
+
+
+def get_batch(data_iterator, vp_stage=None):
+    """This rank's micro-batch: TP rank 0 reads it, the TP group receives it; middle stages need none."""
+    args = get_args()
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return None, None, None, None, None
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    batch = {}
+    if tp_rank == 0:
+        sample = next(data_iterator)
+        batch = {key: sample[key].cuda(non_blocking=True) if sample.get(key) is not None else None
+                 for key in BATCH_KEYS}
+        batch["cu_seqlens"] = None
+    batch = get_batch_on_this_tp_rank(
+        batch, has_cu_seqlens=False, is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
+        tp_rank=tp_rank, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+        mtp_on_this_rank=False, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage())
+    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
+    return tuple(batch[key] for key in BATCH_KEYS)
+
+
+def loss_func(loss_mask, output_tensor):
+    """Sum of the masked token losses and the token count; Megatron-LM averages over the global batch."""
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    if get_args().check_for_nan_in_loss_and_grad:
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            get_rerun_state_machine().validate_result(
+                result=loss, rejection_func=reject, message=f"found {what} in local forward loss calculation",
+                tolerance=0.0, fatal=True)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator, model):
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+def is_dataset_built_on_rank(vp_stage=None):
+    return is_first_or_last_pipeline_stage(vp_stage) and mpu.get_tensor_model_parallel_rank() == 0
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """megatron-core's mock GPT dataset (--mock-data), seeded by --seed: the same tokens on every layout."""
+    args = get_args()
+    if not args.mock_data:
+        raise ValueError("this entry point trains on --mock-data only")
+    tokenizer = get_tokenizer()  # the one Megatron-LM built from --tokenizer-type at initialization
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=None, blend_per_split=None,
+        split=args.split, path_to_cache=args.data_cache_path, tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader)
+    print_rank_0("> building mock train, validation, and test datasets for GPT ...")
+    return BlendedMegatronDatasetBuilder(
+        MockGPTDataset, train_val_test_num_samples, partial(is_dataset_built_on_rank, vp_stage=vp_stage), config
+    ).build()
+
+
+def main():
+    cpu_shims.install()  # before the arguments: validate_args asks for the GPU architecture
+    universal_plugin.install()  # --universal-checkpoint: --load reads a universal checkpoint
+    train_valid_test_datasets_provider.is_distributed = True
+    args = parse_and_validate_args(extra_args_provider=universal_plugin.add_arguments,
+                                   args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
+             forward_step, model_provider=model_provider)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Megatron-LM 0.19 as the host: its own training loop (megatron-core 0.19.2) through our entry point.
+
+Sources: tests/fixtures/megatron-core-0.19, real Megatron-LM core_v0.19.0 runs on CPU. Each run here is
+torchrun, gloo, 4 processes, the fixture's cmd.txt flags (without --save), through
+pretrain_scripts/pretrain_gpt_mcore019.py (megatron_ucp/megatron_lm: model / forward / mock-data providers
+on `megatron.training.pretrain`, and the CPU patches of cpu_shims.py). Each training runs once per module.
+
+- reproduction: A19 (TP2 PP2 SP, llama-like) and E19 (MoE, 4 experts top-2, TP1 PP2 DP2 EP2) from scratch
+  print the fixture's lm loss for iterations 1-8, every digit;
+- resume at another layout: the fixture's iteration-4 checkpoint -> to-universal -> from-universal
+  --megatron-core-version 0.19 --rng-state cpu at another layout (A19 -> TP1 PP2 DP2; E19 -> TP1 PP1 DP4
+  EP4), then Megatron-LM's plain --load: iterations 5-8 within 1e-6 relative of the fixture's train.log
+  (fp32; measured ~1.5e-7, the log's own rounding);
+- negative control: the same resume with --no-load-optim (fresh Adam moments and step) misses by > 1e-4;
+- the --universal-checkpoint plugin (megatron_lm/universal_plugin.py, through Megatron-LM's extra_args_provider
+  and its own load_checkpoint call): E19's universal checkpoint loaded directly at EP1 (TP1 PP2 DP2), a move
+  megatron-core's own fully_reshardable load refuses, continues within 1e-6 (measured: every digit).
+
+Reading the logs: Megatron-LM 0.19's training_log does not reset its loss sum after a run's first logged
+iteration (`should_reset = not is_first_iteration`), so a run's second printed loss is the mean of its first
+two: iteration 2 of a fresh run (the fixtures' logs too) and iteration 6 of a resume, whose true value is
+2 x printed(6) - printed(5).
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from megatron_ucp.megatron_lm import launch
+
+pytestmark = pytest.mark.torchrun
+
+F19 = Path(__file__).resolve().parent / "fixtures" / "megatron-core-0.19"
+A19 = "A19_llama_tp2pp2dp1_distopt_sp_torch_dist"
+E19 = "E19_moe4top2_tp1pp2dp2ep2_distopt_torch_dist"
+RESUME_TOL = 1e-6  # fp32 relative; the printed losses have 7 significant digits (rounding ~1e-7)
+MISS = 1e-4
+TIMEOUT_S = 600
+
+# the other layout each fixture resumes at: flag -> value (None: drop the flag)
+OTHER_LAYOUT = {
+    A19: {"--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "2", "--sequence-parallel": None},
+    E19: {"--pipeline-model-parallel-size": "1", "--expert-model-parallel-size": "4"},
+}
+OTHER_LAYOUT_WRITE = {  # the same layouts for from-universal (4 processes each)
+    A19: dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2, data_parallel_size=2),
+    E19: dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data_parallel_size=4,
+              expert_model_parallel_size=4),
+}
+
+
+def fixture_flags(name: str) -> List[str]:
+    """The flags of the fixture's cmd.txt, less its --save / --save-interval."""
+    line = next(ln for ln in (F19 / name / "cmd.txt").read_text().splitlines() if " torchrun " in f" {ln}")
+    argv = shlex.split(line)
+    flags = argv[argv.index("run_pretrain_cpu.py") + 1:]
+    for flag in ("--save", "--save-interval"):
+        i = flags.index(flag)
+        del flags[i:i + 2]
+    return flags
+
+
+def with_layout(flags: List[str], changes: Dict[str, str]) -> List[str]:
+    out = list(flags)
+    for flag, value in changes.items():
+        i = out.index(flag) if flag in out else None
+        if value is None:
+            if i is not None:
+                del out[i]
+        elif i is None:
+            out += [flag, value]
+        else:
+            out[i + 1] = value
+    return out
+
+
+def fixture_losses(name: str) -> Dict[int, str]:
+    return launch.printed_losses((F19 / name / "train.log").read_text())
+
+
+def true_resumed_losses(printed: Dict[int, str]) -> Dict[int, float]:
+    """Iterations 5-8 of a resume from 4, iteration 6 undone from the first-two average (module docstring)."""
+    losses = {i: float(v) for i, v in printed.items()}
+    losses[6] = 2 * losses[6] - losses[5]
+    return losses
+
+
+def max_rel(ours: Dict[int, float], theirs: Dict[int, str], iterations=range(5, 9)) -> float:
+    return max(abs(ours[i] - float(theirs[i])) / abs(float(theirs[i])) for i in iterations)
+
+
+class Runs:
+    """Each distinct Megatron-LM 0.19 run once per module, in its own folder."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._done: Dict[tuple, Dict[int, str]] = {}
+
+    def train(self, flags: List[str], label: str) -> Dict[int, str]:
+        key = tuple(flags)
+        if key not in self._done:
+            work = self.root / label
+            work.mkdir(parents=True, exist_ok=True)
+            proc = launch.torchrun(4, flags, cwd=work, timeout=TIMEOUT_S)
+            (work / "run.log").write_text(proc.stdout)
+            tail = "\n".join(proc.stdout.splitlines()[-40:])
+            assert proc.returncode == 0, f"{label}: Megatron-LM 0.19 run failed; log {work / 'run.log'}\n{tail}"
+            self._done[key] = launch.printed_losses(proc.stdout)
+        return self._done[key]
+
+    def universal(self, name: str) -> Path:
+        """The fixture's iteration 4 as a universal checkpoint (converted once)."""
+        from megatron_ucp.convert import to_universal
+
+        dst = self.root / f"{name}.ucp"
+        if not dst.exists():
+            to_universal(F19 / name / "ckpt", dst, iteration=4, progress=False)
+        return dst
+
+    def checkpoint_at_other_layout(self, name: str) -> Path:
+        """The fixture's iteration 4, through the universal format, as Megatron-LM 0.19 saves it at OTHER_LAYOUT."""
+        from megatron_ucp.from_universal import from_universal
+
+        dst = self.root / f"{name}.ckpt"
+        if not dst.exists():
+            from_universal(self.universal(name), dst, ckpt_format="torch_dist", use_distributed_optimizer=True,
+                           megatron_core_version="0.19", rng_state="cpu", progress=False,
+                           **OTHER_LAYOUT_WRITE[name])
+        return dst
+
+
+@pytest.fixture(scope="module")
+def runs019(tmp_path_factory) -> Runs:
+    launch.mcore019_path()  # a clear failure when make install has not put megatron-core 0.19 there
+    return Runs(tmp_path_factory.mktemp("mlm019"))
+
+
+@pytest.mark.parametrize("name", [A19, E19])
+def test_fixture_run_is_reproduced(runs019, name):
+    """From scratch at the fixture's layout: lm loss of iterations 1-8 printed exactly as in train.log."""
+    expected = fixture_losses(name)
+    assert sorted(expected) == list(range(1, 9))
+    assert runs019.train(fixture_flags(name), f"{name}.fresh") == expected
+
+
+def resume_flags(name: str, ckpt: Path) -> List[str]:
+    return [*with_layout(fixture_flags(name), OTHER_LAYOUT[name]), "--load", str(ckpt)]
+
+
+@pytest.mark.parametrize("name", [A19, E19])
+def test_resume_at_another_layout_continues_the_fixture(runs019, name):
+    """Iteration 4 of the fixture, written for Megatron-LM 0.19 at another layout by from-universal, loaded by
+    Megatron-LM's own --load: iterations 5-8 equal the uninterrupted run's within RESUME_TOL."""
+    printed = runs019.train(resume_flags(name, runs019.checkpoint_at_other_layout(name)), f"{name}.resume")
+    assert sorted(printed) == [5, 6, 7, 8], f"the resume should start at iteration 5: {printed}"
+    diff = max_rel(true_resumed_losses(printed), fixture_losses(name))
+    assert diff <= RESUME_TOL, f"{name} resumed at {OTHER_LAYOUT[name]}: max relative lm-loss diff {diff:.2e}"
+
+
+def test_resume_without_optimizer_state_misses(runs019):
+    """Negative control: the same A19 resume with --no-load-optim (fresh Adam state) misses by > MISS."""
+    flags = [*resume_flags(A19, runs019.checkpoint_at_other_layout(A19)), "--no-load-optim"]
+    printed = runs019.train(flags, f"{A19}.resume_no_optim")
+    diff = max_rel(true_resumed_losses(printed), fixture_losses(A19))
+    assert diff > MISS, f"without the optimizer state the resume still matched ({diff:.2e}): the test sees nothing"
+
+
+def test_universal_checkpoint_plugin_resumes_at_another_expert_parallel_size(runs019):
+    """E19 (EP2) iteration 4 as a universal checkpoint, loaded by `--load UCP --universal-checkpoint` inside
+    Megatron-LM 0.19's own setup at EP1: iterations 5-8 equal the uninterrupted run's within RESUME_TOL."""
+    flags = [*with_layout(fixture_flags(E19), {"--expert-model-parallel-size": "1"}),
+             "--load", str(runs019.universal(E19)), "--universal-checkpoint"]
+    printed = runs019.train(flags, f"{E19}.universal_ep1")
+    assert sorted(printed) == [5, 6, 7, 8], f"the resume should start at iteration 5: {printed}"
+    diff = max_rel(true_resumed_losses(printed), fixture_losses(E19))
+    assert diff <= RESUME_TOL, f"E19 loaded from the universal checkpoint at EP1: max relative diff {diff:.2e}"
+
+
+def test_cpu_shims_refuse_another_megatron_core(monkeypatch):
+    """The 0.19 patches check the megatron-core they patch: the venv's 0.16.1 is refused, naming the fix."""
+    from megatron_ucp.megatron_lm import cpu_shims
+
+    monkeypatch.delenv("MEGATRON_UCP_ALLOW_UNTESTED_MCORE", raising=False)
+    monkeypatch.setattr(cpu_shims, "mcore_version", lambda: "0.16.1")
+    with pytest.raises(cpu_shims.UntestedMegatronCoreError, match="megatron-core-0.19 first on PYTHONPATH"):
+        cpu_shims.check_mcore_version()
+    monkeypatch.setattr(cpu_shims, "mcore_version", lambda: "0.19.2+53c57f1")  # 0.19 appends the cwd's git hash
+    cpu_shims.check_mcore_version()
+    monkeypatch.setattr(cpu_shims, "mcore_version", lambda: "0.20.0")
+    monkeypatch.setenv("MEGATRON_UCP_ALLOW_UNTESTED_MCORE", "1")
+    cpu_shims.check_mcore_version()
