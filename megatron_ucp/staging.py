@@ -495,6 +495,10 @@ def check_destination(dst: PathLike, kind: str, overwrite: bool = False) -> None
                            f"to overwrite it with another kind of output, delete it yourself or choose another "
                            f"destination")
     marker = UNIVERSAL_MARKER_FILENAME if kind == "universal" else TOOL_MARKER_FILENAME
+    if (dst / UNIVERSAL_MARKER_FILENAME).exists() or (dst / TOOL_MARKER_FILENAME).exists():
+        raise StagingError(f"{dst}: exists and is not a complete output of megatron-ucp as it was written (a marker "
+                           f"without the files it seals, or with files megatron-ucp did not write); refusing to "
+                           f"overwrite it, delete it yourself or choose another destination")
     raise StagingError(f"{dst}: exists and was not written by megatron-ucp (no {marker} marker of a "
                        f"{KINDS[kind]}); refusing to overwrite it, delete it yourself or choose another "
                        f"destination")

@@ -262,6 +262,14 @@ class LegacyCheckpoint(CheckpointReader):
                 f"{args.get('pipeline_model_parallel_size')} EP={args.get('expert_model_parallel_size') or 1}, but "
                 f"{self._rank_dir(0, 0) / MODEL_FILENAME} says TP={tp} PP={pp} EP={ep}; rank folders of different "
                 f"runs were mixed. Re-copy the iteration folder.")
+        rank = args.get("rank")  # the process that saved it: its EP / PP rank must be the folder's
+        if ep > 1 and type(rank) is int and 0 <= rank < self.layout.world_size:
+            _, saved_ep, _, saved_pp = self.layout.expert_coordinates(rank)
+            if (saved_ep, saved_pp) != (e, p):
+                raise CheckpointFormatError(
+                    f"{file}: was saved by rank {rank} (EP rank {saved_ep}, PP rank {saved_pp}) but lies in the "
+                    f"folder of EP rank {e}, PP rank {p}; rank folders were swapped or renamed. Re-copy the "
+                    f"iteration folder with the folder names Megatron-LM wrote.")
         keys = model_chunk_keys(state)
         if not keys or len(keys) != self.layout.num_chunks:
             raise CheckpointFormatError(
