@@ -47,8 +47,9 @@ def _looks_universal(path: Path) -> bool:
     return False
 
 
-def open_any(path: PathLike, iteration: Optional[int] = None):
-    """A UniversalCheckpoint or a MegatronCheckpoint for `path` (see the module docstring)."""
+def open_any(path: PathLike, iteration: Optional[int] = None, *, validate: bool = True):
+    """A UniversalCheckpoint or a MegatronCheckpoint for `path` (see the module docstring); a universal one
+    validated (UniversalCheckpoint.open) unless the caller lists its problems itself (`validate=False`)."""
     path = Path(path)
     check_not_staging(path, error=NotACheckpointError)
     if not path.exists():
@@ -60,7 +61,7 @@ def open_any(path: PathLike, iteration: Optional[int] = None):
     if _looks_universal(path):
         from megatron_ucp.universal import UniversalCheckpoint
 
-        ucp = UniversalCheckpoint.open(path, validate=False)  # describe() lists every problem
+        ucp = UniversalCheckpoint.open(path, validate=validate)
         if iteration is not None and iteration != ucp.iteration:
             raise NotACheckpointError(f"{path}: a universal checkpoint holds one iteration ({ucp.iteration}), not "
                                       f"the requested --iteration {iteration}; drop --iteration")
@@ -334,7 +335,7 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> dict:
-    info = describe(open_any(args.path, args.iteration))
+    info = describe(open_any(args.path, args.iteration, validate=False))  # lists every problem
     info["message"] = format_report(info)
     if info["problems"]:
         info["exit_code"] = 1

@@ -101,7 +101,7 @@ class Source:
 
 
 def read_source(path, iteration: Optional[int] = None) -> Source:
-    ckpt = open_any(path, iteration)
+    ckpt = open_any(path, iteration, validate=False)  # its problems are the plan's
     if is_universal(ckpt):
         params = ckpt.parameters
         return Source(str(ckpt.path), "universal", ckpt.iteration, ckpt.config,

@@ -580,7 +580,7 @@ def _check_lazy_source(lazy: Any, meta_path: Path, version: int, source: Any
     return root, files, digests
 
 
-def _model_parameters(config: GPTModelConfig, declared: int, meta_path: Path) -> Union[list, str]:
+def _model_parameters(config: GPTModelConfig, parameters: Mapping[str, Any], meta_path: Path) -> Union[list, str]:
     """The parameters (name, global shape) of the model metadata.json's model_config describes (the GPT
     rulebook), or why there is none (a problem line). Bounded by what the file really lists: a config
     declaring more layers or experts than there are parameters is not expanded, and more parameters than the
@@ -589,6 +589,7 @@ def _model_parameters(config: GPTModelConfig, declared: int, meta_path: Path) ->
     from megatron_ucp.layout import LayoutError
     from megatron_ucp.patterns import PatternError
 
+    declared = len(parameters)
     if max(config.num_layers, config.num_experts or 0) > declared:
         return (f"{meta_path}: model_config declares num_layers={config.num_layers}, num_experts="
                 f"{config.num_experts} but only {declared} parameters are listed; the checkpoint is incomplete or "
@@ -598,9 +599,13 @@ def _model_parameters(config: GPTModelConfig, declared: int, meta_path: Path) ->
     except (LayoutError, PatternError, ValueError, NotImplementedError) as e:
         return f"{meta_path}: its model_config describes no model this tool knows ({e}); reconvert"
     if declared > len(expected):
+        names = {name for name, _ in expected}
+        extra = [name for name in parameters if name not in names]
         raise UniversalFormatError(
-            f"{meta_path}: lists {declared} parameters, the model of its model_config has {len(expected)} "
-            f"(num_layers={config.num_layers}); metadata.json was edited or belongs to another model, reconvert")
+            f"{meta_path}: lists {declared} parameters, {len(extra)} of them ({', '.join(extra[:3])}"
+            f"{' ...' if len(extra) > 3 else ''}) not in the model of its model_config (num_layers="
+            f"{config.num_layers}, {len(expected)} parameters); metadata.json was edited or belongs to another "
+            f"model, reconvert")
     return expected
 
 
@@ -668,7 +673,7 @@ class UniversalCheckpoint:
                 lazy, meta_path, self.version, metadata.get("source"))
         if not isinstance(metadata["parameters"], dict):
             raise UniversalFormatError(f"{meta_path}: 'parameters' is not an object; reconvert")
-        self._expected = _model_parameters(self.config, len(metadata["parameters"]), meta_path)
+        self._expected = _model_parameters(self.config, metadata["parameters"], meta_path)
         self.parameters: dict[str, ParamInfo] = {
             name: _param_info(name, d, meta_path, self.version, self.lazy_source, lazy_files)
             for name, d in metadata["parameters"].items()}

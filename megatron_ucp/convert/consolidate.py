@@ -124,7 +124,8 @@ def consolidate_parameter(ckpt: CheckpointReader, task: ParamTask, *, average_re
                 continue
             try:
                 check_copies_agree(values, name=f"{task.name} [{key}] (tied)", labels=[
-                    f"{label} ({_shard_file(ckpt, place[0], key, keys)})" for label, place in zip(labels, task.places)])
+                    f"{label} ({', '.join(_shard_file(ckpt, ref, key, keys) for ref in place)})"
+                    for label, place in zip(labels, task.places)])
             except PatternError as e:
                 raise ConversionError(_replicas_differ(e, "the tied output_layer copy differs from the embedding")
                                       ) from e
