@@ -265,28 +265,36 @@ def test_a_lazy_index_reads_only_its_recorded_sources_data_files(case, lazy_part
 # 5, 6: metadata bombs, refused in seconds and hundreds of MiB
 
 
+# Runs `python -m megatron_ucp.cli ARGS --quiet` once per argv given (JSON lists) in this one process, printing
+# per run [exit status, stdout, stderr, seconds, the process's peak RSS so far in bytes]. VmHWM is this process's
+# own peak (ru_maxrss would keep the forking test process's).
 _MEASURED = r"""
 import contextlib, io, json, resource, runpy, sys, time
-sys.argv = ["megatron-ucp", *json.loads(sys.argv[1]), "--quiet"]
-out, err, code = io.StringIO(), io.StringIO(), 0
-start = time.perf_counter()
-with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    try:
-        runpy.run_module("megatron_ucp.cli", run_name="__main__", alter_sys=True)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-print(json.dumps([code, out.getvalue(), err.getvalue(), time.perf_counter() - start,
-                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]))
+results = []
+for argv in map(json.loads, sys.argv[1:]):
+    sys.argv = ["megatron-ucp", *argv, "--quiet"]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("megatron_ucp.cli", run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    seconds = time.perf_counter() - start
+    hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")]
+    kib = int(hwm[0].split()[1]) if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    results.append([code, out.getvalue(), err.getvalue(), seconds, kib * 1024])
+print(json.dumps(results))
 """
 
 
-def measured(argv: list[str], cwd: Path) -> tuple[Run, float, int]:
-    """One CLI run in its own process: (run, seconds in the command, peak RSS of the process in bytes)."""
-    proc = subprocess.run([sys.executable, "-c", _MEASURED, json.dumps(argv)], capture_output=True, text=True,
-                          timeout=600, cwd=cwd, env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+def measured(commands: list[list[str]], cwd: Path) -> list[tuple[Run, float, int]]:
+    """The CLI once per argv in one process: (run, seconds in the command, the process's peak RSS after it)."""
+    proc = subprocess.run([sys.executable, "-c", _MEASURED, *map(json.dumps, commands)], capture_output=True,
+                          text=True, timeout=600, cwd=cwd, env=dict(os.environ, PYTHONPATH=str(REPO),
+                                                                    OMP_NUM_THREADS="1"))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
-    code, out, err, seconds, rss = json.loads(proc.stdout)
-    return Run(code, out, err), seconds, rss
+    return [(Run(code, out, err), seconds, rss) for code, out, err, seconds, rss in json.loads(proc.stdout)]
 
 
 def _invented_parameters(n: int) -> str:
@@ -316,9 +324,8 @@ def test_a_metadata_bomb_is_refused_in_seconds_and_bounded_memory(bomb, ucp, tmp
     size = (src / "metadata.json").stat().st_size
     before = tree_digest(src)
     report = []
-    for argv in (["check", str(src)], ["inspect", str(src)],
-                 ["from-universal", str(src), str(tmp_path / "out"), *FROM]):
-        run, seconds, rss = measured(argv, tmp_path)
+    commands = [["check", str(src)], ["inspect", str(src)], ["from-universal", str(src), str(tmp_path / "out"), *FROM]]
+    for argv, (run, seconds, rss) in zip(commands, measured(commands, tmp_path)):
         one_line(run, *needles)
         report.append(f"{argv[0]}: {seconds:.2f} s, {rss / MIB:.0f} MiB")
         assert seconds < 20, (argv[0], seconds)
@@ -360,11 +367,11 @@ def test_plan_suggests_only_tensor_parallel_sizes_the_whole_model_takes(tmp_path
     """#8: fixture A (4 heads, 2 query groups, vocabulary 1024) at TP3: every suggestion is a TP that divides
     heads, query groups and FFN alike."""
     src = C_FIXTURE.parent.parent / "A_llama_tp2pp2dp2_distopt_sp_torch" / "ckpt"
-    runs = run_cli([["plan", str(src), "-t", "3"], ["plan", str(src), "-t", "3", "--json"]], tmp_path)
-    assert runs[0].returncode == 1 and "Traceback" not in runs[0].stderr
-    text = runs[0].stdout + runs[0].stderr
+    (run,) = run_cli([["plan", str(src), "-t", "3", "--json"]], tmp_path)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    text = run.stdout
     assert "num_query_groups=2 is not divisible by TP=3" in text
-    suggestions = [line.split("TP in ")[1] for line in text.splitlines() if "TP in " in line]
+    suggestions = [part.split("]")[0] + "]" for part in text.split("TP in ")[1:]]
     assert len(suggestions) >= 3 and set(suggestions) == {"[1, 2]"}, suggestions
 
 
