@@ -84,30 +84,27 @@ def one_line(run: Run, *needles: str) -> str:
 
 
 def refused_everywhere(src: Path, tmp_path: Path, needles: tuple, commands=("from-universal", "export-hf"),
-                       inputs: tuple = ()) -> list[str]:
-    """Every command in `commands` refuses `src` with one line holding `needles`; inputs unchanged; no output."""
+                       inputs: tuple = (), check_lists: bool = False) -> list[str]:
+    """Every command in `commands` refuses `src` with one line holding `needles`; inputs unchanged; no output.
+    `check_lists`: `check --json` (in the same process) exits 1 and lists a problem holding every needle."""
     digests = {p: tree_digest(p) for p in (src, *inputs)}
     argv = {"from-universal": ["from-universal", str(src), str(tmp_path / "out_meg"), *FROM],
             "export-hf": ["export-hf", str(src), str(tmp_path / "out_hf"), *HF],
             "inspect": ["inspect", str(src)], "check": ["check", str(src)],
             "verify": ["verify", str(src), str(C_FIXTURE), "--iteration-b", "4"],
             "plan": ["plan", str(src)], "to-universal": ["to-universal", str(src), str(tmp_path / "out_ucp")]}
-    runs = run_cli([argv[c] for c in commands], tmp_path)
+    runs = run_cli([argv[c] for c in commands] + ([["check", str(src), "--json"]] if check_lists else []), tmp_path)
+    if check_lists:
+        run = runs.pop()
+        assert run.returncode == 1 and "Traceback" not in run.stderr, (run.returncode, run.stderr)
+        problems = json.loads(run.stdout)["problems"]
+        assert any(all(n in p for n in needles) for p in problems), problems
     messages = [one_line(run, *needles) for run in runs]
     for path, digest in digests.items():
         assert tree_digest(path) == digest, f"{path} was modified"
     for name in ("out_meg", "out_hf", "out_ucp"):
         assert_nothing_left(tmp_path / name)
     return messages
-
-
-def check_lists(src: Path, tmp_path: Path, *needles: str) -> dict:
-    """`check --json` exits 1 and lists a problem holding every needle."""
-    (run,) = run_cli([["check", str(src), "--json"]], tmp_path)
-    assert run.returncode == 1 and "Traceback" not in run.stderr, (run.returncode, run.stderr)
-    result = json.loads(run.stdout)
-    assert any(all(n in p for n in needles) for p in result["problems"]), result["problems"]
-    return result
 
 
 # --------------------------------------------------------------------------------------------------
@@ -161,10 +158,9 @@ def test_metadata_that_contradicts_its_tensors_is_refused_by_every_reader(case, 
                             "num_layers 4->5": ("num_layers", 5, "are missing"),
                             "hidden_size": ("hidden_size", 64, "has shape")}[case]
     edit_metadata(src, lambda meta: meta["model_config"].update({field: value}))
-    refused_everywhere(src, tmp_path, (str(src), needle, "reconvert"), commands=("from-universal", "export-hf",
-                                                                                  "verify"))
-    if case != "num_layers 4->3":  # (that one check refuses at open, as above)
-        check_lists(src, tmp_path, str(src), needle)
+    refused_everywhere(src, tmp_path, (str(src), needle, "reconvert"), commands=(
+        "from-universal", "export-hf", "verify") + (("check",) if case == "num_layers 4->3" else ()),
+        check_lists=case != "num_layers 4->3")  # (more parameters than the model has: refused at open)
 
 
 @pytest.mark.parametrize("case", ["param_groups deleted", "lr deleted", "optimizer a list", "index 99",
@@ -198,8 +194,7 @@ def test_optimizer_and_run_state_metadata_are_validated_by_every_reader(case, uc
               "index -1": "param_group.index -1",
               "rng.size 2^50": f"rng.size is {2 ** 50}",
               "rng.ranks 0": "rng.ranks is 0"}[case]
-    refused_everywhere(src, tmp_path, (meta_path, needle, "metadata.json was edited, reconvert"))
-    check_lists(src, tmp_path, meta_path, needle)
+    refused_everywhere(src, tmp_path, (meta_path, needle, "metadata.json was edited, reconvert"), check_lists=True)
 
 
 # --------------------------------------------------------------------------------------------------
