@@ -387,7 +387,8 @@ class UniversalWriter:
                 raise UniversalFormatError(f"{self.dst}: metadata lacks {missing}")
             self._check_complete(expected)
             doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION}
-            doc.update({k: v for k, v in metadata.items() if k not in ("format", "version", "parameters")})
+            # `rng` describes the file written here, never one a copied metadata names
+            doc.update({k: v for k, v in metadata.items() if k not in ("format", "version", "parameters", "rng")})
             if rng is not None and rng.states:
                 doc["rng"] = _write_rng_file(self.staging_dir, rng)
             doc["parameters"] = self.parameters
