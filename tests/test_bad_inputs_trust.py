@@ -492,3 +492,20 @@ def test_swapped_ep_rank_folders_are_named_as_such(distributed, tmp_path):
     assert "missing or malformed" not in message
     assert tree_digest(src) == before
     assert_nothing_left(tmp_path / "out")
+
+
+def test_overwrite_replaces_an_output_only_as_it_was_written(ucp, tmp_path):
+    """#13, neighbour: a universal checkpoint this tool wrote, with a user's file added, is not replaced; once
+    the file is gone it is (and the user's folder beside it is untouched)."""
+    dst = copy_of(ucp, tmp_path, "out")
+    (dst / "notes.txt").write_text("mine")
+    existed = tree_digest(dst)
+    argv = ["to-universal", str(C_FIXTURE), str(dst), "--iteration", "4", "--overwrite"]
+    (run,) = run_cli([argv], tmp_path)
+    one_line(run, f"{dst}: exists and is not a complete output of megatron-ucp as it was written",
+             "refusing to overwrite it")
+    assert_nothing_left(dst, existed=existed)
+    (dst / "notes.txt").unlink()
+    (run,) = run_cli([argv], tmp_path)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    assert sorted(os.listdir(tmp_path)) == ["out"] and (dst / "COMPLETE").is_file()
