@@ -84,27 +84,38 @@ def one_line(run: Run, *needles: str) -> str:
 
 
 def refused_everywhere(src: Path, tmp_path: Path, needles: tuple, commands=("from-universal", "export-hf"),
-                       inputs: tuple = (), check_lists: bool = False) -> list[str]:
-    """Every command in `commands` refuses `src` with one line holding `needles`; inputs unchanged; no output.
-    `check_lists`: `check --json` (in the same process) exits 1 and lists a problem holding every needle."""
-    digests = {p: tree_digest(p) for p in (src, *inputs)}
-    argv = {"from-universal": ["from-universal", str(src), str(tmp_path / "out_meg"), *FROM],
-            "export-hf": ["export-hf", str(src), str(tmp_path / "out_hf"), *HF],
-            "inspect": ["inspect", str(src)], "check": ["check", str(src)],
-            "verify": ["verify", str(src), str(C_FIXTURE), "--iteration-b", "4"],
-            "plan": ["plan", str(src)], "to-universal": ["to-universal", str(src), str(tmp_path / "out_ucp")]}
-    runs = run_cli([argv[c] for c in commands] + ([["check", str(src), "--json"]] if check_lists else []), tmp_path)
-    if check_lists:
-        run = runs.pop()
-        assert run.returncode == 1 and "Traceback" not in run.stderr, (run.returncode, run.stderr)
-        problems = json.loads(run.stdout)["problems"]
-        assert any(all(n in p for n in needles) for p in problems), problems
-    messages = [one_line(run, *needles) for run in runs]
+                       inputs: tuple = (), check_lists: bool = False) -> None:
+    """Every command in `commands` refuses `src` with one line holding `needles`; inputs unchanged; no output
+    (DSTs beside `src`). `check_lists`: `check --json` exits 1 and lists a problem holding every needle."""
+    refused_in_one_process([(src, needles, commands, inputs, check_lists)], tmp_path)
+
+
+def refused_in_one_process(cases: list[tuple], tmp_path: Path) -> None:
+    """refused_everywhere for several (src, needles, commands, inputs, check_lists), every command of every case
+    in one subprocess (the interpreter and torch imported once)."""
+    out = ("out_meg", "out_hf", "out_ucp")
+    digests = {p: tree_digest(p) for src, _, _, inputs, _ in cases for p in (src, *inputs)}
+    argvs, expected = [], []
+    for src, needles, commands, _, check_lists in cases:
+        argv = {"from-universal": ["from-universal", str(src), str(src.parent / out[0]), *FROM],
+                "export-hf": ["export-hf", str(src), str(src.parent / out[1]), *HF],
+                "inspect": ["inspect", str(src)], "check": ["check", str(src)],
+                "verify": ["verify", str(src), str(C_FIXTURE), "--iteration-b", "4"],
+                "to-universal": ["to-universal", str(src), str(src.parent / out[2])]}
+        argvs += [argv[c] for c in commands] + ([["check", str(src), "--json"]] if check_lists else [])
+        expected += [(needles, False)] * len(commands) + ([(needles, True)] if check_lists else [])
+    for run, (needles, listed) in zip(run_cli(argvs, tmp_path), expected):
+        if listed:
+            assert run.returncode == 1 and "Traceback" not in run.stderr, (run.returncode, run.stderr)
+            problems = json.loads(run.stdout)["problems"]
+            assert any(all(n in p for n in needles) for p in problems), (needles, problems)
+        else:
+            one_line(run, *needles)
     for path, digest in digests.items():
         assert tree_digest(path) == digest, f"{path} was modified"
-    for name in ("out_meg", "out_hf", "out_ucp"):
-        assert_nothing_left(tmp_path / name)
-    return messages
+    for src, *_ in cases:
+        for name in out:
+            assert_nothing_left(src.parent / name)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -150,51 +161,59 @@ def test_to_universal_of_a_universal_checkpoint_says_so(ucp, lazy_parts, tmp_pat
 # 2, 3, 12: metadata that no longer matches its tensors, refused by every reader
 
 
-@pytest.mark.parametrize("case", ["num_layers 4->3", "num_layers 4->5", "hidden_size"])
-def test_metadata_that_contradicts_its_tensors_is_refused_by_every_reader(case, ucp, tmp_path):
-    """#2: model_config edited and resealed: a layer would be dropped (or invented) silently."""
-    src = copy_of(ucp, tmp_path)
-    field, value, needle = {"num_layers 4->3": ("num_layers", 3, "not in the model of its model_config"),
-                            "num_layers 4->5": ("num_layers", 5, "are missing"),
-                            "hidden_size": ("hidden_size", 64, "has shape")}[case]
-    edit_metadata(src, lambda meta: meta["model_config"].update({field: value}))
-    refused_everywhere(src, tmp_path, (str(src), needle, "reconvert"), commands=(
-        "from-universal", "export-hf", "verify") + (("check",) if case == "num_layers 4->3" else ()),
-        check_lists=case != "num_layers 4->3")  # (more parameters than the model has: refused at open)
+def test_metadata_that_contradicts_its_tensors_is_refused_by_every_reader(ucp, tmp_path):
+    """#2: model_config edited and resealed: a layer would be dropped (or invented) silently. Each case refused
+    by from-universal, export-hf and verify in one line, listed by `check` (more parameters than the model has:
+    refused at open by check too)."""
+    cases = []
+    for case, field, value, needle in [("num_layers 4-3", "num_layers", 3, "not in the model of its model_config"),
+                                       ("num_layers 4-5", "num_layers", 5, "are missing"),
+                                       ("hidden_size", "hidden_size", 64, "has shape")]:
+        src = copy_of(ucp, tmp_path / case)
+        edit_metadata(src, lambda meta: meta["model_config"].update({field: value}))
+        fewer = value == 3
+        cases.append((src, (str(src), needle, "reconvert"),
+                      ("from-universal", "export-hf", "verify") + (("check",) if fewer else ()), (), not fewer))
+    refused_in_one_process(cases, tmp_path)
 
 
-@pytest.mark.parametrize("case", ["param_groups deleted", "lr deleted", "optimizer a list", "index 99",
-                                  "index -1", "rng.size 2^50", "rng.ranks 0"])
-def test_optimizer_and_run_state_metadata_are_validated_by_every_reader(case, ucp, tmp_path):
-    """#3 and #12: what from-universal would otherwise write without hyper-parameters, or pass `check`."""
-    src = copy_of(ucp, tmp_path)
-    meta_path = str(src / "metadata.json")
+_RUN_STATE_CASES = {
+    "param_groups deleted": "optimizer.param_groups is empty or missing",
+    "lr deleted": "optimizer.param_groups[1] has no lr",
+    "optimizer a list": "'optimizer' is not",
+    "index 99": f"{PARAM} (and 0 other parameter(s)) is in param_group.index 99, but optimizer.param_groups has 2 "
+                f"group(s)",
+    "index -1": "param_group.index -1",
+    "rng.size 2^50": f"rng.size is {2 ** 50}",
+    "rng.ranks 0": "rng.ranks is 0"}
 
-    def edit(meta):
-        groups = meta["optimizer"]["param_groups"]
-        if case == "param_groups deleted":
-            del meta["optimizer"]["param_groups"]
-        elif case == "lr deleted":
-            del groups[1]["lr"]
-        elif case == "optimizer a list":
-            meta["optimizer"] = groups
-        elif case.startswith("index"):
-            meta["parameters"][PARAM]["param_group"]["index"] = int(case.split()[1])
-        elif case == "rng.size 2^50":
-            meta["rng"]["size"] = 2 ** 50
-        else:
-            meta["rng"]["ranks"] = 0
 
-    edit_metadata(src, edit)
-    needle = {"param_groups deleted": "optimizer.param_groups is empty or missing",
-              "lr deleted": "optimizer.param_groups[1] has no lr",
-              "optimizer a list": "'optimizer' is not",
-              "index 99": f"{PARAM} (and 0 other parameter(s)) is in param_group.index 99, but "
-                          f"optimizer.param_groups has 2 group(s)",
-              "index -1": "param_group.index -1",
-              "rng.size 2^50": f"rng.size is {2 ** 50}",
-              "rng.ranks 0": "rng.ranks is 0"}[case]
-    refused_everywhere(src, tmp_path, (meta_path, needle, "metadata.json was edited, reconvert"), check_lists=True)
+def _edit_run_state(case: str, meta: dict) -> None:
+    groups = meta["optimizer"]["param_groups"]
+    if case == "param_groups deleted":
+        del meta["optimizer"]["param_groups"]
+    elif case == "lr deleted":
+        del groups[1]["lr"]
+    elif case == "optimizer a list":
+        meta["optimizer"] = groups
+    elif case.startswith("index"):
+        meta["parameters"][PARAM]["param_group"]["index"] = int(case.split()[1])
+    elif case == "rng.size 2^50":
+        meta["rng"]["size"] = 2 ** 50
+    else:
+        meta["rng"]["ranks"] = 0
+
+
+def test_optimizer_and_run_state_metadata_are_validated_by_every_reader(ucp, tmp_path):
+    """#3 and #12: what from-universal would otherwise write without hyper-parameters, or `check` pass: each
+    case refused by from-universal and export-hf in one line, listed by `check`."""
+    cases = []
+    for case, needle in _RUN_STATE_CASES.items():
+        src = copy_of(ucp, tmp_path / case.replace(" ", "_").replace("^", ""))
+        edit_metadata(src, lambda meta: _edit_run_state(case, meta))
+        cases.append((src, (str(src / "metadata.json"), needle, "metadata.json was edited, reconvert"),
+                      ("from-universal", "export-hf"), (), True))
+    refused_in_one_process(cases, tmp_path)
 
 
 # --------------------------------------------------------------------------------------------------
