@@ -221,6 +221,13 @@ class FromUniversalSummary:
 HALF_WRITTEN = "half-written"  # the staging phase once half the files are written (crash tests)
 
 
+def _check_counts(options: dict) -> None:
+    """Every count option given is >= 1 (None: not given), before anything is opened or created."""
+    for flag, value in options.items():
+        if value is not None and value < 1:
+            raise FromUniversalError(f"{flag} {value}: must be >= 1; pass a positive number")
+
+
 def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_size: int = 1,
                    pipeline_model_parallel_size: int = 1, data_parallel_size: int = 1,
                    num_layers_per_virtual_pipeline_stage: Optional[int] = None,
@@ -246,6 +253,13 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
     ucp_path, dst = Path(ucp_path), Path(dst).absolute()
     if rng_state not in RNG_STATE_KINDS:
         raise FromUniversalError(f"rng_state={rng_state!r}: choose one of {', '.join(RNG_STATE_KINDS)}")
+    _check_counts({"--tensor-model-parallel-size": tensor_model_parallel_size,
+                   "--pipeline-model-parallel-size": pipeline_model_parallel_size,
+                   "--data-parallel-size": data_parallel_size,
+                   "--num-layers-per-virtual-pipeline-stage": num_layers_per_virtual_pipeline_stage,
+                   "--expert-model-parallel-size": expert_model_parallel_size,
+                   "--expert-tensor-parallel-size": expert_tensor_parallel_size, "--workers": workers,
+                   "--timeout": timeout_s if via_harness else None})
     check_destination(dst, ucp_path, overwrite)  # fails fast; checked again under the lock
     distributed = in_torchrun() and not dry_run
     rank0 = int(os.environ.get("RANK", "0")) == 0 if distributed else True

@@ -35,6 +35,11 @@ def _divisors(n: int, upto: int = 64) -> list[int]:
     return [d for d in range(1, min(n, upto) + 1) if n % d == 0]
 
 
+def _model_tps(c: GPTModelConfig) -> list[int]:
+    """The TP sizes (up to 64) the model's attention heads, query groups and FFN all divide into."""
+    return _divisors(math.gcd(c.num_attention_heads, c.num_query_groups, c.ffn_hidden_size))
+
+
 @dataclass(frozen=True)
 class Target:
     tp: int
@@ -96,7 +101,7 @@ class Source:
 
 
 def read_source(path, iteration: Optional[int] = None) -> Source:
-    ckpt = open_any(path, iteration)
+    ckpt = open_any(path, iteration, validate=False)  # its problems are the plan's
     if is_universal(ckpt):
         params = ckpt.parameters
         return Source(str(ckpt.path), "universal", ckpt.iteration, ckpt.config,
@@ -148,15 +153,16 @@ def check_target(source: Source, target: Target) -> tuple[list[str], list[str], 
                             f"{etp} x {target.ep} expert groups; choose EP and ETP whose product divides "
                             f"{target.tp * target.dp}")
     t = target.tp
+    tps = _model_tps(c)  # every suggestion is a TP the whole model takes
     if c.num_attention_heads % t:
         problems.append(f"num_attention_heads={c.num_attention_heads} is not divisible by TP={t}; "
-                        f"choose TP in {_divisors(c.num_attention_heads)}")
+                        f"choose TP in {tps}")
     if c.num_query_groups % t:
         problems.append(f"num_query_groups={c.num_query_groups} is not divisible by TP={t} (each TP rank holds whole "
-                        f"query groups of the fused QKV); choose TP in {_divisors(c.num_query_groups)}")
+                        f"query groups of the fused QKV); choose TP in {tps}")
     if c.ffn_hidden_size % t:
         problems.append(f"ffn_hidden_size={c.ffn_hidden_size} is not divisible by TP={t}; "
-                        f"choose TP in {_divisors(c.ffn_hidden_size)}")
+                        f"choose TP in {tps}")
     vpp = None
     split = dict(first_stage_layers=target.first_stage_layers, last_stage_layers=target.last_stage_layers,
                  embedding_in_split=target.embedding_in_split, loss_in_split=target.loss_in_split)
@@ -173,7 +179,7 @@ def check_target(source: Source, target: Target) -> tuple[list[str], list[str], 
     if padded != c.padded_vocab_size:
         warnings.append(f"vocabulary padding changes: the stored {c.padded_vocab_size} rows are not divisible by "
                         f"TP={t}, the loader re-pads to {padded} rows (padding rows enter the softmax: the loss "
-                        f"shifts slightly); keep it with TP in {_divisors(c.padded_vocab_size)}")
+                        f"shifts slightly); keep it with TP in {[d for d in tps if c.padded_vocab_size % d == 0]}")
     gbs, mbs = source.args.get("global_batch_size"), source.args.get("micro_batch_size")
     if gbs and mbs:
         if gbs % (mbs * target.dp):

@@ -141,25 +141,55 @@ def tool_marker(kind: str, **fields) -> bytes:
     return (json.dumps(doc, indent=1) + "\n").encode()
 
 
+# Top-level entries of a universal checkpoint (docs/FORMAT.md); anything else in a folder is not ours.
+_UNIVERSAL_ENTRIES = {UNIVERSAL_MARKER_FILENAME, "metadata.json", "tensors", "rng_states.json"}
+
+
 def written_by_tool(path: PathLike) -> Optional[str]:
-    """The kind ("universal", "megatron", "hf") of a directory this tool wrote, by its marker; None for
-    anything else (a user's folder, a Megatron-LM checkpoint, a staging directory)."""
+    """The kind ("universal", "megatron", "hf") of a directory that is a complete output of this tool, as
+    written; None for anything else (a user's folder, a Megatron-LM checkpoint, a staging directory, a
+    folder holding a copied marker). A universal checkpoint: its COMPLETE names this format and the sha256
+    of the metadata.json beside it, and it holds nothing the format does not write; a Megatron checkpoint or
+    HF export: its marker lists exactly the entries the folder holds."""
     path = Path(path)
     if not path.is_dir() or path.is_symlink() or is_staging_path(path):
         return None
     try:
-        complete = json.loads((path / UNIVERSAL_MARKER_FILENAME).read_bytes())
-        if isinstance(complete, dict) and complete.get("format") == UNIVERSAL_FORMAT:
+        entries = set(os.listdir(path))
+    except OSError:
+        return None
+    complete = _json_object(path / UNIVERSAL_MARKER_FILENAME)
+    if complete is not None and complete.get("format") == UNIVERSAL_FORMAT:
+        if entries <= _UNIVERSAL_ENTRIES and complete.get("metadata_sha256") == _file_sha256(path / "metadata.json"):
             return "universal"
-    except (OSError, ValueError):
-        pass
-    try:
-        marker = json.loads((path / TOOL_MARKER_FILENAME).read_bytes())
-        if isinstance(marker, dict) and marker.get("tool") == TOOL_NAME and marker.get("kind") in KINDS:
-            return marker["kind"]
-    except (OSError, ValueError):
-        pass
+        return None
+    marker = _json_object(path / TOOL_MARKER_FILENAME)
+    if (marker is not None and marker.get("tool") == TOOL_NAME and marker.get("kind") in KINDS
+            and marker.get("entries") == sorted(entries - {TOOL_MARKER_FILENAME})):
+        return marker["kind"]
     return None
+
+
+def _json_object(path: Path, limit: int = 1 << 20) -> Optional[dict]:
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read(limit))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _file_sha256(path: Path) -> Optional[str]:
+    import hashlib
+
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -465,6 +495,10 @@ def check_destination(dst: PathLike, kind: str, overwrite: bool = False) -> None
                            f"to overwrite it with another kind of output, delete it yourself or choose another "
                            f"destination")
     marker = UNIVERSAL_MARKER_FILENAME if kind == "universal" else TOOL_MARKER_FILENAME
+    if (dst / UNIVERSAL_MARKER_FILENAME).exists() or (dst / TOOL_MARKER_FILENAME).exists():
+        raise StagingError(f"{dst}: exists and is not a complete output of megatron-ucp as it was written (a marker "
+                           f"without the files it seals, or with files megatron-ucp did not write); refusing to "
+                           f"overwrite it, delete it yourself or choose another destination")
     raise StagingError(f"{dst}: exists and was not written by megatron-ucp (no {marker} marker of a "
                        f"{KINDS[kind]}); refusing to overwrite it, delete it yourself or choose another "
                        f"destination")
@@ -579,6 +613,10 @@ class Staging:
             fsync_tree(self.path, self.fsync_workers)
             self.phase("fsynced")
             os.unlink(self.path / OWNER_FILENAME)
+            if marker_name == TOOL_MARKER_FILENAME:  # what --overwrite may replace later: exactly these
+                doc = json.loads(marker)
+                doc["entries"] = sorted(set(os.listdir(self.path)) - {marker_name})
+                marker = (json.dumps(doc, indent=1) + "\n").encode()
             _write_durable(self.path / marker_name, marker)
             fsync_path(self.path)
             self.phase("marker-written")

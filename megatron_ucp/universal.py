@@ -59,6 +59,17 @@ MAX_HEADER = integrity.MAX_HEADER  # bytes a tensor file's safetensors header ma
 # Canonical names are dotted module paths; anything else could escape tensors/ or clash on disk.
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
 
+# metadata.json is refused before it is parsed when it is larger than the checkpoint's real size can explain:
+# a base, plus per tensor file under tensors/ and per MiB of tensor bytes (a checksum block is ~36 bytes of
+# JSON); a lazy checkpoint (no tensors/) gets a flat budget (its source regions and their checksums).
+_METADATA_BASE = 16 << 20
+_METADATA_PER_FILE = 16 << 10
+_METADATA_PER_MIB = 128
+_LAZY_METADATA_MAX = 128 << 20
+# Hyper-parameters every optimizer param group of a checkpoint with optimizer state records (Megatron's groups
+# hold them all; a writer cannot rebuild a group without them).
+_GROUP_HYPER = ("lr", "weight_decay")
+
 # Files that say a directory is a Megatron-LM checkpoint (root or iteration folder), not a universal one.
 _MEGATRON_SIGNS = ("latest_checkpointed_iteration.txt", ".metadata", "common.pt")
 
@@ -412,7 +423,8 @@ class UniversalWriter:
                 raise UniversalFormatError(f"{self.dst}: metadata lacks {missing}")
             self._check_complete(expected)
             doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION}
-            doc.update({k: v for k, v in metadata.items() if k not in ("format", "version", "parameters")})
+            # `rng` describes the file written here, never one a copied metadata names
+            doc.update({k: v for k, v in metadata.items() if k not in ("format", "version", "parameters", "rng")})
             if rng is not None and rng.states:
                 doc["rng"] = _write_rng_file(self.staging_dir, rng)
             doc["parameters"] = self.parameters
@@ -551,18 +563,34 @@ def _inside(path: Path, root: Path) -> bool:
     return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
 
 
-def _check_lazy_source(lazy: Any, meta_path: Path, version: int) -> tuple[Path, dict, Optional[SourceDigests]]:
+def _check_lazy_source(lazy: Any, meta_path: Path, version: int, source: Any
+                       ) -> tuple[Path, dict, Optional[SourceDigests]]:
     """A lazy checkpoint's source folder, its files and their checksums (version 2), after checking every
-    file it refers to is there, inside the source folder, a regular file, unchanged."""
+    file it refers to is there, a regular file of tensor bytes of the Megatron-LM checkpoint recorded as the
+    conversion's source (by that format's file names), reached without a link, unchanged. Containment does
+    not rest on checksums: anything else is refused before a byte is read."""
+    from megatron_ucp.formats import is_data_file
+
     try:
         root = Path(lazy["source"])
         files = {relative_inside(rel): dict(want) for rel, want in dict(lazy["files"]).items()}
         if not root.is_absolute():
             raise ValueError(f"source {str(root)!r} is not an absolute path")
+        recorded = source.get("path") if isinstance(source, dict) else None
+        if str(root) != recorded:
+            raise ValueError(f"source {str(root)!r} is not the checkpoint the conversion read ({recorded!r})")
     except (KeyError, TypeError, ValueError) as e:
         raise UniversalFormatError(f"{meta_path}: malformed 'lazy' section ({e}); reconvert") from None
     for rel, want in files.items():
         f = root / rel
+        if not is_data_file(rel):
+            raise UniversalFormatError(
+                f"{meta_path}: the lazy index reads {f}, which is not a tensor file of a Megatron-LM checkpoint "
+                f"folder (__R_N.distcp, mp_rank_*/model_optim_rng.pt or distrib_optim.pt); a lazy checkpoint "
+                f"reads only its source checkpoint's files: the metadata was edited, reconvert")
+        if os.path.realpath(f) != os.path.join(os.path.realpath(root), rel):
+            raise UniversalFormatError(f"{f}: reached through a symbolic link; a lazy checkpoint reads only files "
+                                       f"inside {root} itself: restore the source checkpoint, or reconvert")
         try:
             st = os.lstat(f)
         except OSError:
@@ -587,6 +615,62 @@ def _check_lazy_source(lazy: Any, meta_path: Path, version: int) -> tuple[Path, 
             raise UniversalFormatError(f"{meta_path}: lazy section without valid source checksums ({e}); "
                                        f"reconvert with this megatron-ucp") from None
     return root, files, digests
+
+
+def _model_parameters(config: GPTModelConfig, parameters: Mapping[str, Any], meta_path: Path) -> Union[list, str]:
+    """The parameters (name, global shape) of the model metadata.json's model_config describes (the GPT
+    rulebook), or why there is none (a problem line). Bounded by what the file really lists: a config
+    declaring more layers or experts than there are parameters is not expanded, and more parameters than the
+    model has are refused here, before any entry is parsed."""
+    from megatron_ucp.adapters.gpt import expected_parameters
+    from megatron_ucp.layout import LayoutError
+    from megatron_ucp.patterns import PatternError
+
+    declared = len(parameters)
+    if max(config.num_layers, config.num_experts or 0) > declared:
+        return (f"{meta_path}: model_config declares num_layers={config.num_layers}, num_experts="
+                f"{config.num_experts} but only {declared} parameters are listed; the checkpoint is incomplete or "
+                f"metadata.json was edited, reconvert")
+    try:
+        expected = expected_parameters(config)
+    except (LayoutError, PatternError, ValueError, NotImplementedError) as e:
+        return f"{meta_path}: its model_config describes no model this tool knows ({e}); reconvert"
+    if declared > len(expected):
+        names = {name for name, _ in expected}
+        extra = [name for name in parameters if name not in names]
+        raise UniversalFormatError(
+            f"{meta_path}: lists {declared} parameters, {len(extra)} of them ({', '.join(extra[:3])}"
+            f"{' ...' if len(extra) > 3 else ''}) not in the model of its model_config (num_layers="
+            f"{config.num_layers}, {len(expected)} parameters); metadata.json was edited or belongs to another "
+            f"model, reconvert")
+    return expected
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_metadata_size(path: Path, meta_path: Path) -> None:
+    """Refuse, before parsing, a metadata.json larger than the checkpoint's real size can explain (a file of a
+    million invented entries would take gigabytes and minutes to parse and check)."""
+    files, nbytes = 0, 0
+    try:
+        with os.scandir(path / TENSORS_DIRNAME) as it:
+            for entry in it:
+                files += 1
+                nbytes += entry.stat(follow_symlinks=False).st_size
+        limit = _METADATA_BASE + _METADATA_PER_FILE * files + _METADATA_PER_MIB * (nbytes >> 20)
+    except OSError:  # a lazy checkpoint has no tensors/
+        limit = _LAZY_METADATA_MAX
+    size = meta_path.stat().st_size
+    if size > limit:
+        raise UniversalFormatError(
+            f"{meta_path}: {size} bytes, more than a checkpoint of {files} tensor files ({nbytes} bytes) can need "
+            f"(at most {limit}); metadata.json was edited or does not belong to this checkpoint, reconvert")
 
 
 def _as_format_error(e: Exception) -> UniversalFormatError:
@@ -614,15 +698,19 @@ class UniversalCheckpoint:
         self.args: dict = metadata.get("args", {})
         self.scheduler_state: dict = metadata.get("scheduler") or {}
         self.loss_scaler, self.rng_section = _run_state_metadata(metadata, meta_path)
-        self.param_groups: list[dict] = list((metadata.get("optimizer") or {}).get("param_groups", []))
+        optimizer = metadata.get("optimizer")
+        groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+        self.param_groups: list[dict] = list(groups) if isinstance(groups, list) else []
         lazy = metadata.get("lazy")
         self.lazy_source: Optional[Path] = None
         self.source_digests: Optional[SourceDigests] = None
         lazy_files = None
         if lazy is not None:
-            self.lazy_source, lazy_files, self.source_digests = _check_lazy_source(lazy, meta_path, self.version)
+            self.lazy_source, lazy_files, self.source_digests = _check_lazy_source(
+                lazy, meta_path, self.version, metadata.get("source"))
         if not isinstance(metadata["parameters"], dict):
             raise UniversalFormatError(f"{meta_path}: 'parameters' is not an object; reconvert")
+        self._expected = _model_parameters(self.config, metadata["parameters"], meta_path)
         self.parameters: dict[str, ParamInfo] = {
             name: _param_info(name, d, meta_path, self.version, self.lazy_source, lazy_files)
             for name, d in metadata["parameters"].items()}
@@ -633,8 +721,21 @@ class UniversalCheckpoint:
         self._backed: set = set()  # parameters whose tensor file was found to hold the declared bytes
 
     @classmethod
-    def open(cls, path: PathLike) -> "UniversalCheckpoint":
-        path = Path(path)
+    def open(cls, path: PathLike, *, validate: bool = True) -> "UniversalCheckpoint":
+        """Open the checkpoint at `path`: the marker, metadata.json's sha256 and every entry, then (with
+        `validate`, every command that reads one) everything `problems()` finds, the first refused in one
+        line. `check` and `inspect` open without it and list every problem."""
+        ucp = cls._open(Path(path))
+        if validate:
+            problems = ucp.problems()
+            if problems:
+                more = (f" ({len(problems) - 1} more problem(s): `megatron-ucp check {ucp.path}` lists them)"
+                        if len(problems) > 1 else "")
+                raise UniversalFormatError(" ".join(problems[0].split()) + more)
+        return ucp
+
+    @classmethod
+    def _open(cls, path: Path) -> "UniversalCheckpoint":
         check_not_staging(path, error=UniversalFormatError)
         if not path.is_dir():
             raise UniversalFormatError(f"{path}: no such universal checkpoint directory; pass the DST of "
@@ -655,10 +756,15 @@ class UniversalCheckpoint:
         if complete.get("metadata_sha256") != _sha256(meta_path):
             raise UniversalFormatError(f"{meta_path}: its sha256 differs from the one in {marker}; the metadata "
                                        f"was edited or damaged after conversion, reconvert it")
+        _check_metadata_size(path, meta_path)
         try:
             metadata = json.loads(meta_path.read_text())
         except (ValueError, UnicodeDecodeError) as e:
             raise UniversalFormatError(f"{meta_path}: not valid JSON ({e}); reconvert") from None
+        except RecursionError:
+            raise UniversalFormatError(f"{meta_path}: nested too deeply to be a universal checkpoint's metadata "
+                                       f"(arrays or objects thousands of levels deep); the file was edited or is "
+                                       f"corrupt, reconvert") from None
         if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
             raise UniversalFormatError(f"{meta_path}: format is {metadata.get('format') if isinstance(metadata, dict) else None!r}, "
                                        f"expected {FORMAT_NAME!r}; not a universal checkpoint")
@@ -673,6 +779,70 @@ class UniversalCheckpoint:
         return cls(path, metadata)
 
     # -- metadata-only findings --------------------------------------------------------------------
+
+    def problems(self) -> list[str]:
+        """What metadata.json and stat() show to be wrong, one line each (docs/FORMAT.md "Validation"): tensor
+        files missing, not regular files inside the checkpoint or of the wrong size; parameters of the model
+        its model_config describes (the GPT rulebook) missing, of another shape or extra; optimizer param
+        groups missing, without hyper-parameters or referred to by an index they do not have; the run state's
+        file. Every command that opens a checkpoint refuses it when there is any; `check` lists them all (and
+        reads every byte). No tensor byte is read."""
+        out = self.file_problems()
+        if isinstance(self._expected, str):
+            out.append(self._expected)
+        else:
+            out += self.model_problems(self._expected)
+        return out + self._optimizer_problems() + self._run_state_problems()
+
+    def _optimizer_problems(self) -> list[str]:
+        meta_path = self.path / METADATA_FILENAME
+        optimizer = self.metadata.get("optimizer")
+        groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+        if not isinstance(optimizer, dict) or not isinstance(groups, (list, type(None))) or not all(
+                isinstance(g, dict) for g in groups or ()):
+            return [f"{meta_path}: 'optimizer' is not {{\"type\", \"param_groups\": [objects]}}; metadata.json was "
+                    f"edited, reconvert"]
+        out = []
+        stateful = [name for name, info in self.parameters.items() if len(info.tensors) > 1]
+        if stateful and not groups:
+            out.append(f"{meta_path}: {len(stateful)} parameters hold optimizer state (e.g. {stateful[0]}) but "
+                       f"optimizer.param_groups is empty or missing, so the groups' lr, weight decay and betas are "
+                       f"lost; metadata.json was edited, reconvert")
+        for i, group in enumerate(groups or () if stateful else ()):
+            lacking = [k for k in _GROUP_HYPER if not _is_number(group.get(k))]
+            if lacking:
+                out.append(f"{meta_path}: optimizer.param_groups[{i}] has no {' or '.join(lacking)} (a number); "
+                           f"metadata.json was edited, reconvert")
+                break
+        bad = [(name, info.param_group.get("index")) for name, info in self.parameters.items()
+               if info.param_group.get("index") is not None and not (
+                   _is_int(info.param_group["index"]) and 0 <= info.param_group["index"] < len(groups or ()))]
+        if bad:
+            out.append(f"{meta_path}: {bad[0][0]} (and {len(bad) - 1} other parameter(s)) is in param_group.index "
+                       f"{bad[0][1]!r}, but optimizer.param_groups has {len(groups or ())} group(s); metadata.json "
+                       f"was edited, reconvert")
+        return out
+
+    def _run_state_problems(self) -> list[str]:
+        """The `rng` section against the file it describes (size by stat; `check` hashes it)."""
+        section = self.rng_section
+        if section is None:
+            return []
+        path = self.path / RNG_FILENAME
+        size, ranks = section.get("size"), section.get("ranks")
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return [f"{path}: missing although metadata.json records RNG states; restore it from a copy or reconvert"]
+        if not stat.S_ISREG(st.st_mode) or not _inside(path, self.path):
+            return [f"{path}: is not a regular file inside {self.path}; restore it from a copy or reconvert"]
+        if not _is_int(size) or size != st.st_size or size > _MAX_RNG_FILE:
+            return [f"{self.path / METADATA_FILENAME}: rng.size is {size!r}, {path} has {st.st_size} bytes (at most "
+                    f"{_MAX_RNG_FILE}); metadata.json was edited, reconvert"]
+        if not _is_int(ranks) or not 1 <= ranks <= ParallelLayout.from_dict(section["layout"]).world_size:
+            return [f"{self.path / METADATA_FILENAME}: rng.ranks is {ranks!r}, not a rank count of the layout it "
+                    f"records; metadata.json was edited, reconvert"]
+        return []
 
     def file_problems(self) -> list[str]:
         """Tensor files missing, not regular files inside the checkpoint, or of a size that cannot hold the

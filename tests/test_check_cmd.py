@@ -45,7 +45,8 @@ def write_synthetic(dst: Path) -> Path:
                                    {"pattern": pattern_for(name, CONFIG), "step": 3, "param_group": {"index": 0}})
         return writer.finish({"iteration": 3, "consumed_train_samples": 24,
                               "source": {"format": "torch", "path": "/x", "layout": ParallelLayout().to_dict()},
-                              "model_config": CONFIG.to_dict(), "args": {}, "optimizer": {"type": "adam"},
+                              "model_config": CONFIG.to_dict(), "args": {},
+                              "optimizer": {"type": "adam", "param_groups": [{"lr": 1e-3, "weight_decay": 0.1}]},
                               "scheduler": {}}, expected_parameters(CONFIG))
 
 

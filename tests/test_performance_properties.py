@@ -60,7 +60,7 @@ def _fabricate(dst: Path) -> Path:
             "iteration": 3, "consumed_train_samples": 24, "model_config": CONFIG.to_dict(), "args": {},
             "source": {"format": "torch", "path": "/nowhere", "layout": ParallelLayout().to_dict(),
                        "optimizer_kind": "distributed"},
-            "optimizer": {"type": "adam", "param_groups": [{"wd_mult": 1.0}]}, "scheduler": {}},
+            "optimizer": {"type": "adam", "param_groups": [{"wd_mult": 1.0, "lr": 1e-3, "weight_decay": 0.1}]}, "scheduler": {}},
             expected_parameters(CONFIG))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import signal
@@ -102,7 +103,9 @@ def publish_files(dst: Path, files: dict[str, bytes], kind: str = "megatron", **
             (stage.path / name).parent.mkdir(parents=True, exist_ok=True)
             (stage.path / name).write_bytes(data)
         if kind == "universal":
-            stage.publish("COMPLETE", {"format": "megatron-ucp-universal", "version": 1})
+            meta = stage.path / "metadata.json"
+            digest = hashlib.sha256(meta.read_bytes()).hexdigest() if meta.is_file() else None
+            stage.publish("COMPLETE", {"format": "megatron-ucp-universal", "version": 1, "metadata_sha256": digest})
         else:
             stage.publish(TOOL_MARKER_FILENAME, tool_marker(kind))
     return reports

@@ -466,8 +466,8 @@ def _fabricate(dst: Path, num_layers: int, num_experts=None, hidden: int = 512) 
             "args": {"micro_batch_size": 1, "global_batch_size": 8, "bf16": True, "seed": 1234},
             "source": {"format": "torch_dist", "path": "/nowhere", "layout": ParallelLayout().to_dict(),
                        "optimizer_kind": "distributed"},
-            "optimizer": {"type": "adam", "param_groups": [{"wd_mult": 1.0, "weight_decay": 0.1},
-                                                           {"wd_mult": 0.0, "weight_decay": 0.0}]},
+            "optimizer": {"type": "adam", "param_groups": [{"wd_mult": 1.0, "lr": 1e-3, "weight_decay": 0.1},
+                                                           {"wd_mult": 0.0, "lr": 1e-3, "weight_decay": 0.0}]},
             "scheduler": {}}, expected_parameters(config))
 
 

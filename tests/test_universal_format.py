@@ -34,8 +34,8 @@ def metadata() -> dict:
         "source": {"format": "torch", "path": "/nowhere", "layout": ParallelLayout(tp=2, pp=2, dp=2).to_dict(),
                    "optimizer_kind": "distributed"},
         "model_config": CONFIG.to_dict(), "args": {"hidden_size": 16, "lr": 1e-3},
-        "optimizer": {"type": "adam", "param_groups": [{"wd_mult": 1.0, "lr": 1e-3, "betas": [0.9, 0.999]},
-                                                       {"wd_mult": 0.0, "lr": 1e-3, "betas": [0.9, 0.999]}]},
+        "optimizer": {"type": "adam", "param_groups": [{"wd_mult": 1.0, "lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.999]},
+                                                       {"wd_mult": 0.0, "lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.999]}]},
         "scheduler": {"num_steps": 56, "max_lr": 1e-3},
     }
 

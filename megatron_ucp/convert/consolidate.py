@@ -103,13 +103,15 @@ def consolidate_parameter(ckpt: CheckpointReader, task: ParamTask, *, average_re
         for key, shards in shards_by_key.items():
             label = f"{task.name} [{key}] ({place[0].local_name} on pp={place[0].pp_rank})"
             try:
+                if isinstance(task.pattern, Replicated) and not average_replicas:
+                    check_copies_agree(shards, name=label, labels=[
+                        f"TP rank {ref.tp_rank} ({_shard_file(ckpt, ref, key, keys)})" for ref in place])
                 if isinstance(task.pattern, Replicated):
-                    full = task.pattern.consolidate(shards, name=label, check=not average_replicas,
-                                                    average=average_replicas)
+                    full = task.pattern.consolidate(shards, name=label, check=False, average=average_replicas)
                 else:
                     full = task.pattern.consolidate(shards, name=label)
             except PatternError as e:
-                raise ConversionError(f"{e} (CLI: --average-replicas)" if "average=True" in str(e) else str(e)) from e
+                raise ConversionError(_replicas_differ(e) if "average=True" in str(e) else str(e)) from e
             tensors[key] = full.to(torch.float32)
         copies.append(tensors)
     tensors = copies[0]
@@ -121,14 +123,34 @@ def consolidate_parameter(ckpt: CheckpointReader, task: ParamTask, *, average_re
                 tensors[key] = torch.stack([v.to(torch.float64) for v in values]).mean(0).to(torch.float32)
                 continue
             try:
-                check_copies_agree(values, name=f"{task.name} [{key}] (tied)", labels=labels)
+                check_copies_agree(values, name=f"{task.name} [{key}] (tied)", labels=[
+                    f"{label} ({', '.join(_shard_file(ckpt, ref, key, keys) for ref in place)})"
+                    for label, place in zip(labels, task.places)])
             except PatternError as e:
-                raise ConversionError(f"{e}; the tied output_layer copy differs from the embedding, pass "
-                                      f"--average-replicas to store their mean") from e
+                raise ConversionError(_replicas_differ(e, "the tied output_layer copy differs from the embedding")
+                                      ) from e
     for key, value in tensors.items():
         if tuple(value.shape) != task.shape:
             raise ConversionError(f"{task.name} [{key}]: consolidated shape {tuple(value.shape)}, expected {task.shape}")
     return tensors, _info(task, step)
+
+
+def _shard_file(ckpt: CheckpointReader, ref, key: str, keys: tuple[str, ...]) -> str:
+    """The file holding `ref`'s `key` (output key) for messages, or where it is when the reader cannot say."""
+    try:
+        located = ckpt.locate(ref, keys=keys) or {}
+        stored = located.get("param" if keys == ("param",) else key)
+        return stored.regions[0].path
+    except Exception:  # noqa: BLE001 - a message's detail only
+        return f"tp={ref.tp_rank} pp={ref.pp_rank}"
+
+
+def _replicas_differ(e: PatternError, what: str = "") -> str:
+    """Copies that must be equal are not: a damaged copy is restored, not averaged (the mean keeps the damage)."""
+    cause = str(e).split("; the checkpoint is inconsistent")[0]
+    return (f"{cause}{'; ' + what if what else ''}; if a copy was damaged (a flipped bit, a bad disk), restore the "
+            f"checkpoint from a copy (averaging would keep the damage); only for replicas that drifted apart in "
+            f"training, --average-replicas stores their mean")
 
 
 # --------------------------------------------------------------------------------------------------

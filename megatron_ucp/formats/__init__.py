@@ -9,6 +9,7 @@ state are torch-free (every pickle is parsed by formats/safe_pickle.py); reading
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -23,6 +24,7 @@ class ReaderEntry:
     module: str  # imported on first use
     cls: str
     detect: Callable[[Path], bool]  # does this iteration folder hold this format?
+    data_file: re.Pattern  # the files (relative to the iteration folder) whose bytes hold its tensors
 
     def reader(self) -> type:
         return getattr(importlib.import_module(self.module), self.cls)
@@ -30,9 +32,11 @@ class ReaderEntry:
 
 READERS = (
     ReaderEntry("torch_dist", "megatron_ucp.formats.torch_dist", "TorchDistCheckpoint",
-                lambda d: (d / ".metadata").is_file() or (d / "metadata.json").is_file()),
+                lambda d: (d / ".metadata").is_file() or (d / "metadata.json").is_file(),
+                re.compile(r"__\d+_\d+\.distcp")),
     ReaderEntry("torch", "megatron_ucp.formats.legacy", "LegacyCheckpoint",
-                lambda d: any(p.is_dir() and p.name.startswith("mp_rank_") for p in d.iterdir())),
+                lambda d: any(p.is_dir() and p.name.startswith("mp_rank_") for p in d.iterdir()),
+                re.compile(r"mp_rank_\d{2}(_\d{3}){0,2}/(model_optim_rng|distrib_optim)\.pt")),
 )
 
 
@@ -45,11 +49,38 @@ def detect_format(iter_dir: Path) -> ReaderEntry:
         f"(.metadata + metadata.json); it is not a Megatron-LM checkpoint or it is incomplete.")
 
 
+def is_data_file(rel: str) -> bool:
+    """Whether the path `rel` (relative to an iteration folder) is named as a file of tensor bytes of a
+    Megatron-LM checkpoint of a known format: the only files a lazy universal checkpoint may read."""
+    return any(entry.data_file.fullmatch(rel) for entry in READERS)
+
+
 def open_checkpoint(path: Union[str, Path], iteration: Optional[int] = None) -> CheckpointReader:
-    """Open a Megatron-LM checkpoint root (reads the tracker) or one iter_XXXXXXX folder."""
+    """Open a Megatron-LM checkpoint root (reads the tracker) or one iter_XXXXXXX folder; never a staging
+    directory of an unfinished write, nor a universal checkpoint (said as such)."""
+    from megatron_ucp.staging import check_not_staging
+
+    check_not_staging(path, error=CheckpointFormatError)
+    _refuse_universal(Path(path))
     iter_dir, iteration = resolve_iteration_dir(path, iteration)
     return detect_format(iter_dir).reader()(iter_dir, iteration)
 
 
+def _refuse_universal(path: Path) -> None:
+    import json
+
+    from megatron_ucp.staging import UNIVERSAL_FORMAT, UNIVERSAL_MARKER_FILENAME
+
+    try:
+        marker = json.loads((path / UNIVERSAL_MARKER_FILENAME).read_bytes()[:4096])
+    except (OSError, ValueError):
+        return
+    if isinstance(marker, dict) and marker.get("format") == UNIVERSAL_FORMAT:
+        raise CheckpointFormatError(
+            f"{path}: is already a universal checkpoint (it has {UNIVERSAL_MARKER_FILENAME}), not a Megatron-LM "
+            f"one; use it as it is (from-universal, export-hf, a resume), or pass the Megatron-LM checkpoint it "
+            f"was converted from")
+
+
 __all__ = ["READERS", "READ_KEYS", "CheckpointFormatError", "CheckpointReader", "PickledEnum", "ShardRef",
-           "detect_format", "open_checkpoint"]
+           "detect_format", "is_data_file", "open_checkpoint"]

@@ -295,9 +295,23 @@ class LegacyCheckpoint(CheckpointReader):
             distopt = self._parse(meta.optim_file, what=f"distributed optimizer state of rank {where}",
                                   fix="Megatron-LM writes it next to model_optim_rng.pt with "
                                       "--use-distributed-optimizer; re-copy the rank folder.")
+            if self._chained and isinstance(distopt, list) and len(distopt) == 2 and (distopt[0] is None) == (e == 0):
+                raise CheckpointFormatError(  # the dense state is saved in EP folder 0 only
+                    f"{meta.optim_file}: {'lacks' if e == 0 else 'holds'} the dense optimizer's state, which "
+                    f"Megatron-LM saves only in the folder of EP rank 0{' (this one)' if e == 0 else f', not {e}'}; "
+                    f"rank folders were swapped or renamed. Re-copy the iteration folder with the folder names "
+                    f"Megatron-LM wrote.")
             for index, view in meta.optims.items():
                 view.distopt = self._sub_optimizer(distopt, index, meta.optim_file, "distrib_optim.pt")
                 self._check_distributed(meta, index)
+        rank = args.get("rank")  # the process that saved it (when args record it): its EP / PP rank is the folder's
+        if ep > 1 and type(rank) is int and 0 <= rank < self.layout.world_size:
+            _, saved_ep, _, saved_pp = self.layout.expert_coordinates(rank)
+            if (saved_ep, saved_pp) != (e, p):
+                raise CheckpointFormatError(
+                    f"{file}: was saved by rank {rank} (EP rank {saved_ep}, PP rank {saved_pp}) but lies in the "
+                    f"folder of EP rank {e}, PP rank {p}; rank folders were swapped or renamed. Re-copy the "
+                    f"iteration folder with the folder names Megatron-LM wrote.")
         return meta
 
     def _optimizer_indices(self, ep_rank: int) -> tuple[int, ...]:
