@@ -1,9 +1,10 @@
 """Reader for Megatron-LM's `torch_dist` checkpoint format (megatron-core dist_checkpointing on
 torch.distributed.checkpoint).
 
-Layout of iter_XXXXXXX/: metadata.json ({"sharded_backend": "torch_dist", ...}), common.pt (args,
-iteration, opt_param_scheduler, checkpoint_version, content_metadata with
-'distrib_optim_sharding_type'), .metadata + __<rank>_<n>.distcp (DCP). Everything is parsed through the
+Layout of iter_XXXXXXX/: metadata.json ({"sharded_backend": "torch_dist", ...}), the common state (args,
+iteration, opt_param_scheduler, checkpoint_version, content_metadata with 'distrib_optim_sharding_type'):
+common.pt up to megatron-core 0.18, the ShardedObject 'common_state/shard_0_1' inside the .distcp files from
+0.19 (formats/versions.py; "common.pt" below means either), .metadata + __<rank>_<n>.distcp (DCP). Everything is parsed through the
 allow-list of formats/safe_pickle.py, without torch.distributed.checkpoint (and without torch until a
 tensor is read): `.metadata` into plain records (every data file it names is a plain file of the
 iteration folder holding the bytes it points to), each saved item on first use. A read asks only for the
