@@ -357,3 +357,23 @@ def test_unknown_class_in_args_does_not_stop_a_conversion(tmp_path):
     assert "newer_config" in meta["args_dropped"]
     plain = to_universal(fixture, tmp_path / "plain", iteration=4, progress=False)
     assert verify(tmp_path / "ucp", plain, progress=False).equal
+
+
+@pytest.mark.parametrize("release", ["0.17", "0.18"])
+def test_intermediate_releases_round_trip(ucp19, tmp_path, release):
+    """0.17 and 0.18 (no real checkpoint of theirs here; their rows come from their sources): written as that
+    release (common.pt and metadata.json with common_backend, one .distcp per rank, no rerun state items),
+    read back as that release's checkpoint, equal to the universal checkpoint it came from at atol 0."""
+    out = tmp_path / "out"
+    fu.from_universal(ucp19[A19], out, ckpt_format="torch_dist", use_distributed_optimizer=True, rng_state="source",
+                      progress=False, megatron_core_version=release, **WRITE_BACK[A19])
+    files = sorted(p.name for p in (out / ITER).iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "common.pt",
+                     "metadata.json"]
+    assert json.loads((out / ITER / "metadata.json").read_text()) == dict(
+        versions.release(release).torch_dist_metadata_json)
+    assert not any(k.startswith(("rerun_state_machine", "common_state")) for k in structure(out / ITER))
+    back = to_universal(out, tmp_path / "back", progress=False)
+    meta = json.loads((back / "metadata.json").read_text())
+    assert meta["source"]["megatron_core"] == "0.19"  # the args are the 0.19 source's: detection reads args
+    assert verify(back, ucp19[A19], progress=False).equal
