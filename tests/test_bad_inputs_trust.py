@@ -12,13 +12,11 @@ parameters) are timed and their peak RSS measured in the refusing process.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +30,7 @@ from megatron_ucp.layout import ParallelLayout
 from megatron_ucp.model_config import GPTModelConfig
 from megatron_ucp.universal import UniversalWriter
 from test_bad_inputs_readers import Run, run_cli
-from writer_cli import C_FIXTURE, REPO, assert_nothing_left, flip_bit, tree_digest
+from writer_cli import C_FIXTURE, REPO, assert_nothing_left, copy_of, edit_metadata, flip_bit, reseal, tree_digest
 
 FROM = ("--ckpt-format", "torch", "--rng-state", "cpu")  # from-universal at TP1 PP1 DP1
 HF = ("--model-type", "gpt2")
@@ -51,24 +49,6 @@ def lazy_parts(tmp_path_factory) -> tuple[Path, Path]:
     shutil.copytree(C_FIXTURE / "iter_0000004", root / "src" / "iter_0000004")
     return root / "src" / "iter_0000004", to_universal(root / "src" / "iter_0000004", root / "lazy", lazy=True,
                                                        progress=False)
-
-
-def copy_of(path: Path, tmp_path: Path, name: str = "input") -> Path:
-    shutil.copytree(path, tmp_path / name, symlinks=True)
-    return tmp_path / name
-
-
-def reseal(ucp_dir: Path) -> None:
-    marker = json.loads((ucp_dir / "COMPLETE").read_text())
-    marker["metadata_sha256"] = hashlib.sha256((ucp_dir / "metadata.json").read_bytes()).hexdigest()
-    (ucp_dir / "COMPLETE").write_text(json.dumps(marker))
-
-
-def edit_metadata(ucp_dir: Path, edit) -> None:
-    meta = json.loads((ucp_dir / "metadata.json").read_text())
-    edit(meta)
-    (ucp_dir / "metadata.json").write_text(json.dumps(meta, indent=1))
-    reseal(ucp_dir)
 
 
 def one_line(run: Run, *needles: str) -> str:

@@ -10,7 +10,6 @@ its own copy.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,7 +23,7 @@ import pytest
 from megatron_ucp.convert import to_universal
 from megatron_ucp.universal import UniversalCheckpoint
 from writer_cli import (B_FIXTURE, C_FIXTURE, REPO, Paused, assert_nothing_left, assert_ok, assert_one_line_error,
-                        cli, command, env, flip_bit, tree_digest)
+                        cli, command, copy_of, edit_metadata, env, flip_bit, tree_digest)
 
 FROM = ("--ckpt-format", "torch", "--rng-state", "cpu", "--quiet")  # from-universal at TP1 PP1 DP1
 HF = ("--model-type", "gpt2", "--quiet")
@@ -41,25 +40,6 @@ def lazy_parts(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("lazy")
     shutil.copytree(C_FIXTURE / "iter_0000004", root / "src" / "iter_0000004")
     return root / "src", to_universal(root / "src" / "iter_0000004", root / "lazy", lazy=True, progress=False)
-
-
-def copy_of(path: Path, tmp_path: Path, name: str = "input") -> Path:
-    shutil.copytree(path, tmp_path / name, symlinks=True)
-    return tmp_path / name
-
-
-def reseal(ucp_dir: Path) -> None:
-    """Recompute COMPLETE's metadata_sha256 after an edit of metadata.json (what a deliberate edit does)."""
-    marker = json.loads((ucp_dir / "COMPLETE").read_text())
-    marker["metadata_sha256"] = hashlib.sha256((ucp_dir / "metadata.json").read_bytes()).hexdigest()
-    (ucp_dir / "COMPLETE").write_text(json.dumps(marker))
-
-
-def edit_metadata(ucp_dir: Path, edit) -> None:
-    meta = json.loads((ucp_dir / "metadata.json").read_text())
-    edit(meta)
-    (ucp_dir / "metadata.json").write_text(json.dumps(meta, indent=1))
-    reseal(ucp_dir)
 
 
 def refused(proc, inputs: dict, dst: Path, *needles: str, existed=None) -> str:

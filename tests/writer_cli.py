@@ -12,8 +12,10 @@ write must leave behind: the tests of bad inputs, crashes and `check` share thes
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,3 +149,23 @@ class Paused:
         Path(f"{self.fifo}.go").touch()
         out, err = self.proc.communicate(timeout=timeout)
         return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+
+
+def copy_of(path: Path, tmp_path: Path, name: str = "input") -> Path:
+    shutil.copytree(path, tmp_path / name, symlinks=True)
+    return tmp_path / name
+
+
+def reseal(ucp_dir: Path) -> None:
+    """Recompute COMPLETE's metadata_sha256 after an edit of metadata.json (what a deliberate edit does)."""
+    marker = json.loads((ucp_dir / "COMPLETE").read_text())
+    marker["metadata_sha256"] = hashlib.sha256((ucp_dir / "metadata.json").read_bytes()).hexdigest()
+    (ucp_dir / "COMPLETE").write_text(json.dumps(marker))
+
+
+def edit_metadata(ucp_dir: Path, edit) -> None:
+    """Edit a universal checkpoint's metadata.json in place and reseal it."""
+    meta = json.loads((ucp_dir / "metadata.json").read_text())
+    edit(meta)
+    (ucp_dir / "metadata.json").write_text(json.dumps(meta, indent=1))
+    reseal(ucp_dir)
