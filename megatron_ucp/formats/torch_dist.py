@@ -236,8 +236,6 @@ class TorchDistCheckpoint(CheckpointReader):
 
     # -- opening ------------------------------------------------------------------------------
 
-    COMMON_STATE_KEY = "common_state/shard_0_1"  # megatron-core >= 0.19 (formats/versions.py)
-
     def _load_common(self) -> tuple[dict, str]:
         """The common state (args, iteration, scheduler, optimizer param groups) and where it was read: a
         `common.pt` beside the .distcp files (megatron-core <= 0.18, and what 0.19 still reads first), or the
@@ -246,18 +244,18 @@ class TorchDistCheckpoint(CheckpointReader):
         what = "the common state (args, iteration, scheduler)"
         if common_file.exists() or common_file.is_symlink():
             return load_archive_file(inside(self.path, common_file), what=what), str(common_file)
-        md = self._keys.get(self.COMMON_STATE_KEY)
+        md = self._keys.get(versions.COMMON_STATE_ITEM)
         if md is None:
             raise CheckpointFormatError(
                 f"{self.path}: has neither common.pt (megatron-core <= 0.18) nor the sharded object "
-                f"{self.COMMON_STATE_KEY!r} in .metadata (megatron-core >= 0.19), so its args, iteration and "
+                f"{versions.COMMON_STATE_ITEM!r} in .metadata (megatron-core >= 0.19), so its args, iteration and "
                 f"scheduler are missing; the folder is incomplete, re-copy it from the original checkpoint.")
         if not isinstance(md, DcpBytesMeta):
-            raise CheckpointFormatError(f"{self.path / '.metadata'}: {self.COMMON_STATE_KEY} is a tensor, not the "
+            raise CheckpointFormatError(f"{self.path / '.metadata'}: {versions.COMMON_STATE_ITEM} is a tensor, not the "
                                         f"pickled common state; the metadata is corrupt, re-copy the iteration folder.")
-        item = self._metadata.storage_data.get(DcpIndex(self.COMMON_STATE_KEY))
-        where = f"{item.path} (item {self.COMMON_STATE_KEY})" if item else str(self.path / ".metadata")
-        return self._bytes_item(self.COMMON_STATE_KEY), where
+        item = self._metadata.storage_data.get(DcpIndex(versions.COMMON_STATE_ITEM))
+        where = f"{item.path} (item {versions.COMMON_STATE_ITEM})" if item else str(self.path / ".metadata")
+        return self._bytes_item(versions.COMMON_STATE_ITEM), where
 
     def _check_backend(self) -> None:
         meta_json = self.path / "metadata.json"

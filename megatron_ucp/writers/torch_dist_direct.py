@@ -106,8 +106,7 @@ from megatron_ucp.writers.megatron_state import (CHECKPOINT_VERSION, MODEL_DTYPE
                                                  rank_buffer_params, source_rng_state)
 
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed optimizer's torch_dist formats
-COMMON_FILENAME = "common.pt"  # megatron-core <= 0.18; from 0.19 the ShardedObject COMMON_STATE_KEY
-COMMON_STATE_KEY = "common_state"
+COMMON_FILENAME = "common.pt"  # megatron-core <= 0.18; from 0.19 the ShardedObject versions.COMMON_STATE_ITEM
 RERUN_STATE_KEY = "rerun_state_machine_state"
 DCP_METADATA_FILENAME = ".metadata"
 METADATA_JSON_FILENAME = "metadata.json"
@@ -381,7 +380,7 @@ def plan_checkpoint(ucp, target: WriteTarget, optimizer_format: Optional[str] = 
             owners.add_any(ObjectItem(sharded_object_key(RERUN_STATE_KEY, (rank,), (world,)),
                                       _rerun_sharded_state(target.args)), [rank])
     if release.torch_dist_common == "sharded":  # megatron-core >= 0.19: rank 0 saves it as a ShardedObject
-        owners.add_any(ObjectItem(sharded_object_key(COMMON_STATE_KEY, (0,), (1,)), _common_for_pickle(common)), [0])
+        owners.add_any(ObjectItem(versions.COMMON_STATE_ITEM, _common_for_pickle(common)), [0])
         common = None
     return DirectPlan(owners.files(), common, ucp.iteration, target.padded_vocab_size, opt, release)
 
