@@ -26,7 +26,7 @@ $(MCORE019)/.installed: $(VENV)/.installed
 	touch $@
 
 demo: install
-	$(PY) -m megatron_ucp.demo
+	$(PY) -m megatron_ucp.commands.demo
 
 test: install
 	$(PY) -m pytest

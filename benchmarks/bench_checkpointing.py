@@ -15,7 +15,7 @@ with the page cache dropped before each step when allowed:
   save          the save phase of the two training runs (dp_reshardable vs fully_reshardable)
 
 For each: wall time, peak RSS and PSS summed over the process tree, storage bytes read / written and
-read()/write() bytes (megatron_ucp.io_stats). Prints a table with ratios and writes JSON (--output).
+read()/write() bytes (megatron_ucp.io.stats). Prints a table with ratios and writes JSON (--output).
 `--steps conversion` runs only the dp_reshardable save, cp and to-universal (the sizes whose
 megatron-core loads do not fit in memory); `--repeat N` measures cp and to-universal N times each,
 alternating, and reports the medians.
@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from megatron_ucp.io_stats import RunStats, dir_bytes, drop_page_cache, run_measured  # noqa: E402
+from megatron_ucp.io.stats import RunStats, dir_bytes, drop_page_cache, run_measured  # noqa: E402
 
 PRETRAIN = REPO / "pretrain_scripts" / "pretrain_gpt.py"
 GIB = 2 ** 30

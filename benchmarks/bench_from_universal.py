@@ -8,7 +8,7 @@ one process and converting it. Then measures, each as its own process tree, with
 dropped before each step when allowed:
 
   cp -r            copy of the universal checkpoint (what the disk costs)
-  start            python importing the CLI and megatron_ucp.from_universal (what `from-universal` pays
+  start            python importing the CLI and megatron_ucp.commands.from_universal (what `from-universal` pays
                    before it reads anything: the interpreter and its modules; torch is not among them)
   direct           megatron-ucp from-universal UCP OUT at the target layout (default TP2 PP2 DP2),
                    --use-distributed-optimizer --ckpt-format torch_dist (dp_reshardable), --workers W: bytes
@@ -18,7 +18,7 @@ dropped before each step when allowed:
                    memory estimate fits (--skip-harness to skip)
 
 For each: wall time, peak RSS and PSS summed over the process tree, storage bytes read / written
-(megatron_ucp.io_stats). `--repeat N` measures start, cp -r, direct and direct full N times each,
+(megatron_ucp.io.stats). `--repeat N` measures start, cp -r, direct and direct full N times each,
 alternating (medians; the fastest runs too: the shared disk varies by 10x between runs). `--sync` times
 each step until its output is on disk.
 
@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import psutil  # noqa: E402
 
 from bench_checkpointing import GIB, MIB, PRESETS, PRETRAIN, ModelShape, model_flags  # noqa: E402
-from megatron_ucp.io_stats import CommandFailed, RunStats, dir_bytes, drop_page_cache, run_measured  # noqa: E402
+from megatron_ucp.io.stats import CommandFailed, RunStats, dir_bytes, drop_page_cache, run_measured  # noqa: E402
 
 
 def harness_bytes(shape: ModelShape, tp: int, pp: int, dp: int) -> int:
@@ -125,7 +125,7 @@ class Bench:
             suffix = "" if i == 0 else f" #{i + 1}"
             # what from-universal pays before writing: interpreter and megatron_ucp imports (cold cache)
             self.measure("start" + suffix, [sys.executable, "-c", "import megatron_ucp.cli as c; "
-                                            "c.build_parser(['from-universal', 'u', 'd']); import megatron_ucp.from_universal"])
+                                            "c.build_parser(['from-universal', 'u', 'd']); import megatron_ucp.commands.from_universal"])
             self.measure("cp -r" + suffix, ["cp", "-r", str(ucp), str(self.work / "copy")])
             shutil.rmtree(self.work / "copy")
             self.measure("direct" + suffix, self.from_universal(ucp, self.work / "direct", *workers))

@@ -1,5 +1,5 @@
-"""What block checksums and durable publication cost: the numbers behind megatron_ucp/integrity.py's
-choices (hash, block size) and staging.py's fsync.
+"""What block checksums and durable publication cost: the numbers behind megatron_ucp/io/integrity.py's
+choices (hash, block size) and io/staging.py's fsync.
 
     .venv/bin/python benchmarks/bench_integrity.py [--gib 1] [--dir /tmp/bench_integrity] [--output r.json]
 
@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from megatron_ucp import integrity  # noqa: E402
-from megatron_ucp.byteio import FileHandles, FileRegion, copy_region  # noqa: E402
-from megatron_ucp.staging import fsync_tree  # noqa: E402
+from megatron_ucp.io.byteio import FileHandles, FileRegion, copy_region  # noqa: E402
+from megatron_ucp.io.staging import fsync_tree  # noqa: E402
 
 MiB = 1 << 20
 
@@ -192,8 +192,8 @@ def bench_converter_like(workdir: Path, nbytes: int) -> dict:
     tensor assembled from 2 shards in 8 MiB bands; 2 threads over 8 files. Without checksums
     (byteio.write_placement without a hasher) vs with (a BlockHasher)."""
     import torch
-    from megatron_ucp.byteio import Placement, StoredTensor, write_placement
-    from megatron_ucp.patterns import Block
+    from megatron_ucp.io.byteio import Placement, StoredTensor, write_placement
+    from megatron_ucp.core.patterns import Block
 
     per_tensor = nbytes // 16  # 8 files x 2 tensors
     rows, cols = per_tensor // (4096 * 4), 4096

@@ -46,7 +46,9 @@ MIB = 2 ** 20
 def _without_checksums() -> None:
     """Switch the digests off in this process (the --no-checksums mode): tensor files are written exactly
     as before checksums existed (copy_region, plain pwrite), records are placeholders."""
-    from megatron_ucp import byteio, integrity, universal
+    from megatron_ucp.io import byteio
+    from megatron_ucp.io import integrity
+    from megatron_ucp.universal import checkpoint as universal
     from megatron_ucp.convert import runner
 
     class NoDigests(integrity.BlockHasher):
@@ -81,7 +83,7 @@ def median(values):
 
 class Bench:
     def __init__(self, args):
-        from megatron_ucp.io_stats import drop_page_cache
+        from megatron_ucp.io.stats import drop_page_cache
 
         self.args = args
         self.work = Path(args.workdir).absolute()
@@ -94,7 +96,7 @@ class Bench:
         print(f"[bench_trust {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     def measure(self, name: str, cmd: list[str]) -> dict:
-        from megatron_ucp.io_stats import run_measured
+        from megatron_ucp.io.stats import run_measured
 
         ok = self.drop()
         self.cold = ok if self.cold is None else self.cold and ok
@@ -116,7 +118,7 @@ class Bench:
         if self.args.src:
             return Path(self.args.src).absolute()
         from bench_checkpointing import PRESETS, model_flags, torchrun
-        from megatron_ucp.io_stats import run_measured
+        from megatron_ucp.io.stats import run_measured
 
         src = self.work / "ckpt"
         flags = model_flags(PRESETS[self.args.preset])
@@ -126,7 +128,7 @@ class Bench:
         return src
 
     def run(self) -> dict:
-        from megatron_ucp.io_stats import dir_bytes
+        from megatron_ucp.io.stats import dir_bytes
 
         if self.work.exists() and not self.args.src:
             shutil.rmtree(self.work)

@@ -32,21 +32,21 @@ class Subcommand:
 
 
 SUBCOMMANDS = (  # in help order
-    Subcommand("to-universal", "megatron_ucp.convert.cli",
+    Subcommand("to-universal", "megatron_ucp.commands.to_universal",
                "convert a Megatron-LM checkpoint into a universal checkpoint"),
-    Subcommand("from-universal", "megatron_ucp.from_universal",
+    Subcommand("from-universal", "megatron_ucp.commands.from_universal",
                "write a universal checkpoint as a Megatron checkpoint at any layout"),
-    Subcommand("inspect", "megatron_ucp.inspect_cmd",
+    Subcommand("inspect", "megatron_ucp.commands.inspect",
                "show what a checkpoint holds (format, layout, config, parameters)"),
-    Subcommand("verify", "megatron_ucp.verify", "compare two checkpoints of any formats and layouts"),
-    Subcommand("plan", "megatron_ucp.plan", "check a target layout and show what each rank would read"),
-    Subcommand("export-hf", "megatron_ucp.hf_export",
+    Subcommand("verify", "megatron_ucp.commands.verify", "compare two checkpoints of any formats and layouts"),
+    Subcommand("plan", "megatron_ucp.commands.plan", "check a target layout and show what each rank would read"),
+    Subcommand("export-hf", "megatron_ucp.commands.export_hf",
                "write a Hugging Face transformers model from a universal checkpoint"),
-    Subcommand("import-hf", "megatron_ucp.hf_import",
+    Subcommand("import-hf", "megatron_ucp.commands.import_hf",
                "write a universal checkpoint (weights only, iteration 0) from a Hugging Face model"),
-    Subcommand("check", "megatron_ucp.check_cmd",
+    Subcommand("check", "megatron_ucp.commands.check",
                "check every block, file and shape of a universal checkpoint (exit 1 naming what is damaged)"),
-    Subcommand("plot-loss", "megatron_ucp.plot_cmd", "plot loss curves of --log-jsonl files, resume point marked"),
+    Subcommand("plot-loss", "megatron_ucp.commands.plot", "plot loss curves of --log-jsonl files, resume point marked"),
 )
 SUBCOMMAND_MODULES = tuple(c.module for c in SUBCOMMANDS)
 

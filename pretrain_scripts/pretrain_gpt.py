@@ -6,7 +6,7 @@
         --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
         --micro-batch-size 2 --global-batch-size 8 --train-iters 20 --lr 1e-3 --save ckpt
 
-Runs on GPUs with NCCL, and on CPU with gloo (megatron_ucp.cpu_backend patches megatron-core).
+Runs on GPUs with NCCL, and on CPU with gloo (megatron_ucp.training.cpu_backend patches megatron-core).
 """
 
 import os
@@ -18,7 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch
 
-from megatron_ucp import cpu_backend, layer_placement
+from megatron_ucp.training import cpu_backend
+
+from megatron_ucp.core import placement as layer_placement
 
 cpu_backend.import_megatron_core()  # first: on CPU, megatron-core without torch.compile (saves ~10 s)
 
@@ -59,7 +61,7 @@ def main(argv=None):
     args.padded_vocab_size = arguments.padded_vocab_size(tokenizer.vocab_size, args)
     ucp = None
     if args.load and args.universal_checkpoint:
-        from megatron_ucp import loader
+        from megatron_ucp.megatron_lm import loader
         ucp = loader.open_for_run(args)  # keeps the checkpoint's padded vocab size when TP allows
     if rank == 0:
         print(f"> megatron-ucp pretrain_gpt: TP{args.tensor_model_parallel_size} PP{args.pipeline_model_parallel_size} "
@@ -154,12 +156,12 @@ def main(argv=None):
 def _user_facing_errors():
     errors = []
     try:
-        from megatron_ucp.loader import UniversalLoadError
-        from megatron_ucp.universal import UniversalFormatError
+        from megatron_ucp.megatron_lm.loader import UniversalLoadError
+        from megatron_ucp.universal.checkpoint import UniversalFormatError
         errors += [UniversalLoadError, UniversalFormatError]
     except ImportError:
         pass
-    from megatron_ucp.layout import LayoutError
+    from megatron_ucp.core.layout import LayoutError
     return tuple(errors) + (LayoutError,)
 
 

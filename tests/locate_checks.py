@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_ucp.byteio import FileHandles, StoredTensor, read_stored
+from megatron_ucp.io.byteio import FileHandles, StoredTensor, read_stored
 
 
 def assert_locate_equals_read(ckpt, where: str) -> int:

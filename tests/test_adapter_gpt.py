@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megatron_ucp.adapters import gpt
-from megatron_ucp.layout import LayoutError, ParallelLayout
-from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.patterns import FusedSubParams, GroupedQKV, PatternError, Replicated, Sharded, VocabSharded
+from megatron_ucp.core.layout import LayoutError, ParallelLayout
+from megatron_ucp.core.model_config import GPTModelConfig
+from megatron_ucp.core.patterns import FusedSubParams, GroupedQKV, PatternError, Replicated, Sharded, VocabSharded
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron-lm"
 

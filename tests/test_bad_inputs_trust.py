@@ -25,10 +25,10 @@ import torch
 from megatron_ucp.adapters.gpt import expected_parameters, pattern_for
 from megatron_ucp.convert import to_universal
 from megatron_ucp.formats import open_checkpoint
-from megatron_ucp.from_universal import from_universal
-from megatron_ucp.layout import ParallelLayout
-from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.universal import UniversalWriter
+from megatron_ucp.commands.from_universal import from_universal
+from megatron_ucp.core.layout import ParallelLayout
+from megatron_ucp.core.model_config import GPTModelConfig
+from megatron_ucp.universal.checkpoint import UniversalWriter
 from test_bad_inputs_readers import Run, run_cli
 from writer_cli import C_FIXTURE, REPO, assert_nothing_left, copy_of, edit_metadata, flip_bit, reseal, tree_digest
 

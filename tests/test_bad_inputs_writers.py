@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ucp.convert import to_universal
-from megatron_ucp.universal import UniversalCheckpoint
+from megatron_ucp.universal.checkpoint import UniversalCheckpoint
 from writer_cli import (B_FIXTURE, C_FIXTURE, REPO, Paused, assert_nothing_left, assert_ok, assert_one_line_error,
                         cli, command, copy_of, edit_metadata, env, flip_bit, tree_digest)
 
@@ -378,7 +378,7 @@ def test_overwrite_replaces_the_tools_own_output_and_short_flags_work(ucp, tmp_p
 def test_allocator_and_zip_writer_failures_become_one_line(tmp_path):
     """torch's allocator text becomes "out of memory" with the size; torch.save's zip-writer text is a full
     disk only when the disk is (nearly) full, else it is raised as it is; both leave nothing behind."""
-    from megatron_ucp.staging import Staging, StagingError, write_failure
+    from megatron_ucp.io.staging import Staging, StagingError, write_failure
 
     oom = RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you "
                        "tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)")

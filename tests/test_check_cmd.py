@@ -21,10 +21,10 @@ import torch
 
 from megatron_ucp.adapters.gpt import expected_parameters, pattern_for
 from megatron_ucp.convert import to_universal
-from megatron_ucp.integrity import BLOCK_SIZE
-from megatron_ucp.layout import ParallelLayout
-from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError, UniversalWriter
+from megatron_ucp.io.integrity import BLOCK_SIZE
+from megatron_ucp.core.layout import ParallelLayout
+from megatron_ucp.core.model_config import GPTModelConfig
+from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalFormatError, UniversalWriter
 from pretrain_runs import FAMILIES, Layout, run_pretrain
 from writer_cli import C_FIXTURE, assert_ok, cli, flip_bit
 
@@ -223,12 +223,12 @@ def test_a_resume_from_a_damaged_checkpoint_stops_with_one_line(fixture_ucp, tmp
 def test_the_write_side_modules_import_no_torch():
     """universal, byteio, integrity, staging and the check / inspect commands import torch only where they
     make tensors, so a checkpoint's bytes and metadata are handled without it (the remaining import of torch
-    on `check` / `inspect` comes from the pattern language, megatron_ucp.patterns, when metadata is parsed)."""
+    on `check` / `inspect` comes from the pattern language, megatron_ucp.core.patterns, when metadata is parsed)."""
     import subprocess
     import sys
 
-    code = ("import sys; import megatron_ucp.universal, megatron_ucp.byteio, megatron_ucp.integrity, "
-            "megatron_ucp.staging, megatron_ucp.check_cmd, megatron_ucp.inspect_cmd; "
+    code = ("import sys; import megatron_ucp.universal.checkpoint, megatron_ucp.io.byteio, megatron_ucp.io.integrity, "
+            "megatron_ucp.io.staging, megatron_ucp.commands.check, megatron_ucp.commands.inspect; "
             "print(sorted(m for m in ('torch', 'safetensors.torch', 'numpy') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[1], env=dict(os.environ, PYTHONPATH=str(
@@ -242,11 +242,11 @@ def test_the_tensor_path_and_the_byte_path_write_the_same_file_and_digests(tmp_p
     a second pass over the file; safetensors reads them."""
     from safetensors import safe_open
 
-    from megatron_ucp.byteio import FileHandles, FileRegion, StoredTensor
+    from megatron_ucp.io.byteio import FileHandles, FileRegion, StoredTensor
     from megatron_ucp.convert import placement_for
-    from megatron_ucp.integrity import DigestRecord, hash_file
-    from megatron_ucp.patterns import Sharded
-    from megatron_ucp.universal import write_tensor_file, write_tensor_file_placed
+    from megatron_ucp.io.integrity import DigestRecord, hash_file
+    from megatron_ucp.core.patterns import Sharded
+    from megatron_ucp.universal.checkpoint import write_tensor_file, write_tensor_file_placed
 
     name, shape = "decoder.layers.0.self_attention.linear_proj.weight", (512, 768)  # 4.5 MiB: 5 blocks
     g = torch.Generator().manual_seed(0)

@@ -18,8 +18,8 @@ import pytest
 
 from megatron_ucp.adapters.gpt import expected_parameters
 from megatron_ucp.convert import to_universal
-from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.plan import format_report as format_plan
+from megatron_ucp.core.model_config import GPTModelConfig
+from megatron_ucp.commands.plan import format_report as format_plan
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "megatron-lm"
@@ -177,7 +177,7 @@ def test_verify_reports_vocab_padding_and_missing_state(ucp, tmp_path, capsys):
     the weights are compared; the padding difference is reported."""
     import torch
 
-    from megatron_ucp.universal import UniversalCheckpoint, UniversalWriter
+    from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalWriter
 
     src = UniversalCheckpoint.open(ucp["C8"])
     dst = tmp_path / "C8_repadded"

@@ -22,9 +22,9 @@ from megatron_ucp.adapters.gpt import OUTPUT_LAYER, WORD_EMBEDDINGS, expected_pa
 from megatron_ucp.convert import ConversionError, convert, default_workers, conversion_tasks, to_universal
 from megatron_ucp.formats import CheckpointFormatError, open_checkpoint
 from megatron_ucp.formats.common import load_pickled
-from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.patterns import bitwise_equal
-from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError
+from megatron_ucp.core.model_config import GPTModelConfig
+from megatron_ucp.core.patterns import bitwise_equal
+from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalFormatError
 from pretrain_runs import FIXTURE_CKPTS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

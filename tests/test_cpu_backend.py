@@ -8,12 +8,12 @@ import inspect
 import pytest
 import torch
 
-from megatron_ucp import cpu_backend
+from megatron_ucp.training import cpu_backend
 
 
 def test_megatron_core_version_is_the_tested_one():
     assert cpu_backend.mcore_version() in cpu_backend.TESTED_MCORE_VERSIONS, (
-        "megatron-core changed: re-check every patch in megatron_ucp/cpu_backend.py, then add the version "
+        "megatron-core changed: re-check every patch in megatron_ucp/training/cpu_backend.py, then add the version "
         "to TESTED_MCORE_VERSIONS")
 
 

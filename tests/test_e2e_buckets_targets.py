@@ -38,10 +38,10 @@ from megatron_ucp.convert import to_universal
 from megatron_ucp.formats.bucket_layout import BufferParam, DDPBucketConfig, build_chunk_buffers
 from megatron_ucp.formats.common import load_pickled
 from megatron_ucp.formats.safe_pickle import load_dcp_metadata
-from megatron_ucp.from_universal import from_universal
-from megatron_ucp.layout import ParallelLayout
-from megatron_ucp.plan import Target, make_plan
-from megatron_ucp.universal import UniversalCheckpoint
+from megatron_ucp.commands.from_universal import from_universal
+from megatron_ucp.core.layout import ParallelLayout
+from megatron_ucp.commands.plan import Target, make_plan
+from megatron_ucp.universal.checkpoint import UniversalCheckpoint
 
 pytestmark = pytest.mark.torchrun
 

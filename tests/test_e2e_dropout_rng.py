@@ -15,9 +15,9 @@ import pytest
 from pretrain_runs import DISTOPT, FP32_TOL, SAVED_AT, Layout, rel_diff
 
 from megatron_ucp.formats import open_checkpoint
-from megatron_ucp.from_universal import FromUniversalError, from_universal
-from megatron_ucp.layout import ParallelLayout
-from megatron_ucp.universal import UniversalCheckpoint
+from megatron_ucp.commands.from_universal import FromUniversalError, from_universal
+from megatron_ucp.core.layout import ParallelLayout
+from megatron_ucp.universal.checkpoint import UniversalCheckpoint
 
 pytestmark = pytest.mark.torchrun
 

@@ -35,9 +35,9 @@ import ucp_edits
 from megatron_ucp.adapters.gpt import canonical_name
 from megatron_ucp.formats import open_checkpoint
 from megatron_ucp.formats.common import load_pickled
-from megatron_ucp.from_universal import from_universal
-from megatron_ucp.layout import ParallelLayout
-from megatron_ucp.universal import UniversalCheckpoint
+from megatron_ucp.commands.from_universal import from_universal
+from megatron_ucp.core.layout import ParallelLayout
+from megatron_ucp.universal.checkpoint import UniversalCheckpoint
 
 pytestmark = pytest.mark.torchrun
 
@@ -152,7 +152,7 @@ def test_fp16_from_universal_loads_in_megatron_core(fp16_source, runs, tmp_path,
     out = tmp_path / "megatron"
     ucp = runs.universal(fp16_source.save)
     if ckpt_format == "torch_dist":
-        from megatron_ucp.writers.torch_dist import harness_flags_from_universal
+        from megatron_ucp.formats.torch_dist.harness_writer import harness_flags_from_universal
 
         flags = " ".join(harness_flags_from_universal(UniversalCheckpoint.open(ucp).metadata, ParallelLayout(pp=2)))
         assert "--fp16" in flags and "--initial-loss-scale 1048576" in flags and "--hysteresis 2" in flags, flags

@@ -17,7 +17,7 @@ from pretrain_runs import DISTOPT, FP32_TOL, SAVED_AT, Layout, rel_diff
 
 import ucp_edits
 from megatron_ucp.formats.common import load_pickled
-from megatron_ucp.from_universal import from_universal
+from megatron_ucp.commands.from_universal import from_universal
 
 pytestmark = pytest.mark.torchrun
 

@@ -16,7 +16,7 @@ from megatron_ucp.formats.bucket_layout import (
     BufferParam, DDPBucketConfig, build_buffer_layout, build_chunk_buffers)
 from megatron_ucp.formats.common import load_pickled
 from megatron_ucp.adapters.gpt import megatron_param_groups
-from megatron_ucp.formats.legacy import LegacyCheckpoint
+from megatron_ucp.formats.legacy.reader import LegacyCheckpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "megatron-lm"

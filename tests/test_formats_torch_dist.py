@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_ucp.formats import CheckpointFormatError, open_checkpoint
-from megatron_ucp.formats.torch_dist import (
+from megatron_ucp.formats.torch_dist.reader import (
     _MODEL_SPACE_KEY, TorchDistCheckpoint)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_ucp.formats import CheckpointFormatError, open_checkpoint
 from megatron_ucp.adapters.gpt import chunk_layers
-from megatron_ucp.formats.torch_dist import TorchDistCheckpoint
+from megatron_ucp.formats.torch_dist.reader import TorchDistCheckpoint
 from locate_checks import assert_locate_equals_read
 from pretrain_runs import Layout, RunFailed, train
 

@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pretrain_runs import FIXTURE_LOSS_TOL, FIXTURES, Layout, max_rel_diff, megatron_lm_losses, train  # noqa: E402
 
-from megatron_ucp import from_universal as fu  # noqa: E402
+from megatron_ucp.commands import from_universal as fu  # noqa: E402
 from megatron_ucp.convert import to_universal  # noqa: E402
 from megatron_ucp.formats.common import load_pickled  # noqa: E402
-from megatron_ucp.universal import UniversalCheckpoint  # noqa: E402
+from megatron_ucp.universal.checkpoint import UniversalCheckpoint  # noqa: E402
 
 A = "A_llama_tp2pp2dp2_distopt_sp_torch"
 C = "C_gpt2_tp2pp2dp1_adam_torch"
@@ -402,7 +402,7 @@ def test_existing_destination_and_dry_run_write_nothing(universal, tmp_path, cap
 
 def test_harness_flags_from_fixture_args(universal):
     """The flags rebuild fixture A's command line (model, batch, schedule, data) at the target layout."""
-    from megatron_ucp.writers.torch_dist import harness_flags_from_universal
+    from megatron_ucp.formats.torch_dist.harness_writer import harness_flags_from_universal
 
     ucp = UniversalCheckpoint.open(universal(A, 4))
     flags = harness_flags_from_universal(ucp.metadata, fu.target_layout(ucp, 1, 2, 1, None, False),

@@ -38,7 +38,7 @@ def tokens_for(vocab_size: int) -> torch.Tensor:
 def amplified_copy(src: Path, dst: Path) -> Path:
     """A universal checkpoint with AMPLIFY's weights scaled (weights only)."""
     from megatron_ucp.adapters.gpt import expected_parameters
-    from megatron_ucp.universal import UniversalCheckpoint, UniversalWriter
+    from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalWriter
 
     ucp = UniversalCheckpoint.open(src)
     with UniversalWriter(dst) as writer:
@@ -70,17 +70,17 @@ def megatron_flags(ucp) -> list[str]:
 
 def megatron_logits(ucp_paths: list[str]) -> list[torch.Tensor]:
     """Child process: megatron-core forwards of universal checkpoints at TP1 PP1, logits [b, s, padded]."""
-    from megatron_ucp import cpu_backend
+    from megatron_ucp.training import cpu_backend
 
     cpu_backend.apply()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_ucp.adapters.gpt import canonical_name
-    from megatron_ucp.layout import ParallelLayout
+    from megatron_ucp.core.layout import ParallelLayout
     from megatron_ucp.training.arguments import parse_args
     from megatron_ucp.training.model import build_model, transformer_config_from_args
-    from megatron_ucp.universal import UniversalCheckpoint
+    from megatron_ucp.universal.checkpoint import UniversalCheckpoint
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:

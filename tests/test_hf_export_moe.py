@@ -50,18 +50,18 @@ def tokens_for(vocab_size: int) -> torch.Tensor:
 
 def build_checkpoints(out_dir: Path) -> None:
     """Child process: per model, a universal checkpoint of a megatron-core GPT-MoE and its logits."""
-    from megatron_ucp import cpu_backend
+    from megatron_ucp.training import cpu_backend
 
     cpu_backend.apply()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_ucp.adapters.gpt import canonical_name, expected_parameters, pad_vocab_size, pattern_for
-    from megatron_ucp.layout import ParallelLayout
-    from megatron_ucp.model_config import GPTModelConfig
+    from megatron_ucp.core.layout import ParallelLayout
+    from megatron_ucp.core.model_config import GPTModelConfig
     from megatron_ucp.training.arguments import parse_args
     from megatron_ucp.training.model import build_model, transformer_config_from_args
-    from megatron_ucp.universal import UniversalWriter
+    from megatron_ucp.universal.checkpoint import UniversalWriter
 
     with tempfile.TemporaryDirectory() as tmp:
         torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)

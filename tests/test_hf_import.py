@@ -68,7 +68,7 @@ def hf_model(model_type: str):
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """{model_type: (HF dir, universal dir, import summary)}."""
-    from megatron_ucp.hf_import import import_hf
+    from megatron_ucp.commands.import_hf import import_hf
 
     root = tmp_path_factory.mktemp("hf_import")
     out = {}
@@ -156,8 +156,8 @@ def test_imported_model_trains_from_transformers_loss(imported, model_type, tmp_
 @pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
 def test_imported_checkpoint_written_as_megatron_at_tp2_pp2(imported, ckpt_format, tmp_path):
     """from-universal of an import (weights only): every tensor equal to the universal one (verify, atol 0)."""
-    from megatron_ucp.from_universal import from_universal
-    from megatron_ucp.verify import verify
+    from megatron_ucp.commands.from_universal import from_universal
+    from megatron_ucp.commands.verify import verify
 
     # legacy torch cannot hold ETP != TP (Megatron-LM's folder naming): the MoE goes there at EP1 ETP2
     moe = {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1} if ckpt_format == "torch_dist" else {}
@@ -174,9 +174,9 @@ def test_imported_checkpoint_written_as_megatron_at_tp2_pp2(imported, ckpt_forma
 @pytest.mark.parametrize("fixture,model_type", [("A", "llama"), ("C", "gpt2")])
 def test_export_then_import_gives_back_the_fp32_masters(fixture, model_type, tmp_path):
     from megatron_ucp.convert import to_universal
-    from megatron_ucp.hf_export import export_hf
-    from megatron_ucp.hf_import import import_hf
-    from megatron_ucp.universal import UniversalCheckpoint
+    from megatron_ucp.commands.export_hf import export_hf
+    from megatron_ucp.commands.import_hf import import_hf
+    from megatron_ucp.universal.checkpoint import UniversalCheckpoint
 
     original = UniversalCheckpoint.open(to_universal(FIXTURE_CKPTS[fixture], tmp_path / "ucp", iteration=8,
                                                      progress=False))
@@ -193,9 +193,9 @@ def test_export_then_import_gives_back_the_fp32_masters(fixture, model_type, tmp
 
 
 def test_moe_import_export_import_is_identity(imported, tmp_path):
-    from megatron_ucp.hf_export import export_hf
-    from megatron_ucp.hf_import import import_hf
-    from megatron_ucp.universal import UniversalCheckpoint
+    from megatron_ucp.commands.export_hf import export_hf
+    from megatron_ucp.commands.import_hf import import_hf
+    from megatron_ucp.universal.checkpoint import UniversalCheckpoint
 
     _, ucp, _ = imported["qwen2_moe"]
     export_hf(ucp, tmp_path / "hf", "qwen2_moe", dtype="float32", progress=False)
@@ -209,8 +209,8 @@ def test_moe_import_export_import_is_identity(imported, tmp_path):
 def test_bf16_weights_are_widened_exactly_and_vocabulary_padded(tmp_path):
     from safetensors.torch import load_file
 
-    from megatron_ucp.hf_import import import_hf
-    from megatron_ucp.universal import UniversalCheckpoint
+    from megatron_ucp.commands.import_hf import import_hf
+    from megatron_ucp.universal.checkpoint import UniversalCheckpoint
 
     model = hf_model("llama")
     model.config.vocab_size = 1000
@@ -294,7 +294,7 @@ def test_bad_inputs_fail_in_one_line_leaving_nothing(tmp_path):
     import shutil
     import subprocess
 
-    from megatron_ucp.hf_import import HFImportError, import_hf
+    from megatron_ucp.commands.import_hf import HFImportError, import_hf
 
     good = tmp_path / "good"
     hf_model("llama").save_pretrained(good)
@@ -316,7 +316,7 @@ def test_bad_inputs_fail_in_one_line_leaving_nothing(tmp_path):
 
 
 def test_refuses_configs_megatron_cannot_express(tmp_path):
-    from megatron_ucp.hf_import import HFImportError, megatron_model
+    from megatron_ucp.commands.import_hf import HFImportError, megatron_model
 
     gpt2 = hf_model("gpt2").config.to_dict()
     with pytest.raises(HFImportError, match="activation_function='gelu_new'.*tanh approximation"):
@@ -335,8 +335,8 @@ def test_name_table_directions_are_inverses(model_type):
     """hf_names: to_hf then from_hf (and from_hf_bands in small bands) gives every Megatron tensor back bit for bit
     (true vocabulary rows), for every row of every family; ZERO rows export zeros."""
     from megatron_ucp.adapters.gpt import expected_parameters
-    from megatron_ucp.hf_names import VOCAB, ZERO, from_hf, from_hf_bands, hf_rows, hf_shapes, to_hf
-    from megatron_ucp.model_config import GPTModelConfig
+    from megatron_ucp.adapters.hf import VOCAB, ZERO, from_hf, from_hf_bands, hf_rows, hf_shapes, to_hf
+    from megatron_ucp.core.model_config import GPTModelConfig
 
     base = dict(num_layers=2, hidden_size=48, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
                 kv_channels=12, vocab_size=1001, padded_vocab_size=1024)

@@ -1,4 +1,4 @@
-"""megatron_ucp.integrity: block digests computed while writing equal a one-pass digest of the result,
+"""megatron_ucp.io.integrity: block digests computed while writing equal a one-pass digest of the result,
 and one flipped bit anywhere in a file (header, first block, middle, last partial block) is reported with
 its block by check_files and by every verified read covering it, while untouched ranges still read.
 
@@ -20,9 +20,9 @@ import xxhash
 from safetensors import safe_open
 from safetensors.torch import save, save_file
 
-from megatron_ucp import integrity
-from megatron_ucp.byteio import FileHandles, FileRegion
-from megatron_ucp.integrity import (
+from megatron_ucp.io import integrity
+from megatron_ucp.io.byteio import FileHandles, FileRegion
+from megatron_ucp.io.integrity import (
     BlockHasher, ChecksumError, DigestRecord, FileCheck, SourceDigests, check_files, check_universal,
     copy_and_hash, digest_regions, hash_file, pwrite_hashed, verified_pread, verified_view)
 
@@ -426,8 +426,8 @@ def test_verified_tensor_file_reads_what_safetensors_reads_and_refuses_damage(tm
 def test_lazy_box_sources_are_checked_for_the_rows_a_box_touches(tmp_path):
     """A row-parallel weight [8, 6] stored as two TP shards [8, 3] in a source file: a box reads the rows it
     spans of every shard it overlaps, and only those are checked."""
-    from megatron_ucp.byteio import Placement, StoredTensor, read_box
-    from megatron_ucp.patterns import Block
+    from megatron_ucp.io.byteio import Placement, StoredTensor, read_box
+    from megatron_ucp.core.patterns import Block
 
     torch.manual_seed(3)
     full = torch.randn(8, 6)
@@ -469,7 +469,7 @@ def test_records_of_a_real_universal_checkpoint_and_its_lazy_index(tmp_path):
     from pretrain_runs import FIXTURE_CKPTS
 
     from megatron_ucp.convert import to_universal
-    from megatron_ucp.universal import UniversalCheckpoint
+    from megatron_ucp.universal.checkpoint import UniversalCheckpoint
 
     source = tmp_path / "src"
     shutil.copytree(FIXTURE_CKPTS["B"], source)

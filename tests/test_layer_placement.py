@@ -1,4 +1,4 @@
-"""megatron_ucp/layer_placement.py against megatron-core 0.16.1's own placement functions.
+"""megatron_ucp/core/placement.py against megatron-core 0.16.1's own placement functions.
 
 Exhaustive grid: num_layers 1..8, PP 1..4, VPP none/2/3/4, first/last stage layers none/0..num_layers,
 embedding/loss counted or not (24,320 configurations). megatron-core's side is a real TransformerConfig
@@ -14,7 +14,7 @@ every (pp_rank, vp_stage) (both take pp_rank, so no parallel state is needed). E
 import pytest
 import torch
 
-from megatron_ucp import cpu_backend
+from megatron_ucp.training import cpu_backend
 
 cpu_backend.import_megatron_core()
 
@@ -22,7 +22,7 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.transformer_block import get_num_layers_to_build  # noqa: E402
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # noqa: E402
 
-from megatron_ucp.layer_placement import (PipelineSplit, PlacementError, chunk_placement,  # noqa: E402
+from megatron_ucp.core.placement import (PipelineSplit, PlacementError, chunk_placement,  # noqa: E402
                                           layer_location, placements, split_from_args, validate)
 
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from megatron_ucp.convert import ConversionError, to_universal
-from megatron_ucp.layout import LayoutError
-from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError
+from megatron_ucp.core.layout import LayoutError
+from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalFormatError
 from pretrain_runs import FIXTURE_CKPTS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,7 +99,7 @@ def test_cli_lazy_message(tmp_path):
 def test_from_universal_of_a_lazy_checkpoint_is_bitwise_the_copys(tmp_path):
     """Writing Megatron-LM legacy files at another layout (TP2PP2DP2 -> TP1PP2DP1, distributed optimizer)
     from the lazy index gives the same files, byte for byte, as from the copied checkpoint."""
-    from megatron_ucp.from_universal import from_universal
+    from megatron_ucp.commands.from_universal import from_universal
 
     lazy = to_universal(SOURCES["A"], tmp_path / "lazy", iteration=4, lazy=True, progress=False)
     copy = to_universal(SOURCES["A"], tmp_path / "copy", iteration=4, progress=False)

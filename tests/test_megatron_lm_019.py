@@ -123,7 +123,7 @@ class Runs:
 
     def checkpoint_at_other_layout(self, name: str) -> Path:
         """The fixture's iteration 4, through the universal format, as Megatron-LM 0.19 saves it at OTHER_LAYOUT."""
-        from megatron_ucp.from_universal import from_universal
+        from megatron_ucp.commands.from_universal import from_universal
 
         dst = self.root / f"{name}.ckpt"
         if not dst.exists():

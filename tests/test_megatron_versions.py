@@ -39,12 +39,12 @@ import torch
 from pretrain_runs import REPO
 from torch_dist_checks import gap_chunks, load_item, structure
 
-from megatron_ucp import from_universal as fu
+from megatron_ucp.commands import from_universal as fu
 from megatron_ucp.convert import to_universal
 from megatron_ucp.formats import safe_pickle as sp
 from megatron_ucp.formats import versions
 from megatron_ucp.formats.common import load_archive_file
-from megatron_ucp.verify import verify
+from megatron_ucp.commands.verify import verify
 
 F19 = REPO / "tests" / "fixtures" / "megatron-core-0.19"
 F16 = REPO / "tests" / "fixtures" / "megatron-lm"

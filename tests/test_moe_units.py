@@ -10,11 +10,11 @@ import pytest
 
 from megatron_ucp.adapters import gpt
 from megatron_ucp.formats.bucket_layout import BufferParam, DDPBucketConfig, build_chunk_buffers
-from megatron_ucp.formats.legacy import rank_dir_name
-from megatron_ucp.layout import LayoutError, ParallelLayout
-from megatron_ucp.model_config import GPTModelConfig
+from megatron_ucp.formats.legacy.reader import rank_dir_name
+from megatron_ucp.core.layout import LayoutError, ParallelLayout
+from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.training.arguments import ArgumentError, build_parser, validate_args
-from megatron_ucp.writers.legacy import LegacyWriteError, check_layout
+from megatron_ucp.formats.legacy.writer import LegacyWriteError, check_layout
 
 MOE = GPTModelConfig(num_layers=4, hidden_size=48, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
                      kv_channels=12, vocab_size=1001, padded_vocab_size=1024, swiglu=True, normalization="RMSNorm",

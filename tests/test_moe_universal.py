@@ -42,8 +42,8 @@ from torch_dist_checks import assert_equal_to_megatron, gap_chunks, structure
 
 from megatron_ucp.adapters import gpt
 from megatron_ucp.convert import to_universal
-from megatron_ucp.layout import ParallelLayout
-from megatron_ucp.universal import UniversalCheckpoint, UniversalWriter
+from megatron_ucp.core.layout import ParallelLayout
+from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalWriter
 
 pytestmark = pytest.mark.torchrun
 
@@ -238,7 +238,7 @@ def test_from_universal_legacy_at_new_ep_is_loaded_by_megatron_core(sources):
     """from-universal --ckpt-format torch at EP4 DP4 (EP2 DP4 source): Megatron-LM's folders and optimizer
     lists, loaded with the harness's plain --load (megatron-core's own load_parameter_state) and continued.
     Negative control: the same files loaded with --no-load-optim (measured 3.9e-3)."""
-    from megatron_ucp.from_universal import from_universal
+    from megatron_ucp.commands.from_universal import from_universal
 
     src = sources("ep2dp4")
     dst = src.work / "fu_ep4"
@@ -265,7 +265,7 @@ def test_from_universal_torch_dist_at_new_ep_is_loaded_by_megatron_core(sources)
     (`--via-harness`; alignment gaps and RNG states aside), verify atol 0; the harness's plain --load
     (megatron-core's dist_checkpointing.load) continues the source's run within TOL (with the shifted-curve
     negative control of check_continues)."""
-    from megatron_ucp.from_universal import from_universal
+    from megatron_ucp.commands.from_universal import from_universal
 
     src = sources("ep2dp4")
     target = dict(data_parallel_size=4, expert_model_parallel_size=4, use_distributed_optimizer=True,
@@ -290,7 +290,7 @@ def test_direct_torch_dist_equals_megatron_cores_save(sources, name, source, tar
     Adam with every layer MoE (stacked keys: layer axis, then expert axis; two optimizers' common_step), and an
     fp16 model (fp16 weights cast as torch casts them, each chained optimizer's loss-scaler object; its
     fully_reshardable write matched too when checked once by hand, left out of CI for time)."""
-    from megatron_ucp.from_universal import from_universal
+    from megatron_ucp.commands.from_universal import from_universal
 
     src = sources(source)
     args = dict(data_parallel_size=target.dp, expert_model_parallel_size=target.ep, ckpt_format="torch_dist",
@@ -306,7 +306,7 @@ def test_fully_reshardable_moe_write_loads_at_another_ep(sources):
     """fully_reshardable (model-space optimizer state, expert state keyed with the global expert axis) written
     directly at TP2 SP ETP1 EP2 DP2 and loaded by megatron-core at TP1 EP4 DP4 (it reshards the chained
     optimizers' state itself): the run continues within TOL."""
-    from megatron_ucp.from_universal import from_universal
+    from megatron_ucp.commands.from_universal import from_universal
 
     src = sources("ep2dp4")
     dst = src.work / "td_full"
@@ -354,7 +354,7 @@ def test_tools_on_moe_checkpoints(sources, tmp_path):
     assert code == 1 and "num_experts=4 is not divisible by EP=3" in plan["problems"][0]
     code, plan = run("plan", a.ucp, "-t", 1, "-d", 4, "--expert-model-parallel-size", 4, "--use-distributed-optimizer")
     assert code == 0 and {r["ep_rank"] for r in plan["ranks"]} == {0, 1, 2, 3}
-    from megatron_ucp.from_universal import FromUniversalError, from_universal
+    from megatron_ucp.commands.from_universal import FromUniversalError, from_universal
 
     with pytest.raises(FromUniversalError, match=r"num_experts=4 is not divisible by EP=3.*\[1, 2, 4\]"):
         from_universal(a.ucp, tmp_path / "ep3", data_parallel_size=3, expert_model_parallel_size=3,

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from megatron_ucp.layout import LayoutError
-from megatron_ucp.patterns import (FusedSubParams, GroupedQKV, PatternError, Replicated, Sharded, VocabSharded,
+from megatron_ucp.core.layout import LayoutError
+from megatron_ucp.core.patterns import (FusedSubParams, GroupedQKV, PatternError, Replicated, Sharded, VocabSharded,
                                    bitwise_equal, pattern_from_json, resize_vocab)
 
 TPS = range(1, 9)

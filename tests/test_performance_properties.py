@@ -30,11 +30,11 @@ from megatron_ucp.adapters.gpt import expected_parameters, parameters_for_rank, 
 from megatron_ucp.convert import to_universal
 from megatron_ucp.formats.bucket_layout import (
     BufferParam, DDPBucketConfig, build_chunk_buffers, shared_embedding_names)
-from megatron_ucp.layout import ParallelLayout
-from megatron_ucp.loader import read_local_flat_range
-from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.patterns import Replicated
-from megatron_ucp.universal import UniversalCheckpoint, UniversalWriter
+from megatron_ucp.core.layout import ParallelLayout
+from megatron_ucp.megatron_lm.loader import read_local_flat_range
+from megatron_ucp.core.model_config import GPTModelConfig
+from megatron_ucp.core.patterns import Replicated
+from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalWriter
 
 MIB = 2 ** 20
 GIB = 2 ** 30

@@ -1,4 +1,4 @@
-"""megatron_ucp.staging: one writer per destination, atomic publication, nothing of the user's replaced,
+"""megatron_ucp.io.staging: one writer per destination, atomic publication, nothing of the user's replaced,
 leftovers of killed writers reported and cleaned, staging directories never read as checkpoints.
 
 Writers run as real processes (`WRITER` below, started with the interpreter running the tests) where
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ucp import staging
-from megatron_ucp.staging import (
+from megatron_ucp.io import staging
+from megatron_ucp.io.staging import (
     DestinationBusy, Staging, StagingError, TOOL_MARKER_FILENAME, check_not_staging, find_leftovers,
     is_staging_path, lock_path, tool_marker, written_by_tool)
 
@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 WRITER = r'''
 import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
-from megatron_ucp import staging
-from megatron_ucp.staging import Staging, StagingError, tool_marker
+from megatron_ucp.io import staging
+from megatron_ucp.io.staging import Staging, StagingError, tool_marker
 
 dst, ident, nfiles, stop_at, hold, flags = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[7]
 if "no-renameat2" in flags:
@@ -487,7 +487,7 @@ def test_another_process_writes_into_the_owner_s_staging_directory(tmp_path):
     """The torchrun pattern: rank 0 owns lock and staging, passes str(stage.path); another process joins
     it, writes its files and fsyncs them; rank 0 publishes everything."""
     dst = tmp_path / "out"
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from megatron_ucp.staging import join_staging, fsync_path; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from megatron_ucp.io.staging import join_staging, fsync_path; "
             "p = join_staging(sys.argv[2]); f = p / 'rank1.bin'; f.write_bytes(b'from rank 1'); fsync_path(f)")
     with Staging(dst, kind="universal", report=lambda m: None) as stage:
         (stage.path / "rank0.bin").write_bytes(b"from rank 0")

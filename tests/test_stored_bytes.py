@@ -1,4 +1,4 @@
-"""Byte-level conversion (byteio.py, universal.write_tensor_file_placed): consolidating TP
+"""Byte-level conversion (io/byteio.py, universal.write_tensor_file_placed): consolidating TP
 shards by copying their bytes file to file must give exactly pattern.consolidate's tensor.
 
 Synthetic shards (random fp32 written to files, some split over two files so a shard spans regions)
@@ -20,11 +20,11 @@ from safetensors import safe_open
 from safetensors.torch import save, save_file
 
 from megatron_ucp.convert import placement_for
-from megatron_ucp import byteio as stored_mod
-from megatron_ucp.byteio import (
+from megatron_ucp.io import byteio as stored_mod
+from megatron_ucp.io.byteio import (
     FileHandles, FileRegion, StoredTensor, box_bytes, concat_stored, read_stored, regions_equal, write_placement)
-from megatron_ucp.patterns import FusedSubParams, GroupedQKV, Replicated, Sharded, VocabSharded
-from megatron_ucp.universal import safetensors_header, write_tensor_file_placed
+from megatron_ucp.core.patterns import FusedSubParams, GroupedQKV, Replicated, Sharded, VocabSharded
+from megatron_ucp.universal.checkpoint import safetensors_header, write_tensor_file_placed
 
 CASES = [
     ("column", Sharded(0), (16, 6)),

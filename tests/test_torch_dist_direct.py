@@ -1,4 +1,4 @@
-"""`from-universal --ckpt-format torch_dist` written directly (writers/torch_dist_direct.py).
+"""`from-universal --ckpt-format torch_dist` written directly (formats/torch_dist/writer.py).
 
 Sources (shared by the whole module, converted once): Megatron-LM's fixtures A (llama: GQA, SwiGLU,
 RMSNorm, RoPE, untied, no biases; TP2PP2DP2+SP, distributed optimizer) at iterations 4 and 8, C (GPT-2:
@@ -48,13 +48,13 @@ from pretrain_runs import FIXTURE_LOSS_TOL, FIXTURES, REPO, Layout, max_rel_diff
 from torch_dist_checks import (_iter_dir, assert_equal_to_megatron, chunk_differences, dcp_metadata, gap_chunks,
                                structure)
 
-from megatron_ucp import from_universal as fu
+from megatron_ucp.commands import from_universal as fu
 from megatron_ucp.convert import to_universal
 from megatron_ucp.formats.common import load_pickled
 from megatron_ucp.formats.torch_save import tensor_archive
-from megatron_ucp.universal import UniversalCheckpoint
-from megatron_ucp.verify import verify
-from megatron_ucp.writers.torch_dist_direct import Gap, TensorItem, plan_checkpoint
+from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+from megatron_ucp.commands.verify import verify
+from megatron_ucp.formats.torch_dist.writer import Gap, TensorItem, plan_checkpoint
 
 TOL = FIXTURE_LOSS_TOL  # printed digits, cross-CPU and layout noise (pretrain_runs.py)
 DISTOPT = ["--use-distributed-optimizer"]
@@ -349,7 +349,7 @@ def test_errors_before_anything_is_written(sources, tmp_path):
 def test_plan_takes_uneven_pipelines(sources):
     """`megatron-ucp plan` with Megatron-LM's uneven-split flags: PP3 with the embedding and loss counted
     holds layers [0], [1, 2], [3]; a first stage that leaves the other stages no layer is refused."""
-    from megatron_ucp.plan import Target, make_plan
+    from megatron_ucp.commands.plan import Target, make_plan
 
     plan = make_plan(sources[(A, 8)], Target(tp=1, pp=3, dp=1, embedding_in_split=True, loss_in_split=True,
                                             use_distributed_optimizer=True))
@@ -442,9 +442,9 @@ MIB, GIB = 2 ** 20, 2 ** 30
 def _fabricate(dst: Path, num_layers: int, num_experts=None, hidden: int = 512) -> Path:
     """A universal checkpoint of a llama-like bf16 model (random weights and moments), without training."""
     from megatron_ucp.adapters.gpt import expected_parameters, pattern_for
-    from megatron_ucp.layout import ParallelLayout
-    from megatron_ucp.model_config import GPTModelConfig
-    from megatron_ucp.universal import UniversalWriter
+    from megatron_ucp.core.layout import ParallelLayout
+    from megatron_ucp.core.model_config import GPTModelConfig
+    from megatron_ucp.universal.checkpoint import UniversalWriter
 
     config = GPTModelConfig(num_layers=num_layers, hidden_size=hidden, ffn_hidden_size=4 * hidden,
                             num_attention_heads=8, num_query_groups=4, kv_channels=hidden // 8, vocab_size=8000,
@@ -474,7 +474,7 @@ def _fabricate(dst: Path, num_layers: int, num_experts=None, hidden: int = 512) 
 # Peak RSS is VmHWM, reset to the current RSS just before writing (as tests/test_performance_properties.py).
 WRITE_CHILD = r"""
 import json, sys
-from megatron_ucp import from_universal as fu
+from megatron_ucp.commands import from_universal as fu
 
 def status(field):
     with open("/proc/self/status") as f:

@@ -34,8 +34,8 @@ B = FIXTURES / "B_llama_tp2pp2dp2_distopt_sp_torch_dist" / "ckpt"
 C = FIXTURES / "C_gpt2_tp2pp2dp1_adam_torch" / "ckpt"
 
 # The read side: none of these may import torch (or anything that does) on a path that reads no tensor.
-OWNED_PREFIXES = ("megatron_ucp.formats", "megatron_ucp.patterns", "megatron_ucp.adapters", "megatron_ucp.layout",
-                  "megatron_ucp.model_config", "megatron_ucp.cli")
+OWNED_PREFIXES = ("megatron_ucp.formats", "megatron_ucp.core.patterns", "megatron_ucp.adapters", "megatron_ucp.core.layout",
+                  "megatron_ucp.core.model_config", "megatron_ucp.cli")
 # Modules that still import torch when imported (the write side makes them lazy; see the module docstring).
 WRITE_SIDE_PENDING: set = set()  # every module on these paths now imports torch lazily
 
@@ -102,18 +102,18 @@ def test_help_imports_no_subcommand_module(tmp_path):
     # one subcommand's help imports that subcommand's module only
     found = traced(tmp_path, cli("inspect", "--help"))
     assert "--iteration" in found["stdout"] and "torch" not in found["modules"]
-    assert "megatron_ucp.inspect_cmd" in found["modules"] and "megatron_ucp.convert" not in found["modules"]
+    assert "megatron_ucp.commands.inspect" in found["modules"] and "megatron_ucp.convert" not in found["modules"]
     # negative control: the tracer sees torch when a module imports it
-    found = traced(tmp_path, "import megatron_ucp.patterns as p, torch\np.bitwise_equal(torch.ones(1), torch.ones(1))")
-    assert "torch" in found["modules"] and ("megatron_ucp.patterns", "torch") in map(tuple, found["edges"])
+    found = traced(tmp_path, "import megatron_ucp.core.patterns as p, torch\np.bitwise_equal(torch.ones(1), torch.ones(1))")
+    assert "torch" in found["modules"] and ("megatron_ucp.core.patterns", "torch") in map(tuple, found["edges"])
 
 
 READERS = r"""
 import sys
 from megatron_ucp.formats import open_checkpoint
-import megatron_ucp.formats.archive, megatron_ucp.formats.bucket_layout, megatron_ucp.formats.legacy
-import megatron_ucp.formats.safe_pickle, megatron_ucp.formats.torch_dist, megatron_ucp.adapters.gpt
-import megatron_ucp.patterns, megatron_ucp.cli
+import megatron_ucp.formats.archive, megatron_ucp.formats.bucket_layout, megatron_ucp.formats.legacy.reader
+import megatron_ucp.formats.safe_pickle, megatron_ucp.formats.torch_dist.reader, megatron_ucp.adapters.gpt
+import megatron_ucp.core.patterns, megatron_ucp.cli
 megatron_ucp.cli.build_parser(["inspect", "x"])
 for root in sys.argv[1:]:
     for iteration in (4, 8):

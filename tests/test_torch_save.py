@@ -29,7 +29,7 @@ from megatron_ucp.formats import torch_save
 from megatron_ucp.formats.safe_pickle import TensorRecord, TorchDType, load_archive, read_tensor_bytes
 from megatron_ucp.formats.torch_save import (EnumMember, GlobalRef, Obj, SavedTensor, TorchSaveError, cast_float32,
                                              save_bytes, tensor_archive, torch_dtype)
-from megatron_ucp.run_state import cpu_generator_state
+from megatron_ucp.core.run_state import cpu_generator_state
 
 
 def torch_saved(obj) -> bytes:

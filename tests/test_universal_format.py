@@ -14,11 +14,11 @@ import torch
 from safetensors import safe_open
 
 from megatron_ucp.adapters.gpt import expected_parameters, pattern_for
-from megatron_ucp.integrity import hash_file
-from megatron_ucp.layout import ParallelLayout
-from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.patterns import bitwise_equal
-from megatron_ucp.universal import (
+from megatron_ucp.io.integrity import hash_file
+from megatron_ucp.core.layout import ParallelLayout
+from megatron_ucp.core.model_config import GPTModelConfig
+from megatron_ucp.core.patterns import bitwise_equal
+from megatron_ucp.universal.checkpoint import (
     COMPLETE_FILENAME, FORMAT_NAME, FORMAT_VERSION, METADATA_FILENAME, ParamInfo, UniversalCheckpoint,
     UniversalFormatError, UniversalWriter, write_tensor_file)
 
@@ -209,7 +209,9 @@ def test_disk_full_gives_one_line_and_leaves_nothing(tmp_path, monkeypatch, caps
     """ENOSPC in the middle of a conversion: one actionable line, no DST, no DST.partial-*."""
     import errno as errno_
 
-    from megatron_ucp import cli, universal
+    from megatron_ucp import cli
+
+    from megatron_ucp.universal import checkpoint as universal
 
     calls = {"n": 0}
     real_write = universal.write_placement  # the converter's byte copies into the output files

@@ -14,11 +14,11 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from megatron_ucp import from_universal as fu
+from megatron_ucp.commands import from_universal as fu
 from megatron_ucp.formats.common import load_pickled
-from megatron_ucp.universal import UniversalCheckpoint
-from megatron_ucp.verify import verify
-from megatron_ucp.writers.torch_dist_direct import Gap, TensorItem, plan_checkpoint
+from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+from megatron_ucp.commands.verify import verify
+from megatron_ucp.formats.torch_dist.writer import Gap, TensorItem, plan_checkpoint
 
 # Args a resumed run derives its model and layout from, and megatron enums (pickled as references to
 # Megatron-LM's classes, without importing megatron-core): ours must equal megatron-core's.

@@ -22,8 +22,8 @@ from typing import Callable, Dict, Optional
 import torch
 
 from megatron_ucp.adapters.gpt import expected_parameters
-from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.universal import UniversalCheckpoint, UniversalWriter
+from megatron_ucp.core.model_config import GPTModelConfig
+from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalWriter
 
 TensorEdit = Callable[[str, str, torch.Tensor], torch.Tensor]  # (name, key, tensor) -> tensor
 
@@ -101,7 +101,7 @@ def repadded(src: Path, dst: Path, padded_vocab_size: int) -> Path:
     """The vocabulary tensors re-padded to `padded_vocab_size` rows with patterns.resize_vocab (weights: the
     mean padding row, moments: zeros), model_config.padded_vocab_size updated."""
     from megatron_ucp.adapters.gpt import is_vocab_parameter
-    from megatron_ucp.patterns import resize_vocab
+    from megatron_ucp.core.patterns import resize_vocab
 
     true_vocab = UniversalCheckpoint.open(src).config.vocab_size
 

@@ -26,7 +26,7 @@ from typing import Optional
 REPO = Path(__file__).resolve().parents[1]
 C_FIXTURE = REPO / "tests" / "fixtures" / "megatron-lm" / "C_gpt2_tp2pp2dp1_adam_torch" / "ckpt"
 B_FIXTURE = REPO / "tests" / "fixtures" / "megatron-lm" / "B_llama_tp2pp2dp2_distopt_sp_torch_dist" / "ckpt"
-PAUSE_ENV = "MEGATRON_UCP_PAUSE_AT"  # megatron_ucp.staging.PAUSE_ENV
+PAUSE_ENV = "MEGATRON_UCP_PAUSE_AT"  # megatron_ucp.io.staging.PAUSE_ENV
 
 
 def env(**extra: str) -> dict:

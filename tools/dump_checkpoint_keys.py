@@ -138,7 +138,7 @@ def dump_parameter_order(iter_dir: Path) -> None:
 
     import torch
 
-    from megatron_ucp import cpu_backend
+    from megatron_ucp.training import cpu_backend
 
     cpu_backend.import_megatron_core()
     from megatron_ucp.formats.common import load_pickled

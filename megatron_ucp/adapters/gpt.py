@@ -42,12 +42,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from megatron_ucp.layer_placement import PipelineSplit, PlacementError, chunk_placement
-from megatron_ucp.layer_placement import layer_location as split_layer_location
-from megatron_ucp.layer_placement import validate as validate_split
-from megatron_ucp.layout import LayoutError, ParallelLayout
-from megatron_ucp.model_config import GPTModelConfig, pad_vocab_size
-from megatron_ucp.patterns import (FusedSubParams, GroupedQKV, Pattern, PatternError, Replicated, Sharded,
+from megatron_ucp.core.placement import PipelineSplit, PlacementError, chunk_placement
+from megatron_ucp.core.placement import layer_location as split_layer_location
+from megatron_ucp.core.placement import validate as validate_split
+from megatron_ucp.core.layout import LayoutError, ParallelLayout
+from megatron_ucp.core.model_config import GPTModelConfig, pad_vocab_size
+from megatron_ucp.core.patterns import (FusedSubParams, GroupedQKV, Pattern, PatternError, Replicated, Sharded,
                                    VocabSharded, check_copies_agree)
 
 Shape = Tuple[int, ...]

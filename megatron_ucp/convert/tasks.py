@@ -19,8 +19,8 @@ from megatron_ucp.adapters.gpt import (
     in_expert_optimizer, is_buffer, is_expert, local_name, megatron_param_groups, pattern_for, tp_size_of)
 from megatron_ucp.formats import CheckpointReader, ShardRef
 from megatron_ucp.formats.bucket_layout import BufferParam
-from megatron_ucp.layout import LayoutError
-from megatron_ucp.patterns import Pattern
+from megatron_ucp.core.layout import LayoutError
+from megatron_ucp.core.patterns import Pattern
 
 # Keys that decide which Megatron param group a parameter belongs to (megatron-core's ParamKey fields).
 GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")

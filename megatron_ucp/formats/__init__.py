@@ -31,10 +31,10 @@ class ReaderEntry:
 
 
 READERS = (
-    ReaderEntry("torch_dist", "megatron_ucp.formats.torch_dist", "TorchDistCheckpoint",
+    ReaderEntry("torch_dist", "megatron_ucp.formats.torch_dist.reader", "TorchDistCheckpoint",
                 lambda d: (d / ".metadata").is_file() or (d / "metadata.json").is_file(),
                 re.compile(r"__\d+_\d+\.distcp")),
-    ReaderEntry("torch", "megatron_ucp.formats.legacy", "LegacyCheckpoint",
+    ReaderEntry("torch", "megatron_ucp.formats.legacy.reader", "LegacyCheckpoint",
                 lambda d: any(p.is_dir() and p.name.startswith("mp_rank_") for p in d.iterdir()),
                 re.compile(r"mp_rank_\d{2}(_\d{3}){0,2}/(model_optim_rng|distrib_optim)\.pt")),
 )
@@ -58,7 +58,7 @@ def is_data_file(rel: str) -> bool:
 def open_checkpoint(path: Union[str, Path], iteration: Optional[int] = None) -> CheckpointReader:
     """Open a Megatron-LM checkpoint root (reads the tracker) or one iter_XXXXXXX folder; never a staging
     directory of an unfinished write, nor a universal checkpoint (said as such)."""
-    from megatron_ucp.staging import check_not_staging
+    from megatron_ucp.io.staging import check_not_staging
 
     check_not_staging(path, error=CheckpointFormatError)
     _refuse_universal(Path(path))
@@ -69,7 +69,7 @@ def open_checkpoint(path: Union[str, Path], iteration: Optional[int] = None) -> 
 def _refuse_universal(path: Path) -> None:
     import json
 
-    from megatron_ucp.staging import UNIVERSAL_FORMAT, UNIVERSAL_MARKER_FILENAME
+    from megatron_ucp.io.staging import UNIVERSAL_FORMAT, UNIVERSAL_MARKER_FILENAME
 
     try:
         marker = json.loads((path / UNIVERSAL_MARKER_FILENAME).read_bytes()[:4096])

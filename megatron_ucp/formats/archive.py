@@ -66,7 +66,7 @@ def stored_tensor(record: TensorRecord) -> Optional[Any]:
     region = record.region()
     if region is None:
         return None
-    from megatron_ucp.byteio import FileRegion, StoredTensor
+    from megatron_ucp.io.byteio import FileRegion, StoredTensor
 
     regions = (FileRegion(region.path, region.offset, region.nbytes),) if region.nbytes else ()
     return StoredTensor(tuple(record.shape), str(record.dtype), regions)

@@ -7,7 +7,7 @@ other parameter, replicated over the EP ranks like over DP, is listed once, at e
 (`read`) or says where their bytes are in its files (`locate`, for the byte-copy converter), plus the
 state shared by all ranks (`common_state`). Readers register in `megatron_ucp.formats` (READERS);
 the converter never branches on the format. Besides tensors a reader gives the run state a resume needs:
-the fp16 loss scaler (`loss_scaler`) and every rank's RNG state (`rng_states`), in megatron_ucp.run_state's
+the fp16 loss scaler (`loss_scaler`) and every rank's RNG state (`rng_states`), in megatron_ucp.core.run_state's
 forms.
 
 Opening a checkpoint, listing its shards and its common state import no torch and run no code from its
@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Collection, Optional
 
 from megatron_ucp.formats.versions import MegatronRelease
-from megatron_ucp.layout import ParallelLayout
-from megatron_ucp.model_config import GPTModelConfig
+from megatron_ucp.core.layout import ParallelLayout
+from megatron_ucp.core.model_config import GPTModelConfig
 
 if TYPE_CHECKING:
-    from megatron_ucp.run_state import LossScalerState, RankRngState
+    from megatron_ucp.core.run_state import LossScalerState, RankRngState
 
 # Tensors a reader can return for a shard, besides the Adam 'step': the model weight ('param'), the
 # fp32 main weight ('fp32'; the weight itself when the optimizer steps it directly) and Adam's moments.

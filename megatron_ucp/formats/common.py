@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional, Union
 from megatron_ucp.formats import safe_pickle
 from megatron_ucp.formats.safe_pickle import (MEGATRON_ENUMS, InertRecord, PickledEnum, SafeLoadError, TensorRecord,
                                              TorchDType)
-from megatron_ucp.layout import LayoutError, ParallelLayout
+from megatron_ucp.core.layout import LayoutError, ParallelLayout
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 # What a Megatron-LM GPT checkpoint trains in, and what its optimizer state is kept in.
@@ -191,7 +191,7 @@ def layout_from_args(args: dict, source: Any = "args") -> ParallelLayout:
 
 def model_config_from_args(args: dict, source: Any):
     """The GPT model config of a checkpoint's args, or one CheckpointFormatError naming the file."""
-    from megatron_ucp.model_config import GPTModelConfig
+    from megatron_ucp.core.model_config import GPTModelConfig
 
     _check_sizes(args, _MODEL_ARGS, source, required=True)
     try:

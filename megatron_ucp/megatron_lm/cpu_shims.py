@@ -12,7 +12,7 @@ Two kinds:
 - after (`install`): CUDA absent, and megatron-core's torch-Adam distributed-optimizer resume bugs.
 The CUDA patches are installed only when CUDA is absent; the torch-Adam ones act only on torch Adam's
 per-parameter `step` (no TransformerEngine/Apex), and are inert otherwise. Other megatron-core versions are refused
-unless MEGATRON_UCP_ALLOW_UNTESTED_MCORE=1 (the 0.16.1 harness has its own: megatron_ucp/cpu_backend.py).
+unless MEGATRON_UCP_ALLOW_UNTESTED_MCORE=1 (the 0.16.1 harness has its own: megatron_ucp/training/cpu_backend.py).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def install() -> bool:
 def _cuda_device_to_cpu() -> None:
     # megatron allocates with device='cuda' / torch.cuda.current_device() and calls .cuda() / .to('cuda')
     # (DDP buffers, p2p buffers, loss dicts, iteration tensors, batch broadcast): all mean the CPU here.
-    from megatron_ucp import cpu_backend
+    from megatron_ucp.training import cpu_backend
 
     cpu_backend._map_cuda_device_to_cpu()
 
@@ -275,7 +275,7 @@ def _cuda_rng_on_cpu_generator() -> None:
 
 def _tensor_type_cuda_names() -> None:
     # optimizer / distrib_optimizer / clip_grads require param.type() == 'torch.cuda.FloatTensor'.
-    from megatron_ucp import cpu_backend
+    from megatron_ucp.training import cpu_backend
 
     cpu_backend._cuda_type_names()
 
@@ -320,7 +320,7 @@ def _torch_norm_under_sequence_parallel() -> None:
     # The local spec's WrappedTorchNorm (torch LayerNorm/RMSNorm) refuses sequence parallelism (Apex's
     # fused norm is the intended SP norm). Torch norms are per token, so they are right on sequence
     # shards; mark their parameters `sequence_parallel` so finalize_model_grads all-reduces their grads.
-    from megatron_ucp import cpu_backend
+    from megatron_ucp.training import cpu_backend
 
     cpu_backend._torch_norm_under_sequence_parallel()
 
@@ -334,7 +334,7 @@ def _torch_adam_state_before_load() -> None:
     # zeros, step 0, all overwritten by the load.
     from megatron.core.optimizer import distrib_optimizer
 
-    from megatron_ucp import cpu_backend
+    from megatron_ucp.training import cpu_backend
 
     cls = distrib_optimizer.DistributedOptimizer
     original = cls.state_dict

@@ -1,7 +1,7 @@
 """`--universal-checkpoint` for Megatron-LM 0.19: a plugin through its extra-args mechanism.
 
 `add_arguments` is an `extra_args_provider` (pass it to `parse_and_validate_args` / `pretrain`); `install()`
-routes Megatron-LM's own `load_checkpoint` call (in setup_model_and_optimizer) to megatron_ucp.loader when
+routes Megatron-LM's own `load_checkpoint` call (in setup_model_and_optimizer) to megatron_ucp.megatron_lm.loader when
 the flag is given: every rank reads its slices of the universal checkpoint at `--load` into the model and
 the (distributed) optimizer Megatron-LM built, then the scheduler, iteration, consumed samples and FLOP
 count, as Megatron-LM's load would. Without the flag Megatron-LM's load runs unchanged.
@@ -47,7 +47,7 @@ def load_universal(args, model, optimizer, scheduler):
     """Megatron-LM's load_checkpoint contract: fills model and optimizer, returns (iteration, FLOPs so far)."""
     from megatron.core.num_microbatches_calculator import update_num_microbatches
 
-    from megatron_ucp import loader
+    from megatron_ucp.megatron_lm import loader
 
     ucp = loader.open_for_run(args)  # sets args.padded_vocab_size to the checkpoint's when TP allows
     if args.padded_vocab_size != ucp.config.padded_vocab_size:

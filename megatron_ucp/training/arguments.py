@@ -410,8 +410,8 @@ def _validate_moe(args: argparse.Namespace, world_size: int) -> None:
 
 def _validate_pipeline_split(args: argparse.Namespace) -> None:
     """Megatron-LM's validate_args for the virtual pipeline size, then megatron-core's placement rules
-    (megatron_ucp.layer_placement, which also refuses splits megatron-core 0.16.1 builds wrongly)."""
-    from megatron_ucp.layer_placement import PlacementError, split_from_args, validate
+    (megatron_ucp.core.placement, which also refuses splits megatron-core 0.16.1 builds wrongly)."""
+    from megatron_ucp.core.placement import PlacementError, split_from_args, validate
 
     pp = args.pipeline_model_parallel_size
     vpp_layers, vpp_stages = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
@@ -487,5 +487,5 @@ def _validate_ddp_buckets(args: argparse.Namespace) -> None:
 
 
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
-    from megatron_ucp.model_config import pad_vocab_size
+    from megatron_ucp.core.model_config import pad_vocab_size
     return pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)

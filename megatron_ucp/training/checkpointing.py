@@ -21,7 +21,7 @@ import torch
 
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
-from megatron_ucp import cpu_backend
+from megatron_ucp.training import cpu_backend
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import (

@@ -25,7 +25,7 @@ from megatron.core import parallel_state
 
 from megatron_ucp.adapters import gpt as rulebook
 from megatron_ucp.formats.common import layout_from_args
-from megatron_ucp.model_config import GPTModelConfig
+from megatron_ucp.core.model_config import GPTModelConfig
 
 
 def _seed(seed: int, name: str) -> int:

@@ -21,7 +21,7 @@ from megatron.core.optimizer import get_standard_config_overrides
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ucp import cpu_backend
+from megatron_ucp.training import cpu_backend
 
 
 def params_dtype(args) -> torch.dtype:

@@ -32,11 +32,11 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from megatron_ucp import cpu_backend
+from megatron_ucp.training import cpu_backend
 from megatron_ucp.adapters import gpt as rulebook
 from megatron_ucp.formats.common import layout_from_args
-from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.patterns import repadded_shard
+from megatron_ucp.core.model_config import GPTModelConfig
+from megatron_ucp.core.patterns import repadded_shard
 
 # Model-config fields that must match between the universal checkpoint and the run.
 MUST_MATCH = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -64,7 +64,7 @@ class UniversalLoadError(RuntimeError):
 
 def open_for_run(args):
     """Open args.load as a universal checkpoint and fix the run's padded vocab size before the model is built."""
-    from megatron_ucp.universal import UniversalCheckpoint
+    from megatron_ucp.universal.checkpoint import UniversalCheckpoint
 
     ucp = UniversalCheckpoint.open(args.load)
     stored = ucp.config.padded_vocab_size
@@ -335,7 +335,7 @@ def _restore_rng(args, ucp, layout) -> str:
     Returns why it re-seeded ('' when restored)."""
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron_ucp.run_state import restore_rng, state_for_rank
+    from megatron_ucp.core.run_state import restore_rng, state_for_rank
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     if args.no_load_rng or args.finetune:

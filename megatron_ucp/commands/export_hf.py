@@ -33,10 +33,10 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from megatron_ucp.hf_names import MODEL_TYPES, MOE_MODEL_TYPES, hf_rows, to_hf
-from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.staging import TOOL_MARKER_FILENAME, Staging, StagingError, tool_marker
-from megatron_ucp.staging import check_destination as check_staging_destination
+from megatron_ucp.adapters.hf import MODEL_TYPES, MOE_MODEL_TYPES, hf_rows, to_hf
+from megatron_ucp.core.model_config import GPTModelConfig
+from megatron_ucp.io.staging import TOOL_MARKER_FILENAME, Staging, StagingError, tool_marker
+from megatron_ucp.io.staging import check_destination as check_staging_destination
 
 PathLike = Union[str, os.PathLike]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -196,7 +196,7 @@ def export_hf(src: PathLike, dst: PathLike, model_type: str, *, dtype: Optional[
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from megatron_ucp.inspect_cmd import is_universal, open_any
+    from megatron_ucp.commands.inspect import is_universal, open_any
 
     src, dst = Path(src), Path(dst).absolute()
     _check_destination(src, dst, overwrite)  # fails fast; checked again under the lock

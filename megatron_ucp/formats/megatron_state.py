@@ -1,5 +1,5 @@
-"""The parts of Megatron-LM's checkpoint state that both Megatron writers build (writers/legacy.py for
-`--ckpt-format torch`, writers/torch_dist_direct.py for `torch_dist`), without torch.
+"""The parts of Megatron-LM's checkpoint state that both Megatron writers build (formats/legacy/writer.py for
+`--ckpt-format torch`, formats/torch_dist/writer.py for `torch_dist`), without torch.
 
 - args: the universal checkpoint's JSON args back as Megatron-LM's Namespace values, dtypes and Megatron
   enums made by the caller (torch dtypes and imported enums for torch.save, formats/torch_save.py's
@@ -28,10 +28,10 @@ from megatron_ucp.adapters.gpt import (experts_in_own_optimizer, group_identity,
 from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
                                                 shared_embedding_names)
 from megatron_ucp.formats.safe_pickle import DTYPE_ITEMSIZE, MEGATRON_ENUMS, TorchDType
-from megatron_ucp.layout import ParallelLayout
-from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.run_state import TensorMaker, cpu_generator_state, torch_tensor
-from megatron_ucp.writers.base import WriteError, WriteTarget
+from megatron_ucp.core.layout import ParallelLayout
+from megatron_ucp.core.model_config import GPTModelConfig
+from megatron_ucp.core.run_state import TensorMaker, cpu_generator_state, torch_tensor
+from megatron_ucp.formats.writer_base import WriteError, WriteTarget
 
 CHECKPOINT_VERSION = 3.0
 RNG_STATE_KINDS = ("cuda", "cpu", "none", "source")

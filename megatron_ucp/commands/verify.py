@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from megatron_ucp.inspect_cmd import checkpoint_format, is_universal, open_any, text_table
-from megatron_ucp.patterns import VocabSharded
+from megatron_ucp.commands.inspect import checkpoint_format, is_universal, open_any, text_table
+from megatron_ucp.core.patterns import VocabSharded
 
 TENSOR_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 KEY_LABELS = {"fp32": "weight", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "step": "step"}

@@ -24,12 +24,12 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
-from megatron_ucp import integrity
+from megatron_ucp.io import integrity
 
 if TYPE_CHECKING:  # only for annotations: patterns and torch are imported where tensors are made
     import torch
 
-    from megatron_ucp.patterns import Block
+    from megatron_ucp.core.patterns import Block
 
 CHUNK_BYTES = 4 * 2 ** 20  # bounded buffers for reads and fallback copies
 COMPARE_BYTES = 64 * 2 ** 20  # mapped at once per side when comparing
@@ -489,7 +489,7 @@ def relative_inside(path: Any) -> str:
 def placement_from_json(d: dict, root: str) -> Placement:
     """Inverse of placement_to_json (float32 tensors); raises ValueError on malformed input, including a
     file path that would leave `root` (relative_inside)."""
-    from megatron_ucp.patterns import Block
+    from megatron_ucp.core.patterns import Block
 
     shape = tuple(int(n) for n in d["shape"])
     shards = tuple(StoredTensor(tuple(int(n) for n in s["shape"]), "float32",

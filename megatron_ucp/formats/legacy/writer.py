@@ -54,13 +54,13 @@ import torch
 from megatron_ucp.adapters.gpt import is_buffer, is_last_chunk, is_vocab_parameter, rule_for, tp_size_of
 from megatron_ucp.formats.bucket_layout import BufferParam
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
-from megatron_ucp.formats.legacy import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, rank_dir_name
-from megatron_ucp.layout import ParallelLayout
-from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.patterns import repadded_shard
+from megatron_ucp.formats.legacy.reader import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, rank_dir_name
+from megatron_ucp.core.layout import ParallelLayout
+from megatron_ucp.core.model_config import GPTModelConfig
+from megatron_ucp.core.patterns import repadded_shard
 from megatron_ucp.formats import versions
-from megatron_ucp.writers.base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
-from megatron_ucp.writers.megatron_state import (CHECKPOINT_VERSION, TargetGroups, args_values, chunk_buffers,
+from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
+from megatron_ucp.formats.megatron_state import (CHECKPOINT_VERSION, TargetGroups, args_values, chunk_buffers,
                                                  ep_ranks, fresh_rng_state, group_hyper, optimizer_index,
                                                  param_groups_by_rank, rank_buffer_params, rank_chunks,
                                                  source_rng_state)

@@ -77,7 +77,7 @@ from megatron_ucp.formats.common import (
     load_archive_file, model_config_from_args, scalar, structure_error)
 from megatron_ucp.formats.safe_pickle import (
     DcpBytesMeta, DcpIndex, DcpTensorMeta, SafeLoadError, TensorRecord, TorchDType, load_dcp_item, load_dcp_metadata)
-from megatron_ucp.layout import LayoutError
+from megatron_ucp.core.layout import LayoutError
 
 # the fp16 loss scaler of a distributed optimizer (dp_reshardable: an object per model-parallel rank)
 _SCALER_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\.grad_scaler/")
@@ -152,7 +152,7 @@ class _NotContiguous(Exception):
 def _assemble_stored(parts: list, piece: _Piece, shape: Optional[tuple] = None):
     """_assemble for StoredTensors: chunks concatenated along the piece's axis are one run of bytes only
     when every dim before that axis has size 1."""
-    from megatron_ucp.byteio import concat_stored
+    from megatron_ucp.io.byteio import concat_stored
 
     if len(parts) > 1 and math.prod(parts[0].shape[:piece.axis]) != 1:
         raise _NotContiguous(piece.key)
@@ -811,8 +811,8 @@ class TorchDistCheckpoint(CheckpointReader):
 
     def _locate_box(self, fqn: str, box: Box):
         """Where the box's bytes are (a StoredTensor), or None when they are not one run per saved chunk."""
-        from megatron_ucp.byteio import StoredTensor, box_bytes, concat_stored
-        from megatron_ucp.byteio import itemsize as itemsize_of
+        from megatron_ucp.io.byteio import StoredTensor, box_bytes, concat_stored
+        from megatron_ucp.io.byteio import itemsize as itemsize_of
 
         overlaps = self._overlaps(fqn, box)
         if len(overlaps) == 1 and overlaps[0].lengths == box[1]:
@@ -893,7 +893,7 @@ class TorchDistCheckpoint(CheckpointReader):
     def loss_scaler(self):
         """dp_reshardable: the ShardedObject optimizer.distributed.dp_group_idx_<m>.grad_scaler of every
         model-parallel rank m (all equal: checked); otherwise common.pt['optimizer']['grad_scaler']."""
-        from megatron_ucp.run_state import LossScalerState, RunStateError
+        from megatron_ucp.core.run_state import LossScalerState, RunStateError
 
         found = {}
         try:
@@ -915,7 +915,7 @@ class TorchDistCheckpoint(CheckpointReader):
     def rng_states(self) -> list:
         """The ShardedObject 'rng_state': one item per (pp, tp) rank (rng_state/shard_<pp>.<tp>_<PP>.<TP>), or
         per (pp, tp, dp) rank with expert parallelism; each holds a one-element list."""
-        from megatron_ucp.run_state import RankRngState, RunStateError
+        from megatron_ucp.core.run_state import RankRngState, RunStateError
 
         out = []
         for key, md in self._keys.items():

@@ -3,7 +3,7 @@
 From metadata only: checks that the target TP x PP (x VPP) x DP layout can hold the model (heads, query
 groups, ffn and layers divisible; vocabulary re-padding; batch divisible by DP) and lists, per target
 rank, the parameters it loads and the bytes it reads from the universal checkpoint, as
-`megatron_ucp.loader` reads them: without the distributed optimizer the TP slice of each fp32 weight and
+`megatron_ucp.megatron_lm.loader` reads them: without the distributed optimizer the TP slice of each fp32 weight and
 Adam moment; with it only the rows covering the rank's DP shard of megatron-core's DDP buffer, for the
 fp32 weight and each moment (the param all-gather completes the weights). For a Megatron-LM source the
 plan is conversion (to-universal) and then that load. Uneven targets take Megatron-LM's split flags.
@@ -25,10 +25,10 @@ from typing import Optional
 from megatron_ucp.adapters.gpt import (check_pipeline, expected_parameters, experts_per_ep_rank, in_expert_optimizer,
                                       is_buffer, is_vocab_parameter, padded_vocab_at, parameters_for_rank, rule_for,
                                       virtual_chunks)
-from megatron_ucp.inspect_cmd import human_bytes, is_universal, open_any, text_table, universal_problems
-from megatron_ucp.layer_placement import PlacementError, add_split_arguments, resolve_vpp, split_options
-from megatron_ucp.layout import LayoutError, ParallelLayout
-from megatron_ucp.model_config import GPTModelConfig
+from megatron_ucp.commands.inspect import human_bytes, is_universal, open_any, text_table, universal_problems
+from megatron_ucp.core.placement import PlacementError, add_split_arguments, resolve_vpp, split_options
+from megatron_ucp.core.layout import LayoutError, ParallelLayout
+from megatron_ucp.core.model_config import GPTModelConfig
 
 
 def _divisors(n: int, upto: int = 64) -> list[int]:
@@ -110,7 +110,7 @@ def read_source(path, iteration: Optional[int] = None) -> Source:
                       _has_moments(params), dict(ckpt.args),
                       tuple(universal_problems(ckpt)))
     from megatron_ucp.convert import conversion_tasks
-    from megatron_ucp.universal import dtype_name
+    from megatron_ucp.universal.checkpoint import dtype_name
 
     tasks = conversion_tasks(ckpt)  # the conversion would fail here if the source is not convertible
     return Source(str(ckpt.path), ckpt.format, ckpt.iteration, ckpt.config, {t.name: t.shape for t in tasks},

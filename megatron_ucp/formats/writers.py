@@ -2,11 +2,11 @@
 one declared interface (`base.CheckpointWriter`):
 
 - `torch`: Megatron-LM's legacy format (model_optim_rng.pt [+ distrib_optim.pt] per (tp, pp) rank),
-  written offline, one rank's shard in memory at a time (writers/legacy.py);
+  written offline, one rank's shard in memory at a time (formats/legacy/writer.py);
 - `torch_dist`: megatron-core `torch_dist`, written offline and streaming: megatron-core's keys and
-  chunks, bytes copied file to file, the files split over torchrun processes (writers/torch_dist_direct.py);
+  chunks, bytes copied file to file, the files split over torchrun processes (formats/torch_dist/writer.py);
 - `torch_dist` `via_harness` (`--via-harness`): the same format saved by megatron-core itself, from the
-  training harness launched at the target layout (writers/torch_dist.py): the reference the direct
+  training harness launched at the target layout (formats/torch_dist/harness_writer.py): the reference the direct
   writer is tested against.
 """
 
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import importlib
 
-from megatron_ucp.writers.base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
+from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
 
 
-_WRITERS = {"torch": ("megatron_ucp.writers.legacy", "LegacyWriter"),
-            "torch_dist": ("megatron_ucp.writers.torch_dist_direct", "DirectTorchDistWriter")}
-_HARNESS_WRITERS = {"torch_dist": ("megatron_ucp.writers.torch_dist", "HarnessTorchDistWriter")}
+_WRITERS = {"torch": ("megatron_ucp.formats.legacy.writer", "LegacyWriter"),
+            "torch_dist": ("megatron_ucp.formats.torch_dist.writer", "DirectTorchDistWriter")}
+_HARNESS_WRITERS = {"torch_dist": ("megatron_ucp.formats.torch_dist.harness_writer", "HarnessTorchDistWriter")}
 
 
 def make_writer(ckpt_format: str, *, via_harness: bool = False, **options) -> CheckpointWriter:

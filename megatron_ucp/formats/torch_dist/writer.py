@@ -15,7 +15,7 @@ common.pt:
     iter_XXXXXXX/metadata.json         {"sharded_backend": "torch_dist", ...}
     latest_checkpointed_iteration.txt  last
 
-Entries (formats/torch_dist.py documents them as the reader sees them):
+Entries (formats/torch_dist/reader.py documents them as the reader sees them):
 - model: the rulebook's `torch_dist_key` (key and leading-axis indices: the global layer when layers are
   stacked, then the global expert); one chunk per block of the parameter's pattern (`rank_blocks`) per
   TP rank (one for replicated parameters); bf16 models store the fp32 main weight cast to bf16. A
@@ -36,7 +36,7 @@ Entries (formats/torch_dist.py documents them as the reader sees them):
     for bf16/fp16 models); common.pt holds the param groups and `common_step`.
   - None: weights only (args.no_save_optim), when the universal checkpoint has no Adam state.
 - `rng_state/shard_<pp>.<tp>_<PP>.<TP>`: a fresh deterministic state per (pp, tp) rank, as the legacy
-  writer writes it (writers/megatron_state.py; `rng_state` "cuda" or "cpu"; "source": the stored states,
+  writer writes it (formats/megatron_state.py; `rng_state` "cuda" or "cpu"; "source": the stored states,
   at the source layout only; "none" omits it, args.no_save_rng).
 - fp16: the loss scaler's state as `grad_scaler` next to the optimizer's param groups (an object of its
   own with dp_reshardable, in common.pt otherwise), where megatron-core's optimizers keep it.
@@ -88,20 +88,20 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from megatron_ucp import integrity
+from megatron_ucp.io import integrity
 from megatron_ucp.adapters.gpt import (LAYER, expected_parameters, expert_location, experts_in_own_optimizer, is_buffer,
                                       is_expert, local_name, parameters_for_rank, pattern_for, rule_for, torch_dist_key,
                                       torch_dist_stacked, tp_size_of)
-from megatron_ucp.byteio import BAND_BYTES, FileHandles, FileRegion, copy_region
+from megatron_ucp.io.byteio import BAND_BYTES, FileHandles, FileRegion, copy_region
 from megatron_ucp.formats import versions
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
 from megatron_ucp.formats.safe_pickle import TorchDType
 from megatron_ucp.formats.torch_save import (EnumMember, GlobalRef, Obj, SavedTensor, TorchSize, cast_float32, pickle_bytes,
                                              save_bytes, tensor_archive, torch_dtype)
-from megatron_ucp.layout import ParallelLayout
-from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.writers.base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
-from megatron_ucp.writers.megatron_state import (CHECKPOINT_VERSION, MODEL_DTYPES, TargetGroups, args_values,
+from megatron_ucp.core.layout import ParallelLayout
+from megatron_ucp.core.model_config import GPTModelConfig
+from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
+from megatron_ucp.formats.megatron_state import (CHECKPOINT_VERSION, MODEL_DTYPES, TargetGroups, args_values,
                                                  chunk_buffers, fresh_rng_state, group_hyper, param_groups_by_rank,
                                                  rank_buffer_params, source_rng_state)
 

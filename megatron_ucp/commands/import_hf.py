@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from megatron_ucp.hf_names import MODEL_TYPES, VOCAB, ZERO, HFRow, from_hf_bands, hf_rows, hf_shapes
-from megatron_ucp.model_config import GPTModelConfig, pad_vocab_size
+from megatron_ucp.adapters.hf import MODEL_TYPES, VOCAB, ZERO, HFRow, from_hf_bands, hf_rows, hf_shapes
+from megatron_ucp.core.model_config import GPTModelConfig, pad_vocab_size
 
 PathLike = Union[str, os.PathLike]
 MAX_JSON = 64 << 20  # bytes a config.json, index or safetensors header may take
@@ -435,8 +435,8 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
     from tqdm import tqdm
 
     from megatron_ucp.adapters.gpt import expected_parameters, pattern_for
-    from megatron_ucp.layout import ParallelLayout
-    from megatron_ucp.universal import UniversalFormatError, UniversalWriter, write_tensor_file_streamed
+    from megatron_ucp.core.layout import ParallelLayout
+    from megatron_ucp.universal.checkpoint import UniversalFormatError, UniversalWriter, write_tensor_file_streamed
 
     root = Path(src).resolve()
     if not root.is_dir():

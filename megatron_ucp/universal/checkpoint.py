@@ -30,19 +30,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
-from megatron_ucp import integrity
-from megatron_ucp.byteio import (
+from megatron_ucp.io import integrity
+from megatron_ucp.io.byteio import (
     FileHandles, FileRegion, Placement, StorageError, dtype_name, placement_from_json, placement_to_json, read_box_bits,
     relative_inside, to_torch, write_placement)
-from megatron_ucp.integrity import ChecksumError, DigestRecord, SourceDigests, VerifiedBlocks
-from megatron_ucp.layout import ParallelLayout
-from megatron_ucp.model_config import GPTModelConfig
-from megatron_ucp.staging import Staging, StagingError, check_not_staging
+from megatron_ucp.io.integrity import ChecksumError, DigestRecord, SourceDigests, VerifiedBlocks
+from megatron_ucp.core.layout import ParallelLayout
+from megatron_ucp.core.model_config import GPTModelConfig
+from megatron_ucp.io.staging import Staging, StagingError, check_not_staging
 
 if TYPE_CHECKING:
     import torch
 
-    from megatron_ucp.patterns import Pattern
+    from megatron_ucp.core.patterns import Pattern
 
 FORMAT_NAME = "megatron-ucp-universal"
 FORMAT_VERSION = 2
@@ -152,7 +152,7 @@ def _check_tensors(name: str, tensors: Mapping[str, tuple[tuple[int, ...], Any]]
 
 def _entry(name: str, shape: tuple[int, ...], keys: list[str], info: Mapping[str, Any]) -> dict:
     """The parameter's metadata.json entry (without its checksum)."""
-    from megatron_ucp.patterns import Pattern, pattern_from_json
+    from megatron_ucp.core.patterns import Pattern, pattern_from_json
 
     pattern = info["pattern"]
     pattern_json = pattern.to_json() if isinstance(pattern, Pattern) else dict(pattern)
@@ -507,7 +507,7 @@ def _check_record(name: str, shape: tuple[int, ...], tensors: tuple[str, ...], r
 
 def _param_info(name: str, d: Mapping[str, Any], meta_path: Path, version: int,
                 lazy_root: Optional[Path] = None, lazy_files: Optional[Mapping[str, Any]] = None) -> ParamInfo:
-    from megatron_ucp.patterns import PatternError, pattern_from_json
+    from megatron_ucp.core.patterns import PatternError, pattern_from_json
 
     try:
         _check_name(name)
@@ -623,8 +623,8 @@ def _model_parameters(config: GPTModelConfig, parameters: Mapping[str, Any], met
     declaring more layers or experts than there are parameters is not expanded, and more parameters than the
     model has are refused here, before any entry is parsed."""
     from megatron_ucp.adapters.gpt import expected_parameters
-    from megatron_ucp.layout import LayoutError
-    from megatron_ucp.patterns import PatternError
+    from megatron_ucp.core.layout import LayoutError
+    from megatron_ucp.core.patterns import PatternError
 
     declared = len(parameters)
     if max(config.num_layers, config.num_experts or 0) > declared:
@@ -1123,7 +1123,7 @@ class UniversalCheckpoint:
         if hashlib.sha256(data).hexdigest() != self.rng_section["sha256"]:
             raise UniversalFormatError(f"{path}: its sha256 differs from the one metadata.json records; the file "
                                        f"was edited or damaged, restore it from a copy or reconvert")
-        from megatron_ucp.run_state import RunStateError, parse_rng_file
+        from megatron_ucp.core.run_state import RunStateError, parse_rng_file
 
         try:
             return parse_rng_file(json.loads(data), str(path))
@@ -1168,7 +1168,7 @@ class SavedRngStates:
 
 def _write_rng_file(staging_dir: Path, rng: SavedRngStates) -> dict:
     """Write RNG_FILENAME into the staging directory; returns metadata.json's `rng` section."""
-    from megatron_ucp.run_state import rng_file
+    from megatron_ucp.core.run_state import rng_file
 
     data = (json.dumps(rng_file(list(rng.states), rng.layout.to_dict(), rng.micro_batch_size),
                        separators=(",", ":"), allow_nan=False) + "\n").encode()
@@ -1187,7 +1187,7 @@ def _read_small_file(path: Path, root: Path) -> bytes:
 
 def _run_state_metadata(metadata: Mapping[str, Any], meta_path: Path) -> tuple:
     """(loss scaler state or None, the `rng` section or None) of metadata.json, checked."""
-    from megatron_ucp.run_state import LossScalerState, RunStateError
+    from megatron_ucp.core.run_state import LossScalerState, RunStateError
 
     try:
         scaler = LossScalerState.from_json(metadata.get("loss_scaler"), f"{meta_path} loss_scaler")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from megatron_ucp.staging import check_not_staging
+from megatron_ucp.io.staging import check_not_staging
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"  # Megatron-LM's (formats.common.TRACKER_FILENAME)
 
@@ -34,7 +34,7 @@ class NotACheckpointError(ValueError):
 
 
 def _looks_universal(path: Path) -> bool:
-    from megatron_ucp.universal import COMPLETE_FILENAME, FORMAT_NAME, METADATA_FILENAME, TENSORS_DIRNAME
+    from megatron_ucp.universal.checkpoint import COMPLETE_FILENAME, FORMAT_NAME, METADATA_FILENAME, TENSORS_DIRNAME
 
     if (path / COMPLETE_FILENAME).is_file() or (path / TENSORS_DIRNAME).is_dir():
         return True
@@ -59,7 +59,7 @@ def open_any(path: PathLike, iteration: Optional[int] = None, *, validate: bool 
         raise NotACheckpointError(f"{path}: is a file, not a checkpoint directory; pass the directory that holds "
                                   f"it (a universal checkpoint, a Megatron-LM --save root or an iter_XXXXXXX folder)")
     if _looks_universal(path):
-        from megatron_ucp.universal import UniversalCheckpoint
+        from megatron_ucp.universal.checkpoint import UniversalCheckpoint
 
         ucp = UniversalCheckpoint.open(path, validate=validate)
         if iteration is not None and iteration != ucp.iteration:
@@ -79,7 +79,7 @@ def open_any(path: PathLike, iteration: Optional[int] = None, *, validate: bool 
 
 
 def is_universal(ckpt) -> bool:
-    from megatron_ucp.universal import UniversalCheckpoint
+    from megatron_ucp.universal.checkpoint import UniversalCheckpoint
 
     return isinstance(ckpt, UniversalCheckpoint)
 
@@ -161,9 +161,9 @@ def parameter_rows(ckpt) -> list[ParameterRow]:
         return [ParameterRow(p.name, p.shape, p.model_dtype, p.pattern.to_json(), p.tensors)
                 for p in ckpt.parameters.values()]
     from megatron_ucp.adapters.gpt import canonical_name, expected_parameters, is_buffer, pattern_for
-    from megatron_ucp.byteio import dtype_name
+    from megatron_ucp.io.byteio import dtype_name
     from megatron_ucp.formats.common import CheckpointFormatError
-    from megatron_ucp.layout import LayoutError
+    from megatron_ucp.core.layout import LayoutError
 
     config, layout = ckpt.config, ckpt.layout
     try:

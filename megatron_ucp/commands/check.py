@@ -17,8 +17,8 @@ import argparse
 import os
 from pathlib import Path
 
-from megatron_ucp.integrity import check_universal
-from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError
+from megatron_ucp.io.integrity import check_universal
+from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalFormatError
 
 SHOWN = 20  # problems listed in the text report (--json lists all)
 
@@ -29,7 +29,7 @@ def default_workers() -> int:
 
 def check(path, workers: int = 0) -> dict:
     """The check of the universal checkpoint at `path`, as a JSON-safe dict ("ok", "problems", counts)."""
-    from megatron_ucp.inspect_cmd import universal_problems
+    from megatron_ucp.commands.inspect import universal_problems
 
     ucp = UniversalCheckpoint.open(path, validate=False)  # the marker, metadata.json's sha256 and every entry
     report = check_universal(ucp.path, ucp.metadata, workers=workers or default_workers())

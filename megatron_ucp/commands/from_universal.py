@@ -43,17 +43,17 @@ from megatron_ucp.adapters.gpt import (expected_parameters, experts_per_ep_rank,
 from megatron_ucp.convert.runner import all_ranks_agree, in_torchrun
 from megatron_ucp.formats.common import TRACKER_FILENAME
 from megatron_ucp.formats.versions import NEWEST as _NEWEST, SUPPORTED as SUPPORTED_RELEASES
-from megatron_ucp.layer_placement import PlacementError, add_split_arguments, resolve_vpp, split_options
-from megatron_ucp.layout import LayoutError, ParallelLayout
-from megatron_ucp.patterns import PatternError
-from megatron_ucp.staging import TOOL_MARKER_FILENAME, Staging, StagingError, join_staging, tool_marker
-from megatron_ucp.staging import check_destination as check_staging_destination
-from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError
-from megatron_ucp.writers import CKPT_FORMATS, WriteError, WriteTarget, make_writer
-from megatron_ucp.writers.base import target_args
-from megatron_ucp.writers.megatron_state import RNG_STATE_KINDS
-from megatron_ucp.writers.torch_dist import DEFAULT_TIMEOUT_S
-from megatron_ucp.writers.torch_dist_direct import OPTIMIZER_FORMATS
+from megatron_ucp.core.placement import PlacementError, add_split_arguments, resolve_vpp, split_options
+from megatron_ucp.core.layout import LayoutError, ParallelLayout
+from megatron_ucp.core.patterns import PatternError
+from megatron_ucp.io.staging import TOOL_MARKER_FILENAME, Staging, StagingError, join_staging, tool_marker
+from megatron_ucp.io.staging import check_destination as check_staging_destination
+from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalFormatError
+from megatron_ucp.formats.writers import CKPT_FORMATS, WriteError, WriteTarget, make_writer
+from megatron_ucp.formats.writer_base import target_args
+from megatron_ucp.formats.megatron_state import RNG_STATE_KINDS
+from megatron_ucp.formats.torch_dist.harness_writer import DEFAULT_TIMEOUT_S
+from megatron_ucp.formats.torch_dist.writer import OPTIMIZER_FORMATS
 
 NEWEST_RELEASE = _NEWEST.name
 

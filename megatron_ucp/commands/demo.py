@@ -86,7 +86,7 @@ def main() -> None:
 
 def plot(base: dict, resumed: dict, path: Path) -> None:
     try:
-        from megatron_ucp.plotting import plot_loss_curves
+        from megatron_ucp.commands.plotting import plot_loss_curves
     except ImportError:
         print("(matplotlib not installed: skipping the plot)")
         return

@@ -3,7 +3,7 @@
 `from_universal` validates what is common to every format (layout, batch, optimizer steps), builds a
 `WriteTarget`, asks the writer for its `plan` (every file, before anything is written; format-specific
 refusals are raised there with the cause and the fix), then has it `write` into a staging directory that
-it moves into place. Writers register in `megatron_ucp.writers` (WRITERS).
+it moves into place. Writers register in `megatron_ucp.formats.writers` (WRITERS).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Optional
 
-from megatron_ucp.layout import ParallelLayout
+from megatron_ucp.core.layout import ParallelLayout
 
 
 class WriteError(ValueError):

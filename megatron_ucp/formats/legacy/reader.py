@@ -48,7 +48,7 @@ from megatron_ucp.formats.common import (
     PARAM_DTYPES, STATE_DTYPE, CheckpointFormatError, args_to_dict, build_common_state, check_dtype, entry,
     inside, layout_from_args, load_archive_file, model_config_from_args, scalar, structure_error)
 from megatron_ucp.formats.safe_pickle import TensorRecord, TorchDType
-from megatron_ucp.layout import LayoutError
+from megatron_ucp.core.layout import LayoutError
 
 MODEL_FILENAME = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
@@ -575,7 +575,7 @@ class LegacyCheckpoint(CheckpointReader):
 
     def loss_scaler(self):
         """model_optim_rng.pt['optimizer']['grad_scaler'] (the same in every rank's file: checked)."""
-        from megatron_ucp.run_state import LossScalerState, RunStateError
+        from megatron_ucp.core.run_state import LossScalerState, RunStateError
 
         found = {}
         for (t, p, e), meta in sorted(self._ranks.items()):
@@ -599,7 +599,7 @@ class LegacyCheckpoint(CheckpointReader):
     def rng_states(self) -> list:
         """model_optim_rng.pt['rng_state'] of every (tp, pp) rank: a list of one state, or of one per DP rank
         (--data-parallel-random-init)."""
-        from megatron_ucp.run_state import RankRngState, RunStateError
+        from megatron_ucp.core.run_state import RankRngState, RunStateError
 
         if any(e for _, _, e in self._ranks):
             # expert-parallel folders hold each EP rank's expert RNG stream, which RankRngState does not key;

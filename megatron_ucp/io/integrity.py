@@ -362,7 +362,7 @@ def copy_and_hash(files, region, dst_fd: int, dst_pos: int, hasher: Optional[Blo
     """byteio.copy_region (copy_file_range: the bytes never enter user space) in `step` pieces, each
     hashed from the source right after it is copied (still in the page cache). `files` is a
     byteio.FileHandles, `region` a FileRegion."""
-    from megatron_ucp.byteio import FileRegion, copy_region
+    from megatron_ucp.io.byteio import FileRegion, copy_region
 
     done = 0
     while done < region.nbytes:
@@ -668,7 +668,7 @@ class VerifiedTensorFile:
 
     def read(self, key: str, index: Optional[Sequence[slice]] = None):
         """Tensor `key`, or its region `index` (step-1 slices over leading dims), as a new CPU tensor."""
-        from megatron_ucp.byteio import to_torch
+        from megatron_ucp.io.byteio import to_torch
 
         return to_torch(self.read_bits(key, index), _SAFETENSORS_DTYPES[self.tensors[key][0]])
 
@@ -677,7 +677,7 @@ class VerifiedTensorFile:
         the element's width: numpy has no bfloat16; `.view(numpy.float32)` for F32). No torch."""
         import numpy
 
-        from megatron_ucp.byteio import _bits  # byteio imports this module: imported on use
+        from megatron_ucp.io.byteio import _bits  # byteio imports this module: imported on use
 
         dtype_name, shape, start, stop = self.tensors[key]
         item = _ITEMSIZE[dtype_name]
@@ -732,7 +732,7 @@ def verify_box_sources(files, placement, index: Optional[Sequence[slice]], diges
         s0, s1 = b.src[0].start + lo[0] - b.dst[0].start, b.src[0].start + hi[0] - b.dst[0].start
         old = rows.get(b.shard)
         rows[b.shard] = (s0, s1) if old is None else (min(old[0], s0), max(old[1], s1))
-    from megatron_ucp.byteio import itemsize
+    from megatron_ucp.io.byteio import itemsize
 
     checked = 0
     for i, (s0, s1) in sorted(rows.items()):

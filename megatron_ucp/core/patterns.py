@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 
-from megatron_ucp.layout import LayoutError
+from megatron_ucp.core.layout import LayoutError
 
 Shape = Tuple[int, ...]
 Ranges = Tuple[slice, ...]

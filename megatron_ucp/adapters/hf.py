@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
-from megatron_ucp.model_config import GPTModelConfig
+from megatron_ucp.core.model_config import GPTModelConfig
 
 if TYPE_CHECKING:
     import torch

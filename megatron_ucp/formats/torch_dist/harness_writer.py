@@ -1,5 +1,5 @@
 """Universal checkpoint -> megatron-core `torch_dist` checkpoint at any layout, via the training harness
-(`from-universal --via-harness`; the default route is writers/torch_dist_direct.py, offline).
+(`from-universal --via-harness`; the default route is formats/torch_dist/writer.py, offline).
 
 What it still serves: it is megatron-core's own save, so it is the reference the direct writer is tested
 against (tests/test_torch_dist_direct.py, tests/test_moe_universal.py: same `.metadata`, chunk for chunk
@@ -31,8 +31,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 from megatron_ucp.adapters.gpt import megatron_padded_vocab, padded_vocab_at
 from megatron_ucp.formats.common import TRACKER_FILENAME
-from megatron_ucp.layout import ParallelLayout
-from megatron_ucp.writers.base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
+from megatron_ucp.core.layout import ParallelLayout
+from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN_SCRIPT = REPO / "pretrain_scripts" / "pretrain_gpt.py"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_ucp.plotting import plot_loss_curves, read_jsonl_losses
+from megatron_ucp.commands.plotting import plot_loss_curves, read_jsonl_losses
 
 
 class PlotError(ValueError):
