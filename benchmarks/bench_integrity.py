@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from megatron_ucp import integrity  # noqa: E402
-from megatron_ucp.io.byteio import FileHandles, FileRegion, copy_region  # noqa: E402
+from megatron_ucp.io.byteio import FileHandles, FileRegion, copy_and_hash, copy_region  # noqa: E402
 from megatron_ucp.io.staging import fsync_tree  # noqa: E402
 
 MiB = 1 << 20
@@ -134,7 +134,7 @@ def bench_copy(src: Path, dst: Path, nbytes: int) -> dict:
             with FileHandles() as files:
                 if hashed:
                     hasher = integrity.BlockHasher(nbytes, name=str(dst))
-                    integrity.copy_and_hash(files, region, fd, 0, hasher)
+                    copy_and_hash(files, region, fd, 0, hasher)
                     hasher.record()
                 else:
                     copy_region(files, region, fd, 0)

@@ -48,8 +48,9 @@ def _without_checksums() -> None:
     as before checksums existed (copy_region, plain pwrite), records are placeholders."""
     from megatron_ucp.io import byteio
     from megatron_ucp.io import integrity
-    from megatron_ucp.universal import checkpoint as universal
+    from megatron_ucp import universal
     from megatron_ucp.convert import runner
+    from megatron_ucp.universal import tensorfile
 
     class NoDigests(integrity.BlockHasher):
         def update(self, pos, data) -> None:
@@ -60,7 +61,7 @@ def _without_checksums() -> None:
                                           ("0" * 32,) * len(self._digests), self.offset)
 
     integrity.BlockHasher = NoDigests
-    universal.write_placement = lambda files, fd, offset, placement, hasher=None: byteio.write_placement(
+    tensorfile.write_placement = lambda files, fd, offset, placement, hasher=None: byteio.write_placement(
         files, fd, offset, placement)
 
     def lazy_section(root, entries, workers=4):

@@ -157,7 +157,7 @@ def _user_facing_errors():
     errors = []
     try:
         from megatron_ucp.megatron_lm.loader import UniversalLoadError
-        from megatron_ucp.universal.checkpoint import UniversalFormatError
+        from megatron_ucp.universal import UniversalFormatError
         errors += [UniversalLoadError, UniversalFormatError]
     except ImportError:
         pass

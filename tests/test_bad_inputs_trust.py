@@ -28,7 +28,7 @@ from megatron_ucp.formats import open_checkpoint
 from megatron_ucp.commands.from_universal import from_universal
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
-from megatron_ucp.universal.checkpoint import UniversalWriter
+from megatron_ucp.universal import UniversalWriter
 from test_bad_inputs_readers import Run, run_cli
 from writer_cli import C_FIXTURE, REPO, assert_nothing_left, copy_of, edit_metadata, flip_bit, reseal, tree_digest
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ucp.convert import to_universal
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+from megatron_ucp.universal import UniversalCheckpoint
 from writer_cli import (B_FIXTURE, C_FIXTURE, REPO, Paused, assert_nothing_left, assert_ok, assert_one_line_error,
                         cli, command, copy_of, edit_metadata, env, flip_bit, tree_digest)
 

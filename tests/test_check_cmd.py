@@ -24,7 +24,7 @@ from megatron_ucp.convert import to_universal
 from megatron_ucp.io.integrity import BLOCK_SIZE
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalFormatError, UniversalWriter
+from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError, UniversalWriter
 from pretrain_runs import FAMILIES, Layout, run_pretrain
 from writer_cli import C_FIXTURE, assert_ok, cli, flip_bit
 
@@ -227,7 +227,7 @@ def test_the_write_side_modules_import_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys; import megatron_ucp.universal.checkpoint, megatron_ucp.io.byteio, megatron_ucp.io.integrity, "
+    code = ("import sys; import megatron_ucp.universal, megatron_ucp.io.byteio, megatron_ucp.io.integrity, "
             "megatron_ucp.io.staging, megatron_ucp.commands.check, megatron_ucp.commands.inspect; "
             "print(sorted(m for m in ('torch', 'safetensors.torch', 'numpy') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -246,7 +246,7 @@ def test_the_tensor_path_and_the_byte_path_write_the_same_file_and_digests(tmp_p
     from megatron_ucp.convert import placement_for
     from megatron_ucp.io.integrity import DigestRecord, hash_file
     from megatron_ucp.core.patterns import Sharded
-    from megatron_ucp.universal.checkpoint import write_tensor_file, write_tensor_file_placed
+    from megatron_ucp.universal import write_tensor_file, write_tensor_file_placed
 
     name, shape = "decoder.layers.0.self_attention.linear_proj.weight", (512, 768)  # 4.5 MiB: 5 blocks
     g = torch.Generator().manual_seed(0)

@@ -177,7 +177,7 @@ def test_verify_reports_vocab_padding_and_missing_state(ucp, tmp_path, capsys):
     the weights are compared; the padding difference is reported."""
     import torch
 
-    from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalWriter
+    from megatron_ucp.universal import UniversalCheckpoint, UniversalWriter
 
     src = UniversalCheckpoint.open(ucp["C8"])
     dst = tmp_path / "C8_repadded"

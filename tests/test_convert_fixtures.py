@@ -24,7 +24,7 @@ from megatron_ucp.formats import CheckpointFormatError, open_checkpoint
 from megatron_ucp.formats.common import load_pickled
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.core.patterns import bitwise_equal
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalFormatError
+from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError
 from pretrain_runs import FIXTURE_CKPTS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ import torch
 from megatron_ucp.convert import consolidate as convert_mod
 from megatron_ucp.convert import conversion_tasks, source_keys, to_universal
 from megatron_ucp.formats import open_checkpoint
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+from megatron_ucp.universal import UniversalCheckpoint
 from locate_checks import assert_locate_equals_read
 from megatron_ucp.formats.torch_dist.reader import READ_KEYS, TorchDistCheckpoint
 from pretrain_runs import FIXTURE_CKPTS

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ucp.convert import to_universal
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalFormatError
+from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError
 from writer_cli import C_FIXTURE, Paused, assert_ok, assert_one_line_error, cli, leftovers, tree_digest
 
 TO_UNIVERSAL_PHASES = ["staged", "half-written", "fsynced", "marker-written", "renaming"]

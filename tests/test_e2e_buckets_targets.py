@@ -41,7 +41,7 @@ from megatron_ucp.formats.safe_pickle import load_dcp_metadata
 from megatron_ucp.commands.from_universal import from_universal
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.commands.plan import Target, make_plan
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+from megatron_ucp.universal import UniversalCheckpoint
 
 pytestmark = pytest.mark.torchrun
 

@@ -17,7 +17,7 @@ from pretrain_runs import DISTOPT, FP32_TOL, SAVED_AT, Layout, rel_diff
 from megatron_ucp.formats import open_checkpoint
 from megatron_ucp.commands.from_universal import FromUniversalError, from_universal
 from megatron_ucp.core.layout import ParallelLayout
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+from megatron_ucp.universal import UniversalCheckpoint
 
 pytestmark = pytest.mark.torchrun
 

@@ -37,7 +37,7 @@ from megatron_ucp.formats import open_checkpoint
 from megatron_ucp.formats.common import load_pickled
 from megatron_ucp.commands.from_universal import from_universal
 from megatron_ucp.core.layout import ParallelLayout
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+from megatron_ucp.universal import UniversalCheckpoint
 
 pytestmark = pytest.mark.torchrun
 

@@ -29,7 +29,7 @@ from pretrain_runs import FIXTURE_LOSS_TOL, FIXTURES, Layout, max_rel_diff, mega
 from megatron_ucp.commands import from_universal as fu  # noqa: E402
 from megatron_ucp.convert import to_universal  # noqa: E402
 from megatron_ucp.formats.common import load_pickled  # noqa: E402
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint  # noqa: E402
+from megatron_ucp.universal import UniversalCheckpoint  # noqa: E402
 
 A = "A_llama_tp2pp2dp2_distopt_sp_torch"
 C = "C_gpt2_tp2pp2dp1_adam_torch"

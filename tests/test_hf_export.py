@@ -38,7 +38,7 @@ def tokens_for(vocab_size: int) -> torch.Tensor:
 def amplified_copy(src: Path, dst: Path) -> Path:
     """A universal checkpoint with AMPLIFY's weights scaled (weights only)."""
     from megatron_ucp.adapters.gpt import expected_parameters
-    from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalWriter
+    from megatron_ucp.universal import UniversalCheckpoint, UniversalWriter
 
     ucp = UniversalCheckpoint.open(src)
     with UniversalWriter(dst) as writer:
@@ -80,7 +80,7 @@ def megatron_logits(ucp_paths: list[str]) -> list[torch.Tensor]:
     from megatron_ucp.core.layout import ParallelLayout
     from megatron_ucp.training.arguments import parse_args
     from megatron_ucp.training.model import build_model, transformer_config_from_args
-    from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+    from megatron_ucp.universal import UniversalCheckpoint
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -61,7 +61,7 @@ def build_checkpoints(out_dir: Path) -> None:
     from megatron_ucp.core.model_config import GPTModelConfig
     from megatron_ucp.training.arguments import parse_args
     from megatron_ucp.training.model import build_model, transformer_config_from_args
-    from megatron_ucp.universal.checkpoint import UniversalWriter
+    from megatron_ucp.universal import UniversalWriter
 
     with tempfile.TemporaryDirectory() as tmp:
         torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)

@@ -176,7 +176,7 @@ def test_export_then_import_gives_back_the_fp32_masters(fixture, model_type, tmp
     from megatron_ucp.convert import to_universal
     from megatron_ucp.commands.export_hf import export_hf
     from megatron_ucp.commands.import_hf import import_hf
-    from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+    from megatron_ucp.universal import UniversalCheckpoint
 
     original = UniversalCheckpoint.open(to_universal(FIXTURE_CKPTS[fixture], tmp_path / "ucp", iteration=8,
                                                      progress=False))
@@ -195,7 +195,7 @@ def test_export_then_import_gives_back_the_fp32_masters(fixture, model_type, tmp
 def test_moe_import_export_import_is_identity(imported, tmp_path):
     from megatron_ucp.commands.export_hf import export_hf
     from megatron_ucp.commands.import_hf import import_hf
-    from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+    from megatron_ucp.universal import UniversalCheckpoint
 
     _, ucp, _ = imported["qwen2_moe"]
     export_hf(ucp, tmp_path / "hf", "qwen2_moe", dtype="float32", progress=False)
@@ -210,7 +210,7 @@ def test_bf16_weights_are_widened_exactly_and_vocabulary_padded(tmp_path):
     from safetensors.torch import load_file
 
     from megatron_ucp.commands.import_hf import import_hf
-    from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+    from megatron_ucp.universal import UniversalCheckpoint
 
     model = hf_model("llama")
     model.config.vocab_size = 1000

@@ -20,11 +20,13 @@ import xxhash
 from safetensors import safe_open
 from safetensors.torch import save, save_file
 
+from megatron_ucp import universal
+from megatron_ucp.universal import check_universal
 from megatron_ucp.io import integrity
-from megatron_ucp.io.byteio import FileHandles, FileRegion
+from megatron_ucp.io.byteio import FileHandles, FileRegion, copy_and_hash
 from megatron_ucp.io.integrity import (
-    BlockHasher, ChecksumError, DigestRecord, FileCheck, SourceDigests, check_files, check_universal,
-    copy_and_hash, digest_regions, hash_file, pwrite_hashed, verified_pread, verified_view)
+    BlockHasher, ChecksumError, DigestRecord, FileCheck, SourceDigests, check_files,
+    digest_regions, hash_file, pwrite_hashed, verified_pread, verified_view)
 
 BLOCK = 64 << 10
 PARAM = "decoder.layers.0.mlp.linear_fc1.weight"
@@ -341,7 +343,7 @@ def test_check_universal_reports_damage_wrong_headers_and_missing_files(tmp_path
     root = tmp_path / "ucp"
     metadata = _fake_universal(root)
     report = check_universal(root, metadata, workers=2)
-    assert report.ok and report.files == 2 and report.blocks > 6 and report.checks == integrity.UNIVERSAL_CHECKS
+    assert report.ok and report.files == 2 and report.blocks > 6 and report.checks == universal.UNIVERSAL_CHECKS
     big = root / "tensors" / f"{PARAM}.safetensors"
     flip(big, big.stat().st_size - 3)
     report = check_universal(root, metadata)
@@ -404,7 +406,7 @@ def test_verified_tensor_file_reads_what_safetensors_reads_and_refuses_damage(tm
     record = hash_file(path, 4096)  # 96 floats = 384-byte rows: a block holds ~10 rows
     indexes = [None, (slice(0, 32),), (slice(100, 164),), (slice(None), slice(48, 96)), (slice(7, 9), slice(3, 5)),
                (slice(5, 5),)]
-    with integrity.VerifiedTensorFile(path, record, LABEL) as f, safe_open(str(path), "pt") as ref:
+    with universal.VerifiedTensorFile(path, record, LABEL) as f, safe_open(str(path), "pt") as ref:
         for key in ("fp32", "exp_avg"):
             for index in indexes:
                 want = ref.get_tensor(key) if index is None else ref.get_slice(key)[index]
@@ -414,7 +416,7 @@ def test_verified_tensor_file_reads_what_safetensors_reads_and_refuses_damage(tm
     byte = start + 200 * 384 + 17  # row 200 of fp32
     flip(path, byte)
     k = byte // 4096
-    with integrity.VerifiedTensorFile(path, record, LABEL) as f:
+    with universal.VerifiedTensorFile(path, record, LABEL) as f:
         assert torch.equal(f.read("fp32", (slice(0, 128),)), tensors["fp32"][:128])  # rows far away: fine
         for index in ((slice(190, 210),), (slice(None), slice(0, 8)), None):  # rows holding it, any columns
             with pytest.raises(ChecksumError, match=rf"block {k} \(bytes {k * 4096}..{k * 4096 + 4095}\) of {LABEL}"):
@@ -469,7 +471,7 @@ def test_records_of_a_real_universal_checkpoint_and_its_lazy_index(tmp_path):
     from pretrain_runs import FIXTURE_CKPTS
 
     from megatron_ucp.convert import to_universal
-    from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+    from megatron_ucp.universal import UniversalCheckpoint
 
     source = tmp_path / "src"
     shutil.copytree(FIXTURE_CKPTS["B"], source)
@@ -482,7 +484,7 @@ def test_records_of_a_real_universal_checkpoint_and_its_lazy_index(tmp_path):
     cache = integrity.VerifiedBlocks()
     for name, info in ucp.parameters.items():
         record = DigestRecord.from_json(metadata["parameters"][name]["checksum"])
-        with integrity.VerifiedTensorFile(ucp.path / info.file, record, integrity.tensor_file_label(name),
+        with universal.VerifiedTensorFile(ucp.path / info.file, record, integrity.tensor_file_label(name),
                                           cache=cache) as f:
             for key in info.tensors:
                 n = info.shape[0]

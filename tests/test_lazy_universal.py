@@ -22,7 +22,7 @@ import torch
 
 from megatron_ucp.convert import ConversionError, to_universal
 from megatron_ucp.core.layout import LayoutError
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalFormatError
+from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError
 from pretrain_runs import FIXTURE_CKPTS
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ from pretrain_runs import FIXTURES
 from megatron_ucp.convert import to_universal
 from megatron_ucp.megatron_lm.loader import UniversalLoadError, check_compatible
 from megatron_ucp.training.arguments import build_parser, validate_args
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+from megatron_ucp.universal import UniversalCheckpoint
 
 LLAMA = ["--num-layers", "4", "--hidden-size", "48", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",

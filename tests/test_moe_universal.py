@@ -43,7 +43,7 @@ from torch_dist_checks import assert_equal_to_megatron, gap_chunks, structure
 from megatron_ucp.adapters import gpt
 from megatron_ucp.convert import to_universal
 from megatron_ucp.core.layout import ParallelLayout
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalWriter
+from megatron_ucp.universal import UniversalCheckpoint, UniversalWriter
 
 pytestmark = pytest.mark.torchrun
 

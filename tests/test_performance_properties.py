@@ -34,7 +34,7 @@ from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.megatron_lm.loader import read_local_flat_range
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.core.patterns import Replicated
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalWriter
+from megatron_ucp.universal import UniversalCheckpoint, UniversalWriter
 
 MIB = 2 ** 20
 GIB = 2 ** 30

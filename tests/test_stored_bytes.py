@@ -24,7 +24,7 @@ from megatron_ucp.io import byteio as stored_mod
 from megatron_ucp.io.byteio import (
     FileHandles, FileRegion, StoredTensor, box_bytes, concat_stored, read_stored, regions_equal, write_placement)
 from megatron_ucp.core.patterns import FusedSubParams, GroupedQKV, Replicated, Sharded, VocabSharded
-from megatron_ucp.universal.checkpoint import safetensors_header, write_tensor_file_placed
+from megatron_ucp.universal import safetensors_header, write_tensor_file_placed
 
 CASES = [
     ("column", Sharded(0), (16, 6)),

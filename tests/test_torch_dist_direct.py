@@ -52,7 +52,7 @@ from megatron_ucp.commands import from_universal as fu
 from megatron_ucp.convert import to_universal
 from megatron_ucp.formats.common import load_pickled
 from megatron_ucp.formats.torch_save import tensor_archive
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+from megatron_ucp.universal import UniversalCheckpoint
 from megatron_ucp.commands.verify import verify
 from megatron_ucp.formats.torch_dist.writer import Gap, TensorItem, plan_checkpoint
 
@@ -444,7 +444,7 @@ def _fabricate(dst: Path, num_layers: int, num_experts=None, hidden: int = 512) 
     from megatron_ucp.adapters.gpt import expected_parameters, pattern_for
     from megatron_ucp.core.layout import ParallelLayout
     from megatron_ucp.core.model_config import GPTModelConfig
-    from megatron_ucp.universal.checkpoint import UniversalWriter
+    from megatron_ucp.universal import UniversalWriter
 
     config = GPTModelConfig(num_layers=num_layers, hidden_size=hidden, ffn_hidden_size=4 * hidden,
                             num_attention_heads=8, num_query_groups=4, kv_channels=hidden // 8, vocab_size=8000,

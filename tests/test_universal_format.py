@@ -18,7 +18,7 @@ from megatron_ucp.io.integrity import hash_file
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.core.patterns import bitwise_equal
-from megatron_ucp.universal.checkpoint import (
+from megatron_ucp.universal import (
     COMPLETE_FILENAME, FORMAT_NAME, FORMAT_VERSION, METADATA_FILENAME, ParamInfo, UniversalCheckpoint,
     UniversalFormatError, UniversalWriter, write_tensor_file)
 
@@ -211,7 +211,7 @@ def test_disk_full_gives_one_line_and_leaves_nothing(tmp_path, monkeypatch, caps
 
     from megatron_ucp import cli
 
-    from megatron_ucp.universal import checkpoint as universal
+    from megatron_ucp.universal import tensorfile as universal
 
     calls = {"n": 0}
     real_write = universal.write_placement  # the converter's byte copies into the output files

@@ -71,7 +71,7 @@ def test_llama_tp4_is_refused_with_a_clear_error(source, runs, tmp_path):
 def test_round_trip_is_bitwise(source, runs):
     """Load the universal checkpoint at the source layout, save with the harness, convert again: every
     tensor, step, scheduler value, the loss scaler and the RNG states come back unchanged."""
-    from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+    from megatron_ucp.universal import UniversalCheckpoint
 
     family, layout, extra = SOURCES["gpt2-tp2pp2sp"]
     ucp = runs.universal(source("gpt2-tp2pp2sp").save)

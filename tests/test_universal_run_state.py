@@ -21,7 +21,7 @@ from pretrain_runs import FIXTURE_CKPTS
 from megatron_ucp.commands.check import check
 from megatron_ucp.convert import to_universal
 from megatron_ucp.core.run_state import LossScalerState, RankRngState, RunStateError
-from megatron_ucp.universal.checkpoint import RNG_FILENAME, UniversalCheckpoint, UniversalFormatError
+from megatron_ucp.universal import RNG_FILENAME, UniversalCheckpoint, UniversalFormatError
 
 
 @pytest.fixture(scope="module")

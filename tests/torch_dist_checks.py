@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 
 from megatron_ucp.commands import from_universal as fu
 from megatron_ucp.formats.common import load_pickled
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+from megatron_ucp.universal import UniversalCheckpoint
 from megatron_ucp.commands.verify import verify
 from megatron_ucp.formats.torch_dist.writer import Gap, TensorItem, plan_checkpoint
 

@@ -23,7 +23,7 @@ import torch
 
 from megatron_ucp.adapters.gpt import expected_parameters
 from megatron_ucp.core.model_config import GPTModelConfig
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalWriter
+from megatron_ucp.universal import UniversalCheckpoint, UniversalWriter
 
 TensorEdit = Callable[[str, str, torch.Tensor], torch.Tensor]  # (name, key, tensor) -> tensor
 

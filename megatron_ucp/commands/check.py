@@ -17,8 +17,8 @@ import argparse
 import os
 from pathlib import Path
 
-from megatron_ucp.io.integrity import check_universal
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalFormatError
+from megatron_ucp.universal import check_universal
+from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError
 
 SHOWN = 20  # problems listed in the text report (--json lists all)
 

@@ -33,13 +33,14 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from megatron_ucp.core.dtypes import PARAM_DTYPES, torch_dtype
 from megatron_ucp.adapters.hf import MODEL_TYPES, MOE_MODEL_TYPES, hf_rows, to_hf
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.io.staging import TOOL_MARKER_FILENAME, Staging, StagingError, tool_marker
 from megatron_ucp.io.staging import check_destination as check_staging_destination
 
 PathLike = Union[str, os.PathLike]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: torch_dtype(name) for name in PARAM_DTYPES}
 
 
 class ExportError(ValueError):

@@ -48,7 +48,7 @@ from megatron_ucp.core.layout import LayoutError, ParallelLayout
 from megatron_ucp.core.patterns import PatternError
 from megatron_ucp.io.staging import TOOL_MARKER_FILENAME, Staging, StagingError, join_staging, tool_marker
 from megatron_ucp.io.staging import check_destination as check_staging_destination
-from megatron_ucp.universal.checkpoint import UniversalCheckpoint, UniversalFormatError
+from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError
 from megatron_ucp.formats.writers import CKPT_FORMATS, WriteError, WriteTarget, make_writer
 from megatron_ucp.formats.writer_base import target_args
 from megatron_ucp.formats.megatron_state import RNG_STATE_KINDS

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
+from megatron_ucp.core.dtypes import SAFETENSORS, itemsize
 from megatron_ucp.adapters.hf import MODEL_TYPES, VOCAB, ZERO, HFRow, from_hf_bands, hf_rows, hf_shapes
 from megatron_ucp.core.model_config import GPTModelConfig, pad_vocab_size
 
 PathLike = Union[str, os.PathLike]
 MAX_JSON = 64 << 20  # bytes a config.json, index or safetensors header may take
-_DTYPES = {"F32": ("float32", 4), "BF16": ("bfloat16", 2), "F16": ("float16", 2)}
+_DTYPES = {code: SAFETENSORS[code] for code in ("F32", "BF16", "F16")}  # what a checkpoint may hold
 BAND_BYTES = 16 << 20  # fp32 bytes of a parameter widened at a time (one band of rows)
 # HF tensors that are derived buffers, never weights (older Llama checkpoints store RoPE's inv_freq).
 _DERIVED = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
@@ -119,7 +120,7 @@ def parse_safetensors_header(path: Path) -> dict[str, StoredTensor]:
         if dtype not in _DTYPES:
             _fail(f"{path}: tensor {name} is {dtype}; a model's weights must be F32, BF16 or F16 (quantized or "
                   f"integer checkpoints are not imported: dequantize to a float dtype first)")
-        torch_dtype, width = _DTYPES[dtype]
+        torch_dtype, width = _DTYPES[dtype], itemsize(_DTYPES[dtype])
         if any(n < 0 for n in shape) or end - start != math.prod(shape) * width or start < 0:
             _fail(f"{path}: tensor {name} declares shape {list(shape)} {dtype} but bytes [{start}, {end}); the "
                   f"header is inconsistent, re-download the file")
@@ -436,7 +437,7 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
 
     from megatron_ucp.adapters.gpt import expected_parameters, pattern_for
     from megatron_ucp.core.layout import ParallelLayout
-    from megatron_ucp.universal.checkpoint import UniversalFormatError, UniversalWriter, write_tensor_file_streamed
+    from megatron_ucp.universal import UniversalFormatError, UniversalWriter, write_tensor_file_streamed
 
     root = Path(src).resolve()
     if not root.is_dir():

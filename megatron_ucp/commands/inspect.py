@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
+from megatron_ucp.core.dtypes import ITEMSIZE
+from megatron_ucp.formats import megatron_kind, open_checkpoint
+from megatron_ucp.formats.common import ITERATION_PREFIX, TRACKER_FILENAME
 from megatron_ucp.io.staging import check_not_staging
-
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"  # Megatron-LM's (formats.common.TRACKER_FILENAME)
 
 PathLike = Union[str, os.PathLike]
 UNIVERSAL = "universal"
@@ -34,7 +35,7 @@ class NotACheckpointError(ValueError):
 
 
 def _looks_universal(path: Path) -> bool:
-    from megatron_ucp.universal.checkpoint import COMPLETE_FILENAME, FORMAT_NAME, METADATA_FILENAME, TENSORS_DIRNAME
+    from megatron_ucp.universal import COMPLETE_FILENAME, FORMAT_NAME, METADATA_FILENAME, TENSORS_DIRNAME
 
     if (path / COMPLETE_FILENAME).is_file() or (path / TENSORS_DIRNAME).is_dir():
         return True
@@ -59,27 +60,23 @@ def open_any(path: PathLike, iteration: Optional[int] = None, *, validate: bool 
         raise NotACheckpointError(f"{path}: is a file, not a checkpoint directory; pass the directory that holds "
                                   f"it (a universal checkpoint, a Megatron-LM --save root or an iter_XXXXXXX folder)")
     if _looks_universal(path):
-        from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+        from megatron_ucp.universal import UniversalCheckpoint
 
         ucp = UniversalCheckpoint.open(path, validate=validate)
         if iteration is not None and iteration != ucp.iteration:
             raise NotACheckpointError(f"{path}: a universal checkpoint holds one iteration ({ucp.iteration}), not "
                                       f"the requested --iteration {iteration}; drop --iteration")
         return ucp
-    megatron_like = ((path / TRACKER_FILENAME).exists() or path.name.startswith("iter_")
-                     or any(p.is_dir() and p.name.startswith("iter_") for p in path.iterdir()))
-    if not megatron_like:
+    if not path.name.startswith(ITERATION_PREFIX) and megatron_kind(path) is None:
         raise NotACheckpointError(
             f"{path}: not a checkpoint: no COMPLETE/metadata.json (universal), no {TRACKER_FILENAME} or "
             f"iter_XXXXXXX folders (Megatron-LM); pass the DST of `megatron-ucp to-universal` or a Megatron-LM "
             f"--save directory")
-    from megatron_ucp.formats import open_checkpoint
-
     return open_checkpoint(path, iteration)
 
 
 def is_universal(ckpt) -> bool:
-    from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+    from megatron_ucp.universal import UniversalCheckpoint
 
     return isinstance(ckpt, UniversalCheckpoint)
 
@@ -128,7 +125,6 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
 @dataclass(frozen=True)
@@ -161,9 +157,9 @@ def parameter_rows(ckpt) -> list[ParameterRow]:
         return [ParameterRow(p.name, p.shape, p.model_dtype, p.pattern.to_json(), p.tensors)
                 for p in ckpt.parameters.values()]
     from megatron_ucp.adapters.gpt import canonical_name, expected_parameters, is_buffer, pattern_for
-    from megatron_ucp.io.byteio import dtype_name
-    from megatron_ucp.formats.common import CheckpointFormatError
+    from megatron_ucp.core.dtypes import dtype_name
     from megatron_ucp.core.layout import LayoutError
+    from megatron_ucp.formats.common import CheckpointFormatError
 
     config, layout = ckpt.config, ckpt.layout
     try:
@@ -246,7 +242,7 @@ def describe(ckpt) -> dict:
         "has_optimizer_state": all(len(r.tensors) == 3 for r in rows if r.kind != "buffer"),
         "num_parameters": len(rows),
         "num_elements": numel,
-        "model_bytes": sum(r.numel * _DTYPE_BYTES.get(r.dtype, 4) for r in rows),
+        "model_bytes": sum(r.numel * ITEMSIZE.get(r.dtype, 4) for r in rows),
         "consolidated_bytes": sum(r.numel * 4 * len(r.tensors) for r in rows),
         "total_bytes": disk_bytes(Path(ckpt.path)),
         "parameters": [r.to_dict() for r in rows],

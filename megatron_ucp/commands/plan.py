@@ -110,7 +110,7 @@ def read_source(path, iteration: Optional[int] = None) -> Source:
                       _has_moments(params), dict(ckpt.args),
                       tuple(universal_problems(ckpt)))
     from megatron_ucp.convert import conversion_tasks
-    from megatron_ucp.universal.checkpoint import dtype_name
+    from megatron_ucp.core.dtypes import dtype_name
 
     tasks = conversion_tasks(ckpt)  # the conversion would fail here if the source is not convertible
     return Source(str(ckpt.path), ckpt.format, ckpt.iteration, ckpt.config, {t.name: t.shape for t in tasks},

@@ -17,11 +17,12 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
-from megatron_ucp.io.byteio import FileHandles, Placement, StoredTensor, dtype_name, regions_equal
+from megatron_ucp.io.byteio import FileHandles, Placement, StoredTensor, regions_equal
+from megatron_ucp.core.dtypes import dtype_name
 from megatron_ucp.convert.tasks import ConversionError, ParamTask
 from megatron_ucp.formats import CheckpointReader
 from megatron_ucp.core.patterns import Pattern, PatternError, Replicated, check_copies_agree
-from megatron_ucp.universal.checkpoint import lazy_entry, write_tensor_file, write_tensor_file_placed
+from megatron_ucp.universal import lazy_entry, write_tensor_file, write_tensor_file_placed
 
 if TYPE_CHECKING:
     import torch

@@ -106,7 +106,7 @@ def _loss_scaler(ckpt: CheckpointReader):
 def saved_rng_states(ckpt: CheckpointReader):
     """The source's per-rank RNG states with the layout and micro-batch size they were drawn at, for
     UniversalWriter.finish (None when the checkpoint saved none)."""
-    from megatron_ucp.universal.checkpoint import SavedRngStates
+    from megatron_ucp.universal import SavedRngStates
 
     states = ckpt.rng_states()
     if not states:

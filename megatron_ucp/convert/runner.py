@@ -24,7 +24,7 @@ from megatron_ucp.convert.metadata import build_metadata, saved_rng_states
 from megatron_ucp.convert.tasks import ConversionError, ParamTask, conversion_tasks
 from megatron_ucp.formats import CheckpointReader, open_checkpoint
 from megatron_ucp.io.staging import fsync_path, join_staging
-from megatron_ucp.universal.checkpoint import UniversalFormatError, UniversalWriter, lazy_section
+from megatron_ucp.universal import UniversalFormatError, UniversalWriter, lazy_section
 
 PathLike = Union[str, os.PathLike]
 

@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef
-from megatron_ucp.formats.common import CheckpointFormatError, PickledEnum, resolve_iteration_dir
+from megatron_ucp.formats.common import (
+    ITERATION_PREFIX, TRACKER_FILENAME, CheckpointFormatError, PickledEnum, resolve_iteration_dir)
+from megatron_ucp.formats.legacy import names as legacy_names
+from megatron_ucp.formats.torch_dist import names as torch_dist_names
 
 
 @dataclass(frozen=True)
@@ -32,11 +35,12 @@ class ReaderEntry:
 
 READERS = (
     ReaderEntry("torch_dist", "megatron_ucp.formats.torch_dist.reader", "TorchDistCheckpoint",
-                lambda d: (d / ".metadata").is_file() or (d / "metadata.json").is_file(),
-                re.compile(r"__\d+_\d+\.distcp")),
+                lambda d: (d / torch_dist_names.DCP_METADATA_FILENAME).is_file()
+                or (d / torch_dist_names.METADATA_JSON_FILENAME).is_file(),
+                torch_dist_names.DATA_FILE),
     ReaderEntry("torch", "megatron_ucp.formats.legacy.reader", "LegacyCheckpoint",
-                lambda d: any(p.is_dir() and p.name.startswith("mp_rank_") for p in d.iterdir()),
-                re.compile(r"mp_rank_\d{2}(_\d{3}){0,2}/(model_optim_rng|distrib_optim)\.pt")),
+                lambda d: any(p.is_dir() and legacy_names.is_rank_dir_name(p.name) for p in d.iterdir()),
+                legacy_names.DATA_FILE),
 )
 
 
@@ -53,6 +57,20 @@ def is_data_file(rel: str) -> bool:
     """Whether the path `rel` (relative to an iteration folder) is named as a file of tensor bytes of a
     Megatron-LM checkpoint of a known format: the only files a lazy universal checkpoint may read."""
     return any(entry.data_file.fullmatch(rel) for entry in READERS)
+
+
+def megatron_kind(path: Path) -> Optional[str]:
+    """'a Megatron-LM checkpoint (its --save root)' / '... iteration folder' when `path` looks like one, by
+    file names only (for messages that tell a user which kind of folder they passed)."""
+    try:
+        names = {p.name for p in path.iterdir()}
+    except OSError:
+        return None
+    if TRACKER_FILENAME in names or any(n.startswith(ITERATION_PREFIX) for n in names):
+        return "a Megatron-LM checkpoint (its --save root)"
+    if torch_dist_names.COMMON_FILENAME in names or any(entry.detect(path) for entry in READERS):
+        return "a Megatron-LM checkpoint iteration folder"
+    return None
 
 
 def open_checkpoint(path: Union[str, Path], iteration: Optional[int] = None) -> CheckpointReader:
@@ -83,4 +101,4 @@ def _refuse_universal(path: Path) -> None:
 
 
 __all__ = ["READERS", "READ_KEYS", "CheckpointFormatError", "CheckpointReader", "PickledEnum", "ShardRef",
-           "detect_format", "is_data_file", "open_checkpoint"]
+           "detect_format", "is_data_file", "megatron_kind", "open_checkpoint"]

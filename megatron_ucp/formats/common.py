@@ -20,7 +20,6 @@ from megatron_ucp.core.layout import LayoutError, ParallelLayout
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 # What a Megatron-LM GPT checkpoint trains in, and what its optimizer state is kept in.
-PARAM_DTYPES = ("float32", "bfloat16", "float16")
 STATE_DTYPE = "float32"
 
 
@@ -224,8 +223,12 @@ def build_common_state(*, iteration: int, args: dict, checkpoint_version: Any, o
 # ---------------------------------------------------------------------------------------------
 # Locating and opening checkpoints
 
+ITERATION_PREFIX = "iter_"
+
+
 def iteration_dir_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
+    """Megatron-LM's folder of one saved iteration under the checkpoint root."""
+    return f"{ITERATION_PREFIX}{iteration:07d}"
 
 
 def resolve_iteration_dir(path: Union[str, Path], iteration: Optional[int] = None) -> tuple[Path, int]:
@@ -237,9 +240,9 @@ def resolve_iteration_dir(path: Union[str, Path], iteration: Optional[int] = Non
     if not path.is_dir():
         raise CheckpointFormatError(f"{path}: is a file; pass the checkpoint directory that holds "
                                     f"{TRACKER_FILENAME} or an iter_XXXXXXX folder.")
-    if path.name.startswith("iter_") and not (path / TRACKER_FILENAME).exists():
+    if path.name.startswith(ITERATION_PREFIX) and not (path / TRACKER_FILENAME).exists():
         try:
-            found = int(path.name[len("iter_"):])
+            found = int(path.name[len(ITERATION_PREFIX):])
         except ValueError:
             raise CheckpointFormatError(f"{path}: folder name is not iter_<7 digits>.") from None
         if iteration is not None and iteration != found:
@@ -249,7 +252,7 @@ def resolve_iteration_dir(path: Union[str, Path], iteration: Optional[int] = Non
     if iteration is None:
         tracker = path / TRACKER_FILENAME
         if not tracker.is_file():
-            iters = sorted(p.name for p in path.glob("iter_*") if p.is_dir())
+            iters = sorted(p.name for p in path.glob(ITERATION_PREFIX + "*") if p.is_dir())
             hint = f" Found {', '.join(iters)}: pass --iteration N or one of those folders." if iters else ""
             raise CheckpointFormatError(f"{tracker}: missing, so {path} is not a Megatron-LM checkpoint root.{hint}")
         with open(tracker, "rb") as f:  # a number: a few bytes (never read a huge or endless file whole)
@@ -270,7 +273,7 @@ def resolve_iteration_dir(path: Union[str, Path], iteration: Optional[int] = Non
                                         f"iter_XXXXXXX folder into it, or pass --iteration N.")
     iter_dir = path / iteration_dir_name(iteration)
     if not iter_dir.is_dir():
-        iters = sorted(p.name for p in path.glob("iter_*") if p.is_dir())
+        iters = sorted(p.name for p in path.glob(ITERATION_PREFIX + "*") if p.is_dir())
         raise CheckpointFormatError(f"{iter_dir}: missing; the tracker or --iteration {iteration} points to an "
                                     f"iteration that was not saved (or was deleted); pass --iteration N of a saved one"
                                     f"{' (' + ', '.join(iters) + ')' if iters else ''}.")

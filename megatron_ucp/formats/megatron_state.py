@@ -23,11 +23,13 @@ import struct
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional
 
+from megatron_ucp.core.dtypes import PARAM_DTYPES
 from megatron_ucp.adapters.gpt import (experts_in_own_optimizer, group_identity, group_overrides,
                                       in_expert_optimizer, is_buffer, megatron_param_groups, parameters_for_rank)
 from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
                                                 shared_embedding_names)
-from megatron_ucp.formats.safe_pickle import DTYPE_ITEMSIZE, MEGATRON_ENUMS, TorchDType
+from megatron_ucp.core.dtypes import ITEMSIZE
+from megatron_ucp.formats.safe_pickle import MEGATRON_ENUMS, TorchDType
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.core.run_state import TensorMaker, cpu_generator_state, torch_tensor
@@ -35,7 +37,7 @@ from megatron_ucp.formats.writer_base import WriteError, WriteTarget
 
 CHECKPOINT_VERSION = 3.0
 RNG_STATE_KINDS = ("cuda", "cpu", "none", "source")
-MODEL_DTYPES = {name: TorchDType(name) for name in ("float32", "bfloat16", "float16")}
+MODEL_DTYPES = {name: TorchDType(name) for name in PARAM_DTYPES}
 
 
 class MegatronStateError(WriteError):
@@ -72,7 +74,7 @@ def args_values(args: Mapping[str, Any], *, dtype: Callable[[str], Any], enum_me
     plain = {}
     for key, value in args.items():
         if isinstance(value, str):
-            if value.startswith("torch.") and value[len("torch."):] in DTYPE_ITEMSIZE:  # dtype names only
+            if value.startswith("torch.") and value[len("torch."):] in ITEMSIZE:  # dtype names only
                 value = dtype(value[len("torch."):])
             elif value in ("nan", "inf", "-inf"):
                 value = float(value)

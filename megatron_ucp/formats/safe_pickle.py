@@ -41,6 +41,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Union
 
+from megatron_ucp.core.dtypes import FLOAT_DTYPES, ITEMSIZE, TYPED_STORAGES
+
 __all__ = [
     "ARCHIVE_GLOBALS", "DCP_METADATA_GLOBALS", "RECORD_NAMESPACES", "ByteRegion", "DcpBytesMeta", "DcpChunk", "DcpIndex", "DcpMetadata",
     "DcpStorageItem", "DcpTensorMeta", "InertRecord", "NumpyArray", "NumpyDType", "PickledEnum", "SafeLoadError", "StorageRef",
@@ -142,20 +144,6 @@ class ByteRegion(NamedTuple):
     nbytes: int
 
 
-# torch dtype name -> bytes per element
-DTYPE_ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-    "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "uint16": 2, "uint32": 4, "uint64": 8,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
-}
-FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
-# torch.<Name>Storage, as torch.save names a tensor's typed storage -> dtype name
-TYPED_STORAGES = {
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
-    "ByteStorage": "uint8", "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
-    "ComplexDoubleStorage": "complex128",
-}
 
 
 @_frozen_record
@@ -174,7 +162,7 @@ class TensorRecord:
 
     @property
     def itemsize(self) -> int:
-        return DTYPE_ITEMSIZE[self.dtype]
+        return ITEMSIZE[self.dtype]
 
     @property
     def numel(self) -> int:
@@ -226,7 +214,7 @@ class TorchDType:
 
     @property
     def itemsize(self) -> int:
-        return DTYPE_ITEMSIZE[self.name]
+        return ITEMSIZE[self.name]
 
     @property
     def is_floating_point(self) -> bool:
@@ -536,7 +524,7 @@ def _tensor(storage: Any, dtype: str, storage_offset: Any, size: Any, stride: An
     _expect(isinstance(backward_hooks, dict) and not backward_hooks, "a tensor with backward hooks")
     _expect(metadata is None or isinstance(metadata, dict) and not any(metadata.values()),
             lambda: f"a tensor with conjugate/negative bits {_short(metadata)} (not plain values)")
-    itemsize = DTYPE_ITEMSIZE[dtype]
+    itemsize = ITEMSIZE[dtype]
     if 0 in shape:
         needed = 0
     else:
@@ -722,7 +710,7 @@ _TENSOR_REBUILDERS = (
     _Global("torch._utils._rebuild_tensor_v2", _rebuild_tensor_v2),
     _Global("torch._utils._rebuild_tensor_v3", _rebuild_tensor_v3),
 )
-_TORCH_DTYPES = {f"torch.{name}": TorchDType(name) for name in DTYPE_ITEMSIZE}
+_TORCH_DTYPES = {f"torch.{name}": TorchDType(name) for name in ITEMSIZE}
 
 
 def _numpy_dtype(spec, align=False, copy=True):
@@ -1012,7 +1000,7 @@ class _TorchArchive:
         entry = self.entry(name)
         _expect(entry is not None, lambda: f"a tensor uses storage record {name}, which the archive does not have: "
                                            f"{RECOPY}")
-        declared = numel * (DTYPE_ITEMSIZE[dtype] if dtype else 1)
+        declared = numel * (ITEMSIZE[dtype] if dtype else 1)
         _expect(declared <= entry[1], lambda: f"storage record {name} declares {declared} bytes, the file holds "
                                               f"{entry[1]}: {RECOPY}")
         ref = StorageRef(key, dtype, self.path, self.base + self.data_start(name, entry), declared)

@@ -54,7 +54,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_ucp.formats.safe_pickle import DTYPE_ITEMSIZE, TYPED_STORAGES, TorchDType
+from megatron_ucp.core.dtypes import ITEMSIZE, TYPED_STORAGES
+from megatron_ucp.formats.safe_pickle import TorchDType
 
 ALIGNMENT = 64  # torch's kFieldAlignment: every record's data starts at a multiple of it
 FILE_FORMAT_VERSION = b"3\n"  # the "version" record (torch's kProducedFileFormatVersion)
@@ -119,7 +120,7 @@ class TorchSize(tuple):
 def torch_dtype(name: str) -> GlobalRef:
     """A torch dtype ("float32" or "torch.float32"), pickled as torch pickles it: the global torch.float32."""
     name = str(name).replace("torch.", "")
-    if name not in DTYPE_ITEMSIZE:
+    if name not in ITEMSIZE:
         raise TorchSaveError(f"unknown torch dtype {name!r}")
     return GlobalRef(f"torch.{name}")
 
@@ -136,14 +137,14 @@ class SavedTensor:
     def __post_init__(self):
         if self.dtype not in STORAGE_TYPES:
             raise TorchSaveError(f"tensors of dtype {self.dtype} are not written by this module")
-        if self.data is not None and len(self.data) != math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]:
+        if self.data is not None and len(self.data) != math.prod(self.shape) * ITEMSIZE[self.dtype]:
             raise TorchSaveError(f"{len(self.data)} bytes for a {self.dtype} tensor of shape {self.shape}")
 
     @classmethod
     def of(cls, data, dtype: str, shape: Optional[tuple] = None) -> "SavedTensor":
         """From bytes or a numpy array (its bytes; shape from the array unless given)."""
         if shape is None:
-            shape = tuple(getattr(data, "shape", (len(data) // DTYPE_ITEMSIZE[dtype],)))
+            shape = tuple(getattr(data, "shape", (len(data) // ITEMSIZE[dtype],)))
         raw = data.tobytes() if hasattr(data, "tobytes") else bytes(data)
         return cls(raw, dtype, tuple(int(n) for n in shape))
 
@@ -299,7 +300,7 @@ def _archive(obj: Any, prefix: str) -> _Archive:
     archive.record(".storage_alignment", str(ALIGNMENT).encode())
     archive.record("byteorder", b"little")
     for storage in pickler.storages:
-        nbytes = storage.numel * DTYPE_ITEMSIZE[storage.dtype]
+        nbytes = storage.numel * ITEMSIZE[storage.dtype]
         archive.record(f"data/{storage.key}", storage.data, nbytes)
     archive.finish()
     return archive
@@ -327,7 +328,7 @@ class TensorArchive:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
     @property
     def data_offset(self) -> int:
@@ -347,7 +348,7 @@ def tensor_archive(shape: tuple[int, ...], dtype) -> TensorArchive:
 
 @functools.lru_cache(maxsize=4096)
 def _tensor_archive(shape: tuple[int, ...], dtype: str) -> TensorArchive:
-    nbytes = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+    nbytes = math.prod(shape) * ITEMSIZE[dtype]
     try:
         parts = _archive(SavedTensor(None, dtype, shape), "archive").parts
     except _NeedsZip64:  # >= 4 GiB: torch's own writer frames it (zip64 extra fields)
@@ -395,7 +396,7 @@ def _torch_framing(shape: tuple, dtype: str) -> TensorArchive:
     with torch.serialization.skip_data():
         torch.save(torch.empty(shape, dtype=getattr(torch, dtype)), recorder)
     holes = [i for i, p in enumerate(recorder.parts) if isinstance(p, int)]
-    nbytes = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+    nbytes = math.prod(shape) * ITEMSIZE[dtype]
     if len(holes) != 1 or recorder.parts[holes[0]] != nbytes:
         raise TorchSaveError(f"torch.save of a {dtype} tensor of shape {shape} under skip_data skipped "
                              f"{[recorder.parts[i] for i in holes]} bytes, expected {nbytes}")

@@ -48,10 +48,6 @@ class MegatronRelease:
     rng_per_dp_with_experts: bool
 
 
-# torch_dist's common state where a release keeps it as a ShardedObject (torch_dist_common == "sharded"): its DCP
-# key (the object "common_state", one shard at offset 0 of 1). The one spelling: reader and writer import it.
-COMMON_STATE_ITEM = "common_state/shard_0_1"
-
 _METADATA_JSON_COMMON_PT = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                             "common_backend": "torch", "common_backend_version": 1}
 _METADATA_JSON_SHARDED = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}

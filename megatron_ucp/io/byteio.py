@@ -24,6 +24,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
+from megatron_ucp.core.dtypes import bits as bits_dtype
+from megatron_ucp.core.dtypes import dtype_name, itemsize, to_torch
 from megatron_ucp.io import integrity
 
 if TYPE_CHECKING:  # only for annotations: patterns and torch are imported where tensors are made
@@ -38,34 +40,6 @@ _PAGE = mmap.ALLOCATIONGRANULARITY
 
 class StorageError(ValueError):
     """A file too short for the bytes it should hold (truncated or replaced); the message says which."""
-
-
-# Bytes per element, by the dtype's name (torch's spelling without "torch.").
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
-            "int8": 1, "uint8": 1, "bool": 1}
-
-
-def dtype_name(dtype: Any) -> str:
-    """'float32' for torch.float32 or 'float32' (the spelling of metadata.json and of safe_pickle records)."""
-    return str(dtype).replace("torch.", "")
-
-
-def itemsize(dtype: Any) -> int:
-    """Bytes per element of a torch dtype or a dtype name."""
-    size = getattr(dtype, "itemsize", None)
-    if isinstance(size, int):
-        return size
-    try:
-        return ITEMSIZE[dtype_name(dtype)]
-    except KeyError:
-        raise StorageError(f"dtype {dtype!r} is not a plain number type") from None
-
-
-def torch_dtype(dtype: Any) -> "torch.dtype":
-    """The torch dtype of a torch dtype or a dtype name (imports torch)."""
-    import torch
-
-    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype_name(dtype))
 
 
 @dataclass(frozen=True)
@@ -205,6 +179,21 @@ def copy_region(files: FileHandles, src: FileRegion, dst_fd: int, dst_offset: in
         offset, dst_offset, left = offset + written, dst_offset + written, left - written
 
 
+def copy_and_hash(files, region, dst_fd: int, dst_pos: int, hasher: Optional[integrity.BlockHasher], *,
+                  step: int = integrity.COPY_STEP) -> None:
+    """copy_region (copy_file_range: the bytes never enter user space) in `step` pieces, each
+    hashed from the source right after it is copied (still in the page cache). `files` is a
+    FileHandles, `region` a FileRegion."""
+    done = 0
+    while done < region.nbytes:
+        n = min(step, region.nbytes - done)
+        piece = FileRegion(region.path, region.offset + done, n)
+        copy_region(files, piece, dst_fd, dst_pos + done)
+        if hasher is not None:
+            integrity.hash_source(hasher, dst_pos + done, files.fd(region.path), piece.offset, n, path=region.path)
+        done += n
+
+
 def _chunks(files: FileHandles, regions: Sequence[FileRegion], size: int) -> Iterator[bytes]:
     """The regions' bytes, concatenated, in pieces of exactly `size` bytes (the last may be shorter)."""
     pending: list[bytes] = []
@@ -267,7 +256,7 @@ def _read_stored_array(files: FileHandles, stored: StoredTensor):
     """The tensor's bytes as a new numpy array of its shape (elements as unsigned ints of its width)."""
     import numpy
 
-    out = numpy.empty(stored.shape, dtype=_bits(stored.dtype))
+    out = numpy.empty(stored.shape, dtype=bits_dtype(stored.dtype))
     view = memoryview(out.reshape(-1).view(numpy.uint8)) if out.size else memoryview(b"")
     pos = 0
     for piece in _chunks(files, stored.regions, CHUNK_BYTES):
@@ -276,30 +265,15 @@ def _read_stored_array(files: FileHandles, stored: StoredTensor):
     return out
 
 
-def _bits(dtype: Any) -> str:
-    """The numpy dtype that moves elements of `dtype` as raw bits (bytes are copied, never interpreted: numpy
-    has no bfloat16, and needs none here)."""
-    return {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}[itemsize(dtype)]
-
-
-def to_torch(array, dtype: Any) -> "torch.Tensor":
-    """A numpy array of raw bits (see _bits) as a torch tensor of `dtype`, sharing its memory."""
-    import torch
-
-    if array.size == 0:
-        return torch.empty(array.shape, dtype=torch_dtype(dtype))
-    return torch.from_numpy(array).view(torch_dtype(dtype))
-
-
 class MappedArray:
-    """A numpy array (raw bits, see _bits) over a file region through mmap; `close()` (or the with-block)
+    """A numpy array (raw bits, see core.dtypes.bits) over a file region through mmap; `close()` (or the with-block)
     unmaps it."""
 
     def __init__(self, fd: int, offset: int, shape: Sequence[int], dtype: Any, *, writable: bool,
                  readahead: bool = True, name: str = "a checkpoint file"):
         import numpy
 
-        bits = numpy.dtype(_bits(dtype))
+        bits = numpy.dtype(bits_dtype(dtype))
         nbytes = _numel(shape) * bits.itemsize
         start = offset - offset % _PAGE
         self._mm = None
@@ -390,7 +364,7 @@ def write_placement(files: FileHandles, dst_fd: int, data_offset: int, placement
     a reused buffer from mmaps of the shards and written with one pwrite each.
 
     With a `hasher` (the output file's BlockHasher) every byte written is digested on the way: a copied
-    run from the source right after its copy (integrity.copy_and_hash: still in the page cache), a band
+    run from the source right after its copy (copy_and_hash: still in the page cache), a band
     from the buffer before it is reused. Nothing is read back from the output."""
     runs = [placement._runs(b) for b in placement.blocks]
     if all(r is not None for r in runs):
@@ -400,7 +374,7 @@ def write_placement(files: FileHandles, dst_fd: int, data_offset: int, placement
                 if hasher is None:
                     copy_region(files, region, dst_fd, pos)
                 else:
-                    integrity.copy_and_hash(files, region, dst_fd, pos, hasher)
+                    copy_and_hash(files, region, dst_fd, pos, hasher)
                 pos += region.nbytes
         return
     shape = placement.shape
@@ -413,7 +387,7 @@ def write_placement(files: FileHandles, dst_fd: int, data_offset: int, placement
         for r0 in range(0, shape[0], band_rows):
             r1 = min(shape[0], r0 + band_rows)
             raw = _staging((r1 - r0) * row_bytes)
-            band = raw.view(_bits(placement.dtype)).reshape((r1 - r0,) + tuple(shape[1:]))
+            band = raw.view(bits_dtype(placement.dtype)).reshape((r1 - r0,) + tuple(shape[1:]))
             _fill_box(band, (slice(r0, r1),) + whole, placement, sources)
             integrity.pwrite_hashed(dst_fd, memoryview(raw), data_offset + r0 * row_bytes, hasher)
 
@@ -533,7 +507,7 @@ def read_box_bits(files: FileHandles, placement: Placement, index: Optional[Sequ
     shape = placement.shape
     box = [slice(*s.indices(n)[:2]) for s, n in zip(index or (), shape)]
     box += [slice(0, n) for n in shape[len(box):]]
-    out = numpy.empty([max(0, s.stop - s.start) for s in box], dtype=_bits(placement.dtype))
+    out = numpy.empty([max(0, s.stop - s.start) for s in box], dtype=bits_dtype(placement.dtype))
     if out.size:
         needed = sorted({b.shard for b in placement.blocks
                          if all(max(x.start, d.start) < min(x.stop, d.stop) for x, d in zip(box, b.dst))})

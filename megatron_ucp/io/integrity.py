@@ -13,7 +13,7 @@ Writing (nothing is read back from the output):
   crossing block boundaries included; a block is hashed as soon as it is fully covered (straight from
   the caller's buffer when one piece covers it, else from a small reassembly buffer). It fits the header
   pwrite, the 8 MiB bands (hash the band before it is reused) and a safetensors file written by pwrite.
-- `copy_and_hash` copies a source region with copy_file_range (`byteio.copy_region`, bytes
+- `byteio.copy_and_hash` copies a source region with copy_file_range (`byteio.copy_region`, bytes
   never in user space) in 64 MiB steps and hashes each step's source bytes through mmap right after
   the copy, while they are in the page cache.
 - `hash_regions` hashes copied source regions after the fact; `write_file_hashed` writes a file from
@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import json
 import math
 import mmap
 import os
@@ -71,7 +70,6 @@ import threading
 import time
 from bisect import bisect_right
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import xxhash
@@ -169,7 +167,7 @@ def _block_error(path, k: int, start: int, stop: int, label: str, remedy: str) -
                          str(path), k, start, stop)
 
 
-def _fix(remedy: str) -> str:
+def remedy_clause(remedy: str) -> str:
     """The "what to do" half of a remedy (for missing or resized files, whose cause is plain)."""
     return remedy.rsplit("; ", 1)[-1]
 
@@ -357,23 +355,6 @@ def hash_source(hasher: BlockHasher, dst_pos: int, src_fd: int, src_offset: int,
         done += n
 
 
-def copy_and_hash(files, region, dst_fd: int, dst_pos: int, hasher: Optional[BlockHasher], *,
-                  step: int = COPY_STEP) -> None:
-    """byteio.copy_region (copy_file_range: the bytes never enter user space) in `step` pieces, each
-    hashed from the source right after it is copied (still in the page cache). `files` is a
-    byteio.FileHandles, `region` a FileRegion."""
-    from megatron_ucp.io.byteio import FileRegion, copy_region
-
-    done = 0
-    while done < region.nbytes:
-        n = min(step, region.nbytes - done)
-        piece = FileRegion(region.path, region.offset + done, n)
-        copy_region(files, piece, dst_fd, dst_pos + done)
-        if hasher is not None:
-            hash_source(hasher, dst_pos + done, files.fd(region.path), piece.offset, n, path=region.path)
-        done += n
-
-
 def hash_regions(hasher: BlockHasher, files, pieces: Iterable[tuple[Any, int]]) -> None:
     """Give `hasher` source regions copied (or about to be copied) into its file: `pieces` are
     (byteio.FileRegion, destination offset), hashed from the source through mmap. For writers
@@ -522,7 +503,7 @@ def verify_buffer(buf, buf_offset: int, start: int, stop: int, record: DigestRec
         raise _block_error(path, *bad, label, remedy)
 
 
-def _pread_exact(fd: int, nbytes: int, offset: int, path) -> bytearray:
+def pread_exact(fd: int, nbytes: int, offset: int, path) -> bytearray:
     buf = bytearray(nbytes)
     view, done = memoryview(buf), 0
     while done < nbytes:
@@ -539,7 +520,7 @@ def verified_pread(fd: int, offset: int, nbytes: int, record: DigestRecord, *, p
     """Exactly bytes [offset, offset + nbytes) of the open file, after checking every block that holds them
     (one pread of the covering blocks). Returns a writable memoryview (torch.frombuffer takes it)."""
     lo, hi = covering_span(record, offset, offset + nbytes)
-    buf = _pread_exact(fd, hi - lo, lo, path)
+    buf = pread_exact(fd, hi - lo, lo, path)
     key = VerifiedBlocks.file_key(fd) if cache is not None else None
     verify_buffer(buf, lo, offset, offset + nbytes, record, path=path, label=label, remedy=remedy,
                   cache=cache, file_key=key)
@@ -609,106 +590,8 @@ class SourceDigests:
                 verify_buffer(mapped[0], mapped[1], lo, hi, record, path=path, label=label, remedy=remedy,
                               cache=cache, file_key=key)
             else:
-                verify_buffer(_pread_exact(fd, b - a, a, path), a, lo, hi, record, path=path, label=label,
+                verify_buffer(pread_exact(fd, b - a, a, path), a, lo, hi, record, path=path, label=label,
                               remedy=remedy, cache=cache, file_key=key)
-
-
-_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
-                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-
-
-class VerifiedTensorFile:
-    """A safetensors file (a universal tensor file) read only through checked blocks: the header is parsed
-    from verified bytes, and `read(key, index)` maps the rows the index spans, checks their blocks and
-    copies out the region, like `safe_open(...).get_slice(key)[index]`. Keep one per file and reader
-    thread; `cache` (VerifiedBlocks) lets readers share checked blocks (the header block, neighbours)."""
-
-    def __init__(self, path: PathLike, record: DigestRecord, label: str, *, remedy: str = FILE_REMEDY,
-                 cache: Optional[VerifiedBlocks] = None, headers: Optional[dict] = None):
-        """`headers`: a dict shared by one reader's opens of the same files, {file identity: parsed header},
-        so a file's header is parsed (and its blocks checked) once, not on every read."""
-        self.path, self.record, self.label, self.remedy = str(path), record, label, remedy
-        self.cache = cache if cache is not None else VerifiedBlocks()
-        self._fd = os.open(self.path, os.O_RDONLY)
-        try:
-            size = os.fstat(self._fd).st_size
-            if size != record.stop:
-                raise ChecksumError(f"{self.path}: {size} bytes, {label} was written with {record.stop}; "
-                                    f"{_fix(remedy)}", self.path)
-            key = VerifiedBlocks.file_key(self._fd) if headers is not None else None
-            if key is not None and key in headers:
-                self.tensors = headers[key]
-                return
-            n = int.from_bytes(self._pread(0, 8), "little")
-            if not 0 < n <= min(size - 8, MAX_HEADER):
-                raise ChecksumError(f"{self.path}: safetensors header length {n} does not fit the file; "
-                                    f"{_fix(remedy)}", self.path)
-            header = json.loads(bytes(self._pread(8, n)))
-            self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
-            for name, t in header.items():
-                if name == "__metadata__":
-                    continue
-                a, b = (8 + n + int(x) for x in t["data_offsets"])
-                shape = tuple(int(d) for d in t["shape"])
-                itemsize = _ITEMSIZE.get(t["dtype"])
-                if itemsize is None or b - a != math.prod(shape) * itemsize or not 8 + n <= a <= b <= size:
-                    raise ChecksumError(f"{self.path}: '{name}' ({t['dtype']} {list(shape)}) does not fit its bytes "
-                                        f"{a}..{b} of the file; {_fix(remedy)}", self.path)
-                self.tensors[name] = (t["dtype"], shape, a, b)
-            if key is not None:
-                headers[key] = self.tensors
-        except BaseException:
-            os.close(self._fd)
-            raise
-
-    def _pread(self, offset: int, nbytes: int) -> memoryview:
-        return verified_pread(self._fd, offset, nbytes, self.record, path=self.path, label=self.label,
-                              remedy=self.remedy, cache=self.cache)
-
-    def read(self, key: str, index: Optional[Sequence[slice]] = None):
-        """Tensor `key`, or its region `index` (step-1 slices over leading dims), as a new CPU tensor."""
-        from megatron_ucp.io.byteio import to_torch
-
-        return to_torch(self.read_bits(key, index), _SAFETENSORS_DTYPES[self.tensors[key][0]])
-
-    def read_bits(self, key: str, index: Optional[Sequence[slice]] = None):
-        """Tensor `key`, or its region `index`, as a new numpy array of the elements' raw bits (unsigned ints of
-        the element's width: numpy has no bfloat16; `.view(numpy.float32)` for F32). No torch."""
-        import numpy
-
-        from megatron_ucp.io.byteio import _bits  # byteio imports this module: imported on use
-
-        dtype_name, shape, start, stop = self.tensors[key]
-        item = _ITEMSIZE[dtype_name]
-        bits = _bits(_SAFETENSORS_DTYPES[dtype_name])
-        index = tuple(index or ())
-        if len(index) > len(shape):
-            raise ValueError(f"index {index} has more slices than '{key}' {list(shape)} has dimensions")
-        box = [slice(*s.indices(n)[:2]) for s, n in zip(index, shape)]
-        out_shape = tuple(max(0, s.stop - s.start) for s in box) + tuple(shape[len(box):])
-        r0, r1 = (box[0].start, max(box[0].start, box[0].stop)) if box else (0, shape[0] if shape else 1)
-        row_bytes = math.prod(shape[1:]) * item
-        lo, n = start + r0 * row_bytes, (r1 - r0) * row_bytes
-        if n == 0 or not math.prod(out_shape):
-            return numpy.empty(out_shape, dtype=bits)
-        with verified_view(self._fd, lo, n, self.record, path=self.path, label=self.label, remedy=self.remedy,
-                           cache=self.cache) as view:
-            stored = numpy.frombuffer(view, dtype=bits).reshape(((r1 - r0),) + tuple(shape[1:]) if shape else ())
-            out = stored[(slice(None),) + tuple(box[1:])].copy() if shape else stored.copy()
-            del stored  # the mapping closes with the view
-        return out
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> "VerifiedTensorFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def verify_box_sources(files, placement, index: Optional[Sequence[slice]], digests: SourceDigests, *, label: str,
@@ -732,7 +615,7 @@ def verify_box_sources(files, placement, index: Optional[Sequence[slice]], diges
         s0, s1 = b.src[0].start + lo[0] - b.dst[0].start, b.src[0].start + hi[0] - b.dst[0].start
         old = rows.get(b.shard)
         rows[b.shard] = (s0, s1) if old is None else (min(old[0], s0), max(old[1], s1))
-    from megatron_ucp.io.byteio import itemsize
+    from megatron_ucp.core.dtypes import itemsize
 
     checked = 0
     for i, (s0, s1) in sorted(rows.items()):
@@ -852,17 +735,17 @@ def check_files(entries: Iterable[FileCheck], workers: int = 4, *, raise_on_fail
                 fd = os.open(entry.path, os.O_RDONLY)
             except FileNotFoundError:
                 failures.append(Failure(entry.path, "missing", f"{entry.path}: missing ({entry.label}); "
-                                                               f"{_fix(entry.remedy)}"))
+                                                               f"{remedy_clause(entry.remedy)}"))
                 continue
             except OSError as e:
                 failures.append(Failure(entry.path, "unreadable", f"{entry.path}: cannot open {entry.label} "
-                                                                  f"({e.strerror}); {_fix(entry.remedy)}"))
+                                                                  f"({e.strerror}); {remedy_clause(entry.remedy)}"))
                 continue
             fds.append(fd)
             size, want = os.fstat(fd).st_size, entry.record.stop
             if size < want or (entry.exact_size and size != want):
                 failures.append(Failure(entry.path, "size", f"{entry.path}: {size} bytes, {entry.label} was "
-                                                            f"written with {want}; {_fix(entry.remedy)}"))
+                                                            f"written with {want}; {remedy_clause(entry.remedy)}"))
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, entry.record.offset, entry.record.size, os.POSIX_FADV_SEQUENTIAL)
             n = len(entry.record.blocks)
@@ -890,146 +773,3 @@ def _safe_check(fd: int, entry: FileCheck, blocks: range) -> list[Failure]:
         return [Failure(entry.path, "unreadable", f"{entry.path}: reading {entry.label} failed ({e.strerror}); "
                                                   f"{entry.remedy}")]
 
-
-# --------------------------------------------------------------------------------------------------
-# A universal checkpoint, checked as a whole
-
-UNIVERSAL_CHECKS = (
-    "every parameter's tensor file exists and has the size recorded with its checksums",
-    "every block of every tensor file matches its XXH3-128 digest (metadata.json version 2)",
-    "each tensor file's safetensors header (read from checked blocks) lists exactly the parameter's tensors, "
-    "each F32 with the parameter's shape, their data tiling the file after the header without gap or overlap",
-    "lazy checkpoints: every source file exists with at least the checksummed size, every checksummed "
-    "region's blocks match, and every byte region the index reads lies in a checksummed region",
-)
-
-
-def _safetensors_problems(fd: int, path: str, entry: Mapping[str, Any], record: Optional[DigestRecord],
-                          label: str) -> Optional[str]:
-    """Why the file's safetensors header disagrees with the metadata entry (None when it agrees)."""
-    size = os.fstat(fd).st_size
-
-    def read(offset: int, n: int):
-        if record is not None and offset + n <= record.stop:
-            return verified_pread(fd, offset, n, record, path=path, label=label)
-        return _pread_exact(fd, n, offset, path)
-
-    if size < 8:
-        return f"{path}: {size} bytes, too short for a safetensors file; {FILE_REMEDY}"
-    n = int.from_bytes(read(0, 8), "little")
-    if 8 + n > size or n > MAX_HEADER:
-        return f"{path}: safetensors header of {n} bytes runs past the end ({size} bytes); {FILE_REMEDY}"
-    try:
-        header = json.loads(bytes(read(8, n)))
-    except ValueError as e:
-        return f"{path}: safetensors header is not JSON ({e}); {FILE_REMEDY}"
-    keys = sorted(k for k in header if k != "__metadata__")
-    want = sorted(entry.get("tensors", []))
-    if keys != want:
-        return f"{path}: holds tensors {keys}, metadata.json lists {want}; {FILE_REMEDY}"
-    shape = [int(s) for s in entry.get("shape", [])]
-    spans = []
-    for key in keys:
-        t = header[key]
-        if t.get("dtype") != "F32" or [int(s) for s in t.get("shape", [])] != shape:
-            return (f"{path}: '{key}' is {t.get('dtype')} {t.get('shape')}, metadata.json says F32 {shape}; "
-                    f"{FILE_REMEDY}")
-        a, b = (int(x) for x in t["data_offsets"])
-        if b - a != math.prod(shape) * 4:
-            return f"{path}: '{key}' spans {b - a} bytes, F32 {shape} needs {math.prod(shape) * 4}; {FILE_REMEDY}"
-        spans.append((a, b))
-    pos = 0
-    for a, b in sorted(spans):
-        if a != pos:
-            return f"{path}: tensor data has a {'gap' if a > pos else 'overlap'} at byte {8 + n + pos}; {FILE_REMEDY}"
-        pos = b
-    if 8 + n + pos != size:
-        return f"{path}: {size} bytes, its header describes {8 + n + pos}; {FILE_REMEDY}"
-    return None
-
-
-def check_universal(path: PathLike, metadata: Mapping[str, Any], workers: int = 4) -> CheckReport:
-    """Check a universal checkpoint directory against its parsed metadata.json (see UNIVERSAL_CHECKS); a
-    version-1 checkpoint (no checksums) gets sizes and headers checked and a note saying blocks were not."""
-    start = time.perf_counter()
-    root = Path(path)
-    failures: list[Failure] = []
-    notes: list[str] = []
-    checks: list[FileCheck] = []
-    params = metadata.get("parameters", {})
-    unchecked = []
-    lazy = metadata.get("lazy")
-    for name, entry in params.items():
-        label = tensor_file_label(name)
-        if entry.get("file") is None:
-            continue
-        file = str(root / entry["file"])
-        record = None
-        if entry.get("checksum") is not None:
-            try:
-                record = DigestRecord.from_json(entry["checksum"], f"{root}/metadata.json: {name}")
-            except ValueError as e:
-                failures.append(Failure(file, "header", str(e)))
-        else:
-            unchecked.append(name)
-        try:
-            fd = os.open(file, os.O_RDONLY)
-        except FileNotFoundError:
-            failures.append(Failure(file, "missing", f"{file}: missing ({label}); {_fix(FILE_REMEDY)}"))
-            continue
-        try:  # a file of the wrong size is reported once, by the size check below
-            resized = record is not None and os.fstat(fd).st_size != record.stop
-            problem = None if resized else _safetensors_problems(fd, file, entry, record, label)
-        except ChecksumError:
-            problem = None  # the block check below reports it with the others
-        except OSError as e:
-            problem = f"{file}: cannot read ({e.strerror}); {FILE_REMEDY}"
-        finally:
-            os.close(fd)
-        if problem:
-            failures.append(Failure(file, "header", problem))
-        if record is not None:
-            checks.append(FileCheck(file, record, label))
-    if unchecked:
-        notes.append(f"{len(unchecked)} tensor file(s) have no checksums (written by a megatron-ucp without them, "
-                     f"metadata version {metadata.get('version')}): their blocks were not checked, only sizes and "
-                     f"headers")
-    if lazy is not None:
-        failures.extend(_lazy_failures(lazy, params, checks, notes))
-    report = check_files(checks, workers)
-    # one list in the order of metadata.json's parameters (then source files), each file's blocks in order
-    order = {str(root / e["file"]): i for i, e in enumerate(params.values()) if e.get("file")}
-    found = sorted(tuple(failures) + report.failures,
-                   key=lambda f: (order.get(f.path, len(order)), f.block if f.block is not None else -1))
-    return CheckReport(files=len(checks), blocks=report.blocks, bytes=report.bytes,
-                       seconds=time.perf_counter() - start, failures=tuple(found),
-                       checks=UNIVERSAL_CHECKS, notes=tuple(notes))
-
-
-def _lazy_failures(lazy: Mapping[str, Any], params: Mapping[str, Any], checks: list[FileCheck],
-                   notes: list[str]) -> list[Failure]:
-    source = Path(lazy.get("source", ""))
-    failures = []
-    records: dict[str, list[DigestRecord]] = {}
-    for rel, info in (lazy.get("files") or {}).items():
-        for d in (info or {}).get("checksums") or []:
-            try:
-                records.setdefault(str(source / rel), []).append(DigestRecord.from_json(d, f"lazy {rel}"))
-            except ValueError as e:
-                failures.append(Failure(str(source / rel), "header", str(e)))
-    if not records:
-        notes.append("lazy checkpoint without source checksums: source regions were not checked")
-        return failures
-    for path, recs in records.items():
-        checks.extend(FileCheck(path, r, f"a region of the source checkpoint ({r.offset}..{r.stop - 1})",
-                                exact_size=False, remedy=SOURCE_REMEDY) for r in recs)
-    digests = SourceDigests(records)
-    for name, entry in params.items():
-        for key, placement in (entry.get("source_bytes") or {}).items():
-            for shard in placement.get("shards", []):
-                for rel, offset, nbytes in shard.get("regions", []):
-                    try:
-                        digests.pieces(str(source / rel), int(offset), int(offset) + int(nbytes))
-                    except ChecksumError as e:
-                        failures.append(Failure(str(source / rel), "coverage", f"{name} [{key}]: {e}"))
-    return failures

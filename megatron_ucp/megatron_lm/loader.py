@@ -64,7 +64,7 @@ class UniversalLoadError(RuntimeError):
 
 def open_for_run(args):
     """Open args.load as a universal checkpoint and fix the run's padded vocab size before the model is built."""
-    from megatron_ucp.universal.checkpoint import UniversalCheckpoint
+    from megatron_ucp.universal import UniversalCheckpoint
 
     ucp = UniversalCheckpoint.open(args.load)
     stored = ucp.config.padded_vocab_size

@@ -18,16 +18,17 @@ from typing import Optional
 
 import numpy as np
 import torch
-
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-
-from megatron_ucp.training import cpu_backend
-from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy, get_default_save_sharded_strategy)
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper)
+
+from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
+from megatron_ucp.formats.legacy import names as legacy_names
+from megatron_ucp.formats.torch_dist import names as torch_dist_names
+from megatron_ucp.training import cpu_backend
 
 CHECKPOINT_VERSION = 3.0
 TRACKER = TRACKER_FILENAME
@@ -167,7 +168,6 @@ def saveable_args(args) -> argparse.Namespace:
 
 def save_checkpoint(args, iteration: int, model, optimizer, scheduler) -> Path:
     if args.ckpt_format == "torch":
-        from megatron_ucp.training.legacy_checkpointing import save_legacy_checkpoint  # imports this module
         return save_legacy_checkpoint(args, iteration, model, optimizer, scheduler, rng_state_dict())
     ckpt_dir = iteration_dir(args.save, iteration)
     rank = torch.distributed.get_rank()
@@ -237,8 +237,8 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Optional[int]:
     ckpt_dir = iteration_dir(root, iteration)
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"{ckpt_dir} does not exist: no iteration {iteration} under --load {root}")
-    if not (ckpt_dir / "metadata.json").exists():
-        if any(ckpt_dir.glob("mp_rank_*")):
+    if not (ckpt_dir / torch_dist_names.METADATA_JSON_FILENAME).exists():
+        if any(legacy_names.is_rank_dir_name(p.name) for p in ckpt_dir.iterdir()):
             return load_legacy_checkpoint(args, model, optimizer, scheduler, ckpt_dir)
         raise CheckpointError(f"{ckpt_dir} is neither a torch_dist checkpoint (no metadata.json) nor a legacy "
                               "torch one (no mp_rank_* folders)")
@@ -315,10 +315,9 @@ def load_legacy_checkpoint(args, model, optimizer, scheduler, ckpt_dir: Path) ->
     """Resume from Megatron-LM's legacy `torch` format (model_optim_rng.pt [+ distrib_optim.pt]) at
     its own TP/PP/EP, as Megatron-LM's load_checkpoint does: every rank reads its (tp, pp, ep) folder."""
     from megatron_ucp.formats.common import load_pickled
-    from megatron_ucp.training.legacy_checkpointing import this_rank_dir
 
     rank_dir = this_rank_dir(ckpt_dir)
-    state = load_pickled(rank_dir / "model_optim_rng.pt", what="legacy model checkpoint",
+    state = load_pickled(rank_dir / legacy_names.MODEL_FILENAME, what="legacy model checkpoint",
                          fix="was the checkpoint saved at this TP/PP/EP? otherwise convert it with megatron-ucp "
                              "to-universal")
     ckpt_args = state["args"]
@@ -336,7 +335,7 @@ def load_legacy_checkpoint(args, model, optimizer, scheduler, ckpt_dir: Path) ->
             cpu_backend.init_adam_state_for_loading(optimizer)
             optimizer.load_state_dict(state["optimizer"])
             if args.use_distributed_optimizer:
-                distrib = rank_dir / "distrib_optim.pt"
+                distrib = rank_dir / legacy_names.DISTRIB_OPTIM_FILENAME
                 if not distrib.exists():
                     raise CheckpointError(f"{distrib} missing: the checkpoint was saved without "
                                           "--use-distributed-optimizer; drop the flag to resume it")
@@ -344,3 +343,68 @@ def load_legacy_checkpoint(args, model, optimizer, scheduler, ckpt_dir: Path) ->
             scheduler.load_state_dict(state["opt_param_scheduler"])
     return _finish_load(args, optimizer, state, ckpt_args, load_optim,
                         load_rng=not args.no_load_rng and not args.finetune)
+
+
+# --------------------------------------------------------------------------------------------------
+# Saving in Megatron-LM's legacy `torch` format (--ckpt-format torch), as Megatron-LM does.
+#
+#Megatron-LM's checkpointing.save_checkpoint, CheckpointType.LEGACY branch (core_v0.16.1):
+#- every rank calls the distributed optimizer's `save_parameter_state` (megatron-core's own
+#  get_parameter_state_dp_zero: a gloo gather of the DP shards) and DP rank 0 writes
+#  `iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/distrib_optim.pt`;
+#- DP rank 0 of each (TP, PP) writes `model_optim_rng.pt` = {args, checkpoint_version 3.0, iteration,
+#  model / model0..model{V-1} (state_dict_for_save_checkpoint), optimizer (the optimizer's
+#  state_dict(): param groups without parameter state for the distributed optimizer, the full torch
+#  Adam state dict otherwise, plus `grad_scaler` with fp16/bf16), opt_param_scheduler, rng_state
+#  (a one-element list: no --data-parallel-random-init), num_floating_point_operations_so_far};
+#- after a barrier, rank 0 writes latest_checkpointed_iteration.txt.
+#Loading is checkpointing.load_legacy_checkpoint.
+
+
+def this_rank_dir(ckpt_dir: Path) -> Path:
+    return Path(ckpt_dir) / legacy_names.rank_dir_name(
+        parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size())
+
+
+def megatron_lm_args(args) -> argparse.Namespace:
+    """The args as Megatron-LM pickles them: the harness's plain values, params_dtype a torch dtype."""
+    saved = saveable_args(args)
+    saved.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return saved
+
+
+def legacy_state_dict(args, iteration: int, model, optimizer, scheduler, rng_state: dict) -> dict:
+    """model_optim_rng.pt's content, key order as Megatron-LM's generate_state_dict."""
+    sd = {"args": megatron_lm_args(args), "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+    for key, chunk in zip(model_keys(model), model):
+        sd[key] = unwrap(chunk).state_dict_for_save_checkpoint()
+    if not args.no_save_optim:
+        sd["optimizer"] = optimizer.state_dict()
+        sd["opt_param_scheduler"] = scheduler.state_dict()
+    if not args.no_save_rng:
+        sd["rng_state"] = [rng_state]
+    sd["num_floating_point_operations_so_far"] = args.num_floating_point_operations_so_far
+    return sd
+
+
+def save_legacy_checkpoint(args, iteration: int, model, optimizer, scheduler, rng_state: dict) -> Path:
+    """Write SAVE/iter_XXXXXXX/mp_rank_*/{model_optim_rng.pt, distrib_optim.pt} and the tracker."""
+    ckpt_dir = Path(args.save) / iteration_dir_name(iteration)
+    rank_dir = this_rank_dir(ckpt_dir)
+    rank_dir.mkdir(parents=True, exist_ok=True)  # every rank, as Megatron-LM's ensure_directory_exists
+    if args.use_distributed_optimizer and not args.no_save_optim:
+        # A collective over the DP group; megatron-core writes the file on DP rank 0.
+        optimizer.save_parameter_state(str(rank_dir / legacy_names.DISTRIB_OPTIM_FILENAME))
+    args.iteration = iteration
+    if parallel_state.get_expert_data_parallel_rank() == 0:
+        torch.save(legacy_state_dict(args, iteration, model, optimizer, scheduler, rng_state),
+                   rank_dir / legacy_names.MODEL_FILENAME)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        tmp = Path(args.save) / f".{TRACKER_FILENAME}.tmp"
+        tmp.write_text(str(iteration))
+        os.replace(tmp, Path(args.save) / TRACKER_FILENAME)
+    torch.distributed.barrier()
+    return ckpt_dir

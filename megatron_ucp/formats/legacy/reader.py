@@ -37,28 +37,24 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Collection, Mapping, Optional
 
-from megatron_ucp.adapters.gpt import (UnknownParameterError, canonical_name, experts_in_own_optimizer,
-                                      is_buffer, is_expert, is_ignorable, megatron_param_groups, parameters_for_rank)
+from megatron_ucp.adapters.gpt import (
+    UnknownParameterError, canonical_name, experts_in_own_optimizer, is_buffer, is_expert, is_ignorable,
+    megatron_param_groups, parameters_for_rank)
+from megatron_ucp.core.dtypes import PARAM_DTYPES
+from megatron_ucp.core.layout import LayoutError
 from megatron_ucp.formats import versions
 from megatron_ucp.formats.archive import read_tensor, stored_tensor, sub_record
 from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef, unknown_shard
 from megatron_ucp.formats.bucket_layout import (
     BufferLayout, BufferParam, DDPBucketConfig, build_chunk_buffers, shared_embedding_names)
 from megatron_ucp.formats.common import (
-    PARAM_DTYPES, STATE_DTYPE, CheckpointFormatError, args_to_dict, build_common_state, check_dtype, entry,
-    inside, layout_from_args, load_archive_file, model_config_from_args, scalar, structure_error)
+    STATE_DTYPE, CheckpointFormatError, args_to_dict, build_common_state, check_dtype, entry, inside, layout_from_args,
+    load_archive_file, model_config_from_args, scalar, structure_error)
+from megatron_ucp.formats.legacy.names import (
+    DISTRIB_OPTIM_FILENAME, FIRST_RANK_DIRS, MODEL_FILENAME, RANK_DIR_PREFIX, rank_dir_name)
 from megatron_ucp.formats.safe_pickle import TensorRecord, TorchDType
-from megatron_ucp.core.layout import LayoutError
 
-MODEL_FILENAME = "model_optim_rng.pt"
-DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
 _TENSOR_KEYS = ("param", "fp32", "exp_avg", "exp_avg_sq")
-
-
-def rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
-    """Megatron-LM's get_checkpoint_name: no pipeline suffix without PP, an expert suffix with EP > 1."""
-    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-    return name + (f"_{ep_rank:03d}" if ep > 1 else "")
 
 
 def model_chunk_keys(state: Mapping[str, Any]) -> list[str]:
@@ -188,7 +184,7 @@ class LegacyCheckpoint(CheckpointReader):
 
     def _first_dir(self) -> Path:
         """Rank (0, 0, 0)'s folder, before the args are known: whichever naming the folder uses."""
-        for name in ("mp_rank_00_000_000", "mp_rank_00_000", "mp_rank_00"):
+        for name in FIRST_RANK_DIRS:
             if (self.path / name).is_dir():
                 return self.path / name
         raise CheckpointFormatError(
@@ -224,7 +220,7 @@ class LegacyCheckpoint(CheckpointReader):
                 raise CheckpointFormatError(
                     f"{d}: missing rank folder for {self._where(t, p, e)} (args say TP={tp} PP={pp}"
                     f"{f' EP={ep}' if ep > 1 else ''}); the checkpoint is incomplete, re-copy {self.path}.")
-        extra = sorted(p.name for p in self.path.glob("mp_rank_*") if p.name not in expected)
+        extra = sorted(p.name for p in self.path.glob(RANK_DIR_PREFIX + "*") if p.name not in expected)
         if extra:
             raise CheckpointFormatError(
                 f"{self.path}: unexpected rank folders {extra} for TP={tp} PP={pp} EP={ep} (folders of another run "

@@ -52,20 +52,20 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from megatron_ucp.adapters.gpt import is_buffer, is_last_chunk, is_vocab_parameter, rule_for, tp_size_of
-from megatron_ucp.formats.bucket_layout import BufferParam
-from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
-from megatron_ucp.formats.legacy.reader import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, rank_dir_name
+from megatron_ucp.core.dtypes import PARAM_DTYPES, torch_dtype
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.core.patterns import repadded_shard
 from megatron_ucp.formats import versions
+from megatron_ucp.formats.bucket_layout import BufferParam
+from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
+from megatron_ucp.formats.legacy.names import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, rank_dir_name
+from megatron_ucp.formats.megatron_state import (
+    CHECKPOINT_VERSION, TargetGroups, args_values, chunk_buffers, ep_ranks, fresh_rng_state, group_hyper,
+    optimizer_index, param_groups_by_rank, rank_buffer_params, rank_chunks, source_rng_state)
 from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
-from megatron_ucp.formats.megatron_state import (CHECKPOINT_VERSION, TargetGroups, args_values, chunk_buffers,
-                                                 ep_ranks, fresh_rng_state, group_hyper, optimizer_index,
-                                                 param_groups_by_rank, rank_buffer_params, rank_chunks,
-                                                 source_rng_state)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: torch_dtype(name) for name in PARAM_DTYPES}
 
 
 class LegacyWriteError(WriteError):

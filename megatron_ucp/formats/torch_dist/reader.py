@@ -61,32 +61,24 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Collection, Optional
 
 from megatron_ucp.adapters import gpt as rulebook
+from megatron_ucp.core.dtypes import PARAM_DTYPES
+from megatron_ucp.core.layout import LayoutError
 from megatron_ucp.formats import versions
 from megatron_ucp.formats.archive import box_record, read_tensor, stored_tensor, torch_dtype
 from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef, unknown_shard
 from megatron_ucp.formats.bucket_layout import (
     BufferLayout, BufferParam, DDPBucketConfig, build_chunk_buffers, shared_embedding_names)
 from megatron_ucp.formats.common import (
-    PARAM_DTYPES, STATE_DTYPE, CheckpointFormatError, args_to_dict, build_common_state, inside, layout_from_args,
-    load_archive_file, model_config_from_args, scalar, structure_error)
+    STATE_DTYPE, CheckpointFormatError, args_to_dict, build_common_state, inside, layout_from_args, load_archive_file,
+    model_config_from_args, scalar, structure_error)
 from megatron_ucp.formats.safe_pickle import (
     DcpBytesMeta, DcpIndex, DcpTensorMeta, SafeLoadError, TensorRecord, TorchDType, load_dcp_item, load_dcp_metadata)
-from megatron_ucp.core.layout import LayoutError
-
-# the fp16 loss scaler of a distributed optimizer (dp_reshardable: an object per model-parallel rank)
-_SCALER_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\.grad_scaler/")
-# optimizer state in model space: fully_reshardable distributed optimizer, FP32 / Float16 optimizers
-_MODEL_SPACE_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
-
-_BUCKET_KEY = re.compile(
-    r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+), (.+)\)\.bucket_idx_(\d+)\."
-    r"(param|exp_avg|exp_avg_sq)$")
+from megatron_ucp.formats.torch_dist import names
 
 _MAX_JSON_BYTES = 1 << 20  # metadata.json is a few hundred bytes; never read a huge one whole
 
@@ -223,14 +215,14 @@ class TorchDistCheckpoint(CheckpointReader):
             for tp_rank in range(layout.tp):
                 self._ranks[("dense", tp_rank, pp_rank)] = self._rank_info(
                     _RankInfo([], group_idx=layout.dense_mp_rank(tp_rank, pp_rank),
-                              prefix="chained_0." if self._chained else ""), tp_rank, pp_rank)
+                              prefix=names.chained_prefix(0 if self._chained else None)), tp_rank, pp_rank)
             if not self._chained:
                 continue
             for ep_rank in range(layout.ep):
                 for etp_rank in range(layout.expert_tp):
                     self._ranks[("expert", etp_rank, ep_rank, pp_rank)] = self._rank_info(
-                        _RankInfo([], ep_rank=ep_rank, optimizer=1,
-                                  group_idx=layout.expert_mp_rank(etp_rank, ep_rank, pp_rank), prefix="chained_1."),
+                        _RankInfo([], ep_rank=ep_rank, optimizer=1, prefix=names.chained_prefix(1),
+                                  group_idx=layout.expert_mp_rank(etp_rank, ep_rank, pp_rank)),
                         etp_rank, pp_rank)
         self._check_all_keys_used()
 
@@ -240,25 +232,25 @@ class TorchDistCheckpoint(CheckpointReader):
         """The common state (args, iteration, scheduler, optimizer param groups) and where it was read: a
         `common.pt` beside the .distcp files (megatron-core <= 0.18, and what 0.19 still reads first), or the
         ShardedObject 'common_state' inside them (megatron-core >= 0.19)."""
-        common_file = self.path / "common.pt"
+        common_file = self.path / names.COMMON_FILENAME
         what = "the common state (args, iteration, scheduler)"
         if common_file.exists() or common_file.is_symlink():
             return load_archive_file(inside(self.path, common_file), what=what), str(common_file)
-        md = self._keys.get(versions.COMMON_STATE_ITEM)
+        md = self._keys.get(names.COMMON_STATE_ITEM)
         if md is None:
             raise CheckpointFormatError(
                 f"{self.path}: has neither common.pt (megatron-core <= 0.18) nor the sharded object "
-                f"{versions.COMMON_STATE_ITEM!r} in .metadata (megatron-core >= 0.19), so its args, iteration and "
+                f"{names.COMMON_STATE_ITEM!r} in .metadata (megatron-core >= 0.19), so its args, iteration and "
                 f"scheduler are missing; the folder is incomplete, re-copy it from the original checkpoint.")
         if not isinstance(md, DcpBytesMeta):
-            raise CheckpointFormatError(f"{self.path / '.metadata'}: {versions.COMMON_STATE_ITEM} is a tensor, not the "
+            raise CheckpointFormatError(f"{self._dcp_index}: {names.COMMON_STATE_ITEM} is a tensor, not the "
                                         f"pickled common state; the metadata is corrupt, re-copy the iteration folder.")
-        item = self._metadata.storage_data.get(DcpIndex(versions.COMMON_STATE_ITEM))
-        where = f"{item.path} (item {versions.COMMON_STATE_ITEM})" if item else str(self.path / ".metadata")
-        return self._bytes_item(versions.COMMON_STATE_ITEM), where
+        item = self._metadata.storage_data.get(DcpIndex(names.COMMON_STATE_ITEM))
+        where = f"{item.path} (item {names.COMMON_STATE_ITEM})" if item else str(self._dcp_index)
+        return self._bytes_item(names.COMMON_STATE_ITEM), where
 
     def _check_backend(self) -> None:
-        meta_json = self.path / "metadata.json"
+        meta_json = self.path / names.METADATA_JSON_FILENAME
         if not meta_json.is_file():
             raise CheckpointFormatError(f"{meta_json}: missing; re-copy the torch_dist iteration folder.")
         with open(inside(self.path, meta_json), "rb") as f:
@@ -277,7 +269,7 @@ class TorchDistCheckpoint(CheckpointReader):
     def _open_dcp(self):
         """.metadata parsed through the allow-list; load_dcp_metadata checks that every data file it names is a
         plain file of this folder (no path, no link out) holding every item it points to."""
-        meta_file = self.path / ".metadata"
+        meta_file = self._dcp_index
         if not meta_file.is_file():
             raise CheckpointFormatError(f"{meta_file}: missing DCP metadata; re-copy the iteration folder.")
         inside(self.path, meta_file)
@@ -292,7 +284,7 @@ class TorchDistCheckpoint(CheckpointReader):
         return self.optimizer_kind in ("adam", "mixed_precision") or self.distrib_optim_sharding == "fully_reshardable"
 
     def _detect_optimizer(self) -> str:
-        opt_keys = [k for k in self._keys if k.startswith(("optimizer.", "chained_"))]
+        opt_keys = [k for k in self._keys if k.startswith(names.OPTIMIZER_PREFIXES)]
         opt_common = self._common.get("optimizer")
         if not opt_keys and opt_common is None:
             return "none"
@@ -323,7 +315,7 @@ class TorchDistCheckpoint(CheckpointReader):
         subs = self._optimizer_common_parts()
         # Float16OptimizerWithFloat16Params nests the torch state under 'optimizer'; FP32Optimizer does not
         if any("optimizer" in sub or "fp32_from_fp16_params" in sub for sub in subs) or any(
-                _MODEL_SPACE_KEY.match(k) and _MODEL_SPACE_KEY.match(k).group(1) == "fp32_param" for k in opt_keys):
+                (names.parse_model_space_state_key(k) or ("",))[0] == "fp32_param" for k in opt_keys):
             return "mixed_precision"
         return "adam"
 
@@ -345,30 +337,30 @@ class TorchDistCheckpoint(CheckpointReader):
         """model key -> {'param' | 'fp32_param' | 'exp_avg' | 'exp_avg_sq': saved key}."""
         out: dict[str, dict[str, str]] = {}
         for key, md in self._keys.items():
-            m = _MODEL_SPACE_KEY.match(key)
-            if not m or not isinstance(md, DcpTensorMeta):
+            parsed = names.parse_model_space_state_key(key)
+            if not parsed or not isinstance(md, DcpTensorMeta):
                 continue
-            what, model_key = m.groups()
+            what, model_key = parsed
             self._check_dtype(key, (STATE_DTYPE,))
             if not isinstance(self._keys.get(model_key), DcpTensorMeta):
-                raise CheckpointFormatError(f"{self.path / '.metadata'}: optimizer state {key} belongs to no saved "
+                raise CheckpointFormatError(f"{self._dcp_index}: optimizer state {key} belongs to no saved "
                                             f"model tensor {model_key!r}.")
             if tuple(md.size) != tuple(self._keys[model_key].size):
                 raise CheckpointFormatError(
-                    f"{self.path / '.metadata'}: {key} has global shape {tuple(md.size)} but the model tensor "
+                    f"{self._dcp_index}: {key} has global shape {tuple(md.size)} but the model tensor "
                     f"{model_key} has {tuple(self._keys[model_key].size)}; the checkpoint is inconsistent.")
             if what in out.setdefault(model_key, {}):
-                raise CheckpointFormatError(f"{self.path / '.metadata'}: {what} state of {model_key} is saved "
+                raise CheckpointFormatError(f"{self._dcp_index}: {what} state of {model_key} is saved "
                                             f"twice ({out[model_key][what]}, {key}).")
             out[model_key][what] = key
         expected = {"param", "exp_avg", "exp_avg_sq"} if self.distrib_optim_sharding else {"exp_avg", "exp_avg_sq"}
         for model_key, found in out.items():
             if not expected <= set(found):
                 raise CheckpointFormatError(
-                    f"{self.path / '.metadata'}: optimizer state of {model_key} has {sorted(found)}, expected "
+                    f"{self._dcp_index}: optimizer state of {model_key} has {sorted(found)}, expected "
                     f"{sorted(expected)}; the checkpoint is incomplete or not an Adam checkpoint.")
         if not out and self.distrib_optim_sharding:
-            raise CheckpointFormatError(f"{self.path / '.metadata'}: distrib_optim_sharding_type='fully_reshardable' "
+            raise CheckpointFormatError(f"{self._dcp_index}: distrib_optim_sharding_type='fully_reshardable' "
                                         f"but no optimizer.state.param.* tensors are saved.")
         return out
 
@@ -399,7 +391,7 @@ class TorchDistCheckpoint(CheckpointReader):
         if self.optimizer_kind == "none":
             return
         if self._flat_buckets:
-            saved = any(k.startswith("chained_1.") for k in self._keys)
+            saved = any(k.startswith(names.chained_prefix(1)) for k in self._keys)
         else:
             saved = len(self._optimizer_common_parts()) > 1
         if saved != self._chained:
@@ -415,13 +407,12 @@ class TorchDistCheckpoint(CheckpointReader):
         """(optimizer index, mp rank, gbuf, (param dtype str, grad dtype str), bucket) -> {state key: saved key}."""
         out: dict = {}
         for key in self._keys:
-            m = _BUCKET_KEY.match(key)
-            if m:
-                opt, mp, g, pd, gd, b, what = m.groups()
+            k = names.parse_flat_bucket_key(key)
+            if k:
                 self._check_dtype(key, (STATE_DTYPE,))
-                out.setdefault((int(opt or 0), int(mp), int(g), (pd, gd), int(b)), {})[what] = key
+                out.setdefault((k.optimizer or 0, k.mp_rank, k.gbuf, k.dtypes, k.bucket), {})[k.what] = key
         if not out:
-            raise CheckpointFormatError(f"{self.path / '.metadata'}: no optimizer.distributed.*bucket_idx_* tensors.")
+            raise CheckpointFormatError(f"{self._dcp_index}: no optimizer.distributed.*bucket_idx_* tensors.")
         return out
 
     def _piece(self, canonical: str, local: str, tp_rank: int) -> _Piece:
@@ -430,7 +421,7 @@ class TorchDistCheckpoint(CheckpointReader):
         candidates = rulebook.torch_dist_keys(canonical, self.config)
         key, lead = next(((k, lead) for k, lead in candidates if k in self._keys), candidates[0])
         md = self._keys.get(key)
-        where = f"{self.path / '.metadata'}: {key}"
+        where = f"{self._dcp_index}: {key}"
         if not isinstance(md, DcpTensorMeta):
             moe = (f" (num_experts={self.config.num_experts}, moe_layer_freq={self.config.moe_layer_freq})"
                    if rulebook.rule_for(canonical).kind == rulebook.MOE else "")
@@ -500,12 +491,12 @@ class TorchDistCheckpoint(CheckpointReader):
 
     def _check_all_keys_used(self) -> None:
         """Every saved model tensor belongs to a parameter the rulebook knows (nothing silently dropped)."""
+        not_model = names.OPTIMIZER_PREFIXES + (names.RNG_STATE_KEY,)
         unused = sorted(k for k, v in self._keys.items() if isinstance(v, DcpTensorMeta)
-                        and not k.startswith(("optimizer.", "chained_", "rng_state")) and not rulebook.is_ignorable(k)
-                        and k not in self._used_keys)
+                        and not k.startswith(not_model) and not rulebook.is_ignorable(k) and k not in self._used_keys)
         if unused:
             raise CheckpointFormatError(
-                f"{self.path / '.metadata'}: saved tensors {unused[:5]} belong to no parameter of the model its args "
+                f"{self._dcp_index}: saved tensors {unused[:5]} belong to no parameter of the model its args "
                 f"describe (transformer_impl={self.args.get('transformer_impl')!r}); add them to the GPT rulebook "
                 f"(megatron_ucp/adapters/gpt.py) if the model really has them")
 
@@ -529,7 +520,7 @@ class TorchDistCheckpoint(CheckpointReader):
                     keys = self._buckets.get((opt, mp, gbuf, dtypes, b))
                     if keys is None or set(keys) != {"param", "exp_avg", "exp_avg_sq"}:
                         raise CheckpointFormatError(
-                            f"{self.path / '.metadata'}: no complete optimizer bucket {info.prefix}dp_group_idx_{mp}."
+                            f"{self._dcp_index}: no complete optimizer bucket {info.prefix}dp_group_idx_{mp}."
                             f"gbuf_idx_{gbuf}.dtype_{dtypes}.bucket_idx_{b} for {where}; the DDP settings in args "
                             f"do not match the saved buffers.")
                     md = self._keys[keys["param"]]
@@ -538,13 +529,13 @@ class TorchDistCheckpoint(CheckpointReader):
                     if tuple(md.size) != (bucket.numel_unpadded,) or any(
                             buf.offset_in_bucket(s) not in starts for s in spans):
                         raise CheckpointFormatError(
-                            f"{self.path / '.metadata'}: {keys['param']} has shape {tuple(md.size)} and chunk starts "
+                            f"{self._dcp_index}: {keys['param']} has shape {tuple(md.size)} and chunk starts "
                             f"that do not match the 64-aligned layout of {where} "
                             f"(expected {bucket.numel_unpadded} elements); unsupported model or DDP layout.")
                 gbuf += 1
         n_saved = len({k[2] for k in self._buckets if k[:2] == (opt, mp)})
         if n_saved != gbuf:
-            raise CheckpointFormatError(f"{self.path / '.metadata'}: {info.prefix}dp_group_idx_{mp} has {n_saved} "
+            raise CheckpointFormatError(f"{self._dcp_index}: {info.prefix}dp_group_idx_{mp} has {n_saved} "
                                         f"buffers, the model needs {gbuf} ({where}).")
 
     def _check_model_space_state(self, info: _RankInfo, tp_rank: int, pp_rank: int) -> None:
@@ -554,7 +545,7 @@ class TorchDistCheckpoint(CheckpointReader):
             found = self._state_keys.get(piece.key, {})
             if rulebook.is_buffer(name):
                 if found:
-                    raise CheckpointFormatError(f"{self.path / '.metadata'}: the buffer {piece.key} has optimizer "
+                    raise CheckpointFormatError(f"{self._dcp_index}: the buffer {piece.key} has optimizer "
                                                 f"state {sorted(found)}; the checkpoint is inconsistent.")
                 continue
             if not found and not self._state_keys:
@@ -566,7 +557,7 @@ class TorchDistCheckpoint(CheckpointReader):
                 need.add("fp32_param")
             if not need <= set(found):
                 raise CheckpointFormatError(
-                    f"{self.path / '.metadata'}: {name} ({self._describe_rank(info, tp_rank, pp_rank)} chunk={chunk}, "
+                    f"{self._dcp_index}: {name} ({self._describe_rank(info, tp_rank, pp_rank)} chunk={chunk}, "
                     f"saved as {piece.key}) has optimizer state {sorted(found)}, expected {sorted(need)}; the checkpoint is "
                     f"incomplete.")
 
@@ -574,7 +565,7 @@ class TorchDistCheckpoint(CheckpointReader):
         dtype = self._keys[key].dtype
         if dtype not in allowed:
             raise CheckpointFormatError(
-                f"{self.path / '.metadata'}: {key} is saved as {dtype}, expected {' or '.join(allowed)} (what "
+                f"{self._dcp_index}: {key} is saved as {dtype}, expected {' or '.join(allowed)} (what "
                 f"Megatron-LM saves for it); the metadata is corrupt or from another kind of run; re-copy the "
                 f"iteration folder.")
 
@@ -583,12 +574,12 @@ class TorchDistCheckpoint(CheckpointReader):
             prefix = f"{info.prefix}optimizer.distributed.dp_group_idx_{info.group_idx}.optimizer/"
             keys = [k for k, v in self._keys.items() if k.startswith(prefix) and isinstance(v, DcpBytesMeta)]
             if not keys:
-                raise CheckpointFormatError(f"{self.path / '.metadata'}: missing {prefix}* (optimizer param groups); "
+                raise CheckpointFormatError(f"{self._dcp_index}: missing {prefix}* (optimizer param groups); "
                                             f"the checkpoint is incomplete, re-copy the iteration folder.")
             index = DcpIndex(keys[0])
             item = self._metadata.storage_data.get(index)
             if item is None:
-                raise CheckpointFormatError(f"{self.path / '.metadata'}: lists {keys[0]} but not where it is saved; "
+                raise CheckpointFormatError(f"{self._dcp_index}: lists {keys[0]} but not where it is saved; "
                                             f"the metadata is corrupt, re-copy the iteration folder.")
             where = f"{item.path} (item {keys[0]})"
             try:
@@ -750,7 +741,7 @@ class TorchDistCheckpoint(CheckpointReader):
                        for i, a in enumerate(found) for b in found[i + 1:])
         if covered != math.prod(sizes) or not disjoint:
             raise CheckpointFormatError(
-                f"{self.path / '.metadata'}: the saved chunks of {fqn} do not cover the box at {offsets} of size "
+                f"{self._dcp_index}: the saved chunks of {fqn} do not cover the box at {offsets} of size "
                 f"{sizes} exactly once ({'gaps' if disjoint else 'overlapping chunks'}); the metadata is corrupt, "
                 f"re-copy the iteration folder.")
         return found
@@ -766,7 +757,7 @@ class TorchDistCheckpoint(CheckpointReader):
         sizes = self._saved_chunks(fqn)[chunk_offsets]
         item = self._metadata.storage_data.get(index)
         if item is None:
-            raise CheckpointFormatError(f"{self.path / '.metadata'}: lists a chunk of {fqn} at {chunk_offsets} but not "
+            raise CheckpointFormatError(f"{self._dcp_index}: lists a chunk of {fqn} at {chunk_offsets} but not "
                                         f"where it is saved; the metadata is corrupt, re-copy the iteration folder.")
         where = f"{item.path}: item {fqn} at {chunk_offsets} (bytes {item.offset}..{item.offset + item.length})"
         if item.transform_descriptors:
@@ -785,7 +776,7 @@ class TorchDistCheckpoint(CheckpointReader):
             else:
                 held = f"a {type(record).__name__}"
             raise CheckpointFormatError(
-                f"{where} holds {held} but {self.path / '.metadata'} declares {md.dtype} data of shape {sizes}; "
+                f"{where} holds {held} but {self._dcp_index} declares {md.dtype} data of shape {sizes}; "
                 f"the .distcp file is corrupt or belongs to another checkpoint (files swapped?); re-copy the "
                 f"iteration folder.")
         self._records[index] = record
@@ -811,8 +802,8 @@ class TorchDistCheckpoint(CheckpointReader):
 
     def _locate_box(self, fqn: str, box: Box):
         """Where the box's bytes are (a StoredTensor), or None when they are not one run per saved chunk."""
+        from megatron_ucp.core.dtypes import itemsize as itemsize_of
         from megatron_ucp.io.byteio import StoredTensor, box_bytes, concat_stored
-        from megatron_ucp.io.byteio import itemsize as itemsize_of
 
         overlaps = self._overlaps(fqn, box)
         if len(overlaps) == 1 and overlaps[0].lengths == box[1]:
@@ -856,7 +847,7 @@ class TorchDistCheckpoint(CheckpointReader):
                                   span.bucket)]
             start = buf.offset_in_bucket(span)
             return {what: (keys[what], start, math.prod(span.shape)) for what in ("param", "exp_avg", "exp_avg_sq")}
-        raise CheckpointFormatError(f"{self.path / '.metadata'}: {ref.local_name} is in no DDP buffer of "
+        raise CheckpointFormatError(f"{self._dcp_index}: {ref.local_name} is in no DDP buffer of "
                                     f"{self._describe_rank(info, ref.tp_rank, ref.pp_rank)}; the checkpoint does not "
                                     f"match its args.")
 
@@ -876,13 +867,16 @@ class TorchDistCheckpoint(CheckpointReader):
 
     # -- run state besides tensors ------------------------------------------------------------------
 
-    _RNG_KEY = re.compile(r"^rng_state/shard_([\d.]+)_([\d.]+)$")
+    @property
+    def _dcp_index(self) -> Path:
+        """The folder's DCP index (.metadata), as error messages name it."""
+        return self.path / names.DCP_METADATA_FILENAME
 
     def _bytes_item(self, key: str):
         """A pickled object saved as a DCP bytes item (a ShardedObject), parsed through the allow-list."""
         index = DcpIndex(key)
         if index not in self._metadata.storage_data:
-            raise CheckpointFormatError(f"{self.path / '.metadata'}: lists {key} but not where it is saved; the "
+            raise CheckpointFormatError(f"{self._dcp_index}: lists {key} but not where it is saved; the "
                                         f"metadata is corrupt, re-copy the iteration folder.")
         try:
             saved = load_dcp_item(self._metadata, index)
@@ -898,7 +892,7 @@ class TorchDistCheckpoint(CheckpointReader):
         found = {}
         try:
             for key, md in self._keys.items():
-                if isinstance(md, DcpBytesMeta) and _SCALER_KEY.match(key):
+                if isinstance(md, DcpBytesMeta) and names.is_grad_scaler_key(key):
                     found[key] = LossScalerState.from_saved(self._bytes_item(key), f"{self.path} item {key}")
             for i, part in enumerate(self._optimizer_common_parts()):
                 if "grad_scaler" in part:
@@ -919,12 +913,12 @@ class TorchDistCheckpoint(CheckpointReader):
 
         out = []
         for key, md in self._keys.items():
-            m = self._RNG_KEY.match(key)
-            if not m or not isinstance(md, DcpBytesMeta):
+            parsed = names.parse_sharded_object_key(key)
+            if not parsed or parsed[0] != names.RNG_STATE_KEY or not isinstance(md, DcpBytesMeta):
                 continue
-            offsets = tuple(int(x) for x in m.group(1).split("."))
+            offsets = parsed[1]
             if len(offsets) not in (2, 3):
-                raise CheckpointFormatError(f"{self.path / '.metadata'}: {key} is not sharded by (pp, tp) or "
+                raise CheckpointFormatError(f"{self._dcp_index}: {key} is not sharded by (pp, tp) or "
                                             f"(pp, tp, dp); the checkpoint was not written by Megatron-LM.")
             state = self._bytes_item(key)
             state = state[0] if isinstance(state, list) and len(state) == 1 else state  # the harness's [state]

@@ -88,28 +88,29 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from megatron_ucp.io import integrity
-from megatron_ucp.adapters.gpt import (LAYER, expected_parameters, expert_location, experts_in_own_optimizer, is_buffer,
-                                      is_expert, local_name, parameters_for_rank, pattern_for, rule_for, torch_dist_key,
-                                      torch_dist_stacked, tp_size_of)
-from megatron_ucp.io.byteio import BAND_BYTES, FileHandles, FileRegion, copy_region
-from megatron_ucp.formats import versions
-from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
-from megatron_ucp.formats.safe_pickle import TorchDType
-from megatron_ucp.formats.torch_save import (EnumMember, GlobalRef, Obj, SavedTensor, TorchSize, cast_float32, pickle_bytes,
-                                             save_bytes, tensor_archive, torch_dtype)
+from megatron_ucp.adapters.gpt import (
+    LAYER, expected_parameters, expert_location, experts_in_own_optimizer, is_buffer, is_expert, local_name,
+    parameters_for_rank, pattern_for, rule_for, torch_dist_key, torch_dist_stacked, tp_size_of)
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
+from megatron_ucp.formats import versions
+from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
+from megatron_ucp.formats.megatron_state import (
+    CHECKPOINT_VERSION, MODEL_DTYPES, TargetGroups, args_values, chunk_buffers, fresh_rng_state, group_hyper,
+    param_groups_by_rank, rank_buffer_params, source_rng_state)
+from megatron_ucp.formats.safe_pickle import TorchDType
+from megatron_ucp.formats.torch_dist.names import (
+    COMMON_FILENAME, COMMON_STATE_ITEM, DCP_METADATA_FILENAME, METADATA_JSON_FILENAME, RERUN_STATE_KEY, RNG_STATE_KEY,
+    chained_prefix, distcp_name, distributed_optimizer_object_key, extra_state_key, flat_bucket_key,
+    model_space_state_key, sharded_object_key)
+from megatron_ucp.formats.torch_save import (
+    EnumMember, GlobalRef, Obj, SavedTensor, TorchSize, cast_float32, pickle_bytes, save_bytes, tensor_archive,
+    torch_dtype)
 from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
-from megatron_ucp.formats.megatron_state import (CHECKPOINT_VERSION, MODEL_DTYPES, TargetGroups, args_values,
-                                                 chunk_buffers, fresh_rng_state, group_hyper, param_groups_by_rank,
-                                                 rank_buffer_params, source_rng_state)
+from megatron_ucp.io import integrity
+from megatron_ucp.io.byteio import BAND_BYTES, FileHandles, FileRegion, copy_region
 
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed optimizer's torch_dist formats
-COMMON_FILENAME = "common.pt"  # megatron-core <= 0.18; from 0.19 the ShardedObject versions.COMMON_STATE_ITEM
-RERUN_STATE_KEY = "rerun_state_machine_state"
-DCP_METADATA_FILENAME = ".metadata"
-METADATA_JSON_FILENAME = "metadata.json"
 _F32 = MODEL_DTYPES["float32"]
 _STATE_NAMES = {"fp32": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # universal -> bucket key
 
@@ -131,30 +132,6 @@ def content_metadata(use_distributed_optimizer: bool, optimizer_format: Optional
         if optimizer_format == "fully_reshardable":
             metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
     return {**metadata, "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-
-
-def model_space_state_key(what: str, model_key: str) -> str:
-    """Key of optimizer state saved like the model tensor `model_key` ('param', 'fp32_param', 'exp_avg',
-    'exp_avg_sq'): fully_reshardable distributed optimizer, FP32 and Float16 optimizers."""
-    return f"optimizer.state.{what}.{model_key}"
-
-
-def flat_bucket_key(mp_rank: int, gbuf: int, dtypes: tuple, bucket: int, what: str) -> str:
-    """Key of one dp_reshardable flat bucket tensor ('param', 'exp_avg', 'exp_avg_sq'); `dtypes` is the
-    buffer's (param dtype, grad dtype)."""
-    return (f"optimizer.distributed.dp_group_idx_{mp_rank}.gbuf_idx_{gbuf}.dtype_({dtypes[0]}, {dtypes[1]})"
-            f".bucket_idx_{bucket}.{what}")
-
-
-def distributed_optimizer_object_key(mp_rank: int, name: str) -> str:
-    """Key of a per model-parallel rank object of the distributed optimizer ('optimizer' (param groups),
-    'per_bucket_numel', 'per_bucket_numel_unpadded')."""
-    return f"optimizer.distributed.dp_group_idx_{mp_rank}.{name}"
-
-
-def sharded_object_key(key: str, offset: tuple, shape: tuple) -> str:
-    """The DCP key of a megatron-core ShardedObject (its unique_key): `<key>/shard_<offset>_<shape>`."""
-    return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
 
 
 def global_rank(layout: ParallelLayout, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
@@ -326,7 +303,7 @@ class _Owners:
                 size, n = heapq.heappop(heap)
                 bins[n].append(item)
                 heapq.heappush(heap, (size + item.nbytes, n))
-            out += [OutputFile(f"__{rank}_{n}.distcp", tuple(b)) for n, b in enumerate(bins) if b]
+            out += [OutputFile(distcp_name(rank, n), tuple(b)) for n, b in enumerate(bins) if b]
         return tuple(out)
 
 
@@ -380,7 +357,7 @@ def plan_checkpoint(ucp, target: WriteTarget, optimizer_format: Optional[str] = 
             owners.add_any(ObjectItem(sharded_object_key(RERUN_STATE_KEY, (rank,), (world,)),
                                       _rerun_sharded_state(target.args)), [rank])
     if release.torch_dist_common == "sharded":  # megatron-core >= 0.19: rank 0 saves it as a ShardedObject
-        owners.add_any(ObjectItem(versions.COMMON_STATE_ITEM, _common_for_pickle(common)), [0])
+        owners.add_any(ObjectItem(COMMON_STATE_ITEM, _common_for_pickle(common)), [0])
         common = None
     return DirectPlan(owners.files(), common, ucp.iteration, target.padded_vocab_size, opt, release)
 
@@ -420,9 +397,10 @@ def _plan_rng(ucp, config: GPTModelConfig, target: WriteTarget, owners: _Owners,
                     value = fresh_rng_state(target.args, ucp.iteration, tp_rank, pp_rank, layout.dp, target.rng_state,
                                             ep_rank, tensor=SavedTensor)
                 if per_dp:
-                    key = sharded_object_key("rng_state", (pp_rank, tp_rank, dp_rank), (layout.pp, layout.tp, layout.dp))
+                    key = sharded_object_key(RNG_STATE_KEY, (pp_rank, tp_rank, dp_rank),
+                                             (layout.pp, layout.tp, layout.dp))
                 else:
-                    key = sharded_object_key("rng_state", (pp_rank, tp_rank), (layout.pp, layout.tp))
+                    key = sharded_object_key(RNG_STATE_KEY, (pp_rank, tp_rank), (layout.pp, layout.tp))
                 owners.add(ObjectItem(key, value), tp_rank, pp_rank, dp_rank or 0)
 
 
@@ -490,7 +468,7 @@ def _plan_extra_states(config: GPTModelConfig, layout: ParallelLayout, shapes: d
             continue
         key, lead = torch_dist_key(name, config)
         offset, sizes = (lead, _lead_sizes(config, lead)) if lead else ((0,), (1,))  # per-layer keys: one object
-        object_key = sharded_object_key(f"{key.rsplit('.', 1)[0]}._extra_state", offset, sizes)
+        object_key = sharded_object_key(extra_state_key(key), offset, sizes)
         if object_key in seen:
             continue
         seen.add(object_key)
@@ -539,7 +517,7 @@ def _plan_flat_buckets(ucp, config: GPTModelConfig, target: WriteTarget, shapes:
     chained = experts_in_own_optimizer(config, layout)
     for index in ((0, 1) if chained else (0,)):
         experts = index == 1
-        prefix = f"chained_{index}." if chained else ""
+        prefix = chained_prefix(index if chained else None)
         for pp_rank in range(layout.pp):
             for ep_rank in (range(layout.ep) if experts else (0,)):
                 chunks, buffers = _rank_buffers(ucp, config, target, pp_rank, ep_rank, experts)

@@ -10,7 +10,7 @@ specification; this module is one implementation of it. Nothing here is pickled.
 Writing goes through `staging.Staging` (one writer per destination, nothing half-written under DST's
 name, an existing DST replaced only with overwrite and only if this tool wrote it) and digests every
 byte as it is written (`integrity.BlockHasher`). Reading checks every block a read touches against
-those digests (`integrity.VerifiedTensorFile`; for a lazy checkpoint, the source regions'
+those digests (`VerifiedTensorFile`; for a lazy checkpoint, the source regions'
 `integrity.SourceDigests`), and every declared shape against the bytes that back it before anything
 is allocated. torch and safetensors are imported only by the functions that make tensors, so opening,
 describing and checking a checkpoint needs neither.
@@ -22,42 +22,30 @@ import hashlib
 import json
 import math
 import os
-import re
 import stat
-import struct
 import threading
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
-from megatron_ucp.io import integrity
-from megatron_ucp.io.byteio import (
-    FileHandles, FileRegion, Placement, StorageError, dtype_name, placement_from_json, placement_to_json, read_box_bits,
-    relative_inside, to_torch, write_placement)
-from megatron_ucp.io.integrity import ChecksumError, DigestRecord, SourceDigests, VerifiedBlocks
+from megatron_ucp.core.dtypes import to_torch
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
-from megatron_ucp.io.staging import Staging, StagingError, check_not_staging
+from megatron_ucp.formats import megatron_kind
+from megatron_ucp.io import integrity
+from megatron_ucp.io.byteio import (
+    FileHandles, FileRegion, Placement, StorageError, placement_from_json, read_box_bits, relative_inside)
+from megatron_ucp.io.integrity import ChecksumError, DigestRecord, SourceDigests, VerifiedBlocks
+from megatron_ucp.io.staging import check_not_staging
+from megatron_ucp.universal.format import (
+    COMPLETE_FILENAME, FORMAT_NAME, MAX_HEADER, MAX_RNG_FILE, METADATA_FILENAME, READABLE_VERSIONS, REQUIRED_METADATA,
+    RNG_FILENAME, TENSORS_DIRNAME, TENSOR_KEYS, ParamInfo, PathLike, UniversalFormatError, check_name, sha256_file,
+    tensor_file)
+from megatron_ucp.universal.tensorfile import VerifiedTensorFile
 
 if TYPE_CHECKING:
     import torch
 
-    from megatron_ucp.core.patterns import Pattern
 
-FORMAT_NAME = "megatron-ucp-universal"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1: no checksums (read, with sizes and headers checked instead)
-
-METADATA_FILENAME = "metadata.json"
-COMPLETE_FILENAME = "COMPLETE"
-TENSORS_DIRNAME = "tensors"
-TENSOR_KEYS = ("fp32", "exp_avg", "exp_avg_sq")  # file order; `fp32` is always present
-REQUIRED_METADATA = ("iteration", "consumed_train_samples", "source", "model_config", "args", "optimizer",
-                     "scheduler")
-MAX_HEADER = integrity.MAX_HEADER  # bytes a tensor file's safetensors header may take
-
-# Canonical names are dotted module paths; anything else could escape tensors/ or clash on disk.
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
 
 # metadata.json is refused before it is parsed when it is larger than the checkpoint's real size can explain:
 # a base, plus per tensor file under tensors/ and per MiB of tensor bytes (a checksum block is ~36 bytes of
@@ -70,419 +58,13 @@ _LAZY_METADATA_MAX = 128 << 20
 # hold them all; a writer cannot rebuild a group without them).
 _GROUP_HYPER = ("lr", "weight_decay")
 
-# Files that say a directory is a Megatron-LM checkpoint (root or iteration folder), not a universal one.
-_MEGATRON_SIGNS = ("latest_checkpointed_iteration.txt", ".metadata", "common.pt")
-
-PathLike = Union[str, os.PathLike]
-
-
-class UniversalFormatError(Exception):
-    """A universal checkpoint that cannot be written or read; the message names the path and the fix."""
-
-
-@dataclass(frozen=True)
-class ParamInfo:
-    """One parameter's entry in metadata.json (see docs/FORMAT.md, "parameters")."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # stored dtype, always "float32"
-    model_dtype: str  # dtype of the model parameter during training ("float32", "bfloat16", "float16")
-    pattern: "Pattern"
-    file: Optional[str]  # relative to the checkpoint directory (None in a lazy checkpoint)
-    tensors: tuple[str, ...]
-    step: Optional[int]  # Adam step of this parameter; None without optimizer state
-    param_group: dict
-    placements: Optional[dict] = None  # lazy checkpoints: key -> Placement (bytes in the source checkpoint)
-    checksum: Optional[DigestRecord] = None  # block digests of the tensor file (version 2)
-
-    @property
-    def data_bytes(self) -> int:
-        """Bytes of tensor data the parameter's file holds (every key, float32)."""
-        return math.prod(self.shape) * 4 * len(self.tensors)
-
-
-def tensor_file(name: str) -> str:
-    """Relative path of a parameter's safetensors file."""
-    return f"{TENSORS_DIRNAME}/{name}.safetensors"
-
-
-def _check_name(name: str) -> None:
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise UniversalFormatError(f"parameter name {name!r} is not a dotted canonical name "
-                                   "(letters, digits, '_' and '.'); it cannot name a file under tensors/")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _write_json(path: Path, doc: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1, sort_keys=False, allow_nan=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-# --------------------------------------------------------------------------------------------------
-# Writing
-
-
-def _check_tensors(name: str, tensors: Mapping[str, tuple[tuple[int, ...], Any]]) -> tuple[int, ...]:
-    """Refuse a parameter whose tensors (key -> (shape, dtype)) the format cannot hold; returns the shape."""
-    _check_name(name)
-    unknown = sorted(set(tensors) - set(TENSOR_KEYS))
-    if unknown or "fp32" not in tensors:
-        raise UniversalFormatError(f"{name}: tensors {sorted(tensors)}; a parameter needs 'fp32' and may add "
-                                   f"'exp_avg', 'exp_avg_sq' (unknown: {unknown})")
-    if ("exp_avg" in tensors) != ("exp_avg_sq" in tensors):
-        raise UniversalFormatError(f"{name}: has only one of exp_avg / exp_avg_sq; Adam needs both")
-    shape = tuple(tensors["fp32"][0])
-    for key, (s, dtype) in tensors.items():
-        if dtype_name(dtype) != "float32" or tuple(s) != shape:
-            raise UniversalFormatError(f"{name}: '{key}' is {tuple(s)} {dtype}; every tensor of a "
-                                       f"parameter must be float32 of shape {shape}")
-    return shape
-
-
-def _entry(name: str, shape: tuple[int, ...], keys: list[str], info: Mapping[str, Any]) -> dict:
-    """The parameter's metadata.json entry (without its checksum)."""
-    from megatron_ucp.core.patterns import Pattern, pattern_from_json
-
-    pattern = info["pattern"]
-    pattern_json = pattern.to_json() if isinstance(pattern, Pattern) else dict(pattern)
-    pattern_from_json(pattern_json)  # refuse what a reader could not parse
-    step = info.get("step")
-    return {
-        "shape": list(shape),
-        "dtype": "float32",
-        "model_dtype": dtype_name(info.get("model_dtype", "float32")),
-        "pattern": pattern_json,
-        "file": tensor_file(name),
-        "tensors": keys,
-        "step": None if step is None else int(step),
-        "param_group": info.get("param_group", {}),
-    }
-
-
-def _file_metadata(name: str) -> dict[str, str]:
-    return {"format": FORMAT_NAME, "name": name, "version": str(FORMAT_VERSION)}
-
-
-def safetensors_header(shapes: Mapping[str, Sequence[int]], metadata: Mapping[str, str]
-                       ) -> tuple[bytes, dict[str, int]]:
-    """The safetensors prefix (u64 little-endian header size + JSON header, space-padded to 8 bytes) for
-    float32 tensors of `shapes`, and each tensor's data offset from the start of the file. Tensors are
-    laid out in name order, as safetensors' own writer orders tensors of one dtype."""
-    doc: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
-    pos, offsets = 0, {}
-    for key in sorted(shapes):
-        nbytes = math.prod(shapes[key]) * 4
-        doc[key] = {"dtype": "F32", "shape": [int(n) for n in shapes[key]], "data_offsets": [pos, pos + nbytes]}
-        offsets[key] = pos
-        pos += nbytes
-    header = json.dumps(doc, separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)
-    prefix = struct.pack("<Q", len(header)) + header
-    return prefix, {key: len(prefix) + off for key, off in offsets.items()}
-
-
-def _named(e: OSError, target: Path) -> OSError:
-    """The error with the file named (ENOSPC from pwrite or a copy names none)."""
-    return OSError(e.errno, e.strerror, str(target)) if e.filename is None else e
-
-
-def write_tensor_file(staging_dir: PathLike, name: str, tensors: Mapping[str, "torch.Tensor"],
-                      info: Mapping[str, Any]) -> dict:
-    """Write one parameter's safetensors file into `staging_dir` and return its metadata entry, with the
-    block checksums of the file computed while writing it (integrity.write_file_hashed).
-
-    The file is byte for byte what write_tensor_file_placed writes for the same tensors (one header
-    function, tensors in name order). Process-safe: it touches only `tensors/<name>.safetensors`.
-    `info` holds "model_dtype" (str or torch.dtype), "pattern" (Pattern or its JSON), "step" (int or
-    None) and "param_group" (dict). The file is not fsynced here: publication fsyncs the whole tree.
-    """
-    import torch
-
-    shape = _check_tensors(name, {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()})
-    ordered = {key: tensors[key].detach().to("cpu").contiguous() for key in TENSOR_KEYS if key in tensors}
-    entry = _entry(name, shape, list(ordered), info)
-    target = Path(staging_dir) / entry["file"]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    prefix, offsets = safetensors_header({k: shape for k in ordered}, _file_metadata(name))
-    pieces = [(0, prefix)] + [(offsets[k], t.reshape(-1).view(torch.uint8).numpy()) for k, t in ordered.items()]
-    size = len(prefix) + len(ordered) * math.prod(shape) * 4
-    try:
-        record = integrity.write_file_hashed(target, size, pieces, fsync=False)
-    except OSError as e:
-        raise _named(e, target) from e
-    entry["checksum"] = record.to_json()
-    return entry
-
-
-def write_tensor_file_streamed(staging_dir: PathLike, name: str, shape: Sequence[int], bands: Iterable["torch.Tensor"],
-                               info: Mapping[str, Any]) -> dict:
-    """write_tensor_file for a weight-only parameter whose fp32 tensor comes as consecutive dim-0 bands (so
-    only one band is in memory: `import-hf` widens a vocabulary band by band); the file is byte for byte
-    what write_tensor_file writes for the bands' concatenation."""
-    import torch
-
-    shape = tuple(int(n) for n in shape)
-    _check_tensors(name, {"fp32": (shape, torch.float32)})
-    entry = _entry(name, shape, ["fp32"], info)
-    target = Path(staging_dir) / entry["file"]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    prefix, offsets = safetensors_header({"fp32": shape}, _file_metadata(name))
-    size = len(prefix) + math.prod(shape) * 4
-
-    def pieces():
-        yield 0, prefix
-        pos = offsets["fp32"]
-        for band in bands:
-            if band.dtype != torch.float32 or tuple(band.shape[1:]) != shape[1:]:
-                raise UniversalFormatError(f"{name}: band {tuple(band.shape)} {band.dtype} does not fit {shape}")
-            data = band.contiguous().reshape(-1).view(torch.uint8).numpy()
-            yield pos, data
-            pos += data.nbytes
-        if pos != size:
-            raise UniversalFormatError(f"{name}: bands hold {pos - offsets['fp32']} bytes, {shape} needs "
-                                       f"{size - offsets['fp32']}")
-
-    try:
-        record = integrity.write_file_hashed(target, size, pieces(), fsync=False)
-    except OSError as e:
-        raise _named(e, target) from e
-    entry["checksum"] = record.to_json()
-    return entry
-
-
-def write_tensor_file_placed(staging_dir: PathLike, name: str, placements: Mapping[str, Placement],
-                             info: Mapping[str, Any], files: FileHandles) -> dict:
-    """write_tensor_file for tensors given as Placements (where their bytes are in the source files): the
-    file is sized, its header written, and each tensor's bytes copied straight into place (see
-    byteio.write_placement), so no tensor is materialised. Every byte is digested as it is written."""
-    shape = _check_tensors(name, {k: (p.shape, p.dtype) for k, p in placements.items()})
-    keys = [key for key in TENSOR_KEYS if key in placements]
-    entry = _entry(name, shape, keys, info)
-    target = Path(staging_dir) / entry["file"]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    prefix, offsets = safetensors_header({k: shape for k in keys}, _file_metadata(name))
-    size = len(prefix) + len(keys) * math.prod(shape) * 4
-    hasher = integrity.BlockHasher(size, name=str(target))
-    fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.ftruncate(fd, size)
-        integrity.pwrite_hashed(fd, prefix, 0, hasher)
-        for key in keys:
-            write_placement(files, fd, offsets[key], placements[key], hasher)
-    except OSError as e:
-        raise _named(e, target) from e
-    finally:
-        os.close(fd)
-    entry["checksum"] = hasher.record().to_json()
-    return entry
-
-
-def lazy_entry(name: str, placements: Mapping[str, Placement], info: Mapping[str, Any], source_root: PathLike) -> dict:
-    """A lazy checkpoint's metadata entry: instead of a tensor file, where each consolidated tensor's bytes
-    are in the source checkpoint (paths relative to `source_root`, its iteration folder)."""
-    shape = _check_tensors(name, {k: (p.shape, p.dtype) for k, p in placements.items()})
-    keys = [key for key in TENSOR_KEYS if key in placements]
-    entry = _entry(name, shape, keys, info)
-    entry["file"] = None
-    entry["source_bytes"] = {key: placement_to_json(placements[key], str(source_root)) for key in keys}
-    return entry
-
-
-def _referenced_regions(entries: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, int, int]]:
-    return [(region[0], int(region[1]), int(region[2])) for e in entries.values()
-            for p in (e.get("source_bytes") or {}).values() for shard in p["shards"] for region in shard["regions"]]
-
-
-def source_file_stats(root: PathLike, entries: Mapping[str, Mapping[str, Any]]) -> dict:
-    """{relative path: {"size", "mtime_ns"}} of every source file lazy entries refer to."""
-    out = {}
-    for rel in sorted({r[0] for r in _referenced_regions(entries)}):
-        st = os.stat(Path(root) / rel)
-        out[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    return out
-
-
-def lazy_section(root: PathLike, entries: Mapping[str, Mapping[str, Any]], *, workers: int = 4) -> dict:
-    """metadata.json's `lazy` section for lazy entries into the source iteration folder `root`: each
-    referenced file's size, mtime and the block checksums of the regions the index reads (one read of
-    those bytes, `workers` threads). Refuses a source that changes while it is hashed."""
-    root = Path(root).resolve()
-    before = source_file_stats(root, entries)
-    regions = [(str(root / rel), offset, nbytes) for rel, offset, nbytes in _referenced_regions(entries)]
-    digests = integrity.digest_regions(regions, workers=workers)
-    after = source_file_stats(root, entries)
-    if after != before:
-        changed = sorted(rel for rel in before if before[rel] != after.get(rel))
-        raise UniversalFormatError(f"{root / changed[0]}: changed while the lazy index was made (is training "
-                                   f"still writing it?); convert again once it is finished")
-    files = {}
-    for rel, stats in before.items():
-        files[rel] = {**stats, "checksums": [r.to_json() for r in digests.get(str(root / rel), [])]}
-    return {"source": str(root), "files": files}
-
-
-class UniversalWriter:
-    """Builds a universal checkpoint in a locked staging directory (staging.Staging, kind "universal") and
-    publishes it as DST only after every tensor file, metadata.json and the COMPLETE marker are written
-    and fsynced, so DST is either absent, the previous output, or complete.
-
-    The constructor takes DST's lock (a second writer fails at once, naming the first), reports (or with
-    clean_stale removes) leftovers of killed writes, refuses an existing DST unless `overwrite` and it is
-    a universal checkpoint, and creates the staging directory `staging_dir`. Enter it before opening the
-    source, so the lock covers the whole job. Use as a context manager (an exception inside removes the
-    staging directory and releases the lock) or call abort(). write_parameter is for one process; other
-    threads or processes call write_tensor_file(writer.staging_dir, ...) and the owner records the returned
-    entries with record_parameter.
-    """
-
-    def __init__(self, dst: PathLike, overwrite: bool = False, *, clean_stale: bool = False,
-                 report: Optional[Callable[[str], None]] = None, on_phase: Optional[Callable[[str], None]] = None,
-                 command: Optional[str] = None):
-        self.dst = Path(dst).absolute()
-        self.overwrite = overwrite
-        self._stage = Staging(self.dst, kind="universal", overwrite=overwrite, clean_stale=clean_stale,
-                              report=report, on_phase=on_phase, command=command)
-        try:
-            self._stage.__enter__()
-        except StagingError as e:
-            raise UniversalFormatError(str(e)) from e
-        self.staging_dir = self._stage.path
-        self.parameters: dict[str, dict] = {}
-        self._done = False
-        try:
-            (self.staging_dir / TENSORS_DIRNAME).mkdir()
-        except BaseException:
-            self.abort()
-            raise
-
-    @property
-    def leftovers(self):
-        """Leftovers of earlier, killed writes to DST found when the lock was taken (staging.Leftover)."""
-        return self._stage.leftovers
-
-    def __enter__(self) -> "UniversalWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if self._done:
-            return
-        self._done = True
-        try:
-            self._stage.__exit__(exc_type, exc, tb)
-        except StagingError as e:  # a failure the stage explains better (no space left, ...)
-            raise UniversalFormatError(str(e)) from e
-
-    def abort(self) -> None:
-        """Remove the staging directory and release the lock (DST itself is never touched before finish)."""
-        self._done = True
-        self._stage.abort()
-
-    def phase(self, name: str) -> None:
-        """Report a point of the write to on_phase (progress; tests kill the writer at these points)."""
-        self._stage.phase(name)
-
-    def record_parameter(self, name: str, entry: dict) -> None:
-        if name in self.parameters:
-            self.abort()
-            raise UniversalFormatError(f"{name}: written twice; each canonical parameter appears once")
-        self.parameters[name] = entry
-
-    def write_parameter(self, name: str, tensors: Mapping[str, "torch.Tensor"], info: Mapping[str, Any]) -> dict:
-        """Write one parameter (see write_tensor_file) and record its metadata entry."""
-        try:
-            entry = write_tensor_file(self.staging_dir, name, tensors, info)
-            self.record_parameter(name, entry)
-        except BaseException:
-            self.abort()
-            raise
-        return entry
-
-    def finish(self, metadata: Mapping[str, Any], expected: Sequence[tuple[str, Sequence[int]]],
-               rng: Optional["SavedRngStates"] = None) -> Path:
-        """Write metadata.json (format, version and the recorded parameters added), then publish: fsync
-        every file, write COMPLETE last, rename into place. `metadata` holds the other top-level keys of
-        docs/FORMAT.md; `expected` lists every parameter of the model with its global shape, in
-        registration order (the model's rulebook gives it), so an incomplete conversion is never marked
-        complete. `rng`: the source's per-rank RNG states, written to RNG_FILENAME (metadata key `rng`)."""
-        if self._done:
-            raise UniversalFormatError(f"{self.dst}: writer already finished or aborted")
-        try:
-            missing = [k for k in REQUIRED_METADATA if k not in metadata]
-            if missing:
-                raise UniversalFormatError(f"{self.dst}: metadata lacks {missing}")
-            self._check_complete(expected)
-            doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION}
-            # `rng` describes the file written here, never one a copied metadata names
-            doc.update({k: v for k, v in metadata.items() if k not in ("format", "version", "parameters", "rng")})
-            if rng is not None and rng.states:
-                doc["rng"] = _write_rng_file(self.staging_dir, rng)
-            doc["parameters"] = self.parameters
-            meta_path = self.staging_dir / METADATA_FILENAME
-            try:
-                _write_json(meta_path, doc)
-            except ValueError as e:  # NaN/inf or a non-JSON value slipped in
-                raise UniversalFormatError(f"{self.dst}: metadata is not plain JSON ({e})") from e
-            if metadata.get("lazy") is not None:
-                (self.staging_dir / TENSORS_DIRNAME).rmdir()
-            complete = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "metadata_sha256": _sha256(meta_path)}
-            self._stage.publish(COMPLETE_FILENAME, complete)
-        except BaseException as e:
-            self._done = True
-            if not self._stage.published:
-                self._stage.abort()
-            if isinstance(e, StagingError):
-                raise UniversalFormatError(str(e)) from e
-            raise
-        self._done = True
-        return self.dst
-
-    def _check_complete(self, expected: Sequence[tuple[str, Sequence[int]]]) -> None:
-        expected = {name: tuple(shape) for name, shape in expected}
-        missing = [n for n in expected if n not in self.parameters]
-        extra = sorted(set(self.parameters) - set(expected))
-        if missing or extra:
-            raise UniversalFormatError(
-                f"{self.dst}: parameters do not match the model config: missing {missing[:5]}"
-                f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}; a universal checkpoint holds "
-                f"every parameter of the model exactly once")
-        for name, shape in expected.items():
-            if tuple(self.parameters[name]["shape"]) != shape:
-                raise UniversalFormatError(f"{name}: shape {tuple(self.parameters[name]['shape'])} but the model "
-                                           f"config gives {shape}")
-        # metadata.json lists parameters in registration order, whatever order workers finished in
-        self.parameters = {name: self.parameters[name] for name in expected}
-
 
 # --------------------------------------------------------------------------------------------------
 # Reading
 
 
-def _megatron_kind(path: Path) -> Optional[str]:
-    """'a Megatron-LM checkpoint root' / '... iteration folder' when `path` looks like one (by file names only)."""
-    try:
-        names = {p.name for p in path.iterdir()}
-    except OSError:
-        return None
-    if "latest_checkpointed_iteration.txt" in names or any(n.startswith("iter_") for n in names):
-        return "a Megatron-LM checkpoint (its --save root)"
-    if names & set(_MEGATRON_SIGNS) or any(n.startswith("mp_rank_") or n.endswith(".distcp") for n in names):
-        return "a Megatron-LM checkpoint iteration folder"
-    return None
-
-
 def _not_universal(path: Path) -> UniversalFormatError:
-    kind = _megatron_kind(path)
+    kind = megatron_kind(path)
     if kind is not None:
         return UniversalFormatError(f"{path}: is {kind}, not a universal checkpoint; convert it first with "
                                     f"`megatron-ucp to-universal {path} UCP_DIR` and pass UCP_DIR")
@@ -510,7 +92,7 @@ def _param_info(name: str, d: Mapping[str, Any], meta_path: Path, version: int,
     from megatron_ucp.core.patterns import PatternError, pattern_from_json
 
     try:
-        _check_name(name)
+        check_name(name)
         pattern = pattern_from_json(d["pattern"])
         tensors = tuple(d["tensors"])
         shape = tuple(int(s) for s in d["shape"])
@@ -753,7 +335,7 @@ class UniversalCheckpoint:
         if not meta_path.is_file():
             raise UniversalFormatError(f"{meta_path}: missing although {marker} exists; the checkpoint was "
                                        f"damaged after conversion, reconvert it")
-        if complete.get("metadata_sha256") != _sha256(meta_path):
+        if complete.get("metadata_sha256") != sha256_file(meta_path):
             raise UniversalFormatError(f"{meta_path}: its sha256 differs from the one in {marker}; the metadata "
                                        f"was edited or damaged after conversion, reconvert it")
         _check_metadata_size(path, meta_path)
@@ -836,9 +418,9 @@ class UniversalCheckpoint:
             return [f"{path}: missing although metadata.json records RNG states; restore it from a copy or reconvert"]
         if not stat.S_ISREG(st.st_mode) or not _inside(path, self.path):
             return [f"{path}: is not a regular file inside {self.path}; restore it from a copy or reconvert"]
-        if not _is_int(size) or size != st.st_size or size > _MAX_RNG_FILE:
+        if not _is_int(size) or size != st.st_size or size > MAX_RNG_FILE:
             return [f"{self.path / METADATA_FILENAME}: rng.size is {size!r}, {path} has {st.st_size} bytes (at most "
-                    f"{_MAX_RNG_FILE}); metadata.json was edited, reconvert"]
+                    f"{MAX_RNG_FILE}); metadata.json was edited, reconvert"]
         if not _is_int(ranks) or not 1 <= ranks <= ParallelLayout.from_dict(section["layout"]).world_size:
             return [f"{self.path / METADATA_FILENAME}: rng.ranks is {ranks!r}, not a rank count of the layout it "
                     f"records; metadata.json was edited, reconvert"]
@@ -918,7 +500,7 @@ class UniversalCheckpoint:
         file = self.path / info.file
         if info.checksum is not None:
             try:
-                with integrity.VerifiedTensorFile(file, info.checksum, integrity.tensor_file_label(info.name),
+                with VerifiedTensorFile(file, info.checksum, integrity.tensor_file_label(info.name),
                                                   cache=self._verified, headers=self._headers) as f:
                     header = {k: (t[0], tuple(t[1])) for k, t in f.tensors.items()}
             except ChecksumError as e:
@@ -989,7 +571,7 @@ class UniversalCheckpoint:
         file = self.path / info.file
         label = integrity.tensor_file_label(info.name)
         try:
-            with integrity.VerifiedTensorFile(file, info.checksum, label, cache=self._verified,
+            with VerifiedTensorFile(file, info.checksum, label, cache=self._verified,
                                               headers=self._headers) as f:
                 stored = f.tensors.get(key)
                 if stored is None or stored[0] != "F32" or tuple(stored[1]) != info.shape:
@@ -1078,7 +660,7 @@ class UniversalCheckpoint:
         self._check_backed(info)  # size and header against metadata.json
         file = self.path / info.file
         try:
-            with integrity.VerifiedTensorFile(file, info.checksum, integrity.tensor_file_label(info.name),
+            with VerifiedTensorFile(file, info.checksum, integrity.tensor_file_label(info.name),
                                               cache=self._verified, headers=self._headers) as f:
                 _, _, start, stop = f.tensors[key]
         except ChecksumError as e:
@@ -1148,41 +730,12 @@ class UniversalCheckpoint:
         return sum(info.data_bytes for info in self.parameters.values())
 
 
-# --------------------------------------------------------------------------------------------------
-# Run state besides tensors: the loss scaler (metadata key `loss_scaler`) and the per-rank RNG states
-# (the file RNG_FILENAME, described by metadata key `rng`); docs/FORMAT.md "Loss scaler", "RNG states".
-
-RNG_FILENAME = "rng_states.json"
-_MAX_RNG_FILE = 1 << 30  # bytes; ~50 KB per rank on CPU runs, far less with CUDA generator states
-
-
-@dataclass(frozen=True)
-class SavedRngStates:
-    """What the writer stores about the source's RNG: every rank's state, the layout and micro-batch size
-    they were drawn at (a resume restores them only there)."""
-
-    states: tuple  # run_state.RankRngState
-    layout: ParallelLayout
-    micro_batch_size: Optional[int]
-
-
-def _write_rng_file(staging_dir: Path, rng: SavedRngStates) -> dict:
-    """Write RNG_FILENAME into the staging directory; returns metadata.json's `rng` section."""
-    from megatron_ucp.core.run_state import rng_file
-
-    data = (json.dumps(rng_file(list(rng.states), rng.layout.to_dict(), rng.micro_batch_size),
-                       separators=(",", ":"), allow_nan=False) + "\n").encode()
-    (Path(staging_dir) / RNG_FILENAME).write_bytes(data)  # publication fsyncs the tree
-    return {"file": RNG_FILENAME, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-            "layout": rng.layout.to_dict(), "micro_batch_size": rng.micro_batch_size, "ranks": len(rng.states)}
-
-
 def _read_small_file(path: Path, root: Path) -> bytes:
     st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode) or not _inside(path, root) or st.st_size > _MAX_RNG_FILE:
-        raise OSError(0, f"not a regular file of at most {_MAX_RNG_FILE} bytes inside {root}")
+    if not stat.S_ISREG(st.st_mode) or not _inside(path, root) or st.st_size > MAX_RNG_FILE:
+        raise OSError(0, f"not a regular file of at most {MAX_RNG_FILE} bytes inside {root}")
     with open(path, "rb") as f:
-        return f.read(_MAX_RNG_FILE + 1)
+        return f.read(MAX_RNG_FILE + 1)
 
 
 def _run_state_metadata(metadata: Mapping[str, Any], meta_path: Path) -> tuple:
@@ -1203,3 +756,4 @@ def _run_state_metadata(metadata: Mapping[str, Any], meta_path: Path) -> tuple:
             raise UniversalFormatError(f"{meta_path}: malformed 'rng' section ({type(e).__name__}: {e}); "
                                        f"reconvert") from None
     return scaler, section
+

@@ -1,0 +1,107 @@
+"""The universal checkpoint format's names and records, as docs/FORMAT.md specifies them: file names,
+versions, the metadata keys every checkpoint has, a parameter's entry (`ParamInfo`), the error every
+reader and writer raises. A leaf of the universal package: the tensor file, the writer, the reader and
+the check import it."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from megatron_ucp.core.layout import ParallelLayout
+from megatron_ucp.io import integrity
+from megatron_ucp.io.integrity import DigestRecord
+
+if TYPE_CHECKING:
+
+    from megatron_ucp.core.patterns import Pattern
+
+FORMAT_NAME = "megatron-ucp-universal"
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: no checksums (read, with sizes and headers checked instead)
+
+METADATA_FILENAME = "metadata.json"
+COMPLETE_FILENAME = "COMPLETE"
+TENSORS_DIRNAME = "tensors"
+TENSOR_KEYS = ("fp32", "exp_avg", "exp_avg_sq")  # file order; `fp32` is always present
+REQUIRED_METADATA = ("iteration", "consumed_train_samples", "source", "model_config", "args", "optimizer",
+                     "scheduler")
+MAX_HEADER = integrity.MAX_HEADER  # bytes a tensor file's safetensors header may take
+
+# Canonical names are dotted module paths; anything else could escape tensors/ or clash on disk.
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+
+PathLike = Union[str, os.PathLike]
+
+
+class UniversalFormatError(Exception):
+    """A universal checkpoint that cannot be written or read; the message names the path and the fix."""
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter's entry in metadata.json (see docs/FORMAT.md, "parameters")."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # stored dtype, always "float32"
+    model_dtype: str  # dtype of the model parameter during training ("float32", "bfloat16", "float16")
+    pattern: "Pattern"
+    file: Optional[str]  # relative to the checkpoint directory (None in a lazy checkpoint)
+    tensors: tuple[str, ...]
+    step: Optional[int]  # Adam step of this parameter; None without optimizer state
+    param_group: dict
+    placements: Optional[dict] = None  # lazy checkpoints: key -> Placement (bytes in the source checkpoint)
+    checksum: Optional[DigestRecord] = None  # block digests of the tensor file (version 2)
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of tensor data the parameter's file holds (every key, float32)."""
+        return math.prod(self.shape) * 4 * len(self.tensors)
+
+
+def tensor_file(name: str) -> str:
+    """Relative path of a parameter's safetensors file."""
+    return f"{TENSORS_DIRNAME}/{name}.safetensors"
+
+
+def check_name(name: str) -> None:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise UniversalFormatError(f"parameter name {name!r} is not a dotted canonical name "
+                                   "(letters, digits, '_' and '.'); it cannot name a file under tensors/")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_json(path: Path, doc: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=False, allow_nan=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+RNG_FILENAME = "rng_states.json"
+MAX_RNG_FILE = 1 << 30  # bytes; ~50 KB per rank on CPU runs, far less with CUDA generator states
+
+
+@dataclass(frozen=True)
+class SavedRngStates:
+    """What the writer stores about the source's RNG: every rank's state, the layout and micro-batch size
+    they were drawn at (a resume restores them only there)."""
+
+    states: tuple  # run_state.RankRngState
+    layout: ParallelLayout
+    micro_batch_size: Optional[int]
+
