@@ -23,6 +23,7 @@ spec.loader.exec_module(pretrain_gpt)  # imports megatron-core the harness's way
 
 import torch  # noqa: E402
 
+from megatron_ucp.formats.common import layout_from_args
 from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,  # noqa: E402
                                                 shared_embedding_names)
 from megatron_ucp.training import arguments, data  # noqa: E402
@@ -39,9 +40,11 @@ def live_buffers(chunk, names):
 
 
 def predicted_buffers(args, pp_rank, vpp_chunk, params, rank_num_parameters):
-    config = DDPBucketConfig.from_megatron_args(vars(args), pp_rank=pp_rank, vpp_chunk=vpp_chunk,
+    layout = layout_from_args(vars(args))
+    config = DDPBucketConfig.from_megatron_args(vars(args), layout, pp_rank=pp_rank, vpp_chunk=vpp_chunk,
                                                 rank_num_parameters=rank_num_parameters)
-    shared = shared_embedding_names(vars(args), pp_rank=pp_rank, vpp_chunk=vpp_chunk, names=[n for n, _ in params])
+    shared = shared_embedding_names(vars(args), layout, pp_rank=pp_rank, vpp_chunk=vpp_chunk,
+                                    names=[n for n, _ in params])
     buffer_params = [BufferParam(n, tuple(p.shape), p.dtype, shared_embedding=n in shared) for n, p in params]
     return [{"dtypes": [str(b.param_dtype), str(b.grad_dtype)],
              "params": [[s.name, s.start, s.end, s.bucket] for s in b.params],

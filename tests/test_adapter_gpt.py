@@ -359,8 +359,8 @@ def test_stage_local_layer_names_match_real_vpp_chunks(mcore, monkeypatch):
         # World size 1 cannot hold PP=2: pretend to be pipeline rank pp_rank where megatron-core asks.
         monkeypatch.setattr(transformer_block, "get_pg_rank", lambda group, r=pp_rank: r)
         monkeypatch.setattr(transformer_layer, "get_pg_rank", lambda group, r=pp_rank: r)
-        model = _build(GPT2, layout, pre_process=gpt.is_first_chunk(layout, pp_rank, vp_stage),
-                       post_process=gpt.is_last_chunk(layout, pp_rank, vp_stage), vp_stage=vp_stage)
+        model = _build(GPT2, layout, pre_process=layout.is_first_chunk(pp_rank, vp_stage),
+                       post_process=layout.is_last_chunk(pp_rank, vp_stage), vp_stage=vp_stage)
         real = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         ours = gpt.parameters_for_rank(GPT2, layout, pp_rank, vp_stage)
         assert [(n, s) for n, s, _ in ours] == real

@@ -36,7 +36,7 @@ from pretrain_runs import (DISTOPT, FP32_TOL, OVERLAP, SAVED_AT, SCHEDULE, SOURC
 from megatron_ucp.adapters.gpt import parameters_for_rank
 from megatron_ucp.convert import to_universal
 from megatron_ucp.formats.bucket_layout import BufferParam, DDPBucketConfig, build_chunk_buffers
-from megatron_ucp.formats.common import load_pickled
+from megatron_ucp.formats.common import layout_from_args, load_pickled
 from megatron_ucp.formats.safe_pickle import load_dcp_metadata
 from megatron_ucp.commands.from_universal import from_universal
 from megatron_ucp.core.layout import ParallelLayout
@@ -68,7 +68,7 @@ def legacy_source(runs):
 def bucket_count(args: dict, rank_params) -> int:
     """Buckets megatron-core's DDP gives PP rank 0's first buffer for these args (bucket_layout.py, checked
     against live buffers in test_ddp_buckets.py)."""
-    config = DDPBucketConfig.from_megatron_args(args, pp_rank=0, vpp_chunk=0,
+    config = DDPBucketConfig.from_megatron_args(args, layout_from_args(args), pp_rank=0, vpp_chunk=0,
                                                 rank_num_parameters=sum(p.numel for p in rank_params))
     return len(build_chunk_buffers(rank_params, config)[0].buckets)
 

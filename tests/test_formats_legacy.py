@@ -14,7 +14,7 @@ import torch
 from megatron_ucp.formats import CheckpointFormatError, open_checkpoint
 from megatron_ucp.formats.bucket_layout import (
     BufferParam, DDPBucketConfig, build_buffer_layout, build_chunk_buffers)
-from megatron_ucp.formats.common import load_pickled
+from megatron_ucp.formats.common import layout_from_args, load_pickled
 from megatron_ucp.adapters.gpt import megatron_param_groups
 from megatron_ucp.formats.legacy.reader import LegacyCheckpoint
 
@@ -83,11 +83,14 @@ def test_buffers_split_by_dtype_in_first_appearance_order():
 def test_default_bucket_size_rules():
     args = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2, "world_size": 8,
             "use_distributed_optimizer": True, "overlap_grad_reduce": True}
-    assert DDPBucketConfig.from_megatron_args(args, pp_rank=0, vpp_chunk=0, rank_num_parameters=1).bucket_size == 40_000_000
-    assert DDPBucketConfig.from_megatron_args(args, pp_rank=1, vpp_chunk=0, rank_num_parameters=1).bucket_size is None
-    assert DDPBucketConfig.from_megatron_args({**args, "ddp_num_buckets": 4}, pp_rank=0, vpp_chunk=0,
+    layout = layout_from_args(args)
+    assert DDPBucketConfig.from_megatron_args(args, layout, pp_rank=0, vpp_chunk=0,
+                                              rank_num_parameters=1).bucket_size == 40_000_000
+    assert DDPBucketConfig.from_megatron_args(args, layout, pp_rank=1, vpp_chunk=0,
+                                              rank_num_parameters=1).bucket_size is None
+    assert DDPBucketConfig.from_megatron_args({**args, "ddp_num_buckets": 4}, layout, pp_rank=0, vpp_chunk=0,
                                               rank_num_parameters=1000).bucket_size == 250
-    assert DDPBucketConfig.from_megatron_args({**args, "overlap_grad_reduce": False}, pp_rank=0, vpp_chunk=0,
+    assert DDPBucketConfig.from_megatron_args({**args, "overlap_grad_reduce": False}, layout, pp_rank=0, vpp_chunk=0,
                                               rank_num_parameters=1).bucket_size is None
 
 
@@ -137,7 +140,7 @@ def test_A_padding_is_not_data():
     ck = open_checkpoint(A, 4)
     for (tp, pp), refs in by_rank(ck.shards()).items():
         params = [BufferParam(r.local_name, r.shape, r.dtype) for r in refs]
-        config = DDPBucketConfig.from_megatron_args(ck.args, pp_rank=pp, vpp_chunk=0,
+        config = DDPBucketConfig.from_megatron_args(ck.args, ck.layout, pp_rank=pp, vpp_chunk=0,
                                                     rank_num_parameters=sum(p.numel for p in params))
         (buf,) = build_chunk_buffers(params, config)
         assert len(buf.buckets) == 1

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megatron_ucp.formats import CheckpointFormatError, open_checkpoint
-from megatron_ucp.formats.torch_dist.reader import (
-    _MODEL_SPACE_KEY, TorchDistCheckpoint)
+from megatron_ucp.formats.torch_dist import names
+from megatron_ucp.formats.torch_dist.reader import TorchDistCheckpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "megatron-lm"
@@ -34,10 +34,30 @@ def test_model_space_optimizer_keys():
         "chained_1.optimizer.state.param.decoder.final_layernorm.bias": ("param", "decoder.final_layernorm.bias"),
     }
     for key, groups in cases.items():
-        assert _MODEL_SPACE_KEY.match(key).groups() == groups
+        assert names.parse_model_space_state_key(key) == groups
+        prefix = key[:key.index("optimizer.")]
+        assert names.model_space_state_key(*groups, prefix=prefix) == key  # the writer's spelling, inverted
     for key in ("optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0.param",
                 "optimizer.state.step.x", "decoder.final_layernorm.weight"):
-        assert _MODEL_SPACE_KEY.match(key) is None
+        assert names.parse_model_space_state_key(key) is None
+
+
+def test_torch_dist_spellings_parse_what_they_format():
+    """Every torch_dist name the writer formats is parsed back by the reader's parser (formats/torch_dist/names.py),
+    and a near miss is not."""
+    key = names.flat_bucket_key(3, 1, ("torch.bfloat16", "torch.float32"), 2, "exp_avg_sq", prefix=names.chained_prefix(1))
+    assert key == ("chained_1.optimizer.distributed.dp_group_idx_3.gbuf_idx_1.dtype_(torch.bfloat16, torch.float32)"
+                   ".bucket_idx_2.exp_avg_sq")
+    assert names.parse_flat_bucket_key(key) == (1, 3, 1, ("torch.bfloat16", "torch.float32"), 2, "exp_avg_sq")
+    assert names.parse_flat_bucket_key(names.flat_bucket_key(0, 0, ("a", "b"), 0, "param")).optimizer is None
+    assert names.parse_flat_bucket_key(key.replace("exp_avg_sq", "step")) is None
+    assert names.parse_distcp_name(names.distcp_name(17, 1)) == (17, 1) and names.parse_distcp_name("__1_0.pt") is None
+    obj = names.sharded_object_key(names.RNG_STATE_KEY, (1, 0, 3), (2, 2, 4))
+    assert obj == "rng_state/shard_1.0.3_2.2.4"
+    assert names.parse_sharded_object_key(obj) == (names.RNG_STATE_KEY, (1, 0, 3), (2, 2, 4))
+    assert names.COMMON_STATE_ITEM == "common_state/shard_0_1"
+    assert names.is_grad_scaler_key(names.distributed_optimizer_object_key(0, "grad_scaler", prefix="chained_0.") + "/x")
+    assert not names.is_grad_scaler_key(names.distributed_optimizer_object_key(0, "optimizer") + "/x")
 
 
 @pytest.mark.parametrize("iteration", [4, 8])

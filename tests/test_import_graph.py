@@ -1,6 +1,7 @@
 """The package's modules form no import cycle (issue 22): every `import` and `from ... import` of a
 megatron_ucp module, at module level or inside a function (an import deferred to call time is still a
-dependency), is an edge; a cycle between two modules means neither can be understood, tested or moved
+dependency; not one under `if TYPE_CHECKING:`, which never runs), is an edge, and so is each package (`__init__`) the import runs on the way, outside the
+importer's own packages; a cycle between two modules means neither can be understood, tested or moved
 without the other. The graph is read from the source with `ast`; nothing is imported."""
 
 from __future__ import annotations
@@ -16,15 +17,26 @@ def module_name(path: Path, root: Path = PACKAGE) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
     """{module: the megatron_ucp modules it imports}; `from pkg import name` counts as an import of
-    `pkg.name` when that is a module, else of `pkg`."""
+    `pkg.name` when that is a module, else of `pkg`. Importing `a.b.c` also runs `a/__init__` and
+    `a/b/__init__`: an edge to each, except the importer's own packages (already running)."""
     modules = {module_name(p, root): p for p in root.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         edges = graph.setdefault(name, set())
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        type_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node.test)
+                     for stmt in node.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in type_only:  # `if TYPE_CHECKING:` imports never run
+                continue
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -35,11 +47,15 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
             else:
                 continue
+            own = {".".join(name.split(".")[:i]) for i in range(1, len(name.split(".")) + 1)}
             for target in targets:
                 while target and target not in modules:  # `import a.b.c` of a name inside a module
                     target = target.rpartition(".")[0]
-                if target.startswith("megatron_ucp") and target != name:
-                    edges.add(target)
+                if not target.startswith("megatron_ucp"):
+                    continue
+                parts = target.split(".")
+                edges.update(p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
+                             if p in modules and p not in own and p != name)
     return graph
 
 
@@ -96,3 +112,11 @@ def test_the_check_sees_a_cycle(tmp_path):
     (pkg / "io" / "b.py").write_text("def f():\n    from megatron_ucp.io.a import g\n")
     (pkg / "c.py").write_text("import megatron_ucp.io.a\n")
     assert cycles(import_graph(pkg)) == [["megatron_ucp.io.a", "megatron_ucp.io.b"]]
+    # a package facade that imports a module importing back into the facade's package from outside
+    (pkg / "io" / "b.py").write_text("")
+    (pkg / "fmt").mkdir()
+    (pkg / "fmt" / "__init__.py").write_text("from megatron_ucp.fmt.reader import R\n")
+    (pkg / "fmt" / "reader.py").write_text("from megatron_ucp.c import x\n")
+    (pkg / "c.py").write_text("from megatron_ucp.fmt.names import y\n")
+    (pkg / "fmt" / "names.py").write_text("")
+    assert cycles(import_graph(pkg)) == [["megatron_ucp.c", "megatron_ucp.fmt", "megatron_ucp.fmt.reader"]]

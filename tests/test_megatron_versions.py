@@ -6,7 +6,7 @@ and C19 legacy `torch` are one run (TP2 PP2 SP, the same losses) saved in three 
 E19 a GPT-MoE (4 experts, top-2, EP2 DP2 PP2, chained dense + expert optimizers). And
 tests/fixtures/megatron-lm (0.16.1).
 
-What is checked (formats/versions.py holds every difference as data):
+What is checked (core/versions.py holds every difference as data):
 - the release is detected from the checkpoint itself and shown by `inspect`; the vocabulary is what that
   release trained for `--tokenizer-type NullTokenizer --vocab-size 1000` (0.19: 1000, 0.16.1: 1001);
 - A19, B19 and C19 convert to universal checkpoints equal at atol 0 (three formats of one run), and every
@@ -42,7 +42,7 @@ from torch_dist_checks import gap_chunks, load_item, structure
 from megatron_ucp.commands import from_universal as fu
 from megatron_ucp.convert import to_universal
 from megatron_ucp.formats import safe_pickle as sp
-from megatron_ucp.formats import versions
+from megatron_ucp.core import versions
 from megatron_ucp.formats.common import load_archive_file
 from megatron_ucp.commands.verify import verify
 

@@ -58,8 +58,8 @@ def test_expert_buffers_hold_the_expert_optimizers_parameters_over_the_expert_dp
     entries = gpt.parameters_for_rank(MOE, layout, 0, ep_rank=1)
     params = [BufferParam(local, shape, "float32", expert=gpt.in_expert_optimizer(canonical, MOE, layout))
               for local, shape, canonical in entries]
-    dense_cfg = DDPBucketConfig.from_megatron_args(args, pp_rank=0, vpp_chunk=0, rank_num_parameters=0)
-    expert_cfg = DDPBucketConfig.from_megatron_args(args, pp_rank=0, vpp_chunk=0, rank_num_parameters=0, experts=True)
+    dense_cfg = DDPBucketConfig.from_megatron_args(args, layout, pp_rank=0, vpp_chunk=0, rank_num_parameters=0)
+    expert_cfg = DDPBucketConfig.from_megatron_args(args, layout, pp_rank=0, vpp_chunk=0, rank_num_parameters=0, experts=True)
     assert (dense_cfg.dp_size, expert_cfg.dp_size) == (4, 2)
     (dense,) = build_chunk_buffers(params, dense_cfg)
     (expert,) = build_chunk_buffers(params, expert_cfg, experts=True)

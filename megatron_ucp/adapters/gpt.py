@@ -392,20 +392,10 @@ def virtual_chunks(num_layers: int, pp: int, layers_per_virtual_stage: Optional[
     return chunks if chunks > 1 else None
 
 
-def _check_chunk(layout: ParallelLayout, pp_rank: int, vpp_chunk: Optional[int]) -> int:
-    chunk = 0 if vpp_chunk is None else vpp_chunk
-    if not 0 <= pp_rank < layout.pp:
-        raise LayoutError(f"pp_rank={pp_rank} is not a stage of PP={layout.pp}; use 0 <= pp_rank < {layout.pp}")
-    if not 0 <= chunk < layout.num_chunks:
-        raise LayoutError(f"vpp_chunk={vpp_chunk} is not a chunk of {layout.describe()}; "
-                          f"use 0 <= vpp_chunk < {layout.num_chunks}")
-    return chunk
-
-
 def chunk_layers(num_layers: int, layout: ParallelLayout, pp_rank: int, vpp_chunk: Optional[int] = None) -> range:
     """Global layers held by one model chunk, in local order (megatron-core's get_transformer_layer_offset
     and get_num_layers_to_build, even or uneven: layer_placement)."""
-    chunk = _check_chunk(layout, pp_rank, vpp_chunk)
+    chunk = layout.check_chunk(pp_rank, vpp_chunk)
     if layout.even_pipeline:
         per_chunk = layers_per_chunk(num_layers, layout)
         # Chunks are ordered chunk-major: VPP chunk v of stage p is block v * PP + p.
@@ -431,20 +421,6 @@ def layer_location(global_layer: int, num_layers: int, layout: ParallelLayout) -
         return pp_rank, vpp_chunk, local
     check_pipeline(num_layers, layout)
     return split_layer_location(_split(num_layers, layout), global_layer)
-
-
-def is_first_chunk(layout: ParallelLayout, pp_rank: int, vpp_chunk: Optional[int] = None) -> bool:
-    """Holds the embedding (megatron-core's pre_process)."""
-    return pp_rank == 0 and _check_chunk(layout, pp_rank, vpp_chunk) == 0
-
-
-def is_last_chunk(layout: ParallelLayout, pp_rank: int, vpp_chunk: Optional[int] = None) -> bool:
-    """Holds the final norm and the output layer (megatron-core's post_process)."""
-    return pp_rank == layout.pp - 1 and _check_chunk(layout, pp_rank, vpp_chunk) == layout.num_chunks - 1
-
-
-def _last_chunk(layout: ParallelLayout) -> Tuple[int, int]:
-    return layout.pp - 1, layout.num_chunks - 1
 
 
 def experts_per_ep_rank(config: GPTModelConfig, ep: int) -> int:
@@ -497,7 +473,7 @@ def canonical_name(local_name: str, layout: ParallelLayout, pp_rank: int, vpp_ch
     (experts per EP rank)."""
     if is_ignorable(local_name):
         return None
-    chunk = _check_chunk(layout, pp_rank, vpp_chunk)
+    chunk = layout.check_chunk(pp_rank, vpp_chunk)
     where = f"pp_rank={pp_rank} vpp_chunk={chunk} of {layout.describe()}"
     rule, local_layer, expert = _resolve(local_name)
     if local_layer is not None:
@@ -516,10 +492,10 @@ def canonical_name(local_name: str, layout: ParallelLayout, pp_rank: int, vpp_ch
                                   f"{per} of num_experts={config.num_experts}; the checkpoint has another EP")
             expert += ep_rank * per
         return _spell(rule, rule.name, global_layer, expert)
-    if rule.scope == PRE and not is_first_chunk(layout, pp_rank, chunk):
+    if rule.scope == PRE and not layout.is_first_chunk(pp_rank, chunk):
         raise LayoutError(f"{local_name!r} found on {where}, but only pp_rank=0 vpp_chunk=0 holds the "
                           "embedding; the checkpoint has another pipeline layout")
-    if rule.scope == POST and not is_last_chunk(layout, pp_rank, chunk):
+    if rule.scope == POST and not layout.is_last_chunk(pp_rank, chunk):
         raise LayoutError(f"{local_name!r} found on {where}, but only the last chunk holds it; "
                           "the checkpoint has another pipeline layout")
     if rule.name == OUTPUT_LAYER and tied:
@@ -543,13 +519,13 @@ def local_name(canonical: str, layout: ParallelLayout, num_layers: int, *, tied:
     check_pipeline(num_layers, layout)
     if rule.scope == PRE:
         places = [(0, 0, rule.name)]
-        if rule.name == WORD_EMBEDDINGS and tied and _last_chunk(layout) != (0, 0):
-            places.append((*_last_chunk(layout), OUTPUT_LAYER))
+        if rule.name == WORD_EMBEDDINGS and tied and layout.last_chunk != (0, 0):
+            places.append((*layout.last_chunk, OUTPUT_LAYER))
         return places
     if rule.name == OUTPUT_LAYER and tied:
         raise UnknownParameterError(f"{OUTPUT_LAYER!r} is not canonical in a tied model; its canonical "
                                     f"tensor is {WORD_EMBEDDINGS!r}")
-    return [(*_last_chunk(layout), rule.name)]
+    return [(*layout.last_chunk, rule.name)]
 
 
 def torch_dist_stacked(config: GPTModelConfig) -> bool:
@@ -667,13 +643,13 @@ def parameters_for_rank(config: GPTModelConfig, layout: ParallelLayout, pp_rank:
     """(local name, TP-local shape, canonical name) of one model chunk on EP rank `ep_rank`, in
     megatron-core's module.parameters() order; layer indices in local names are stage-local (0-based per
     chunk), expert indices local to the EP rank. Persistent buffers only with `buffers`."""
-    chunk = _check_chunk(layout, pp_rank, vpp_chunk)
+    chunk = layout.check_chunk(pp_rank, vpp_chunk)
     shapes = _expected_shapes(config)
     expected_parameters(config, layout)
     per = experts_per_rank(config, layout)
     if per and not 0 <= ep_rank < layout.ep:
         raise LayoutError(f"ep_rank={ep_rank} is not a rank of EP={layout.ep}")
-    first, last = is_first_chunk(layout, pp_rank, chunk), is_last_chunk(layout, pp_rank, chunk)
+    first, last = layout.is_first_chunk(pp_rank, chunk), layout.is_last_chunk(pp_rank, chunk)
     rows = [r for r in _rows(config) if buffers or not r.buffer]
 
     def entry(local: str, canonical: str) -> Tuple[str, Shape, str]:

@@ -29,7 +29,7 @@ def default_workers() -> int:
 
 def check(path, workers: int = 0) -> dict:
     """The check of the universal checkpoint at `path`, as a JSON-safe dict ("ok", "problems", counts)."""
-    from megatron_ucp.commands.inspect import universal_problems
+    from megatron_ucp.commands.common import universal_problems
 
     ucp = UniversalCheckpoint.open(path, validate=False)  # the marker, metadata.json's sha256 and every entry
     report = check_universal(ucp.path, ucp.metadata, workers=workers or default_workers())

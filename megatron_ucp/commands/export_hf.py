@@ -197,7 +197,7 @@ def export_hf(src: PathLike, dst: PathLike, model_type: str, *, dtype: Optional[
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from megatron_ucp.commands.inspect import is_universal, open_any
+    from megatron_ucp.commands.common import is_universal, open_any
 
     src, dst = Path(src), Path(dst).absolute()
     _check_destination(src, dst, overwrite)  # fails fast; checked again under the lock

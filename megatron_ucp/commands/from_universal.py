@@ -38,22 +38,24 @@ from typing import Optional, Union
 
 from tqdm import tqdm
 
-from megatron_ucp.adapters.gpt import (expected_parameters, experts_per_ep_rank, is_buffer, megatron_padded_vocab,
-                                       virtual_chunks)
-from megatron_ucp.convert.runner import all_ranks_agree, in_torchrun
-from megatron_ucp.formats.common import TRACKER_FILENAME
-from megatron_ucp.formats.versions import NEWEST as _NEWEST, SUPPORTED as SUPPORTED_RELEASES
-from megatron_ucp.core.placement import PlacementError, add_split_arguments, resolve_vpp, split_options
+from megatron_ucp.adapters.gpt import (
+    expected_parameters, experts_per_ep_rank, is_buffer, megatron_padded_vocab, virtual_chunks)
 from megatron_ucp.core.layout import LayoutError, ParallelLayout
 from megatron_ucp.core.patterns import PatternError
-from megatron_ucp.io.staging import TOOL_MARKER_FILENAME, Staging, StagingError, join_staging, tool_marker
-from megatron_ucp.io.staging import check_destination as check_staging_destination
-from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError
-from megatron_ucp.formats.writers import CKPT_FORMATS, WriteError, WriteTarget, make_writer
-from megatron_ucp.formats.writer_base import target_args
+from megatron_ucp.core.placement import PlacementError, add_split_arguments, resolve_vpp, split_options
+from megatron_ucp.formats.common import TRACKER_FILENAME
 from megatron_ucp.formats.megatron_state import RNG_STATE_KINDS
 from megatron_ucp.formats.torch_dist.harness_writer import DEFAULT_TIMEOUT_S
 from megatron_ucp.formats.torch_dist.writer import OPTIMIZER_FORMATS
+from megatron_ucp.core.versions import NEWEST as _NEWEST
+from megatron_ucp.core.versions import SUPPORTED as SUPPORTED_RELEASES
+from megatron_ucp.formats.writer_base import target_args
+from megatron_ucp.formats.writers import CKPT_FORMATS, WriteError, WriteTarget, make_writer
+from megatron_ucp.io.sharded_job import in_torchrun, run_sharded_job
+from megatron_ucp.io.staging import TOOL_MARKER_FILENAME, Staging, StagingError
+from megatron_ucp.io.staging import check_destination as check_staging_destination
+from megatron_ucp.io.staging import join_staging, tool_marker
+from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError
 
 NEWEST_RELEASE = _NEWEST.name
 
@@ -345,79 +347,49 @@ def _make_writer(ckpt_format: str, via_harness: bool, **options):
 
 def _write_distributed(ucp_path: Path, dst: Path, writer, plan_for, marker, *, overwrite: bool, clean_stale: bool,
                        emit, progress: bool) -> tuple[TargetPlan, int, int]:
-    """from-universal across the processes of a torchrun job (a shared filesystem): rank 0 takes DST's lock
-    and creates the staging directory before anything is opened; every process opens the universal
-    checkpoint, plans the same files and writes its share (each file fsynced); rank 0 writes the rest
-    (writer.finish_shares) and publishes. An error on any rank stops every rank and removes the staging
-    directory. Returns (plan, iteration, bytes of the files the processes wrote as their shares)."""
-    import torch.distributed as dist
+    """from-universal across the processes of a torchrun job (a shared filesystem), as io/sharded_job.py runs
+    it: rank 0 takes DST's lock and creates the staging directory before anything is opened; every process
+    opens the universal checkpoint, plans the same files and writes its share (each file fsynced); rank 0
+    writes the rest (writer.finish_shares) and publishes. An error on any rank stops every rank and removes
+    the staging directory. Returns (plan, iteration, bytes of the files the processes wrote as their shares)."""
+    stage: list = []  # rank 0's Staging
 
-    owns_group = not dist.is_initialized()
-    if owns_group:
-        dist.init_process_group("gloo")
-    stage = None
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
+    def take_destination() -> Path:
+        stage.append(Staging(dst, kind="megatron", overwrite=overwrite, clean_stale=clean_stale, report=emit))
+        return stage[0].__enter__().path
 
-        def agree(error: Optional[str]) -> None:
-            all_ranks_agree(dist, error, FromUniversalError)
+    def open_and_plan(root: Path):
+        ucp = UniversalCheckpoint.open(ucp_path)
+        return ucp, plan_for(ucp), root
 
-        def attempt(step) -> Optional[str]:
-            try:
-                step()
-            except Exception as e:  # noqa: BLE001 - reported on every rank by agree()
-                return str(e) if isinstance(e, (FromUniversalError, WriteError, StagingError, ValueError)) else \
-                    f"{type(e).__name__}: {e}"
-            return None
-
-        def take_destination() -> None:
-            nonlocal stage
-            stage = Staging(dst, kind="megatron", overwrite=overwrite, clean_stale=clean_stale, report=emit)
-            stage.__enter__()
-
-        agree(attempt(take_destination) if rank == 0 else None)
-        shared = [str(stage.path) if stage else None]
-        dist.broadcast_object_list(shared, src=0)
-        opened: dict = {}
-
-        def open_and_plan() -> None:
-            opened["root"] = Path(shared[0]) if rank == 0 else join_staging(shared[0])
-            opened["ucp"] = UniversalCheckpoint.open(ucp_path)
-            opened["plan"] = plan_for(opened["ucp"])
-
-        agree(attempt(open_and_plan))
-        ucp, plan, root = opened["ucp"], opened["plan"], opened["root"]
-        bar = tqdm(total=sum(b for p, b in plan.files), unit="B", unit_scale=True, unit_divisor=1024,
-                   desc="from-universal", disable=not progress or rank != 0, file=sys.stderr, dynamic_ncols=True)
+    def write_share(opened, rank: int, world: int):
+        ucp, plan, root = opened
         written = [0]
+        with tqdm(total=sum(b for p, b in plan.files), unit="B", unit_scale=True, unit_divisor=1024,
+                  desc="from-universal", disable=not progress or rank != 0, file=sys.stderr,
+                  dynamic_ncols=True) as bar:
+            def on_file(path: Path, size: int) -> None:
+                written[0] += size
+                bar.update(size * world)  # rank 0's share stands for every rank's
 
-        def on_file(path: Path, size: int) -> None:
-            written[0] += size
-            bar.update(size * world)  # rank 0's share stands for every rank's
+            return writer.write_share(ucp, plan.target, root, rank, world, on_file), written[0]
 
-        share: list = []
-        try:
-            agree(attempt(lambda: share.append(writer.write_share(ucp, plan.target, root, rank, world, on_file))))
-        finally:
-            bar.close()
-        gathered = [None] * world
-        dist.gather_object(share[0], gathered if rank == 0 else None, dst=0)
+    def finish(opened, shares: list) -> int:
+        ucp, plan, root = opened
+        writer.finish_shares(ucp, plan.target, root, [share for share, _ in shares])
+        stage[0].publish(TOOL_MARKER_FILENAME, marker(ucp, plan))
+        return sum(n for _, n in shares)
 
-        def finish() -> None:
-            writer.finish_shares(ucp, plan.target, root, gathered)
-            stage.publish(TOOL_MARKER_FILENAME, marker(ucp, plan))
+    def describe(e: Exception) -> str:
+        return str(e) if isinstance(e, (FromUniversalError, WriteError, StagingError, ValueError)) else \
+            f"{type(e).__name__}: {e}"
 
-        agree(attempt(finish) if rank == 0 else None)
-        totals = [0] * world
-        dist.all_gather_object(totals, written[0])
-        return plan, ucp.iteration, sum(totals)
-    except BaseException:
-        if stage is not None:
-            stage.abort()  # nothing once published
-        raise
-    finally:
-        if owns_group:  # a gloo group left to the interpreter's exit can abort the process
-            dist.destroy_process_group()
+    job = run_sharded_job(take_destination=take_destination, join=join_staging, open_and_plan=open_and_plan,
+                          write_share=write_share, finish=finish, abort=lambda: stage[0].abort(),
+                          error_type=FromUniversalError, describe=describe)
+    ucp, plan, _ = job.plan
+    return plan, ucp.iteration, job.result
+
 
 
 # --------------------------------------------------------------------------------------------------

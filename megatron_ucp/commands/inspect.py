@@ -1,8 +1,7 @@
 """`megatron-ucp inspect`: what a checkpoint holds, from metadata only (no tensor is read).
 
-Owns `open_any`, which opens any checkpoint this project reads (universal, Megatron-LM `torch` or
-`torch_dist`, as a root or an iteration folder) and is shared with `verify` and `plan`; a staging
-directory of an unfinished or killed write is refused whatever it holds. For Megatron checkpoints the
+Any checkpoint `commands/common.open_any` opens (universal, Megatron-LM `torch` or `torch_dist`, a root or
+an iteration folder). For Megatron checkpoints the
 global shapes come from the GPT adapter (model config + layout), not from tensors. For a universal
 checkpoint it also reports, from stat() and metadata alone, tensor files missing or of the wrong size and
 parameters the model lacks or has with another shape (`universal_problems`); inspect then exits 1.
@@ -14,75 +13,15 @@ routed experts (split over ETP, one per global expert) or persistent buffers (no
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
+from megatron_ucp.commands.common import (
+    UNIVERSAL, checkpoint_format, human_bytes, is_universal, open_any, text_table, universal_problems)
 from megatron_ucp.core.dtypes import ITEMSIZE
-from megatron_ucp.formats import megatron_kind, open_checkpoint
-from megatron_ucp.formats.common import ITERATION_PREFIX, TRACKER_FILENAME
-from megatron_ucp.io.staging import check_not_staging
-
-PathLike = Union[str, os.PathLike]
-UNIVERSAL = "universal"
-
-
-class NotACheckpointError(ValueError):
-    """A path that is no checkpoint this tool reads; the message names the path and the fix."""
-
-
-def _looks_universal(path: Path) -> bool:
-    from megatron_ucp.universal import COMPLETE_FILENAME, FORMAT_NAME, METADATA_FILENAME, TENSORS_DIRNAME
-
-    if (path / COMPLETE_FILENAME).is_file() or (path / TENSORS_DIRNAME).is_dir():
-        return True
-    meta = path / METADATA_FILENAME
-    if meta.is_file():  # torch_dist iteration folders have a metadata.json too: look at its format
-        try:
-            return json.loads(meta.read_text()).get("format") == FORMAT_NAME
-        except (ValueError, AttributeError, OSError):
-            return False
-    return False
-
-
-def open_any(path: PathLike, iteration: Optional[int] = None, *, validate: bool = True):
-    """A UniversalCheckpoint or a MegatronCheckpoint for `path` (see the module docstring); a universal one
-    validated (UniversalCheckpoint.open) unless the caller lists its problems itself (`validate=False`)."""
-    path = Path(path)
-    check_not_staging(path, error=NotACheckpointError)
-    if not path.exists():
-        raise NotACheckpointError(f"{path}: no such file or directory; pass a universal checkpoint directory, a "
-                                  f"Megatron-LM --save directory or one of its iter_XXXXXXX folders")
-    if not path.is_dir():
-        raise NotACheckpointError(f"{path}: is a file, not a checkpoint directory; pass the directory that holds "
-                                  f"it (a universal checkpoint, a Megatron-LM --save root or an iter_XXXXXXX folder)")
-    if _looks_universal(path):
-        from megatron_ucp.universal import UniversalCheckpoint
-
-        ucp = UniversalCheckpoint.open(path, validate=validate)
-        if iteration is not None and iteration != ucp.iteration:
-            raise NotACheckpointError(f"{path}: a universal checkpoint holds one iteration ({ucp.iteration}), not "
-                                      f"the requested --iteration {iteration}; drop --iteration")
-        return ucp
-    if not path.name.startswith(ITERATION_PREFIX) and megatron_kind(path) is None:
-        raise NotACheckpointError(
-            f"{path}: not a checkpoint: no COMPLETE/metadata.json (universal), no {TRACKER_FILENAME} or "
-            f"iter_XXXXXXX folders (Megatron-LM); pass the DST of `megatron-ucp to-universal` or a Megatron-LM "
-            f"--save directory")
-    return open_checkpoint(path, iteration)
-
-
-def is_universal(ckpt) -> bool:
-    from megatron_ucp.universal import UniversalCheckpoint
-
-    return isinstance(ckpt, UniversalCheckpoint)
-
-
-def checkpoint_format(ckpt) -> str:
-    return UNIVERSAL if is_universal(ckpt) else ckpt.format
 
 
 def disk_bytes(path: Path) -> int:
@@ -108,23 +47,6 @@ def pattern_label(pattern_json: dict) -> str:
         return (f"grouped_qkv(groups={pattern_json['num_query_groups']}, "
                 f"heads/group={pattern_json['heads_per_group']}, head_dim={pattern_json['head_dim']})")
     return kind
-
-
-def text_table(header: tuple, rows: list) -> list[str]:
-    """Left-aligned columns (two spaces apart), sized to fit every row: the header line, then one per row."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return [fmt.format(*header).rstrip()] + [fmt.format(*r).rstrip() for r in rows]
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 
 
 @dataclass(frozen=True)
@@ -196,13 +118,6 @@ def moe_summary(config, layout: Optional[dict] = None) -> Optional[dict]:
         ep = layout.get("ep") or 1
         out["experts_per_ep_rank"] = config.num_experts // ep if config.num_experts % ep == 0 else None
     return out
-
-
-def universal_problems(ucp) -> list[str]:
-    """What a universal checkpoint's metadata and file sizes show to be wrong, one line each (the format's one
-    validation, `UniversalCheckpoint.problems`): what from-universal and a resume refuse. No tensor byte is
-    read (`megatron-ucp check` reads them all)."""
-    return ucp.problems()
 
 
 def describe(ckpt) -> dict:

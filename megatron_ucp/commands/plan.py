@@ -25,7 +25,7 @@ from typing import Optional
 from megatron_ucp.adapters.gpt import (check_pipeline, expected_parameters, experts_per_ep_rank, in_expert_optimizer,
                                       is_buffer, is_vocab_parameter, padded_vocab_at, parameters_for_rank, rule_for,
                                       virtual_chunks)
-from megatron_ucp.commands.inspect import human_bytes, is_universal, open_any, text_table, universal_problems
+from megatron_ucp.commands.common import human_bytes, is_universal, open_any, text_table, universal_problems
 from megatron_ucp.core.placement import PlacementError, add_split_arguments, resolve_vpp, split_options
 from megatron_ucp.core.layout import LayoutError, ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
@@ -276,7 +276,7 @@ def rank_reads(source: Source, layout: ParallelLayout, padded: int,
     stages: dict = {}
     ranks = []
     for rank in range(layout.world_size):
-        tp_rank, dp_rank, pp_rank = rank % layout.tp, rank // layout.tp % layout.dp, rank // (layout.tp * layout.dp)
+        tp_rank, dp_rank, pp_rank = layout.coordinates(rank)
         etp_rank, ep_rank, edp_rank, _ = layout.expert_coordinates(rank) if moe else (tp_rank, 0, dp_rank, pp_rank)
         key = (pp_rank, tp_rank, ep_rank, etp_rank)
         if key not in stages:

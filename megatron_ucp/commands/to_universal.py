@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from megatron_ucp.convert.runner import convert, convert_distributed, default_workers, in_torchrun
+from megatron_ucp.convert.runner import convert, convert_distributed, default_workers
 from megatron_ucp.convert.tasks import ConversionError
+from megatron_ucp.io.sharded_job import in_torchrun
 
 
 def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from megatron_ucp.commands.inspect import checkpoint_format, is_universal, open_any, text_table
+from megatron_ucp.commands.common import checkpoint_format, is_universal, open_any, text_table
 from megatron_ucp.core.patterns import VocabSharded
 
 TENSOR_KEYS = ("fp32", "exp_avg", "exp_avg_sq")

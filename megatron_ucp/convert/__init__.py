@@ -14,10 +14,10 @@ from megatron_ucp.convert.consolidate import (
     OPTIMIZER_KEYS, consolidate_parameter, convert_parameter, place_parameter, placement_for, source_keys)
 from megatron_ucp.convert.metadata import build_metadata, json_safe
 from megatron_ucp.convert.runner import (
-    ConversionSummary, convert, convert_distributed, default_workers, in_torchrun, to_universal)
+    ConversionSummary, convert, convert_distributed, default_workers, to_universal)
 from megatron_ucp.convert.tasks import ConversionError, ParamTask, conversion_tasks
 
 __all__ = ["OPTIMIZER_KEYS", "ConversionError", "ConversionSummary", "ParamTask", "build_metadata",
            "consolidate_parameter", "conversion_tasks", "convert", "convert_distributed", "convert_parameter",
-           "default_workers", "in_torchrun", "json_safe", "place_parameter", "placement_for", "source_keys",
+           "default_workers", "json_safe", "place_parameter", "placement_for", "source_keys",
            "to_universal"]

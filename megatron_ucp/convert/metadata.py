@@ -81,7 +81,7 @@ def build_metadata(ckpt: CheckpointReader, *, average_replicas: bool) -> dict:
             "layout": ckpt.layout.to_dict(),
             "optimizer_kind": ckpt.optimizer_kind,
             "checkpoint_version": json_safe(common.get("checkpoint_version")),
-            "megatron_core": ckpt.release.name,  # the release that wrote it (formats/versions.py)
+            "megatron_core": ckpt.release.name,  # the release that wrote it (core/versions.py)
         },
         "model_config": ckpt.config.to_dict(),
         "args": args,

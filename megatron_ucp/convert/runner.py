@@ -23,6 +23,7 @@ from megatron_ucp.convert.consolidate import convert_parameter, source_keys
 from megatron_ucp.convert.metadata import build_metadata, saved_rng_states
 from megatron_ucp.convert.tasks import ConversionError, ParamTask, conversion_tasks
 from megatron_ucp.formats import CheckpointReader, open_checkpoint
+from megatron_ucp.io.sharded_job import run_sharded_job
 from megatron_ucp.io.staging import fsync_path, join_staging
 from megatron_ucp.universal import UniversalFormatError, UniversalWriter, lazy_section
 
@@ -117,26 +118,11 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
                              seconds=time.perf_counter() - start, workers=workers, lazy=lazy)
 
 
-def in_torchrun() -> bool:
-    """Launched by torchrun with more than one process (WORLD_SIZE/RANK set)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
-
-
-def all_ranks_agree(dist, error: Optional[str], error_type: type) -> None:
-    """Raise `error_type` on every rank of a torchrun job if any rank failed (the first failure, prefixed with
-    its rank on the others), so that all ranks stop together instead of waiting in the next collective."""
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if failed:
-        r, e = failed[0]
-        raise error_type(e if r == dist.get_rank() else f"rank {r}: {e}")
-
-
 def convert_distributed(src: PathLike, dst: PathLike, iteration: Optional[int] = None,
                         average_replicas: bool = False, progress: bool = True,
                         overwrite: bool = False, clean_stale: bool = False) -> ConversionSummary:
-    """to_universal across the processes of a torchrun job (e.g. one per node on a shared filesystem).
+    """to_universal across the processes of a torchrun job (e.g. one per node on a shared filesystem), as
+    io/sharded_job.py runs it.
 
     Rank 0 owns the destination: before anything is opened it takes DST's lock and creates the staging
     directory, which the other ranks join; once every rank is done (and has fsynced its files), it
@@ -145,94 +131,54 @@ def convert_distributed(src: PathLike, dst: PathLike, iteration: Optional[int] =
     shares are balanced), writing tensor files straight into the shared staging directory. An error on
     any rank stops every rank and removes the staging directory.
     """
-    import torch.distributed as dist
-
     start = time.perf_counter()
-    owns_group = not dist.is_initialized()
-    if owns_group:
-        dist.init_process_group("gloo")
-    try:
-        return _convert_distributed(dist, start, src, dst, iteration, average_replicas, progress, overwrite,
-                                    clean_stale)
-    finally:
-        if owns_group:  # a gloo group left to the interpreter's exit can abort the process
-            dist.destroy_process_group()
+    writer: list = []  # rank 0's UniversalWriter
+    _check_not_nested(Path(src), Path(src), Path(dst))
 
+    def take_destination() -> Path:
+        writer.append(UniversalWriter(dst, overwrite=overwrite, clean_stale=clean_stale))
+        return writer[0].staging_dir
 
-def _convert_distributed(dist, start, src, dst, iteration, average_replicas, progress, overwrite, clean_stale):
-    rank, world = dist.get_rank(), dist.get_world_size()
+    def open_and_plan(staging_dir: Path):
+        ckpt = open_checkpoint(src, iteration)
+        _check_not_nested(Path(src), Path(ckpt.path), Path(dst))
+        return ckpt, conversion_tasks(ckpt), staging_dir
 
-    def agree(error: Optional[str]) -> None:
-        all_ranks_agree(dist, error, ConversionError)
-
-    def message(e: Exception) -> str:
-        return str(e) if isinstance(e, (ConversionError, ValueError, UniversalFormatError)) else \
-            f"{type(e).__name__}: {e}"
-
-    writer = None
-    try:
-        error = None
-        try:  # rank 0 takes DST (lock, staging) before anything is opened
-            _check_not_nested(Path(src), Path(src), Path(dst))
-            if rank == 0:
-                writer = UniversalWriter(dst, overwrite=overwrite, clean_stale=clean_stale)
-        except Exception as e:  # noqa: BLE001 - reported on every rank by agree()
-            error = message(e)
-        agree(error)
-        staging = [str(writer.staging_dir) if writer else None]
-        dist.broadcast_object_list(staging, src=0)
-        error = None
-        try:
-            staging_dir = join_staging(staging[0]) if rank else Path(staging[0])
-            ckpt = open_checkpoint(src, iteration)
-            _check_not_nested(Path(src), Path(ckpt.path), Path(dst))
-            tasks = conversion_tasks(ckpt)
-        except Exception as e:  # noqa: BLE001
-            error = message(e)
-        agree(error)
-
-        ordered = sorted(tasks, key=lambda t: t.nbytes, reverse=True)
-        mine = ordered[rank::world]
-        entries, error = [], None
-        bar = tqdm(total=sum(t.nbytes for t in mine), unit="B", unit_scale=True, unit_divisor=1024,
-                   desc=f"to-universal rank {rank}", disable=not progress or rank != 0, file=sys.stderr,
-                   dynamic_ncols=True)
-        try:
+    def write_share(plan, rank: int, world: int) -> list:
+        ckpt, tasks, staging_dir = plan
+        mine = sorted(tasks, key=lambda t: t.nbytes, reverse=True)[rank::world]
+        entries = []
+        with tqdm(total=sum(t.nbytes for t in mine), unit="B", unit_scale=True, unit_divisor=1024,
+                  desc=f"to-universal rank {rank}", disable=not progress or rank != 0, file=sys.stderr,
+                  dynamic_ncols=True) as bar:
             for task in mine:
                 entries.append((task.name, convert_parameter(ckpt, task, staging_dir,
                                                              average_replicas=average_replicas)))
                 bar.update(task.nbytes)
-            for _, entry in entries:  # durable before rank 0 publishes (its fsync may not reach other hosts' caches)
-                fsync_path(staging_dir / entry["file"])
-        except Exception as e:  # noqa: BLE001
-            error = str(e) or type(e).__name__
-        finally:
-            bar.close()
-        agree(error)
-        gathered = [None] * world
-        dist.gather_object(entries, gathered if rank == 0 else None, dst=0)
-        path, error = None, None
-        if rank == 0:
-            try:
-                for rank_entries in gathered:
-                    for name, entry in rank_entries:
-                        writer.record_parameter(name, entry)
-                path = writer.finish(build_metadata(ckpt, average_replicas=average_replicas),
-                                     expected_parameters(ckpt.config), rng=saved_rng_states(ckpt))
-                writer = None
-            except Exception as e:  # noqa: BLE001
-                error = str(e) or type(e).__name__
-        agree(error)
-        result = [str(path) if path else None]
-        dist.broadcast_object_list(result, src=0)
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
-    written = sum(math.prod(e["shape"]) * 4 * len(e["tensors"]) for _, e in entries)
-    return ConversionSummary(path=Path(result[0]), source=str(Path(ckpt.path).resolve()), source_format=ckpt.format,
+        for _, entry in entries:  # durable before rank 0 publishes (its fsync may not reach other hosts' caches)
+            fsync_path(staging_dir / entry["file"])
+        return entries
+
+    def finish(plan, shares: list) -> str:
+        ckpt = plan[0]
+        for rank_entries in shares:
+            for name, entry in rank_entries:
+                writer[0].record_parameter(name, entry)
+        return str(writer[0].finish(build_metadata(ckpt, average_replicas=average_replicas),
+                                    expected_parameters(ckpt.config), rng=saved_rng_states(ckpt)))
+
+    def describe(e: Exception) -> str:
+        return str(e) if isinstance(e, (ConversionError, ValueError, UniversalFormatError)) else \
+            f"{type(e).__name__}: {e}"
+
+    job = run_sharded_job(take_destination=take_destination, join=join_staging, open_and_plan=open_and_plan,
+                          write_share=write_share, finish=finish, abort=lambda: writer[0].abort(),
+                          error_type=ConversionError, describe=describe)
+    ckpt, tasks, _ = job.plan
+    written = sum(math.prod(e["shape"]) * 4 * len(e["tensors"]) for _, e in job.share)
+    return ConversionSummary(path=Path(job.result), source=str(Path(ckpt.path).resolve()), source_format=ckpt.format,
                              iteration=ckpt.iteration, num_parameters=len(tasks), bytes_written=written,
-                             seconds=time.perf_counter() - start, workers=world)
+                             seconds=time.perf_counter() - start, workers=job.world)
 
 
 def _convert_in_threads(ckpt: CheckpointReader, tasks: list[ParamTask], staging_dir: Path, workers: int,

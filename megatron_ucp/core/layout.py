@@ -71,6 +71,18 @@ class ParallelLayout:
         """Rank in the ETP x EP x PP group (the expert optimizer's `dp_group_idx`; rank order tp-ep-dp-pp)."""
         return etp_rank + self.expert_tp * (ep_rank + self.ep * pp_rank)
 
+    def global_rank(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
+        """The global rank with these dense coordinates (megatron-core's default order tp-cp-ep-dp-pp, CP = 1)."""
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(TP rank, DP rank, PP rank) of a global rank (the inverse of global_rank)."""
+        return rank % self.tp, rank // self.tp % self.dp, rank // (self.tp * self.dp)
+
+    def expert_global_rank(self, etp_rank: int, ep_rank: int, edp_rank: int, pp_rank: int) -> int:
+        """The global rank with these expert coordinates (the inverse of expert_coordinates)."""
+        return etp_rank + self.expert_tp * (ep_rank + self.ep * (edp_rank + self.expert_dp * pp_rank))
+
     def expert_coordinates(self, rank: int) -> tuple[int, int, int, int]:
         """(expert-TP rank, EP rank, expert-DP rank, PP rank) of a global rank (megatron-core's expert rank
         order etp-ep-edp-pp over the same ranks as the dense tp-dp-pp)."""
@@ -89,6 +101,29 @@ class ParallelLayout:
     def num_chunks(self) -> int:
         """Model chunks per pipeline stage (1 without VPP)."""
         return self.vpp or 1
+
+    def check_chunk(self, pp_rank: int, vpp_chunk: Optional[int] = None) -> int:
+        """The model chunk index (0 without VPP) of a pipeline stage's chunk; LayoutError outside the layout."""
+        chunk = 0 if vpp_chunk is None else vpp_chunk
+        if not 0 <= pp_rank < self.pp:
+            raise LayoutError(f"pp_rank={pp_rank} is not a stage of PP={self.pp}; use 0 <= pp_rank < {self.pp}")
+        if not 0 <= chunk < self.num_chunks:
+            raise LayoutError(f"vpp_chunk={vpp_chunk} is not a chunk of {self.describe()}; "
+                              f"use 0 <= vpp_chunk < {self.num_chunks}")
+        return chunk
+
+    def is_first_chunk(self, pp_rank: int, vpp_chunk: Optional[int] = None) -> bool:
+        """Holds the embedding (megatron-core's pre_process)."""
+        return pp_rank == 0 and self.check_chunk(pp_rank, vpp_chunk) == 0
+
+    def is_last_chunk(self, pp_rank: int, vpp_chunk: Optional[int] = None) -> bool:
+        """Holds the final norm and the output layer (megatron-core's post_process)."""
+        return pp_rank == self.pp - 1 and self.check_chunk(pp_rank, vpp_chunk) == self.num_chunks - 1
+
+    @property
+    def last_chunk(self) -> tuple[int, int]:
+        """(pp rank, chunk) of the model's last chunk."""
+        return self.pp - 1, self.num_chunks - 1
 
     def describe(self) -> str:
         s = f"TP{self.tp}PP{self.pp}DP{self.dp}"

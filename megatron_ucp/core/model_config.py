@@ -104,7 +104,7 @@ class GPTModelConfig:
         vocab = get("vocab_size")
         if get("tokenizer_type") == "NullTokenizer" and vocab is not None:
             # EOD appended (<= 0.17) or inside --vocab-size (>= 0.18): as the release that wrote the args means it
-            from megatron_ucp.formats.versions import true_vocab_size
+            from megatron_ucp.core.versions import true_vocab_size
 
             vocab = true_vocab_size(args if isinstance(args, Mapping) else vars(args))
         elif get("tokenizer_type") == "ByteLevelTokenizer":

@@ -87,7 +87,8 @@ def open_checkpoint(path: Union[str, Path], iteration: Optional[int] = None) -> 
 def _refuse_universal(path: Path) -> None:
     import json
 
-    from megatron_ucp.io.staging import UNIVERSAL_FORMAT, UNIVERSAL_MARKER_FILENAME
+    from megatron_ucp.universal.format import COMPLETE_FILENAME as UNIVERSAL_MARKER_FILENAME
+    from megatron_ucp.universal.format import FORMAT_NAME as UNIVERSAL_FORMAT
 
     try:
         marker = json.loads((path / UNIVERSAL_MARKER_FILENAME).read_bytes()[:4096])

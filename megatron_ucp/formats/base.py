@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Collection, Optional
 
-from megatron_ucp.formats.versions import MegatronRelease
+from megatron_ucp.core.versions import MegatronRelease
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
 
@@ -71,7 +71,7 @@ class CheckpointReader(abc.ABC):
     path: Path  # the iter_XXXXXXX folder
     iteration: int
     args: dict  # Megatron-LM's args as plain values
-    release: MegatronRelease  # the megatron-core release that wrote it (formats/versions.py: detected from args)
+    release: MegatronRelease  # the megatron-core release that wrote it (core/versions.py: detected from args)
     layout: ParallelLayout
     config: GPTModelConfig
     optimizer_kind: str  # one of OPTIMIZER_KINDS

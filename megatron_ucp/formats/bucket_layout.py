@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
+from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.formats.safe_pickle import TorchDType
 
 PARAM_START_ALIGNMENT = 64  # elements: 128-byte aligned starts for >= 16-bit params
@@ -62,24 +63,18 @@ class DDPBucketConfig:
     grad_reduce_in_fp32: bool = False
 
     @classmethod
-    def from_megatron_args(cls, args: Mapping[str, Any], *, pp_rank: int, vpp_chunk: int,
+    def from_megatron_args(cls, args: Mapping[str, Any], layout: ParallelLayout, *, pp_rank: int, vpp_chunk: int,
                            rank_num_parameters: int, experts: bool = False) -> "DDPBucketConfig":
-        """As megatron/training/training.py get_model + DistributedDataParallel.__init__ build it.
+        """As megatron/training/training.py get_model + DistributedDataParallel.__init__ build it, for the run's
+        `layout` (its args' DDP settings from `args`).
         rank_num_parameters: all parameters of this (tp, pp) rank, all chunks (for --ddp-num-buckets).
         experts: the expert-parallel buffers (sharded over the expert-DP group; same bucket size)."""
-        tp = args.get("tensor_model_parallel_size") or 1
-        pp = args.get("pipeline_model_parallel_size") or 1
         cp = args.get("context_parallel_size") or 1
-        world = args.get("world_size") or tp * pp
-        dp = args.get("data_parallel_size") or world // (tp * pp * cp)
-        dp_cp = dp * cp // (args.get("num_distributed_optimizer_instances") or 1)
-        group = dp_cp
-        if experts:  # world = ETP x EP x expert-DP x PP
-            etp = args.get("expert_tensor_parallel_size") or tp
-            ep = args.get("expert_model_parallel_size") or 1
-            group = tp * dp * cp // (etp * ep) // (args.get("num_distributed_optimizer_instances") or 1)
+        instances = args.get("num_distributed_optimizer_instances") or 1
+        dp = layout.dp
+        group = (layout.expert_dp if experts else dp) * cp // instances
         bucket_size = None
-        if args.get("overlap_grad_reduce") and pp_rank == 0 and vpp_chunk == 0 \
+        if args.get("overlap_grad_reduce") and layout.is_first_chunk(pp_rank, vpp_chunk) \
                 and not args.get("overlap_param_gather_with_optimizer_step"):
             if args.get("ddp_num_buckets"):
                 bucket_size = rank_num_parameters // args["ddp_num_buckets"]
@@ -231,16 +226,13 @@ def build_chunk_buffers(params: Sequence[BufferParam], config: DDPBucketConfig, 
     return [build_buffer_layout(ps, config, grad_dtype=g) for (_, g), ps in groups.items()]
 
 
-def shared_embedding_names(args: Mapping[str, Any], *, pp_rank: int, vpp_chunk: int,
+def shared_embedding_names(args: Mapping[str, Any], layout: ParallelLayout, *, pp_rank: int, vpp_chunk: int,
                            names: Sequence[str]) -> set[str]:
     """Parameters that megatron-core marks `shared_embedding` (tied embeddings, PP > 1)."""
-    pp = args.get("pipeline_model_parallel_size") or 1
-    vpp = args.get("virtual_pipeline_model_parallel_size") or 1
     tied = not args.get("untie_embeddings_and_output_weights", False)
-    if not tied or pp == 1:
+    if not tied or layout.pp == 1:
         return set()
-    pre = pp_rank == 0 and vpp_chunk == 0
-    post = pp_rank == pp - 1 and vpp_chunk == vpp - 1
+    pre, post = layout.is_first_chunk(pp_rank, vpp_chunk), layout.is_last_chunk(pp_rank, vpp_chunk)
     out = set()
     if pre and not post and "embedding.word_embeddings.weight" in names:
         out.add("embedding.word_embeddings.weight")

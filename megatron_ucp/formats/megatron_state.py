@@ -125,9 +125,9 @@ def chunk_buffers(target: WriteTarget, pp_rank: int, chunks: list[list[BufferPar
     num_params = sum(p.numel for chunk in chunks for p in chunk)
     out = []
     for chunk_index, params in enumerate(chunks):
-        config = DDPBucketConfig.from_megatron_args(target.args, pp_rank=pp_rank, vpp_chunk=chunk_index,
+        config = DDPBucketConfig.from_megatron_args(target.args, target.layout, pp_rank=pp_rank, vpp_chunk=chunk_index,
                                                     rank_num_parameters=num_params, experts=experts)
-        shared = shared_embedding_names(target.args, pp_rank=pp_rank, vpp_chunk=chunk_index,
+        shared = shared_embedding_names(target.args, target.layout, pp_rank=pp_rank, vpp_chunk=chunk_index,
                                         names=[p.name for p in params])
         selected = [replace(p, shared_embedding=p.name in shared) for p in params if p.expert == experts]
         out.append(build_chunk_buffers(selected, config, experts=experts) if selected else [])

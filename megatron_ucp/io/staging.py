@@ -62,12 +62,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Union
 
+# a universal checkpoint's own marker and entries (docs/FORMAT.md): an output this tool may replace
+from megatron_ucp.universal.format import COMPLETE_FILENAME as UNIVERSAL_MARKER_FILENAME
+from megatron_ucp.universal.format import FORMAT_NAME as UNIVERSAL_FORMAT
+from megatron_ucp.universal.format import METADATA_FILENAME, RNG_FILENAME, TENSORS_DIRNAME
+
 PathLike = Union[str, os.PathLike]
 
 OWNER_FILENAME = ".megatron-ucp-staging.json"  # inside a staging directory, removed before publication
 TOOL_MARKER_FILENAME = "megatron-ucp.json"  # completion marker of Megatron checkpoints and HF exports
-UNIVERSAL_MARKER_FILENAME = "COMPLETE"  # a universal checkpoint's own marker (docs/FORMAT.md)
-UNIVERSAL_FORMAT = "megatron-ucp-universal"
 TOOL_NAME = "megatron-ucp"
 
 # What a write produces; the marker says which, so --overwrite replaces only an output of the same kind.
@@ -142,7 +145,7 @@ def tool_marker(kind: str, **fields) -> bytes:
 
 
 # Top-level entries of a universal checkpoint (docs/FORMAT.md); anything else in a folder is not ours.
-_UNIVERSAL_ENTRIES = {UNIVERSAL_MARKER_FILENAME, "metadata.json", "tensors", "rng_states.json"}
+_UNIVERSAL_ENTRIES = {UNIVERSAL_MARKER_FILENAME, METADATA_FILENAME, TENSORS_DIRNAME, RNG_FILENAME}
 
 
 def written_by_tool(path: PathLike) -> Optional[str]:

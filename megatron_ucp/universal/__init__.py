@@ -8,21 +8,35 @@
   layout through the stored pattern, lazy reads;
 - `check`: the whole checkpoint checked against its digests and headers.
 
-The names below are the package's public interface; callers import them from here.
+The names below are the package's public interface (`from megatron_ucp.universal import UniversalCheckpoint`).
+Each is imported from its module on first use, so importing one module of the package (e.g. `format`, which
+io/staging.py and formats/ need for the marker's spelling) does not import the others.
 """
 
-from megatron_ucp.universal.check import UNIVERSAL_CHECKS, check_universal
-from megatron_ucp.universal.format import (
-    COMPLETE_FILENAME, FORMAT_NAME, FORMAT_VERSION, METADATA_FILENAME, REQUIRED_METADATA, RNG_FILENAME, TENSORS_DIRNAME,
-    TENSOR_KEYS, ParamInfo, SavedRngStates, UniversalFormatError, tensor_file)
-from megatron_ucp.universal.reader import UniversalCheckpoint
-from megatron_ucp.universal.tensorfile import (
-    VerifiedTensorFile, lazy_entry, safetensors_header, write_tensor_file, write_tensor_file_placed,
-    write_tensor_file_streamed)
-from megatron_ucp.universal.writer import UniversalWriter, lazy_section, source_file_stats
+import importlib
 
-__all__ = ["COMPLETE_FILENAME", "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILENAME", "REQUIRED_METADATA",
-           "RNG_FILENAME", "TENSOR_KEYS", "TENSORS_DIRNAME", "UNIVERSAL_CHECKS", "ParamInfo", "SavedRngStates",
-           "UniversalCheckpoint", "UniversalFormatError", "UniversalWriter", "VerifiedTensorFile", "check_universal",
-           "lazy_entry", "lazy_section", "safetensors_header", "source_file_stats", "tensor_file", "write_tensor_file",
-           "write_tensor_file_placed", "write_tensor_file_streamed"]
+_EXPORTS = {
+    "format": ("COMPLETE_FILENAME", "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILENAME", "REQUIRED_METADATA",
+               "RNG_FILENAME", "TENSOR_KEYS", "TENSORS_DIRNAME", "ParamInfo", "SavedRngStates", "UniversalFormatError",
+               "tensor_file"),
+    "reader": ("UniversalCheckpoint",),
+    "tensorfile": ("VerifiedTensorFile", "lazy_entry", "safetensors_header", "write_tensor_file",
+                   "write_tensor_file_placed", "write_tensor_file_streamed"),
+    "writer": ("UniversalWriter", "lazy_section", "source_file_stats"),
+    "check": ("UNIVERSAL_CHECKS", "check_universal"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return __all__

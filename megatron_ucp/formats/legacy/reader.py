@@ -42,7 +42,7 @@ from megatron_ucp.adapters.gpt import (
     megatron_param_groups, parameters_for_rank)
 from megatron_ucp.core.dtypes import PARAM_DTYPES
 from megatron_ucp.core.layout import LayoutError
-from megatron_ucp.formats import versions
+from megatron_ucp.core import versions
 from megatron_ucp.formats.archive import read_tensor, stored_tensor, sub_record
 from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef, unknown_shard
 from megatron_ucp.formats.bucket_layout import (
@@ -353,9 +353,9 @@ class LegacyCheckpoint(CheckpointReader):
         num_params = sum(p.numel for chunk in meta.chunks for p in chunk if not is_buffer(p.name))
         gbuf = 0
         for chunk, params in enumerate(meta.chunks):
-            config = DDPBucketConfig.from_megatron_args(self.args, pp_rank=meta.pp_rank, vpp_chunk=chunk,
+            config = DDPBucketConfig.from_megatron_args(self.args, self.layout, pp_rank=meta.pp_rank, vpp_chunk=chunk,
                                                         rank_num_parameters=num_params, experts=index == 1)
-            shared = shared_embedding_names(self.args, pp_rank=meta.pp_rank, vpp_chunk=chunk,
+            shared = shared_embedding_names(self.args, self.layout, pp_rank=meta.pp_rank, vpp_chunk=chunk,
                                             names=[p.name for p in params])
             params = [replace(p, shared_embedding=p.name in shared) for p in params if not is_buffer(p.name)]
             buffers = build_chunk_buffers(params, config, experts=index == 1) if params else []

@@ -51,12 +51,12 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from megatron_ucp.adapters.gpt import is_buffer, is_last_chunk, is_vocab_parameter, rule_for, tp_size_of
+from megatron_ucp.adapters.gpt import is_buffer, is_vocab_parameter, rule_for, tp_size_of
 from megatron_ucp.core.dtypes import PARAM_DTYPES, torch_dtype
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.core.patterns import repadded_shard
-from megatron_ucp.formats import versions
+from megatron_ucp.core import versions
 from megatron_ucp.formats.bucket_layout import BufferParam
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
 from megatron_ucp.formats.legacy.names import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, rank_dir_name
@@ -224,13 +224,14 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
                 entry["exp_avg"] = reader.read(canonical, "exp_avg")
                 entry["exp_avg_sq"] = reader.read(canonical, "exp_avg_sq")
             state[local] = entry
-        last = is_last_chunk(layout, pp_rank, chunk_index if layout.vpp else None)
+        last = layout.is_last_chunk(pp_rank, chunk_index if layout.vpp else None)
         model_chunks.append(_model_state(chunk, weights, last=last))
         masters.append(state)
 
     args = dict(target.args)
     # its writer: expert-DP rank 0 of EP rank ep, i.e. DP rank ep (ETP = TP)
-    args["rank"] = args["local_rank"] = tp_rank + layout.tp * (ep_rank + layout.dp * pp_rank)
+    # the writer of the folder: expert-DP rank 0 of (tp, ep, pp) (with ETP = TP, as the legacy format has it)
+    args["rank"] = args["local_rank"] = layout.expert_global_rank(tp_rank, ep_rank, 0, pp_rank)
     sd: dict = {"args": args_namespace(args), "checkpoint_version": CHECKPOINT_VERSION, "iteration": ucp.iteration}
     if len(model_chunks) == 1:
         sd["model"] = model_chunks[0]

@@ -4,7 +4,7 @@ torch.distributed.checkpoint).
 Layout of iter_XXXXXXX/: metadata.json ({"sharded_backend": "torch_dist", ...}), the common state (args,
 iteration, opt_param_scheduler, checkpoint_version, content_metadata with 'distrib_optim_sharding_type'):
 common.pt up to megatron-core 0.18, the ShardedObject 'common_state/shard_0_1' inside the .distcp files from
-0.19 (formats/versions.py; "common.pt" below means either), .metadata + __<rank>_<n>.distcp (DCP). Everything is parsed through the
+0.19 (core/versions.py; "common.pt" below means either), .metadata + __<rank>_<n>.distcp (DCP). Everything is parsed through the
 allow-list of formats/safe_pickle.py, without torch.distributed.checkpoint (and without torch until a
 tensor is read): `.metadata` into plain records (every data file it names is a plain file of the
 iteration folder holding the bytes it points to), each saved item on first use. A read asks only for the
@@ -68,7 +68,7 @@ from typing import Collection, Optional
 from megatron_ucp.adapters import gpt as rulebook
 from megatron_ucp.core.dtypes import PARAM_DTYPES
 from megatron_ucp.core.layout import LayoutError
-from megatron_ucp.formats import versions
+from megatron_ucp.core import versions
 from megatron_ucp.formats.archive import box_record, read_tensor, stored_tensor, torch_dtype
 from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef, unknown_shard
 from megatron_ucp.formats.bucket_layout import (
@@ -506,9 +506,10 @@ class TorchDistCheckpoint(CheckpointReader):
         num_params = self._rank_numel(pp_rank)
         gbuf = 0
         for chunk, params in enumerate(info.params):
-            config = DDPBucketConfig.from_megatron_args(self.args, pp_rank=pp_rank, vpp_chunk=chunk,
+            config = DDPBucketConfig.from_megatron_args(self.args, self.layout, pp_rank=pp_rank, vpp_chunk=chunk,
                                                         rank_num_parameters=num_params, experts=opt == 1)
-            shared = shared_embedding_names(self.args, pp_rank=pp_rank, vpp_chunk=chunk, names=[p.name for p in params])
+            shared = shared_embedding_names(self.args, self.layout, pp_rank=pp_rank, vpp_chunk=chunk,
+                                            names=[p.name for p in params])
             params = [BufferParam(p.name, p.shape, p.dtype, shared_embedding=p.name in shared, expert=p.expert)
                       for p in params if not rulebook.is_buffer(p.name)]
             buffers = build_chunk_buffers(params, config, experts=opt == 1) if params else []

@@ -93,7 +93,7 @@ from megatron_ucp.adapters.gpt import (
     parameters_for_rank, pattern_for, rule_for, torch_dist_key, torch_dist_stacked, tp_size_of)
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
-from megatron_ucp.formats import versions
+from megatron_ucp.core import versions
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
 from megatron_ucp.formats.megatron_state import (
     CHECKPOINT_VERSION, MODEL_DTYPES, TargetGroups, args_values, chunk_buffers, fresh_rng_state, group_hyper,
@@ -132,16 +132,6 @@ def content_metadata(use_distributed_optimizer: bool, optimizer_format: Optional
         if optimizer_format == "fully_reshardable":
             metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
     return {**metadata, "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-
-
-def global_rank(layout: ParallelLayout, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
-    """megatron-core's default rank order (tp-cp-ep-dp-pp, CP = 1; EP is carved out of DP x TP)."""
-    return tp_rank + layout.tp * (dp_rank + layout.dp * pp_rank)
-
-
-def expert_global_rank(layout: ParallelLayout, etp_rank: int, ep_rank: int, edp_rank: int, pp_rank: int) -> int:
-    """The global rank with these expert coordinates (the inverse of ParallelLayout.expert_coordinates)."""
-    return etp_rank + layout.expert_tp * (ep_rank + layout.ep * (edp_rank + layout.expert_dp * pp_rank))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -271,14 +261,14 @@ class _Owners:
 
     def add(self, item: Item, tp_rank: int, pp_rank: int, dp_rank: Optional[int] = None) -> None:
         if dp_rank is None:
-            self.add_any(item, [global_rank(self.layout, tp_rank, pp_rank, d) for d in range(self.layout.dp)])
+            self.add_any(item, [self.layout.global_rank(tp_rank, pp_rank, d) for d in range(self.layout.dp)])
         else:
-            self.add_any(item, [global_rank(self.layout, tp_rank, pp_rank, dp_rank)])
+            self.add_any(item, [self.layout.global_rank(tp_rank, pp_rank, dp_rank)])
 
     def add_expert(self, item: Item, etp_rank: int, ep_rank: int, pp_rank: int) -> None:
         """A routed expert's item: written by the least loaded rank of its (expert-TP, EP, PP) rank's expert-DP
         group."""
-        self.add_any(item, [expert_global_rank(self.layout, etp_rank, ep_rank, d, pp_rank)
+        self.add_any(item, [self.layout.expert_global_rank(etp_rank, ep_rank, d, pp_rank)
                             for d in range(self.layout.expert_dp)])
 
     def add_any(self, item: Item, ranks: list) -> None:
@@ -390,7 +380,7 @@ def _plan_rng(ucp, config: GPTModelConfig, target: WriteTarget, owners: _Owners,
             for dp_rank in (range(layout.dp) if per_dp else (None,)):
                 ep_rank = 0
                 if per_dp:
-                    ep_rank = layout.expert_coordinates(global_rank(layout, tp_rank, pp_rank, dp_rank))[1]
+                    ep_rank = layout.expert_coordinates(layout.global_rank(tp_rank, pp_rank, dp_rank))[1]
                 if target.rng_state == "source":
                     value = source_rng_state(ucp, tp_rank, pp_rank, SavedTensor, dp_rank=dp_rank)
                 else:
@@ -526,10 +516,10 @@ def _plan_flat_buckets(ucp, config: GPTModelConfig, target: WriteTarget, shapes:
                 for tp_rank in range(layout.expert_tp if experts else layout.tp):
                     if experts:
                         mp, dp_size = layout.expert_mp_rank(tp_rank, ep_rank, pp_rank), layout.expert_dp
-                        ranks = [expert_global_rank(layout, tp_rank, ep_rank, d, pp_rank) for d in range(dp_size)]
+                        ranks = [layout.expert_global_rank(tp_rank, ep_rank, d, pp_rank) for d in range(dp_size)]
                     else:
                         mp, dp_size = layout.dense_mp_rank(tp_rank, pp_rank), layout.dp
-                        ranks = [global_rank(layout, tp_rank, pp_rank, d) for d in range(dp_size)]
+                        ranks = [layout.global_rank(tp_rank, pp_rank, d) for d in range(dp_size)]
                     _plan_rank_buckets(ucp, config, layout, shapes, step, identities, buffers, canonical, prefix, mp,
                                        tp_rank, pp_rank, ranks, owners, _grad_scaler(ucp, target))
 
