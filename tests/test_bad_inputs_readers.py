@@ -13,7 +13,7 @@ unknown keys, wrong dtypes, corrupt args) and asserts, for each command it runs:
   each crafted file is live: an unrestricted unpickler runs its payload and creates the marker.
 
 The commands of a case run in one subprocess (`python -c` running the CLI module as `-m` does, once per
-command, each with its own stdout/stderr): ~33 subprocesses, ~1.5 s of CPU each while universal/checkpoint.py imports
+command, each with its own stdout/stderr): ~33 subprocesses, ~1.5 s of CPU each while universal/reader.py imports
 torch at start (the readers no longer do).
 """
 

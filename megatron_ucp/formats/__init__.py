@@ -68,7 +68,9 @@ def megatron_kind(path: Path) -> Optional[str]:
         return None
     if TRACKER_FILENAME in names or any(n.startswith(ITERATION_PREFIX) for n in names):
         return "a Megatron-LM checkpoint (its --save root)"
-    if torch_dist_names.COMMON_FILENAME in names or any(entry.detect(path) for entry in READERS):
+    # (metadata.json alone says nothing: a universal checkpoint has one too)
+    if names & {torch_dist_names.COMMON_FILENAME, torch_dist_names.DCP_METADATA_FILENAME} or any(
+            torch_dist_names.is_distcp_name(n) or legacy_names.is_rank_dir_name(n) for n in names):
         return "a Megatron-LM checkpoint iteration folder"
     return None
 
