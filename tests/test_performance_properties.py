@@ -69,8 +69,7 @@ def _dp_ranges(layout: ParallelLayout, pp_rank: int, dp_rank: int):
     megatron-core's DistributedOptimizer assigns them (equal DP shards of each padded bucket)."""
     rank_params = parameters_for_rank(CONFIG, layout, pp_rank)
     names = [local for local, _, _ in rank_params]
-    shared = shared_embedding_names({"pipeline_model_parallel_size": layout.pp}, pp_rank=pp_rank, vpp_chunk=0,
-                                    names=names)
+    shared = shared_embedding_names({}, layout, pp_rank=pp_rank, vpp_chunk=0, names=names)
     params = [BufferParam(local, shape, torch.float32, shared_embedding=local in shared)
               for local, shape, _ in rank_params]
     buffers = build_chunk_buffers(params, DDPBucketConfig(dp_size=layout.dp, use_distributed_optimizer=True))

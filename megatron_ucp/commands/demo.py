@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 OUT = Path(os.environ.get("MEGATRON_UCP_DEMO_DIR", REPO / "demo_output"))
 ITERS, SAVE_AT = 30, 15
 MODEL = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "

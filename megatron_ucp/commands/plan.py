@@ -311,10 +311,8 @@ def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, splits: 
     from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
                                                     shared_embedding_names)
 
-    args = {**source.args, "pipeline_model_parallel_size": layout.pp,
-            "virtual_pipeline_model_parallel_size": layout.vpp}
     local_names = [local for local, _, _ in entries]
-    shared = shared_embedding_names(args, pp_rank=pp_rank, vpp_chunk=chunk, names=local_names)
+    shared = shared_embedding_names(source.args, layout, pp_rank=pp_rank, vpp_chunk=chunk, names=local_names)
     params = [BufferParam(local, tuple(shape), _torch_dtype(source.model_dtypes[canonical]), local in shared,
                           expert=experts) for local, shape, canonical in entries]
     canonicals = {local: canonical for local, _, canonical in entries}

@@ -34,7 +34,7 @@ from megatron_ucp.formats.common import TRACKER_FILENAME
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PRETRAIN_SCRIPT = REPO / "pretrain_scripts" / "pretrain_gpt.py"
 DEFAULT_TIMEOUT_S = 3600
 
