@@ -59,6 +59,7 @@ buffer: a weight without optimizer state.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -201,8 +202,11 @@ class TorchDistCheckpoint(CheckpointReader):
         del common
         # 'dp_reshardable' | 'fully_reshardable' with the distributed optimizer, else None
         self.distrib_optim_sharding: Optional[str] = None
+        self._optim_layout: Optional[versions.OptimizerSharding] = None  # what that sharding type means
         self.optimizer_kind = self._detect_optimizer()
-        self._flat_buckets = self.distrib_optim_sharding == "dp_reshardable"
+        self._flat_buckets = self._optim_space == "buckets"
+        # fully_sharded_model_space state keys -> the TP-local fragment shape each flattened range indexes
+        self._fragments: dict[str, tuple[int, ...]] = {}
         self._buckets = self._index_buckets() if self._flat_buckets else {}
         self._state_keys = self._index_model_space_state() if self._model_space else {}
         self._model_space_groups, self._model_space_step = (
@@ -287,9 +291,15 @@ class TorchDistCheckpoint(CheckpointReader):
             raise CheckpointFormatError(str(e)) from e
 
     @property
+    def _optim_space(self) -> Optional[str]:
+        """The distributed optimizer's layout (versions.OptimizerSharding.space), None without one."""
+        return self._optim_layout.space if self._optim_layout else None
+
+    @property
     def _model_space(self) -> bool:
-        """Optimizer state saved per parameter, with the model key's shape and chunks."""
-        return self.optimizer_kind in ("adam", "mixed_precision") or self.distrib_optim_sharding == "fully_reshardable"
+        """Optimizer state saved per parameter: with the model key's shape and chunks, or (fully_sharded_model_space)
+        as flattened ranges of the model key's TP-local shards."""
+        return self.optimizer_kind in ("adam", "mixed_precision") or self._optim_space in ("model", "model_flat")
 
     def _detect_optimizer(self) -> str:
         opt_keys = [k for k in self._keys if k.startswith(("optimizer.", "chained_"))]
@@ -304,22 +314,31 @@ class TorchDistCheckpoint(CheckpointReader):
         if self.args.get("optimizer", "adam") != "adam":
             raise CheckpointFormatError(f"{common_file}: args.optimizer={self.args.get('optimizer')!r}; only Adam "
                                         f"state (exp_avg, exp_avg_sq) can be read.")
-        if any(k.startswith("optimizer.distributed.") for k in opt_keys) or sharding == "dp_reshardable":
-            if sharding != "dp_reshardable":
+        layout = versions.optimizer_sharding(sharding)
+        if any(k.startswith("optimizer.distributed.") for k in opt_keys) and layout is None:
+            raise CheckpointFormatError(
+                f"{common_file}: distrib_optim_sharding_type={sharding!r} with flat-bucket optimizer keys; "
+                f"not a sharding type any megatron-core release writes ({', '.join(versions.OPTIMIZER_SHARDINGS)}).")
+        if layout is not None:
+            flat_keys = any(k.startswith(("optimizer.distributed.", "chained_0.optimizer.distributed.")) and
+                            _BUCKET_KEY.match(k) for k in opt_keys)
+            if layout.space is not None and flat_keys != (layout.space == "buckets"):
                 raise CheckpointFormatError(
-                    f"{common_file}: distrib_optim_sharding_type={sharding!r} with flat-bucket optimizer keys; "
-                    f"only 'dp_reshardable' (Megatron-LM's default) and 'fully_reshardable' "
-                    f"(--dist-ckpt-optim-fully-reshardable) are supported.")
+                    f"{common_file}: distrib_optim_sharding_type={sharding!r} but .metadata "
+                    f"{'has' if flat_keys else 'has no'} flat-bucket optimizer keys (those are 'dp_reshardable'); "
+                    f"common.pt and the .distcp files are from different saves, re-copy the iteration folder.")
+            if layout.space is None:
+                raise CheckpointFormatError(
+                    f"{common_file}: distributed-optimizer state with distrib_optim_sharding_type={sharding!r}, which "
+                    f"megatron-ucp does not read: {layout.refusal}.")
             self.distrib_optim_sharding = sharding
-            return "distributed"
-        if sharding == "fully_reshardable":
-            self.distrib_optim_sharding = sharding
+            self._optim_layout = layout
             return "distributed"
         if sharding is not None or self.args.get("use_distributed_optimizer"):
             raise CheckpointFormatError(
-                f"{common_file}: distributed-optimizer state with distrib_optim_sharding_type={sharding!r}; only "
-                f"'dp_reshardable' (Megatron-LM's default) and 'fully_reshardable' (--dist-ckpt-optim-fully-"
-                f"reshardable) are supported. Re-save it with a recent Megatron-LM, or use the legacy 'torch' format.")
+                f"{common_file}: distributed-optimizer state with distrib_optim_sharding_type={sharding!r}; not a "
+                f"sharding type any megatron-core release writes ({', '.join(versions.OPTIMIZER_SHARDINGS)}); the "
+                f"common state is corrupt, re-copy common.pt from the original checkpoint.")
         subs = self._optimizer_common_parts()
         # Float16OptimizerWithFloat16Params nests the torch state under 'optimizer'; FP32Optimizer does not
         if any("optimizer" in sub or "fp32_from_fp16_params" in sub for sub in subs) or any(
@@ -353,7 +372,9 @@ class TorchDistCheckpoint(CheckpointReader):
             if not isinstance(self._keys.get(model_key), DcpTensorMeta):
                 raise CheckpointFormatError(f"{self.path / '.metadata'}: optimizer state {key} belongs to no saved "
                                             f"model tensor {model_key!r}.")
-            if tuple(md.size) != tuple(self._keys[model_key].size):
+            if self._optim_space == "model_flat":
+                self._fragments[key] = self._check_flattened(key, md, self._keys[model_key])
+            elif tuple(md.size) != tuple(self._keys[model_key].size):
                 raise CheckpointFormatError(
                     f"{self.path / '.metadata'}: {key} has global shape {tuple(md.size)} but the model tensor "
                     f"{model_key} has {tuple(self._keys[model_key].size)}; the checkpoint is inconsistent.")
@@ -361,15 +382,16 @@ class TorchDistCheckpoint(CheckpointReader):
                 raise CheckpointFormatError(f"{self.path / '.metadata'}: {what} state of {model_key} is saved "
                                             f"twice ({out[model_key][what]}, {key}).")
             out[model_key][what] = key
-        expected = {"param", "exp_avg", "exp_avg_sq"} if self.distrib_optim_sharding else {"exp_avg", "exp_avg_sq"}
+        expected = {"exp_avg", "exp_avg_sq"} | ({self._optim_layout.main_param} if self._optim_layout else set())
         for model_key, found in out.items():
             if not expected <= set(found):
                 raise CheckpointFormatError(
                     f"{self.path / '.metadata'}: optimizer state of {model_key} has {sorted(found)}, expected "
                     f"{sorted(expected)}; the checkpoint is incomplete or not an Adam checkpoint.")
-        if not out and self.distrib_optim_sharding:
-            raise CheckpointFormatError(f"{self.path / '.metadata'}: distrib_optim_sharding_type='fully_reshardable' "
-                                        f"but no optimizer.state.param.* tensors are saved.")
+        if not out and self._optim_layout:
+            raise CheckpointFormatError(f"{self.path / '.metadata'}: distrib_optim_sharding_type="
+                                        f"{self.distrib_optim_sharding!r} but no optimizer.state."
+                                        f"{self._optim_layout.main_param}.* tensors are saved.")
         return out
 
     def _model_space_common(self) -> tuple[list, Optional[float]]:
@@ -393,6 +415,82 @@ class TorchDistCheckpoint(CheckpointReader):
             raise CheckpointFormatError(f"{self._common_file}: the optimizer state disagrees on the Adam step "
                                         f"{sorted(steps)}.")
         return groups, (steps.pop() if steps else None)
+
+    def _check_flattened(self, key: str, md: DcpTensorMeta, model: DcpTensorMeta) -> tuple[int, ...]:
+        """fully_sharded_model_space: `key` is saved as (*fragments per axis, fragment numel) over the model key's
+        global shape (each fragment one TP-local shard); every fragment's flattened ranges must tile [0, numel)
+        exactly once (all DP ranks' slices present, none twice). Returns the fragment shape."""
+        where = f"{self.path / '.metadata'}: {key}"
+        size, global_shape = tuple(md.size), tuple(model.size)
+        grid = size[:-1]
+        if (len(size) != len(global_shape) + 1 or any(f < 1 or g % f for f, g in zip(grid, global_shape))
+                or size[-1] != math.prod(g // f for f, g in zip(grid, global_shape))):
+            raise CheckpointFormatError(
+                f"{where} has shape {size}, which is not (fragments per axis, fragment numel) of the model tensor's "
+                f"{global_shape} (fully_sharded_model_space); the metadata is corrupt, re-copy the iteration folder.")
+        ranges: dict[tuple, list] = {}
+        for c in md.chunks:
+            if any(n != 1 for n in c.sizes[:-1]):
+                raise CheckpointFormatError(f"{where}: chunk at {c.offsets} of size {c.sizes} spans several "
+                                            f"fragments; the metadata is corrupt, re-copy the iteration folder.")
+            ranges.setdefault(c.offsets[:-1], []).append((c.offsets[-1], c.sizes[-1]))
+        for fragment in itertools.product(*map(range, grid)):
+            pos, tiled = 0, True
+            for start, length in sorted(ranges.get(fragment, ())):
+                tiled = tiled and start == pos
+                pos = start + length
+            if not tiled or pos != size[-1]:
+                raise CheckpointFormatError(
+                    f"{where}: the flattened ranges of fragment {fragment} cover "
+                    f"{sorted((a, a + n) for a, n in ranges.get(fragment, ()))}, not [0, {size[-1]}) exactly once "
+                    f"(a data-parallel rank's slice is missing or doubled); the checkpoint is incomplete, re-copy "
+                    f"the iteration folder.")
+        return tuple(g // f for f, g in zip(grid, global_shape))
+
+    def _flat_fragments(self, fqn: str, box: Box) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """fully_sharded_model_space: the fragments (their grid index, their offset in the box) that make up a
+        box of the model key's global tensor; the box must be made of whole fragments (TP-local shards)."""
+        shape = self._fragments[fqn]
+        offsets, sizes = box
+        if any(o % n or s % n for o, s, n in zip(offsets, sizes, shape)):
+            raise CheckpointFormatError(
+                f"{self.path / '.metadata'}: {fqn} is saved in fragments of shape {shape} (fully_sharded_model_space) "
+                f"but the rank's shard at {offsets} of size {sizes} is not made of whole fragments; the args do not "
+                f"match the layout it was saved at.")
+        return [(tuple(o // n + i for o, n, i in zip(offsets, shape, index)),
+                 tuple(i * n for i, n in zip(index, shape)))
+                for index in itertools.product(*(range(s // n) for s, n in zip(sizes, shape)))]
+
+    def _flat_chunks(self, fqn: str, fragment: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The saved chunks (their offsets) of one fragment, in flattened order (checked at open to tile it)."""
+        return sorted((o for o in self._saved_chunks(fqn) if o[:-1] == fragment), key=lambda o: o[-1])
+
+    def _read_flat_box(self, fqn: str, box: Box):
+        """A box of whole fragments of a fully_sharded_model_space state key, in the model key's coordinates:
+        each fragment's flattened ranges (verified records) concatenated and shaped as the fragment."""
+        import torch
+
+        shape = self._fragments[fqn]
+        out = torch.empty(box[1], dtype=torch_dtype(self._keys[fqn].dtype))
+        for fragment, dst in self._flat_fragments(fqn, box):
+            flat = torch.cat([read_tensor(self._record(fqn, c)).reshape(-1) for c in self._flat_chunks(fqn, fragment)])
+            view = out
+            for dim, (start, length) in enumerate(zip(dst, shape)):
+                view = view.narrow(dim, start, length)
+            view.copy_(flat.view(shape))
+        return out
+
+    def _locate_flat_box(self, fqn: str, box: Box):
+        """Where a one-fragment box's bytes are: its flattened ranges' bytes in order; None for several fragments."""
+        from megatron_ucp.byteio import concat_stored
+
+        fragments = self._flat_fragments(fqn, box)
+        if len(fragments) != 1:
+            return None
+        parts = [stored_tensor(self._record(fqn, c)) for c in self._flat_chunks(fqn, fragments[0][0])]
+        if any(p is None for p in parts):
+            return None
+        return concat_stored(parts, box[1])
 
     def _check_chaining(self) -> None:
         """The saved optimizer has the dense/expert structure megatron-core builds at the saved layout."""
@@ -560,8 +658,8 @@ class TorchDistCheckpoint(CheckpointReader):
             if not found and not self._state_keys:
                 continue
             need = {"exp_avg", "exp_avg_sq"}
-            if self.distrib_optim_sharding == "fully_reshardable":
-                need.add("param")
+            if self._optim_layout:
+                need.add(self._optim_layout.main_param)
             elif self._keys[piece.key].dtype in ("float16", "bfloat16"):
                 need.add("fp32_param")
             if not need <= set(found):
@@ -797,6 +895,8 @@ class TorchDistCheckpoint(CheckpointReader):
         the files)."""
         import torch
 
+        if fqn in self._fragments:
+            return self._read_flat_box(fqn, box)
         overlaps = self._overlaps(fqn, box)
         parts = [(o, box_record(self._record(fqn, o.chunk), o.src, o.lengths)) for o in overlaps]
         if len(parts) == 1 and parts[0][0].lengths == box[1]:
@@ -814,6 +914,8 @@ class TorchDistCheckpoint(CheckpointReader):
         from megatron_ucp.byteio import StoredTensor, box_bytes, concat_stored
         from megatron_ucp.byteio import itemsize as itemsize_of
 
+        if fqn in self._fragments:
+            return self._locate_flat_box(fqn, box)
         overlaps = self._overlaps(fqn, box)
         if len(overlaps) == 1 and overlaps[0].lengths == box[1]:
             return stored_tensor(self._record(fqn, overlaps[0].chunk))

@@ -363,6 +363,12 @@ def plan_checkpoint(ucp, target: WriteTarget, optimizer_format: Optional[str] = 
     layout = target.layout
     config = replace(ucp.config, padded_vocab_size=target.padded_vocab_size)
     opt = optimizer_kind(ucp, target, optimizer_format)
+    if opt in OPTIMIZER_FORMATS and opt not in release.distrib_optim_loads:
+        oldest = versions.oldest_loading(opt)
+        raise TorchDistWriteError(
+            f"megatron-core {release.name} cannot load the distributed optimizer's {opt} torch_dist state (it loads "
+            f"{', '.join(release.distrib_optim_loads)}, which megatron-ucp does not write): write --ckpt-format torch "
+            f"for it, or target --megatron-core-version {oldest.name if oldest else versions.NEWEST.name} or newer")
     shapes = dict(expected_parameters(config, layout))
     step = _single_step(ucp) if opt is not None else None
     groups = _rank_param_groups(ucp, config, target) if opt is not None else None
