@@ -1,0 +1,200 @@
+"""megatron-core 0.13-0.15: what these releases save is read, and what they can load is written (or refused).
+
+Sources: tests/fixtures/megatron-core-0.14, real Megatron-LM runs on CPU (cmd.txt, train.log; README.md lists the
+format facts): one model (3 layers, hidden 48, GQA, SwiGLU, RMSNorm, vocab 511 + EOD, TP2 PP1 DP2, SP, distributed
+optimizer, seed 1234) trained 8 iterations by core_v0.14.0 and saved as
+- A14: torch_dist, fully_sharded_model_space (0.14's default; iterations 4 and 8);
+- B14: legacy `torch` with distrib_optim.pt (iteration 4);
+- C14: torch_dist, dp_zero_gather_scatter (--no-ckpt-fully-parallel-save; iteration 4): refused, not read;
+- E15: core_v0.15.3 with --dist-ckpt-save-pre-mcore-014 (fully_sharded_model_space; iteration 4).
+
+What is checked (tolerance atol 0 everywhere):
+- A14 and B14 (two formats of one run) convert to equal universal checkpoints, and equal E15 (0.15.3, same
+  seed and flags: the same numbers); A14's fc1 of layer 1 is split between the two DP ranks (ranges [0, 256) and
+  [256, 3072) of a TP shard), so the flattened-range assembly is exercised, not only whole shards;
+- negative controls: one flipped byte in that split chunk is a difference `verify` reports at that parameter;
+  a shortened range in .metadata is refused with one line; a pickle payload in that chunk never runs;
+- the release is detected from the args (0.14 has neither of 0.15's marker arguments) and shown by inspect;
+- from-universal: `--megatron-core-version 0.14` with torch_dist is refused in one line naming 0.15 (0.14's
+  DistributedOptimizer loads neither dp_reshardable nor fully_reshardable); legacy torch for 0.14 equals B14;
+  torch_dist for 0.16 at another layout equals A14 (verify across releases), and `plan` reads A14.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pretrain_runs import REPO
+from test_bad_inputs_readers import RUN_CODE, overwrite, payload_archive
+
+from megatron_ucp.convert import to_universal
+from megatron_ucp.formats import safe_pickle as sp
+from megatron_ucp.formats import versions
+from megatron_ucp.formats.archive import stored_tensor
+from megatron_ucp.formats.common import CheckpointFormatError
+from megatron_ucp.formats.torch_dist import TorchDistCheckpoint
+from megatron_ucp.from_universal import from_universal
+from megatron_ucp.verify import verify
+
+F14 = REPO / "tests" / "fixtures" / "megatron-core-0.14"
+A14 = F14 / "A14_llama_tp2pp1dp2_distopt_sp_torch_dist" / "ckpt"
+B14 = F14 / "B14_llama_tp2pp1dp2_distopt_sp_torch" / "ckpt"
+C14 = F14 / "C14_llama_tp2pp1dp2_distopt_sp_torch_dist_dpzero" / "ckpt"
+E15 = F14 / "E15_llama_tp2pp1dp2_distopt_sp_torch_dist_pre014" / "ckpt"
+ITER = "iter_0000004"
+# the TP shard of layer 1's fc1 (the "up" half of TP rank 0: fragment 2 of 4 on dim 0) split between DP ranks
+SPLIT_KEY = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"
+SPLIT_CHUNK = (1, 2, 0, 256)
+
+
+def cli(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_ucp.cli", *map(str, argv)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "warn" not in ln.lower()]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def copy_iteration(src: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "ckpt"
+    shutil.copytree(src / ITER, root / ITER)
+    (root / "latest_checkpointed_iteration.txt").write_text("4")
+    return root
+
+
+@pytest.fixture(scope="module")
+def ucp14(tmp_path_factory) -> dict:
+    """Universal checkpoints of A14, B14 and E15 at iteration 4 (converted once)."""
+    work = tmp_path_factory.mktemp("ucp14")
+    return {name: to_universal(src, work / name, iteration=4, progress=False)
+            for name, src in (("A14", A14), ("B14", B14), ("E15", E15))}
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+
+
+def test_model_space_and_legacy_saves_convert_equal(ucp14):
+    """fully_sharded_model_space (0.14 and 0.15.3) and the legacy save of one run: equal at atol 0, Adam included."""
+    reader = TorchDistCheckpoint(A14 / ITER, 4)
+    assert reader.distrib_optim_sharding == "fully_sharded_model_space"
+    assert SPLIT_CHUNK in reader._saved_chunks(SPLIT_KEY)  # a TP shard really is split between DP ranks
+    for other in ("B14", "E15"):
+        result = verify(ucp14["A14"], ucp14[other], progress=False)
+        assert result.equal and result.compared_keys == ("fp32", "exp_avg", "exp_avg_sq", "step"), other
+        assert len(result.diffs) == 4 * 21
+    # the Megatron checkpoints themselves, read directly (not through the universal ones)
+    assert verify(A14, B14, iteration_a=4, iteration_b=4, progress=False).equal
+
+
+def test_flipped_byte_in_a_split_range_is_a_difference(tmp_path, ucp14):
+    """Negative control: one byte of the second DP range of the split shard changed -> verify names exactly it."""
+    root = copy_iteration(A14, tmp_path)
+    md = sp.load_dcp_metadata(root / ITER)
+    data = stored_tensor(sp.load_dcp_item(md, sp.DcpIndex(SPLIT_KEY, SPLIT_CHUNK)))
+    with open(data.regions[0].path, "r+b") as f:
+        at = data.regions[0].offset + 4 * 100 + 3  # the high byte of element 256 + 100 of that TP shard
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x40]))
+    result = verify(root, ucp14["B14"], progress=False)
+    differing = [(d.name, d.key, d.num_differing) for d in result.diffs if not d.equal]
+    assert differing == [("decoder.layers.1.mlp.linear_fc1.weight", "exp_avg", 1)]
+
+
+def test_shortened_range_is_refused(tmp_path):
+    """A DP rank's range shortened in .metadata leaves a gap: refused at open, in one line naming the tensor."""
+    root = copy_iteration(A14, tmp_path)
+    meta = root / ITER / ".metadata"
+    metadata = pickle.loads(meta.read_bytes())  # our own copy of a fixture: torch's classes, trusted here
+    chunks = metadata.state_dict_metadata[SPLIT_KEY].chunks
+    i = next(i for i, c in enumerate(chunks) if tuple(c.offsets) == SPLIT_CHUNK)
+    chunks[i] = type(chunks[i])(offsets=chunks[i].offsets, sizes=type(chunks[i].sizes)((1, 1, 1, 2000)))
+    meta.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointFormatError, match=r"flattened ranges of fragment \(1, 2, 0\) cover "
+                                                    r"\[\(0, 256\), \(256, 2256\)\], not \[0, 3072\) exactly once"):
+        TorchDistCheckpoint(root / ITER, 4)
+    line = one_line_error(cli("to-universal", "--quiet", root, tmp_path / "out"))
+    assert SPLIT_KEY in line and "re-copy the iteration folder" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_payload_in_a_flattened_range_never_runs(tmp_path):
+    """The flattened-range items are read through the same allow-list: a crafted pickle is refused, never run."""
+    root = copy_iteration(A14, tmp_path)
+    marker = tmp_path / "ran"
+    item = sp.load_dcp_metadata(root / ITER).storage_data[sp.DcpIndex(SPLIT_KEY, SPLIT_CHUNK)]
+    overwrite(Path(item.path), item.offset, payload_archive(marker, item.length))
+    line = one_line_error(cli("to-universal", "--quiet", root, tmp_path / "out"))
+    assert all(s in line for s in RUN_CODE) and not marker.exists()
+
+
+def test_unread_sharding_types_are_refused():
+    """dp_zero_gather_scatter (one pickled object per rank) is refused with its cause and what to do."""
+    line = one_line_error(cli("inspect", C14))
+    assert "distrib_optim_sharding_type='dp_zero_gather_scatter'" in line
+    assert "--no-ckpt-fully-parallel-save" in line and "--ckpt-format torch" in line
+
+
+# --------------------------------------------------------------------------------------------------
+# Detection
+
+
+def test_inspect_names_the_release():
+    for root, label in ((A14, "0.14 or older (0.13-0.14 save alike)"), (B14, "0.14 or older (0.13-0.14 save alike)"),
+                        (E15, "0.15")):
+        proc = cli("inspect", root, "--iteration", "4")
+        assert proc.returncode == 0, proc.stderr
+        assert f"written by megatron-core {label}" in proc.stdout, root
+    assert "vocab 512 padded to 512" in cli("inspect", A14).stdout  # 0.14's NullTokenizer appends EOD to 511
+
+
+def test_detection_negative_control():
+    """0.15's markers decide: 0.14's args plus them read as 0.15, 0.15's args less one as 0.14."""
+    args14 = TorchDistCheckpoint(A14 / ITER, 4).args
+    args15 = TorchDistCheckpoint(E15 / ITER, 4).args
+    assert versions.detect(args14).name == "0.14" and versions.detect(args15).name == "0.15"
+    marker = versions.release("0.15").markers
+    assert versions.detect({**args14, **{m: False for m in marker}}).name == "0.15"
+    assert versions.detect({k: v for k, v in args15.items() if k != marker[0]}).name == "0.14"
+    assert not any(m in args15 for m in versions.release("0.16").markers)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing for these releases, and across releases
+
+
+def test_from_universal_for_014(tmp_path, ucp14):
+    """0.14 cannot load dp_reshardable / fully_reshardable: torch_dist for it is refused naming 0.15; legacy
+    files (the same as 0.16's) are written and equal B14."""
+    line = one_line_error(cli("from-universal", ucp14["A14"], tmp_path / "td", "-t", "2", "-d", "2",
+                              "--use-distributed-optimizer", "--sequence-parallel", "--ckpt-format", "torch_dist", "--quiet",
+                              "--megatron-core-version", "0.14"))
+    assert "megatron-core 0.14 cannot load" in line and "--megatron-core-version 0.15" in line
+    assert not (tmp_path / "td").exists()
+    from_universal(ucp14["A14"], tmp_path / "legacy", tensor_model_parallel_size=2, data_parallel_size=2,
+                   use_distributed_optimizer=True, sequence_parallel=True, ckpt_format="torch",
+                   megatron_core_version="0.14", progress=False)
+    assert verify(tmp_path / "legacy", B14, iteration_b=4, progress=False).equal
+
+
+def test_verify_and_plan_across_releases(tmp_path, ucp14):
+    """A14 (0.14, fully_sharded_model_space) against a 0.16 torch_dist write at TP1 DP4: equal at atol 0;
+    `plan` reads the 0.14 checkpoint for another layout."""
+    from_universal(ucp14["A14"], tmp_path / "v16", tensor_model_parallel_size=1, data_parallel_size=4,
+                   use_distributed_optimizer=True, ckpt_format="torch_dist", megatron_core_version="0.16",
+                   progress=False)
+    assert verify(A14, tmp_path / "v16", iteration_a=4, progress=False).equal
+    proc = cli("plan", A14, "--iteration", "4", "-t", "1", "-d", "4", "--use-distributed-optimizer")
+    assert proc.returncode == 0, proc.stderr
