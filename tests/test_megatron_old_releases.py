@@ -15,9 +15,11 @@ What is checked (tolerance atol 0 everywhere):
 - negative controls: one flipped byte in that split chunk is a difference `verify` reports at that parameter;
   a shortened range in .metadata is refused with one line; a pickle payload in that chunk never runs;
 - the release is detected from the args (0.14 has neither of 0.15's marker arguments) and shown by inspect;
-- from-universal: `--megatron-core-version 0.14` with torch_dist is refused in one line naming 0.15 (0.14's
-  DistributedOptimizer loads neither dp_reshardable nor fully_reshardable); legacy torch for 0.14 equals B14;
-  torch_dist for 0.16 at another layout equals A14 (verify across releases), and `plan` reads A14.
+- from-universal `--megatron-core-version 0.14`: torch_dist is written as fully_sharded_model_space (0.14's
+  DistributedOptimizer loads neither dp_reshardable nor fully_reshardable; asking for those is refused in one
+  line naming 0.15), with Megatron-LM's keys, shapes and mcore_data, equal to A14; legacy torch equals B14.
+  Both resumed in real Megatron-LM core_v0.14.0 reproduce train.log (fixture README; not a test: minutes of CPU);
+- torch_dist for 0.16 at another layout equals A14 (verify across releases), and `plan` reads A14.
 """
 
 from __future__ import annotations
@@ -161,14 +163,17 @@ def test_inspect_names_the_release():
 
 
 def test_detection_negative_control():
-    """0.15's markers decide: 0.14's args plus them read as 0.15, 0.15's args less one as 0.14."""
+    """The markers decide: 0.14's two arguments that 0.15 removed, 0.15's two new ones. 0.14's args less one of
+    its markers read as 0.16 (args without markers: megatron-ucp's own 0.16.1 harness); 0.14's args with 0.15's
+    markers as 0.15; 0.15's args less one marker as 0.16."""
     args14 = TorchDistCheckpoint(A14 / ITER, 4).args
     args15 = TorchDistCheckpoint(E15 / ITER, 4).args
     assert versions.detect(args14).name == "0.14" and versions.detect(args15).name == "0.15"
-    marker = versions.release("0.15").markers
-    assert versions.detect({**args14, **{m: False for m in marker}}).name == "0.15"
-    assert versions.detect({k: v for k, v in args15.items() if k != marker[0]}).name == "0.14"
-    assert not any(m in args15 for m in versions.release("0.16").markers)
+    m14, m15 = versions.release("0.14").markers, versions.release("0.15").markers
+    assert not any(m in args15 for m in m14 + versions.release("0.16").markers)
+    assert versions.detect({k: v for k, v in args14.items() if k != m14[0]}).name == "0.16"
+    assert versions.detect({**args14, **{m: False for m in m15}}).name == "0.15"
+    assert versions.detect({k: v for k, v in args15.items() if k != m15[0]}).name == "0.16"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,13 +181,24 @@ def test_detection_negative_control():
 
 
 def test_from_universal_for_014(tmp_path, ucp14):
-    """0.14 cannot load dp_reshardable / fully_reshardable: torch_dist for it is refused naming 0.15; legacy
-    files (the same as 0.16's) are written and equal B14."""
-    line = one_line_error(cli("from-universal", ucp14["A14"], tmp_path / "td", "-t", "2", "-d", "2",
-                              "--use-distributed-optimizer", "--sequence-parallel", "--ckpt-format", "torch_dist", "--quiet",
-                              "--megatron-core-version", "0.14"))
+    """For 0.14 (which loads neither dp_reshardable nor fully_reshardable) torch_dist is written as
+    fully_sharded_model_space by default: Megatron-LM's keys, global shapes and mcore_data, each TP shard saved
+    whole (any DP split loads from it), equal to A14; dp_reshardable for 0.14 is refused in one line naming
+    0.15. Legacy files (the same as 0.16's) are written and equal B14."""
+    from_universal(ucp14["A14"], tmp_path / "td", tensor_model_parallel_size=2, data_parallel_size=2,
+                   use_distributed_optimizer=True, sequence_parallel=True, ckpt_format="torch_dist",
+                   megatron_core_version="0.14", progress=False)
+    ours, theirs = (pickle.loads((root / ITER / ".metadata").read_bytes()) for root in (tmp_path / "td", A14))
+    shapes = {k: tuple(v.size) for k, v in theirs.state_dict_metadata.items() if hasattr(v, "size")}
+    assert {k: tuple(v.size) for k, v in ours.state_dict_metadata.items() if hasattr(v, "size")} == shapes
+    assert ours.mcore_data == {k: v for k, v in theirs.mcore_data.items() if v}
+    assert TorchDistCheckpoint(tmp_path / "td" / ITER, 4).distrib_optim_sharding == "fully_sharded_model_space"
+    assert verify(tmp_path / "td", A14, iteration_b=4, progress=False).equal
+    line = one_line_error(cli("from-universal", ucp14["A14"], tmp_path / "dp", "-t", "2", "-d", "2",
+                              "--use-distributed-optimizer", "--sequence-parallel", "--ckpt-format", "torch_dist",
+                              "--optimizer-format", "dp_reshardable", "--quiet", "--megatron-core-version", "0.14"))
     assert "megatron-core 0.14 cannot load" in line and "--megatron-core-version 0.15" in line
-    assert not (tmp_path / "td").exists()
+    assert "--optimizer-format fully_sharded_model_space" in line and not (tmp_path / "dp").exists()
     from_universal(ucp14["A14"], tmp_path / "legacy", tensor_model_parallel_size=2, data_parallel_size=2,
                    use_distributed_optimizer=True, sequence_parallel=True, ckpt_format="torch",
                    megatron_core_version="0.14", progress=False)

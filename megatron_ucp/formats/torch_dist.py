@@ -35,6 +35,14 @@ bucket-end padding excluded), saved as DP shards; 'optimizer.distributed.dp_grou
   each with the model key's global shape and chunks (so it is sliced exactly like the weight);
   'param' is the fp32 main weight. common.pt['optimizer'] = {'optimizer': {'param_groups': [... 'step']},
   'param_state_sharding_type': 'fully_reshardable'}.
+- Distributed optimizer, 'fully_sharded_model_space' (megatron-core 0.13/0.14's default; DistributedOptimizer.
+  sharded_param_state_fs_model_space): 'optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>', each TP-local
+  shard of the weight flattened and cut into the DP ranks' ranges, saved in megatron-core's nd-flattened
+  reformulation: shape (*fragments per axis, shard numel), chunks (*fragment index, range start). A rank's box
+  of the weight is read fragment by fragment, each from its ranges in order; at open every fragment's ranges
+  must tile it exactly once. common.pt as for fully_reshardable, with 'param_state_sharding_type'
+  'fully_sharded_model_space'. (What each recorded sharding type means is formats/versions.OPTIMIZER_SHARDINGS;
+  'dp_zero_gather_scatter' and 'fully_sharded_bucket_space' are refused with what to do.)
 - No distributed optimizer (FP32Optimizer / Float16OptimizerWithFloat16Params.sharded_state_dict via
   dist_checkpointing.optimizer.optim_state_to_sharding_state): 'optimizer.state.{exp_avg,exp_avg_sq}.
   <model key>' and, with --bf16/--fp16, the fp32 main weights 'optimizer.state.fp32_param.<model key>'.

@@ -5,11 +5,13 @@ checkpoint itself (`detect`); writers take the row of the release the user resum
 Nothing else in megatron-ucp branches on a version number: code asks a row's fields.
 
 How a release is recognised: Megatron-LM pickles its whole argument namespace into every checkpoint, and
-each release adds arguments. `markers` are arguments a release introduced that every later release still
-has (checked against the wheels' `megatron/training` sources and against the args of real checkpoints:
-tests/fixtures/megatron-lm (0.16.1) has none of them, tests/fixtures/megatron-core-0.19 has all). The
-newest release whose markers are all present wrote the checkpoint. Releases before 0.17 add no marker
-checked here before 0.15's; 0.13 and 0.14 save alike and are one row.
+each release adds arguments. `markers` are arguments only that release and the ones after it in the table
+have: from 0.15 on, arguments it introduced that every later release still has; for 0.13-0.14, two arguments
+they have and 0.15 removed (checked against Megatron-LM's tagged `megatron/training/arguments.py`, the wheels'
+sources and the args of real checkpoints: tests/fixtures/megatron-core-0.14 (0.14.0, 0.15.3),
+tests/fixtures/megatron-lm (0.16.1), tests/fixtures/megatron-core-0.19). The newest release whose markers are
+all present wrote the checkpoint; args with no markers at all (megatron-ucp's own 0.16.1 harness saves its
+own namespace) are 0.16's (`FALLBACK`). 0.13 and 0.14 save alike and are one row.
 
 The distributed optimizer's torch_dist layout is recorded in each checkpoint (content_metadata
 'distrib_optim_sharding_type'); `OPTIMIZER_SHARDINGS` says what each recorded name means for a reader, and each
@@ -116,7 +118,9 @@ RELEASES: tuple[MegatronRelease, ...] = (
     # optimizer saves fully_sharded_model_space (--no-ckpt-fully-parallel-save: dp_zero_gather_scatter) and
     # DistributedOptimizer.sharded_state_dict knows no dp_reshardable / fully_reshardable (NotImplementedError).
     # 0.13.1's _build_sharded_state_dict_metadata is the same (core_v0.13.1 checkpointing.py).
-    MegatronRelease("0.14", "0.14 or older (0.13-0.14 save alike)", (), "common.pt",
+    # Markers: in core_v0.13.0-core_v0.14.0's arguments.py and the 0.14.0 args, removed in 0.15.0
+    MegatronRelease("0.14", "0.14 or older (0.13-0.14 save alike)",
+                    ("load_model_opt_format", "inference_dynamic_batching_chunk_size"), "common.pt",
                     _METADATA_JSON_COMMON_PT, null_tokenizer_eod_in_vocab=False, torch_dist_files_per_rank=2,
                     rerun_state_always=False, rng_per_dp_with_experts=True,
                     distrib_optim_default="fully_sharded_model_space",
@@ -148,6 +152,7 @@ RELEASES: tuple[MegatronRelease, ...] = (
                     rerun_state_always=True, rng_per_dp_with_experts=False),
 )
 NEWEST = RELEASES[-1]
+FALLBACK = next(r for r in RELEASES if r.name == "0.16")  # args without any marker (module docstring)
 MEGATRON_FORMATS = ("torch", "torch_dist")  # checkpoint formats whose writing release is recorded
 SUPPORTED = tuple(r.name for r in RELEASES)
 
@@ -170,7 +175,7 @@ def write_default(source: Optional[Mapping[str, Any]]) -> MegatronRelease:
     if not source or source.get("format") not in MEGATRON_FORMATS:  # e.g. import-hf: no Megatron source
         return NEWEST
     recorded = source.get("megatron_core")
-    return release(recorded or "0.16")
+    return release(recorded) if recorded else FALLBACK
 
 
 def oldest_loading(sharding: str) -> Optional[MegatronRelease]:
@@ -188,8 +193,8 @@ def torch_dist_files_per_rank(row: MegatronRelease, args: Mapping[str, Any]) -> 
 
 def detect(args: Mapping[str, Any]) -> MegatronRelease:
     """The release that wrote a checkpoint with these args: the newest whose markers are all present."""
-    found = RELEASES[0]
-    for row in RELEASES[1:]:
+    found = FALLBACK
+    for row in RELEASES:
         if all(m in args for m in row.markers):
             found = row
     return found
