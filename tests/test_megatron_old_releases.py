@@ -5,15 +5,16 @@ format facts): one model (3 layers, hidden 48, GQA, SwiGLU, RMSNorm, vocab 511 +
 optimizer, seed 1234) trained 8 iterations by core_v0.14.0 and saved as
 - A14: torch_dist, fully_sharded_model_space (0.14's default; iterations 4 and 8);
 - B14: legacy `torch` with distrib_optim.pt (iteration 4);
-- C14: torch_dist, dp_zero_gather_scatter (--no-ckpt-fully-parallel-save; iteration 4): refused, not read;
+- C14: torch_dist, dp_zero_gather_scatter (--no-ckpt-fully-parallel-save; iteration 4);
 - E15: core_v0.15.3 with --dist-ckpt-save-pre-mcore-014 (fully_sharded_model_space; iteration 4).
 
 What is checked (tolerance atol 0 everywhere):
-- A14 and B14 (two formats of one run) convert to equal universal checkpoints, and equal E15 (0.15.3, same
-  seed and flags: the same numbers); A14's fc1 of layer 1 is split between the two DP ranks (ranges [0, 256) and
+- A14, B14 and C14 (three formats of one run) convert to equal universal checkpoints, and equal E15 (0.15.3,
+  same seed and flags: the same numbers); A14's fc1 of layer 1 is split between the two DP ranks (ranges [0, 256) and
   [256, 3072) of a TP shard), so the flattened-range assembly is exercised, not only whole shards;
 - negative controls: one flipped byte in that split chunk is a difference `verify` reports at that parameter;
   a shortened range in .metadata is refused with one line; a pickle payload in that chunk never runs;
+  fully_sharded_bucket_space (never chosen by Megatron-LM) is refused with what to do;
 - the release is detected from the args (0.14 has neither of 0.15's marker arguments) and shown by inspect;
 - from-universal `--megatron-core-version 0.14`: torch_dist is written as fully_sharded_model_space (0.14's
   DistributedOptimizer loads neither dp_reshardable nor fully_reshardable; asking for those is refused in one
@@ -76,10 +77,10 @@ def copy_iteration(src: Path, tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def ucp14(tmp_path_factory) -> dict:
-    """Universal checkpoints of A14, B14 and E15 at iteration 4 (converted once)."""
+    """Universal checkpoints of A14, B14, C14 and E15 at iteration 4 (converted once)."""
     work = tmp_path_factory.mktemp("ucp14")
     return {name: to_universal(src, work / name, iteration=4, progress=False)
-            for name, src in (("A14", A14), ("B14", B14), ("E15", E15))}
+            for name, src in (("A14", A14), ("B14", B14), ("C14", C14), ("E15", E15))}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -87,11 +88,13 @@ def ucp14(tmp_path_factory) -> dict:
 
 
 def test_model_space_and_legacy_saves_convert_equal(ucp14):
-    """fully_sharded_model_space (0.14 and 0.15.3) and the legacy save of one run: equal at atol 0, Adam included."""
+    """fully_sharded_model_space (0.14 and 0.15.3), dp_zero_gather_scatter and the legacy save of one run: equal
+    at atol 0, Adam included."""
     reader = TorchDistCheckpoint(A14 / ITER, 4)
     assert reader.distrib_optim_sharding == "fully_sharded_model_space"
     assert SPLIT_CHUNK in reader._saved_chunks(SPLIT_KEY)  # a TP shard really is split between DP ranks
-    for other in ("B14", "E15"):
+    assert TorchDistCheckpoint(C14 / ITER, 4).distrib_optim_sharding == "dp_zero_gather_scatter"
+    for other in ("B14", "C14", "E15"):
         result = verify(ucp14["A14"], ucp14[other], progress=False)
         assert result.equal and result.compared_keys == ("fp32", "exp_avg", "exp_avg_sq", "step"), other
         assert len(result.diffs) == 4 * 21
@@ -142,11 +145,19 @@ def test_payload_in_a_flattened_range_never_runs(tmp_path):
     assert all(s in line for s in RUN_CODE) and not marker.exists()
 
 
-def test_unread_sharding_types_are_refused():
-    """dp_zero_gather_scatter (one pickled object per rank) is refused with its cause and what to do."""
-    line = one_line_error(cli("inspect", C14))
-    assert "distrib_optim_sharding_type='dp_zero_gather_scatter'" in line
-    assert "--no-ckpt-fully-parallel-save" in line and "--ckpt-format torch" in line
+def test_unread_sharding_type_is_refused(tmp_path):
+    """fully_sharded_bucket_space (megatron-core <= 0.14 can load it, Megatron-LM never saves it) is refused with
+    its cause and what to do."""
+    import torch
+
+    root = copy_iteration(A14, tmp_path)
+    common_file = root / ITER / "common.pt"
+    common = torch.load(common_file, weights_only=False)  # our own copy of a fixture, trusted here
+    common["content_metadata"]["distrib_optim_sharding_type"] = "fully_sharded_bucket_space"
+    torch.save(common, common_file)
+    line = one_line_error(cli("inspect", root))
+    assert "distrib_optim_sharding_type='fully_sharded_bucket_space'" in line and str(common_file) in line
+    assert "load it with megatron-core 0.14" in line and "--ckpt-format torch" in line
 
 
 # --------------------------------------------------------------------------------------------------

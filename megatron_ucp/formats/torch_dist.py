@@ -41,8 +41,12 @@ bucket-end padding excluded), saved as DP shards; 'optimizer.distributed.dp_grou
   reformulation: shape (*fragments per axis, shard numel), chunks (*fragment index, range start). A rank's box
   of the weight is read fragment by fragment, each from its ranges in order; at open every fragment's ranges
   must tile it exactly once. common.pt as for fully_reshardable, with 'param_state_sharding_type'
-  'fully_sharded_model_space'. (What each recorded sharding type means is formats/versions.OPTIMIZER_SHARDINGS;
-  'dp_zero_gather_scatter' and 'fully_sharded_bucket_space' are refused with what to do.)
+  'fully_sharded_model_space'.
+- Distributed optimizer, 'dp_zero_gather_scatter' (--no-ckpt-fully-parallel-save up to 0.14): per model-parallel
+  rank m the object 'optimizer.distributed.dp_group_idx_<m>.param_state/shard_0_1' holds its DDP buffers
+  gathered over DP, exactly distrib_optim.pt's content (read as the legacy reader reads it:
+  legacy.coalesced_buffers), and '...optimizer/shard_0_1' the param groups. (What each recorded sharding type
+  means is formats/versions.OPTIMIZER_SHARDINGS; 'fully_sharded_bucket_space' is refused with what to do.)
 - No distributed optimizer (FP32Optimizer / Float16OptimizerWithFloat16Params.sharded_state_dict via
   dist_checkpointing.optimizer.optim_state_to_sharding_state): 'optimizer.state.{exp_avg,exp_avg_sq}.
   <model key>' and, with --bf16/--fp16, the fp32 main weights 'optimizer.state.fp32_param.<model key>'.
@@ -84,6 +88,7 @@ from megatron_ucp.formats.bucket_layout import (
 from megatron_ucp.formats.common import (
     PARAM_DTYPES, STATE_DTYPE, CheckpointFormatError, args_to_dict, build_common_state, inside, layout_from_args,
     load_archive_file, model_config_from_args, scalar, structure_error)
+from megatron_ucp.formats.legacy import coalesced_buffers, coalesced_records
 from megatron_ucp.formats.safe_pickle import (
     DcpBytesMeta, DcpIndex, DcpTensorMeta, SafeLoadError, TensorRecord, TorchDType, load_dcp_item, load_dcp_metadata)
 from megatron_ucp.layout import LayoutError
@@ -127,6 +132,7 @@ class _RankInfo:
     sources: dict = field(default_factory=dict)  # (chunk, local name) -> _Piece
     buffers: list[list[BufferLayout]] = field(default_factory=list)
     gbuf_base: list[int] = field(default_factory=list)
+    gathered: Optional[dict] = None  # dp_zero_gather_scatter: its parsed 'param_state' object (coalesced buffers)
     step: Optional[float] = None
     param_groups: Optional[list] = None
 
@@ -150,6 +156,7 @@ class _Requests:
     want: set
     tensors: dict = field(default_factory=dict)  # saved key -> [Box]
     flat: dict = field(default_factory=dict)  # out name -> saved key (flat buckets)
+    records: dict = field(default_factory=dict)  # out name -> TensorRecord (dp_zero_gather_scatter)
     states: dict = field(default_factory=dict)  # out name -> saved key (model-space state)
     weight_is_main: bool = False
 
@@ -170,6 +177,12 @@ def _assemble_stored(parts: list, piece: _Piece, shape: Optional[tuple] = None):
     if shape is None:
         shape = tuple(full[piece.lead:])
     return concat_stored(parts, shape)
+
+
+def distributed_object_prefix(info: _RankInfo, name: str) -> str:
+    """The key prefix of a distributed-optimizer object of one model-parallel rank ('optimizer': param groups;
+    'param_state': dp_zero_gather_scatter's gathered buffers), saved as ShardedObject '<prefix><shard>'."""
+    return f"{info.prefix}optimizer.distributed.dp_group_idx_{info.group_idx}.{name}/"
 
 
 def _intersect(a: Box, b: Box) -> Optional[Box]:
@@ -589,6 +602,8 @@ class TorchDistCheckpoint(CheckpointReader):
             info.params.append(params)
         if self._flat_buckets:
             self._attach_buffers(info, tp_rank, pp_rank)
+        elif self._optim_space == "gathered":
+            self._attach_gathered(info, tp_rank, pp_rank)
         elif self._model_space:
             self._check_model_space_state(info, tp_rank, pp_rank)
         return info
@@ -653,6 +668,28 @@ class TorchDistCheckpoint(CheckpointReader):
             raise CheckpointFormatError(f"{self.path / '.metadata'}: {info.prefix}dp_group_idx_{mp} has {n_saved} "
                                         f"buffers, the model needs {gbuf} ({where}).")
 
+    def _attach_gathered(self, info: _RankInfo, tp_rank: int, pp_rank: int) -> None:
+        """dp_zero_gather_scatter: the rank's object 'optimizer.distributed.dp_group_idx_<m>.param_state' (its
+        buffers gathered over DP, as in distrib_optim.pt), parsed through the allow-list and checked against the
+        buffer layout the args give before any tensor is read."""
+        where = self._describe_rank(info, tp_rank, pp_rank)
+        if self._chained:
+            raise CheckpointFormatError(
+                f"{self._common_file}: dp_zero_gather_scatter state of a chained [dense, expert] optimizer, which "
+                f"megatron-ucp has never seen; resave with --ckpt-format torch or Megatron-LM's default sharding.")
+        prefix = distributed_object_prefix(info, "param_state")
+        keys = [k for k, v in self._keys.items() if k.startswith(prefix) and isinstance(v, DcpBytesMeta)]
+        if len(keys) != 1:
+            raise CheckpointFormatError(f"{self.path / '.metadata'}: {len(keys)} objects {prefix}* for {where}, "
+                                        f"expected one (dp_zero_gather_scatter); the checkpoint is incomplete, re-copy "
+                                        f"the iteration folder.")
+        item = self._metadata.storage_data.get(DcpIndex(keys[0]))
+        source = f"{item.path} (item {keys[0]})" if item else str(self.path / ".metadata")
+        info.gathered = self._bytes_item(keys[0])
+        info.gbuf_base, info.buffers = coalesced_buffers(
+            info.gathered, info.params, self.args, pp_rank=pp_rank, experts=False, where=source,
+            what="the gathered distributed-optimizer state")
+
     def _check_model_space_state(self, info: _RankInfo, tp_rank: int, pp_rank: int) -> None:
         """Every parameter has Adam state (or none has: saved before the first step), and 16-bit ones
         their fp32 main weight; persistent buffers have none."""
@@ -686,7 +723,7 @@ class TorchDistCheckpoint(CheckpointReader):
 
     def _optimizer_groups(self, info: _RankInfo) -> _RankInfo:
         if info.param_groups is None:
-            prefix = f"{info.prefix}optimizer.distributed.dp_group_idx_{info.group_idx}.optimizer/"
+            prefix = distributed_object_prefix(info, "optimizer")
             keys = [k for k, v in self._keys.items() if k.startswith(prefix) and isinstance(v, DcpBytesMeta)]
             if not keys:
                 raise CheckpointFormatError(f"{self.path / '.metadata'}: missing {prefix}* (optimizer param groups); "
@@ -754,6 +791,13 @@ class TorchDistCheckpoint(CheckpointReader):
                 if name in want:
                     req.flat[name] = key
                     req.tensors[key] = [((start,), (numel,))]
+        elif self._optim_space == "gathered":
+            found = coalesced_records(info.gathered, info.gbuf_base, info.buffers, ref.vpp_chunk, ref.local_name)
+            if found is None:
+                raise CheckpointFormatError(f"{self.path / '.metadata'}: {ref.local_name} is in no DDP buffer of "
+                                            f"{self._describe_rank(info, ref.tp_rank, ref.pp_rank)}; the checkpoint "
+                                            f"does not match its args.")
+            req.records = {name: record for name, record in found.items() if name in want}
         elif self._model_space:
             saved = dict(self._state_keys.get(piece.key, {}))
             # fully_reshardable saves the main weight as 'param', the Float16 optimizer as 'fp32_param'
@@ -784,9 +828,11 @@ class TorchDistCheckpoint(CheckpointReader):
         out: dict = {}
         if piece.key in got and "param" in want:
             out["param"] = assemble(got[piece.key], piece)
-        if self._flat_buckets:
+        if self._flat_buckets or self._optim_space == "gathered":
             for name, key in req.flat.items():
                 out[name] = assemble(got[key], _Piece(key, 0, (), 0), ref.shape)
+            for name, record in req.records.items():
+                out[name] = stored_tensor(record) if assemble is _assemble_stored else read_tensor(record)
             step = self._optimizer_groups(self._info_for(ref)).step if not rulebook.is_buffer(ref.local_name) else None
             if step is not None:
                 out["step"] = step_value(step)
@@ -971,7 +1017,7 @@ class TorchDistCheckpoint(CheckpointReader):
                                     f"match its args.")
 
     def common_state(self) -> dict:
-        if self._flat_buckets:
+        if self._flat_buckets or self._optim_space == "gathered":
             # the ChainedOptimizer's groups: the dense optimizer's, then the expert optimizer's
             groups = list(self._optimizer_groups(self._ranks[("dense", 0, 0)]).param_groups)
             if self._chained:

@@ -70,6 +70,8 @@ class OptimizerSharding:
     # "model_flat": per parameter, each TP-local shard flattened and split in DP ranges: saved as a tensor of
     #   shape (*fragments per axis, shard numel) with chunks (*fragment index, range start) (megatron-core's
     #   nd_flattened reformulation, dist_checkpointing/strategies/torch.py);
+    # "gathered": one object per model-parallel rank with its DDP buffers gathered over DP (legacy
+    #   distrib_optim.pt's content: formats/legacy.coalesced_buffers);
     # None: a layout megatron-ucp does not read (`refusal` says what to do)
     space: Optional[str]
     main_param: str = "param"  # the saved name of the fp32 main weight in model space
@@ -85,12 +87,9 @@ OPTIMIZER_SHARDINGS: Mapping[str, OptimizerSharding] = {
     # --dist-ckpt-save-pre-mcore-014): tests/fixtures/megatron-core-0.14
     "fully_sharded_model_space": OptimizerSharding("fully_sharded_model_space", "model_flat", main_param="fp32_param"),
     # --no-ckpt-fully-parallel-save (0.13/0.14; 0.15/0.16 with --dist-ckpt-save-pre-mcore-014): each
-    # model-parallel rank's buffers gathered on DP rank 0 into one pickled object per rank
-    "dp_zero_gather_scatter": OptimizerSharding(
-        "dp_zero_gather_scatter", None,
-        refusal="its state is one pickled object per model-parallel rank (--no-ckpt-fully-parallel-save); "
-                "resume it once with that Megatron-LM and save again without --no-ckpt-fully-parallel-save, or "
-                "save with --ckpt-format torch"),
+    # model-parallel rank's buffers gathered on DP rank 0 into one object 'optimizer.distributed.dp_group_idx_<m>.
+    # param_state' holding what distrib_optim.pt holds (tests/fixtures/megatron-core-0.14/C14*)
+    "dp_zero_gather_scatter": OptimizerSharding("dp_zero_gather_scatter", "gathered"),
     # megatron-core <= 0.14, never Megatron-LM's choice; deprecated there
     "fully_sharded_bucket_space": OptimizerSharding(
         "fully_sharded_bucket_space", None,
