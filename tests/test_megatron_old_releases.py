@@ -6,7 +6,9 @@ optimizer, seed 1234) trained 8 iterations by core_v0.14.0 and saved as
 - A14: torch_dist, fully_sharded_model_space (0.14's default; iterations 4 and 8);
 - B14: legacy `torch` with distrib_optim.pt (iteration 4);
 - C14: torch_dist, dp_zero_gather_scatter (--no-ckpt-fully-parallel-save; iteration 4);
-- E15: core_v0.15.3 with --dist-ckpt-save-pre-mcore-014 (fully_sharded_model_space; iteration 4).
+- E15: core_v0.15.3 with --dist-ckpt-save-pre-mcore-014 (fully_sharded_model_space; iteration 4);
+- M14: GPT-MoE (4 experts, top-2, EP2 ETP1 of the same TP2 DP2; chained dense + expert optimizers, both
+  fully_sharded_model_space; iteration 4).
 
 What is checked (tolerance atol 0 everywhere):
 - A14, B14 and C14 (three formats of one run) convert to equal universal checkpoints, and equal E15 (0.15.3,
@@ -50,6 +52,7 @@ A14 = F14 / "A14_llama_tp2pp1dp2_distopt_sp_torch_dist" / "ckpt"
 B14 = F14 / "B14_llama_tp2pp1dp2_distopt_sp_torch" / "ckpt"
 C14 = F14 / "C14_llama_tp2pp1dp2_distopt_sp_torch_dist_dpzero" / "ckpt"
 E15 = F14 / "E15_llama_tp2pp1dp2_distopt_sp_torch_dist_pre014" / "ckpt"
+M14 = F14 / "M14_moe4top2_tp2pp1dp2ep2etp1_distopt_sp_torch_dist" / "ckpt"
 ITER = "iter_0000004"
 # the TP shard of layer 1's fc1 (the "up" half of TP rank 0: fragment 2 of 4 on dim 0) split between DP ranks
 SPLIT_KEY = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"
@@ -191,6 +194,29 @@ def test_detection_negative_control():
 # Writing for these releases, and across releases
 
 
+def same_layout_as_megatron(ours: Path, theirs: Path) -> None:
+    """Two torch_dist saves with the same keys (objects too: RNG, extra states), global shapes and (flattened
+    keys) mcore_data."""
+    mine, megatron = (pickle.loads((root / ITER / ".metadata").read_bytes()) for root in (ours, theirs))
+    assert sorted(mine.state_dict_metadata) == sorted(megatron.state_dict_metadata)
+    shapes = {k: tuple(v.size) for k, v in megatron.state_dict_metadata.items() if hasattr(v, "size")}
+    assert {k: tuple(v.size) for k, v in mine.state_dict_metadata.items() if hasattr(v, "size")} == shapes
+    assert mine.mcore_data == {k: v for k, v in megatron.mcore_data.items() if v}
+
+
+def test_moe_chained_model_space(tmp_path):
+    """GPT-MoE at EP2 ETP1: the dense and the expert optimizer's fully_sharded_model_space state (experts on their
+    global axis) convert; written back for 0.14 it has Megatron-LM's keys, shapes and mcore_data and equals the
+    source (Megatron-LM 0.14 resumes that write with its own losses: fixture README)."""
+    ucp = to_universal(M14, tmp_path / "ucp", iteration=4, progress=False)
+    from_universal(ucp, tmp_path / "td", tensor_model_parallel_size=2, data_parallel_size=2,
+                   expert_model_parallel_size=2, expert_tensor_parallel_size=1, use_distributed_optimizer=True,
+                   sequence_parallel=True, ckpt_format="torch_dist", megatron_core_version="0.14", progress=False)
+    same_layout_as_megatron(tmp_path / "td", M14)
+    result = verify(tmp_path / "td", M14, iteration_b=4, progress=False)
+    assert result.equal and len(result.diffs) == 4 * 42
+
+
 def test_from_universal_for_014(tmp_path, ucp14):
     """For 0.14 (which loads neither dp_reshardable nor fully_reshardable) torch_dist is written as
     fully_sharded_model_space by default: Megatron-LM's keys, global shapes and mcore_data, each TP shard saved
@@ -199,10 +225,7 @@ def test_from_universal_for_014(tmp_path, ucp14):
     from_universal(ucp14["A14"], tmp_path / "td", tensor_model_parallel_size=2, data_parallel_size=2,
                    use_distributed_optimizer=True, sequence_parallel=True, ckpt_format="torch_dist",
                    megatron_core_version="0.14", progress=False)
-    ours, theirs = (pickle.loads((root / ITER / ".metadata").read_bytes()) for root in (tmp_path / "td", A14))
-    shapes = {k: tuple(v.size) for k, v in theirs.state_dict_metadata.items() if hasattr(v, "size")}
-    assert {k: tuple(v.size) for k, v in ours.state_dict_metadata.items() if hasattr(v, "size")} == shapes
-    assert ours.mcore_data == {k: v for k, v in theirs.mcore_data.items() if v}
+    same_layout_as_megatron(tmp_path / "td", A14)
     assert TorchDistCheckpoint(tmp_path / "td" / ITER, 4).distrib_optim_sharding == "fully_sharded_model_space"
     assert verify(tmp_path / "td", A14, iteration_b=4, progress=False).equal
     line = one_line_error(cli("from-universal", ucp14["A14"], tmp_path / "dp", "-t", "2", "-d", "2",

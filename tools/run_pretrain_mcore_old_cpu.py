@@ -75,6 +75,12 @@ def install_shims() -> None:
     s._torch_norm_under_sequence_parallel()
     from megatron.training import arguments
 
+    # GPT-MoE: 0.14's router GEMM and alltoall dispatcher are 0.16.1's (megatron_ucp/cpu_backend.py: TE's GEMM
+    # name undefined without TE; the dispatcher's CUDA DtoH stream)
+    from megatron_ucp import cpu_backend
+
+    cpu_backend._moe_router_gemm_without_te()
+    cpu_backend._alltoall_dispatcher_without_cuda_streams()
     from megatron.legacy import fused_kernels
 
     fused_kernels.load = lambda args: None

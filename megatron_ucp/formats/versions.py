@@ -116,20 +116,22 @@ RELEASES: tuple[MegatronRelease, ...] = (
     # 0.14.0: tests/fixtures/megatron-core-0.14 (Megatron-LM core_v0.14.0 on CPU). As 0.16 but the distributed
     # optimizer saves fully_sharded_model_space (--no-ckpt-fully-parallel-save: dp_zero_gather_scatter) and
     # DistributedOptimizer.sharded_state_dict knows no dp_reshardable / fully_reshardable (NotImplementedError).
+    # RNG with experts per (pp, tp) (the M14 fixture; get_rng_state shards by DP with EP only from 0.16).
     # 0.13.1's _build_sharded_state_dict_metadata is the same (core_v0.13.1 checkpointing.py).
     # Markers: in core_v0.13.0-core_v0.14.0's arguments.py and the 0.14.0 args, removed in 0.15.0
     MegatronRelease("0.14", "0.14 or older (0.13-0.14 save alike)",
                     ("load_model_opt_format", "inference_dynamic_batching_chunk_size"), "common.pt",
                     _METADATA_JSON_COMMON_PT, null_tokenizer_eod_in_vocab=False, torch_dist_files_per_rank=2,
-                    rerun_state_always=False, rng_per_dp_with_experts=True,
+                    rerun_state_always=False, rng_per_dp_with_experts=False,
                     distrib_optim_default="fully_sharded_model_space",
                     distrib_optim_loads=("fully_sharded_model_space", "dp_zero_gather_scatter")),
     # 0.15.3: tests/fixtures/megatron-core-0.14/E15* (Megatron-LM core_v0.15.3): dp_reshardable by default
-    # (fully_sharded_model_space with --dist-ckpt-save-pre-mcore-014), otherwise as 0.16.1. Markers: the
+    # (fully_sharded_model_space with --dist-ckpt-save-pre-mcore-014), otherwise as 0.16.1 but for RNG states
+    # with experts, per (pp, tp) as in 0.14 (core_v0.15.3 get_rng_state). Markers: the
     # arguments of that choice (in the args of 0.15.3, 0.16.1 and 0.19.2 checkpoints, not in 0.14.0's)
     MegatronRelease("0.15", "0.15", ("dist_ckpt_save_pre_mcore_014", "dist_ckpt_optim_fully_reshardable"),
                     "common.pt", _METADATA_JSON_COMMON_PT, null_tokenizer_eod_in_vocab=False,
-                    torch_dist_files_per_rank=2, rerun_state_always=False, rng_per_dp_with_experts=True),
+                    torch_dist_files_per_rank=2, rerun_state_always=False, rng_per_dp_with_experts=False),
     # 0.16.1: tests/fixtures/megatron-lm (common.pt; Megatron-LM's legacy NullTokenizer appends EOD). Markers: in
     # the args of 0.16.1 and 0.19.2 checkpoints (and 0.17.0/0.18.0's megatron/training), not in 0.15.3's
     MegatronRelease("0.16", "0.16", ("apply_wd_to_qk_layernorm", "dump_param_to_param_group_map"),
