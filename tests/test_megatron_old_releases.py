@@ -34,10 +34,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from pretrain_runs import REPO
 from test_bad_inputs_readers import RUN_CODE, overwrite, payload_archive
 
+from megatron_ucp.byteio import FileHandles, read_stored
 from megatron_ucp.convert import to_universal
 from megatron_ucp.formats import safe_pickle as sp
 from megatron_ucp.formats import versions
@@ -103,6 +105,13 @@ def test_model_space_and_legacy_saves_convert_equal(ucp14):
         assert len(result.diffs) == 4 * 21
     # the Megatron checkpoints themselves, read directly (not through the universal ones)
     assert verify(A14, B14, iteration_a=4, iteration_b=4, progress=False).equal
+    # the byte path (locate: file regions, no tensor read) gives read()'s values on the split shard
+    ref = next(r for r in reader.shards() if r.local_name == "decoder.layers.1.mlp.linear_fc1.weight" and r.tp_rank == 0)
+    located, values = reader.locate(ref), reader.read(ref)
+    assert len(located["exp_avg"].regions) == 3  # the gate fragment whole, the up fragment in two DP ranges
+    with FileHandles() as files:
+        for name in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(read_stored(files, located[name]), values[name]), name
 
 
 def test_flipped_byte_in_a_split_range_is_a_difference(tmp_path, ucp14):
@@ -151,8 +160,6 @@ def test_payload_in_a_flattened_range_never_runs(tmp_path):
 def test_unread_sharding_type_is_refused(tmp_path):
     """fully_sharded_bucket_space (megatron-core <= 0.14 can load it, Megatron-LM never saves it) is refused with
     its cause and what to do."""
-    import torch
-
     root = copy_iteration(A14, tmp_path)
     common_file = root / ITER / "common.pt"
     common = torch.load(common_file, weights_only=False)  # our own copy of a fixture, trusted here

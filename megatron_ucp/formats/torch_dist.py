@@ -221,13 +221,15 @@ class TorchDistCheckpoint(CheckpointReader):
         self.config = model_config_from_args(self.args, common_file)
         self._common = {k: v for k, v in common.items() if k not in ("args", "rng_state")}
         del common
-        # 'dp_reshardable' | 'fully_reshardable' with the distributed optimizer, else None
+        # the distributed optimizer's recorded sharding type (a key of versions.OPTIMIZER_SHARDINGS), else None
         self.distrib_optim_sharding: Optional[str] = None
         self._optim_layout: Optional[versions.OptimizerSharding] = None  # what that sharding type means
         self.optimizer_kind = self._detect_optimizer()
         self._flat_buckets = self._optim_space == "buckets"
-        # fully_sharded_model_space state keys -> the TP-local fragment shape each flattened range indexes
+        # fully_sharded_model_space state keys -> the TP-local fragment shape each flattened range indexes, and
+        # -> {fragment index: its saved chunks' offsets in flattened order}
         self._fragments: dict[str, tuple[int, ...]] = {}
+        self._fragment_chunks: dict[str, dict[tuple, list]] = {}
         self._buckets = self._index_buckets() if self._flat_buckets else {}
         self._state_keys = self._index_model_space_state() if self._model_space else {}
         self._model_space_groups, self._model_space_step = (
@@ -455,6 +457,7 @@ class TorchDistCheckpoint(CheckpointReader):
                 raise CheckpointFormatError(f"{where}: chunk at {c.offsets} of size {c.sizes} spans several "
                                             f"fragments; the metadata is corrupt, re-copy the iteration folder.")
             ranges.setdefault(c.offsets[:-1], []).append((c.offsets[-1], c.sizes[-1]))
+        self._fragment_chunks[key] = {f: [f + (start,) for start, _ in sorted(r)] for f, r in ranges.items()}
         for fragment in itertools.product(*map(range, grid)):
             pos, tiled = 0, True
             for start, length in sorted(ranges.get(fragment, ())):
@@ -482,10 +485,6 @@ class TorchDistCheckpoint(CheckpointReader):
                  tuple(i * n for i, n in zip(index, shape)))
                 for index in itertools.product(*(range(s // n) for s, n in zip(sizes, shape)))]
 
-    def _flat_chunks(self, fqn: str, fragment: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """The saved chunks (their offsets) of one fragment, in flattened order (checked at open to tile it)."""
-        return sorted((o for o in self._saved_chunks(fqn) if o[:-1] == fragment), key=lambda o: o[-1])
-
     def _read_flat_box(self, fqn: str, box: Box):
         """A box of whole fragments of a fully_sharded_model_space state key, in the model key's coordinates:
         each fragment's flattened ranges (verified records) concatenated and shaped as the fragment."""
@@ -494,7 +493,7 @@ class TorchDistCheckpoint(CheckpointReader):
         shape = self._fragments[fqn]
         out = torch.empty(box[1], dtype=torch_dtype(self._keys[fqn].dtype))
         for fragment, dst in self._flat_fragments(fqn, box):
-            flat = torch.cat([read_tensor(self._record(fqn, c)).reshape(-1) for c in self._flat_chunks(fqn, fragment)])
+            flat = torch.cat([read_tensor(self._record(fqn, c)).reshape(-1) for c in self._fragment_chunks[fqn][fragment]])
             view = out
             for dim, (start, length) in enumerate(zip(dst, shape)):
                 view = view.narrow(dim, start, length)
@@ -508,7 +507,7 @@ class TorchDistCheckpoint(CheckpointReader):
         fragments = self._flat_fragments(fqn, box)
         if len(fragments) != 1:
             return None
-        parts = [stored_tensor(self._record(fqn, c)) for c in self._flat_chunks(fqn, fragments[0][0])]
+        parts = [stored_tensor(self._record(fqn, c)) for c in self._fragment_chunks[fqn][fragments[0][0]]]
         if any(p is None for p in parts):
             return None
         return concat_stored(parts, box[1])
