@@ -17,11 +17,14 @@ What is checked (tolerance atol 0 everywhere):
 - negative controls: one flipped byte in that split chunk is a difference `verify` reports at that parameter;
   a shortened range in .metadata is refused with one line; a pickle payload in that chunk never runs;
   fully_sharded_bucket_space (never chosen by Megatron-LM) is refused with what to do;
-- the release is detected from the args (0.14 has neither of 0.15's marker arguments) and shown by inspect;
+- the release is detected from the args (0.13-0.14's two arguments that 0.15 removed; 0.15's two new ones)
+  and shown by inspect; removing or adding a marker changes the answer;
+- GPT-MoE (M14): the dense and expert optimizers' state converts; its 0.14 write matches Megatron-LM's keys;
 - from-universal `--megatron-core-version 0.14`: torch_dist is written as fully_sharded_model_space (0.14's
   DistributedOptimizer loads neither dp_reshardable nor fully_reshardable; asking for those is refused in one
-  line naming 0.15), with Megatron-LM's keys, shapes and mcore_data, equal to A14; legacy torch equals B14.
-  Both resumed in real Megatron-LM core_v0.14.0 reproduce train.log (fixture README; not a test: minutes of CPU);
+  line naming 0.15; the 0.16.1 harness refuses it), with Megatron-LM's keys, shapes and mcore_data, equal to
+  A14; legacy torch equals B14. These writes (and M14's) resumed in real Megatron-LM core_v0.14.0 reproduce
+  train.log (fixture README; not a test: it needs Megatron-LM's source tree and minutes of CPU);
 - torch_dist for 0.16 at another layout equals A14 (verify across releases), and `plan` reads A14.
 """
 
@@ -240,6 +243,10 @@ def test_from_universal_for_014(tmp_path, ucp14):
                               "--optimizer-format", "dp_reshardable", "--quiet", "--megatron-core-version", "0.14"))
     assert "megatron-core 0.14 cannot load" in line and "--megatron-core-version 0.15" in line
     assert "--optimizer-format fully_sharded_model_space" in line and not (tmp_path / "dp").exists()
+    line = one_line_error(cli("from-universal", ucp14["A14"], tmp_path / "h", "-t", "2", "-d", "2",
+                              "--use-distributed-optimizer", "--sequence-parallel", "--ckpt-format", "torch_dist",
+                              "--via-harness", "--optimizer-format", "fully_sharded_model_space", "--quiet"))
+    assert "the harness (megatron-core 0.16.1) saves dp_reshardable or fully_reshardable" in line
     from_universal(ucp14["A14"], tmp_path / "legacy", tensor_model_parallel_size=2, data_parallel_size=2,
                    use_distributed_optimizer=True, sequence_parallel=True, ckpt_format="torch",
                    megatron_core_version="0.14", progress=False)
