@@ -8,8 +8,12 @@ The CPU patches are megatron_ucp/megatron_lm/cpu_shims.py's (written for 0.19.2)
 that older release has the patched name; none changes a number. Differences to 0.19 (why a patch is not used):
 - no `typing.override`, no triton-only module at import in 0.14 (nothing to stub);
 - megatron.training.utils is a module, not a package: the device-arch answer goes to arguments alone;
-- `six` (imported by 0.14's BERT tokenizer module, reached from `import megatron.training`) is not installed
-  here; GPT with NullTokenizer never calls it, so an empty module stands in;
+- `six` (imported by 0.14's BERT tokenizer module, reached from `import megatron.training`) is not in the venv:
+  `pip install --target /tmp/py_six six` and put that folder on PYTHONPATH (the torch_dist save spawns a
+  process that re-imports megatron.training); an empty stand-in module covers this process only;
+- GPT-MoE: megatron_ucp/cpu_backend.py's 0.16.1 patches for the router GEMM (TE name undefined without TE)
+  and the alltoall dispatcher's CUDA DtoH stream apply unchanged; use ETP1 (gloo refuses the expert-TP
+  all-gather of uneven token counts);
 - `megatron.legacy.fused_kernels.load` (0.14's initialize builds Megatron's CUDA softmax kernels with nvcc,
   unused with --no-masked-softmax-fusion; 0.19 dropped the call): skipped on CPU;
 - numpy 2 (this venv) removed `np.product`, which 0.14's dist_checkpointing exchange_utils calls (0.14 pins
