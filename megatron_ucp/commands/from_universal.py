@@ -4,7 +4,7 @@
         [--decoder-first-pipeline-num-layers F] [--decoder-last-pipeline-num-layers L]
         [--account-for-embedding-in-pipeline-split] [--account-for-loss-in-pipeline-split]
         [--expert-model-parallel-size E] [--expert-tensor-parallel-size ET]
-        [--use-distributed-optimizer [--optimizer-format {dp_reshardable,fully_reshardable}]]
+        [--use-distributed-optimizer [--optimizer-format {dp_reshardable,fully_reshardable,fully_sharded_model_space}]]
         [--sequence-parallel] --ckpt-format {torch,torch_dist} [--megatron-core-version X.Y] [--workers K]
         [--via-harness] [--dry-run] [--overwrite] [--clean-stale]
 
@@ -18,7 +18,7 @@ checkpoint is opened, files are written into `DST.partial-<host>-<pid>-<random>`
 complete with `megatron-ucp.json` and renamed to DST, so DST is either absent, the previous output, or
 complete; an existing DST is replaced only with --overwrite and only when this tool wrote it. The
 universal checkpoint is only read, every block checked against its checksums. The format's writer
-(writers/, one declared interface) plans and writes the files; this module only checks what every
+(formats/<format>/writer.py, one declared interface) plans and writes the files; this module only checks what every
 format shares. Under torchrun, with a writer that splits its files over processes (the direct
 torch_dist writer), rank 0 owns DST (lock, staging directory), every process writes its share into the
 shared staging directory, and rank 0 finishes and publishes once all are done.
@@ -418,9 +418,10 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
                    help="torch_dist: megatron-core's distributed checkpoint; torch: legacy model_optim_rng.pt "
                         "(+ distrib_optim.pt); both written offline, without training processes")
     p.add_argument("--optimizer-format", choices=OPTIMIZER_FORMATS, default=None,
-                   help="torch_dist with --use-distributed-optimizer: dp_reshardable (default, as megatron-core: "
-                        "flat buckets for this TP x PP, cheapest to load, any DP) or fully_reshardable (model "
-                        "space: megatron-core loads it at any TP x PP x DP, so one write serves every layout)")
+                   help="torch_dist with --use-distributed-optimizer: dp_reshardable (default from 0.15, as "
+                        "megatron-core: flat buckets for this TP x PP, cheapest to load, any DP), fully_reshardable "
+                        "(model space: megatron-core loads it at any TP x PP x DP, so one write serves every layout) "
+                        "or fully_sharded_model_space (megatron-core 0.13/0.14's default, the one they load)")
     p.add_argument("--megatron-core-version", default=None, metavar="X.Y",
                    help=f"write what that megatron-core release's own save writes ({', '.join(SUPPORTED_RELEASES)}; "
                         f"default: the release that wrote the universal checkpoint's source, {NEWEST_RELEASE} for "

@@ -5,12 +5,18 @@ checkpoint itself (`detect`); writers take the row of the release the user resum
 Nothing else in megatron-ucp branches on a version number: code asks a row's fields.
 
 How a release is recognised: Megatron-LM pickles its whole argument namespace into every checkpoint, and
-each release adds arguments. `markers` are arguments a release introduced that every later release still
-has (checked against the wheels' `megatron/training` sources and against the args of real checkpoints:
-tests/fixtures/megatron-lm (0.16.1) has none of them, tests/fixtures/megatron-core-0.19 has all). The
-newest release whose markers are all present wrote the checkpoint. Releases before 0.17 add no marker
-checked here, so 0.13-0.16 checkpoints are reported as "0.16 or older"; their formats are read by the
-same rules (the optimizer's layout is recorded per checkpoint, in `content_metadata`).
+each release adds arguments. `markers` are arguments only that release and the ones after it in the table
+have: from 0.15 on, arguments it introduced that every later release still has; for 0.13-0.14, two arguments
+they have and 0.15 removed (checked against Megatron-LM's tagged `megatron/training/arguments.py`, the wheels'
+sources and the args of real checkpoints: tests/fixtures/megatron-core-0.14 (0.14.0, 0.15.3),
+tests/fixtures/megatron-lm (0.16.1), tests/fixtures/megatron-core-0.19). The newest release whose markers are
+all present wrote the checkpoint; args with no markers at all (megatron-ucp's own 0.16.1 harness saves its
+own namespace) are 0.16's (`FALLBACK`). 0.13 and 0.14 save alike and are one row.
+
+The distributed optimizer's torch_dist layout is recorded in each checkpoint (content_metadata
+'distrib_optim_sharding_type'); `OPTIMIZER_SHARDINGS` says what each recorded name means for a reader, and each
+release row which of them that release writes by default and which it can load (what `from-universal` may
+write for it).
 
 A leaf module: imports nothing of megatron-ucp.
 """
@@ -46,6 +52,55 @@ class MegatronRelease:
     # torch_dist with expert parallelism: RNG states sharded per (pp, tp, dp) rank (each DP rank's own
     # expert-parallel stream; Megatron-LM 0.16) or per (pp, tp) as without experts (0.17 on: get_rng_state)
     rng_per_dp_with_experts: bool
+    # torch_dist with --use-distributed-optimizer: the sharding type Megatron-LM of this release saves by
+    # default, and those its DistributedOptimizer.load_state_dict accepts (names of OPTIMIZER_SHARDINGS)
+    distrib_optim_default: str = "dp_reshardable"
+    distrib_optim_loads: tuple[str, ...] = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space",
+                                            "dp_zero_gather_scatter")
+
+
+@dataclass(frozen=True)
+class OptimizerSharding:
+    """One value of content_metadata['distrib_optim_sharding_type']: how the distributed optimizer's Adam state
+    is laid out in a torch_dist checkpoint."""
+
+    name: str
+    # "buckets": flat DDP buckets per model-parallel rank ('optimizer.distributed.dp_group_idx_<m>...');
+    # "model": per parameter under 'optimizer.state.<what>.<model key>', chunked like the weight;
+    # "model_flat": per parameter, each TP-local shard flattened and split in DP ranges: saved as a tensor of
+    #   shape (*fragments per axis, shard numel) with chunks (*fragment index, range start) (megatron-core's
+    #   nd_flattened reformulation, dist_checkpointing/strategies/torch.py);
+    # "gathered": one object per model-parallel rank with its DDP buffers gathered over DP (legacy
+    #   distrib_optim.pt's content: formats/coalesced.coalesced_buffers);
+    # None: a layout megatron-ucp does not read (`refusal` says what to do)
+    space: Optional[str]
+    main_param: str = "param"  # the saved name of the fp32 main weight in model space
+    refusal: str = ""
+
+
+OPTIMIZER_SHARDINGS: Mapping[str, OptimizerSharding] = {
+    # megatron-core >= 0.15 default (Megatron-LM 0.15/0.16: DistributedOptimizer.sharded_param_state_dp_reshardable)
+    "dp_reshardable": OptimizerSharding("dp_reshardable", "buckets"),
+    # --dist-ckpt-optim-fully-reshardable (0.15 on)
+    "fully_reshardable": OptimizerSharding("fully_reshardable", "model"),
+    # megatron-core 0.13/0.14 default (Megatron-LM --ckpt-fully-parallel-save, on by default; 0.15/0.16 with
+    # --dist-ckpt-save-pre-mcore-014): tests/fixtures/megatron-core-0.14
+    "fully_sharded_model_space": OptimizerSharding("fully_sharded_model_space", "model_flat", main_param="fp32_param"),
+    # --no-ckpt-fully-parallel-save (0.13/0.14; 0.15/0.16 with --dist-ckpt-save-pre-mcore-014): each
+    # model-parallel rank's buffers gathered on DP rank 0 into one object 'optimizer.distributed.dp_group_idx_<m>.
+    # param_state' holding what distrib_optim.pt holds (tests/fixtures/megatron-core-0.14/C14*)
+    "dp_zero_gather_scatter": OptimizerSharding("dp_zero_gather_scatter", "gathered"),
+    # megatron-core <= 0.14, never Megatron-LM's choice; deprecated there
+    "fully_sharded_bucket_space": OptimizerSharding(
+        "fully_sharded_bucket_space", None,
+        refusal="a deprecated layout Megatron-LM never chooses itself; load it with megatron-core 0.14 and save "
+                "with Megatron-LM's default (fully_sharded_model_space), or with --ckpt-format torch"),
+}
+
+
+def optimizer_sharding(name: Any) -> Optional[OptimizerSharding]:
+    """What a recorded distrib_optim_sharding_type means; None for a name no release writes."""
+    return OPTIMIZER_SHARDINGS.get(name) if isinstance(name, str) else None
 
 
 _METADATA_JSON_COMMON_PT = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -54,10 +109,30 @@ _METADATA_JSON_SHARDED = {"sharded_backend": "torch_dist", "sharded_backend_vers
 
 # Oldest first. Evidence for each field is in the comment of its row.
 RELEASES: tuple[MegatronRelease, ...] = (
-    # 0.16.1: tests/fixtures/megatron-lm (common.pt; Megatron-LM's legacy NullTokenizer appends EOD)
-    MegatronRelease("0.16", "0.16 or older (0.13-0.16 add no marker argument)", (), "common.pt",
+    # 0.14.0: tests/fixtures/megatron-core-0.14 (Megatron-LM core_v0.14.0 on CPU). As 0.16 but the distributed
+    # optimizer saves fully_sharded_model_space (--no-ckpt-fully-parallel-save: dp_zero_gather_scatter) and
+    # DistributedOptimizer.sharded_state_dict knows no dp_reshardable / fully_reshardable (NotImplementedError).
+    # RNG with experts per (pp, tp) (the M14 fixture; get_rng_state shards by DP with EP only from 0.16).
+    # 0.13.1's _build_sharded_state_dict_metadata is the same (core_v0.13.1 checkpointing.py).
+    # Markers: in core_v0.13.0-core_v0.14.0's arguments.py and the 0.14.0 args, removed in 0.15.0
+    MegatronRelease("0.14", "0.14 or older (0.13-0.14 save alike)",
+                    ("load_model_opt_format", "inference_dynamic_batching_chunk_size"), "common.pt",
                     _METADATA_JSON_COMMON_PT, null_tokenizer_eod_in_vocab=False, torch_dist_files_per_rank=2,
-                    rerun_state_always=False, rng_per_dp_with_experts=True),
+                    rerun_state_always=False, rng_per_dp_with_experts=False,
+                    distrib_optim_default="fully_sharded_model_space",
+                    distrib_optim_loads=("fully_sharded_model_space", "dp_zero_gather_scatter")),
+    # 0.15.3: tests/fixtures/megatron-core-0.14/E15* (Megatron-LM core_v0.15.3): dp_reshardable by default
+    # (fully_sharded_model_space with --dist-ckpt-save-pre-mcore-014), otherwise as 0.16.1 but for RNG states
+    # with experts, per (pp, tp) as in 0.14 (core_v0.15.3 get_rng_state). Markers: the
+    # arguments of that choice (in the args of 0.15.3, 0.16.1 and 0.19.2 checkpoints, not in 0.14.0's)
+    MegatronRelease("0.15", "0.15", ("dist_ckpt_save_pre_mcore_014", "dist_ckpt_optim_fully_reshardable"),
+                    "common.pt", _METADATA_JSON_COMMON_PT, null_tokenizer_eod_in_vocab=False,
+                    torch_dist_files_per_rank=2, rerun_state_always=False, rng_per_dp_with_experts=False),
+    # 0.16.1: tests/fixtures/megatron-lm (common.pt; Megatron-LM's legacy NullTokenizer appends EOD). Markers: in
+    # the args of 0.16.1 and 0.19.2 checkpoints (and 0.17.0/0.18.0's megatron/training), not in 0.15.3's
+    MegatronRelease("0.16", "0.16", ("apply_wd_to_qk_layernorm", "dump_param_to_param_group_map"),
+                    "common.pt", _METADATA_JSON_COMMON_PT, null_tokenizer_eod_in_vocab=False,
+                    torch_dist_files_per_rank=2, rerun_state_always=False, rng_per_dp_with_experts=True),
     # 0.17.0 wheel: dist_checkpointing.core still writes common_backend; core NullTokenizer has vocab N + 1
     # (files per rank: TorchDistSaveShardedStrategy thread_count = args.dist_ckpt_workers; rerun state as 0.16)
     MegatronRelease("0.17", "0.17", ("dist_ckpt_workers", "lion_beta1"), "common.pt",
@@ -74,6 +149,7 @@ RELEASES: tuple[MegatronRelease, ...] = (
                     rerun_state_always=True, rng_per_dp_with_experts=False),
 )
 NEWEST = RELEASES[-1]
+FALLBACK = next(r for r in RELEASES if r.name == "0.16")  # args without any marker (module docstring)
 MEGATRON_FORMATS = ("torch", "torch_dist")  # checkpoint formats whose writing release is recorded
 SUPPORTED = tuple(r.name for r in RELEASES)
 
@@ -96,7 +172,12 @@ def write_default(source: Optional[Mapping[str, Any]]) -> MegatronRelease:
     if not source or source.get("format") not in MEGATRON_FORMATS:  # e.g. import-hf: no Megatron source
         return NEWEST
     recorded = source.get("megatron_core")
-    return release(recorded) if recorded else RELEASES[0]
+    return release(recorded) if recorded else FALLBACK
+
+
+def oldest_loading(sharding: str) -> Optional[MegatronRelease]:
+    """The oldest release whose distributed optimizer loads this torch_dist sharding type."""
+    return next((row for row in RELEASES if sharding in row.distrib_optim_loads), None)
 
 
 def torch_dist_files_per_rank(row: MegatronRelease, args: Mapping[str, Any]) -> int:
@@ -109,8 +190,8 @@ def torch_dist_files_per_rank(row: MegatronRelease, args: Mapping[str, Any]) -> 
 
 def detect(args: Mapping[str, Any]) -> MegatronRelease:
     """The release that wrote a checkpoint with these args: the newest whose markers are all present."""
-    found = RELEASES[0]
-    for row in RELEASES[1:]:
+    found = FALLBACK
+    for row in RELEASES:
         if all(m in args for m in row.markers):
             found = row
     return found

@@ -40,13 +40,13 @@ from typing import Any, Collection, Mapping, Optional
 from megatron_ucp.adapters.gpt import (
     UnknownParameterError, canonical_name, experts_in_own_optimizer, is_buffer, is_expert, is_ignorable,
     megatron_param_groups, parameters_for_rank)
+from megatron_ucp.core import versions
 from megatron_ucp.core.dtypes import PARAM_DTYPES
 from megatron_ucp.core.layout import LayoutError
-from megatron_ucp.core import versions
-from megatron_ucp.formats.archive import read_tensor, stored_tensor, sub_record
+from megatron_ucp.formats.archive import read_tensor, stored_tensor
 from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef, unknown_shard
-from megatron_ucp.formats.bucket_layout import (
-    BufferLayout, BufferParam, DDPBucketConfig, build_chunk_buffers, shared_embedding_names)
+from megatron_ucp.formats.bucket_layout import BufferLayout, BufferParam
+from megatron_ucp.formats.coalesced import coalesced_buffers, coalesced_records
 from megatron_ucp.formats.common import (
     STATE_DTYPE, CheckpointFormatError, args_to_dict, build_common_state, check_dtype, entry, inside, layout_from_args,
     load_archive_file, model_config_from_args, scalar, structure_error)
@@ -343,48 +343,9 @@ class LegacyCheckpoint(CheckpointReader):
     def _check_distributed(self, meta: _RankMeta, index: int) -> None:
         file, view = meta.optim_file, meta.optims[index]
         distopt = view.distopt
-        if not isinstance(distopt, dict):
-            raise structure_error(file, f"the {'expert' if index else 'dense'} optimizer's state (a dict)", distopt)
-        if not distopt.get("buckets_coalesced"):
-            raise CheckpointFormatError(
-                f"{file}: distributed optimizer state without 'buckets_coalesced' (written by an older "
-                f"Megatron-LM with per-bucket lists, or not a distrib_optim.pt); resave it with "
-                f"megatron-core >= 0.7 (load it there and save again) before converting.")
-        num_params = sum(p.numel for chunk in meta.chunks for p in chunk if not is_buffer(p.name))
-        gbuf = 0
-        for chunk, params in enumerate(meta.chunks):
-            config = DDPBucketConfig.from_megatron_args(self.args, self.layout, pp_rank=meta.pp_rank, vpp_chunk=chunk,
-                                                        rank_num_parameters=num_params, experts=index == 1)
-            shared = shared_embedding_names(self.args, self.layout, pp_rank=meta.pp_rank, vpp_chunk=chunk,
-                                            names=[p.name for p in params])
-            params = [replace(p, shared_embedding=p.name in shared) for p in params if not is_buffer(p.name)]
-            buffers = build_chunk_buffers(params, config, experts=index == 1) if params else []
-            view.gbuf_base.append(gbuf)
-            view.buffers.append(buffers)
-            for buf in buffers:
-                dtypes = (buf.param_dtype, buf.grad_dtype)
-                saved = distopt.get(gbuf)
-                found = saved.get(dtypes) if isinstance(saved, dict) else None
-                if not isinstance(found, dict):
-                    held = [(k, [tuple(map(str, d)) if isinstance(d, tuple) else str(d) for d in v])
-                            for k, v in distopt.items() if k != "buckets_coalesced" and isinstance(v, dict)]
-                    raise CheckpointFormatError(
-                        f"{file}: no buffer {gbuf} with dtypes {tuple(map(str, dtypes))} (found {held}); "
-                        f"the DDP settings in args do not match the saved buffers.")
-                for key in ("param", "exp_avg", "exp_avg_sq"):
-                    t = check_dtype(found.get(key), (STATE_DTYPE,), path=file, what=f"buffer {gbuf} '{key}'")
-                    if (len(t.shape) != 1 or not t.is_c_contiguous() or t.numel != buf.numel_unpadded
-                            or found.get("numel_unpadded") != buf.numel_unpadded):
-                        raise CheckpointFormatError(
-                            f"{file}: buffer {gbuf} '{key}' has shape {t.shape} (numel_unpadded="
-                            f"{found.get('numel_unpadded')}) but the model's parameters with 64-element alignment "
-                            f"need {buf.numel_unpadded} elements in one flat tensor; the file does not belong to this "
-                            f"model or uses an unsupported buffer layout.")
-                gbuf += 1
-        held = [k for k in distopt if k != "buckets_coalesced"]
-        if gbuf != len(held):
-            raise CheckpointFormatError(f"{file}: holds {len(held)} buffers, the model needs {gbuf} "
-                                        f"({'expert' if index else 'dense'} optimizer).")
+        view.gbuf_base, view.buffers = coalesced_buffers(
+            distopt, meta.chunks, self.args, self.layout, pp_rank=meta.pp_rank, experts=index == 1, where=file,
+            what=f"the {'expert' if index else 'dense'} optimizer's state")
         inner = entry(view.state, "optimizer", dict, path=meta.model_file,
                       what="the distributed optimizer's 'optimizer'")
         groups = entry(inner, "param_groups", list, path=meta.model_file, what="the optimizer's 'param_groups'")
@@ -482,15 +443,8 @@ class LegacyCheckpoint(CheckpointReader):
 
     def _distributed_records(self, meta: _RankMeta, ref: ShardRef) -> dict:
         view = meta.optims[_optimizer_index(ref.local_name, self._chained)]
-        for i, buf in enumerate(view.buffers[ref.vpp_chunk]):
-            try:
-                span = buf.span(ref.local_name)
-            except KeyError:
-                continue
-            saved = view.distopt[view.gbuf_base[ref.vpp_chunk] + i][(buf.param_dtype, buf.grad_dtype)]
-            start = buf.coalesced_offset(span)
-            out = {("fp32" if key == "param" else key): sub_record(saved[key], start, span.shape)
-                   for key in ("param", "exp_avg", "exp_avg_sq")}
+        out = coalesced_records(view.distopt, view.gbuf_base, view.buffers, ref.vpp_chunk, ref.local_name)
+        if out is not None:
             if view.step is not None:
                 out["step"] = view.step
             return out

@@ -276,6 +276,9 @@ class HarnessTorchDistWriter(CheckpointWriter):
                 f"{target.layout.tp}, so the harness keeps it, but Megatron-LM computes "
                 f"{target.padded_vocab_size} rows at TP={target.layout.tp}; write --ckpt-format torch (it re-pads) "
                 f"or choose another TP")
+        if self.optimizer_format not in (None, "dp_reshardable", "fully_reshardable"):  # what 0.16.1 can save
+            raise WriteError(f"--optimizer-format {self.optimizer_format}: the harness (megatron-core 0.16.1) saves "
+                             f"dp_reshardable or fully_reshardable; drop --via-harness to write {self.optimizer_format}")
         if self.optimizer_format is not None and not target.use_distributed_optimizer:
             raise WriteError(f"--optimizer-format {self.optimizer_format} describes the distributed optimizer's "
                              f"state: add --use-distributed-optimizer, or drop --optimizer-format")

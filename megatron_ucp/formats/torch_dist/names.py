@@ -32,6 +32,7 @@ _CHAINED = r"(?:chained_(\d+)\.)?"
 _MODEL_SPACE = re.compile(r"^" + _CHAINED + r"optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
 _BUCKET = re.compile(r"^" + _CHAINED + r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+), "
                      r"(.+)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
+_DISTRIBUTED = re.compile(r"^" + _CHAINED + r"optimizer\.distributed\.")
 _SCALER = re.compile(r"^" + _CHAINED + r"optimizer\.distributed\.dp_group_idx_\d+\.grad_scaler/")
 
 
@@ -95,6 +96,11 @@ def distributed_optimizer_object_key(mp_rank: int, name: str, prefix: str = "") 
     """Key of a per model-parallel rank object of the distributed optimizer ('optimizer' (param groups),
     'per_bucket_numel', 'per_bucket_numel_unpadded', 'grad_scaler')."""
     return f"{prefix}optimizer.distributed.dp_group_idx_{mp_rank}.{name}"
+
+
+def is_distributed_optimizer_key(key: str) -> bool:
+    """A key of the distributed optimizer's own state (flat buckets, per-rank objects), not model-space state."""
+    return _DISTRIBUTED.match(key) is not None
 
 
 def is_grad_scaler_key(key: str) -> bool:

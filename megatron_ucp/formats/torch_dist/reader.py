@@ -35,6 +35,18 @@ bucket-end padding excluded), saved as DP shards; 'optimizer.distributed.dp_grou
   each with the model key's global shape and chunks (so it is sliced exactly like the weight);
   'param' is the fp32 main weight. common.pt['optimizer'] = {'optimizer': {'param_groups': [... 'step']},
   'param_state_sharding_type': 'fully_reshardable'}.
+- Distributed optimizer, 'fully_sharded_model_space' (megatron-core 0.13/0.14's default; DistributedOptimizer.
+  sharded_param_state_fs_model_space): 'optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>', each TP-local
+  shard of the weight flattened and cut into the DP ranks' ranges, saved in megatron-core's nd-flattened
+  reformulation: shape (*fragments per axis, shard numel), chunks (*fragment index, range start). A rank's box
+  of the weight is read fragment by fragment, each from its ranges in order; at open every fragment's ranges
+  must tile it exactly once. common.pt as for fully_reshardable, with 'param_state_sharding_type'
+  'fully_sharded_model_space'.
+- Distributed optimizer, 'dp_zero_gather_scatter' (--no-ckpt-fully-parallel-save up to 0.14): per model-parallel
+  rank m the object 'optimizer.distributed.dp_group_idx_<m>.param_state/shard_0_1' holds its DDP buffers
+  gathered over DP, exactly distrib_optim.pt's content (read as the legacy reader reads it:
+  formats/coalesced.py), and '...optimizer/shard_0_1' the param groups. (What each recorded sharding type
+  means is core/versions.OPTIMIZER_SHARDINGS; 'fully_sharded_bucket_space' is refused with what to do.)
 - No distributed optimizer (FP32Optimizer / Float16OptimizerWithFloat16Params.sharded_state_dict via
   dist_checkpointing.optimizer.optim_state_to_sharding_state): 'optimizer.state.{exp_avg,exp_avg_sq}.
   <model key>' and, with --bf16/--fp16, the fp32 main weights 'optimizer.state.fp32_param.<model key>'.
@@ -59,6 +71,7 @@ buffer: a weight without optimizer state.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -76,6 +89,7 @@ from megatron_ucp.formats.bucket_layout import (
 from megatron_ucp.formats.common import (
     STATE_DTYPE, CheckpointFormatError, args_to_dict, build_common_state, inside, layout_from_args, load_archive_file,
     model_config_from_args, scalar, structure_error)
+from megatron_ucp.formats.coalesced import coalesced_buffers, coalesced_records
 from megatron_ucp.formats.safe_pickle import (
     DcpBytesMeta, DcpIndex, DcpTensorMeta, SafeLoadError, TensorRecord, TorchDType, load_dcp_item, load_dcp_metadata)
 from megatron_ucp.formats.torch_dist import names
@@ -110,6 +124,7 @@ class _RankInfo:
     sources: dict = field(default_factory=dict)  # (chunk, local name) -> _Piece
     buffers: list[list[BufferLayout]] = field(default_factory=list)
     gbuf_base: list[int] = field(default_factory=list)
+    gathered: Optional[dict] = None  # dp_zero_gather_scatter: its parsed 'param_state' object (coalesced buffers)
     step: Optional[float] = None
     param_groups: Optional[list] = None
 
@@ -133,6 +148,7 @@ class _Requests:
     want: set
     tensors: dict = field(default_factory=dict)  # saved key -> [Box]
     flat: dict = field(default_factory=dict)  # out name -> saved key (flat buckets)
+    records: dict = field(default_factory=dict)  # out name -> TensorRecord (dp_zero_gather_scatter)
     states: dict = field(default_factory=dict)  # out name -> saved key (model-space state)
     weight_is_main: bool = False
 
@@ -153,6 +169,12 @@ def _assemble_stored(parts: list, piece: _Piece, shape: Optional[tuple] = None):
     if shape is None:
         shape = tuple(full[piece.lead:])
     return concat_stored(parts, shape)
+
+
+def distributed_object_prefix(info: _RankInfo, name: str) -> str:
+    """The key prefix of a distributed-optimizer object of one model-parallel rank ('optimizer': param groups;
+    'param_state': dp_zero_gather_scatter's gathered buffers), saved as ShardedObject '<prefix><shard>'."""
+    return names.distributed_optimizer_object_key(info.group_idx, name, prefix=info.prefix) + "/"
 
 
 def _intersect(a: Box, b: Box) -> Optional[Box]:
@@ -191,10 +213,15 @@ class TorchDistCheckpoint(CheckpointReader):
         self.config = model_config_from_args(self.args, common_file)
         self._common = {k: v for k, v in common.items() if k not in ("args", "rng_state")}
         del common
-        # 'dp_reshardable' | 'fully_reshardable' with the distributed optimizer, else None
+        # the distributed optimizer's recorded sharding type (a key of versions.OPTIMIZER_SHARDINGS), else None
         self.distrib_optim_sharding: Optional[str] = None
+        self._optim_layout: Optional[versions.OptimizerSharding] = None  # what that sharding type means
         self.optimizer_kind = self._detect_optimizer()
-        self._flat_buckets = self.distrib_optim_sharding == "dp_reshardable"
+        self._flat_buckets = self._optim_space == "buckets"
+        # fully_sharded_model_space state keys -> the TP-local fragment shape each flattened range indexes, and
+        # -> {fragment index: its saved chunks' offsets in flattened order}
+        self._fragments: dict[str, tuple[int, ...]] = {}
+        self._fragment_chunks: dict[str, dict[tuple, list]] = {}
         self._buckets = self._index_buckets() if self._flat_buckets else {}
         self._state_keys = self._index_model_space_state() if self._model_space else {}
         self._model_space_groups, self._model_space_step = (
@@ -279,9 +306,15 @@ class TorchDistCheckpoint(CheckpointReader):
             raise CheckpointFormatError(str(e)) from e
 
     @property
+    def _optim_space(self) -> Optional[str]:
+        """The distributed optimizer's layout (versions.OptimizerSharding.space), None without one."""
+        return self._optim_layout.space if self._optim_layout else None
+
+    @property
     def _model_space(self) -> bool:
-        """Optimizer state saved per parameter, with the model key's shape and chunks."""
-        return self.optimizer_kind in ("adam", "mixed_precision") or self.distrib_optim_sharding == "fully_reshardable"
+        """Optimizer state saved per parameter: with the model key's shape and chunks, or (fully_sharded_model_space)
+        as flattened ranges of the model key's TP-local shards."""
+        return self.optimizer_kind in ("adam", "mixed_precision") or self._optim_space in ("model", "model_flat")
 
     def _detect_optimizer(self) -> str:
         opt_keys = [k for k in self._keys if k.startswith(names.OPTIMIZER_PREFIXES)]
@@ -296,22 +329,30 @@ class TorchDistCheckpoint(CheckpointReader):
         if self.args.get("optimizer", "adam") != "adam":
             raise CheckpointFormatError(f"{common_file}: args.optimizer={self.args.get('optimizer')!r}; only Adam "
                                         f"state (exp_avg, exp_avg_sq) can be read.")
-        if any(k.startswith("optimizer.distributed.") for k in opt_keys) or sharding == "dp_reshardable":
-            if sharding != "dp_reshardable":
+        layout = versions.optimizer_sharding(sharding)
+        if any(names.is_distributed_optimizer_key(k) for k in opt_keys) and layout is None:
+            raise CheckpointFormatError(
+                f"{common_file}: distrib_optim_sharding_type={sharding!r} with flat-bucket optimizer keys; "
+                f"not a sharding type any megatron-core release writes ({', '.join(versions.OPTIMIZER_SHARDINGS)}).")
+        if layout is not None:
+            flat_keys = any(names.parse_flat_bucket_key(k) for k in opt_keys)
+            if layout.space is not None and flat_keys != (layout.space == "buckets"):
                 raise CheckpointFormatError(
-                    f"{common_file}: distrib_optim_sharding_type={sharding!r} with flat-bucket optimizer keys; "
-                    f"only 'dp_reshardable' (Megatron-LM's default) and 'fully_reshardable' "
-                    f"(--dist-ckpt-optim-fully-reshardable) are supported.")
+                    f"{common_file}: distrib_optim_sharding_type={sharding!r} but .metadata "
+                    f"{'has' if flat_keys else 'has no'} flat-bucket optimizer keys (those are 'dp_reshardable'); "
+                    f"common.pt and the .distcp files are from different saves, re-copy the iteration folder.")
+            if layout.space is None:
+                raise CheckpointFormatError(
+                    f"{common_file}: distributed-optimizer state with distrib_optim_sharding_type={sharding!r}, which "
+                    f"megatron-ucp does not read: {layout.refusal}.")
             self.distrib_optim_sharding = sharding
-            return "distributed"
-        if sharding == "fully_reshardable":
-            self.distrib_optim_sharding = sharding
+            self._optim_layout = layout
             return "distributed"
         if sharding is not None or self.args.get("use_distributed_optimizer"):
             raise CheckpointFormatError(
-                f"{common_file}: distributed-optimizer state with distrib_optim_sharding_type={sharding!r}; only "
-                f"'dp_reshardable' (Megatron-LM's default) and 'fully_reshardable' (--dist-ckpt-optim-fully-"
-                f"reshardable) are supported. Re-save it with a recent Megatron-LM, or use the legacy 'torch' format.")
+                f"{common_file}: distributed-optimizer state with distrib_optim_sharding_type={sharding!r}; not a "
+                f"sharding type any megatron-core release writes ({', '.join(versions.OPTIMIZER_SHARDINGS)}); the "
+                f"common state is corrupt, re-copy common.pt from the original checkpoint.")
         subs = self._optimizer_common_parts()
         # Float16OptimizerWithFloat16Params nests the torch state under 'optimizer'; FP32Optimizer does not
         if any("optimizer" in sub or "fp32_from_fp16_params" in sub for sub in subs) or any(
@@ -345,7 +386,9 @@ class TorchDistCheckpoint(CheckpointReader):
             if not isinstance(self._keys.get(model_key), DcpTensorMeta):
                 raise CheckpointFormatError(f"{self._dcp_index}: optimizer state {key} belongs to no saved "
                                             f"model tensor {model_key!r}.")
-            if tuple(md.size) != tuple(self._keys[model_key].size):
+            if self._optim_space == "model_flat":
+                self._fragments[key] = self._check_flattened(key, md, self._keys[model_key])
+            elif tuple(md.size) != tuple(self._keys[model_key].size):
                 raise CheckpointFormatError(
                     f"{self._dcp_index}: {key} has global shape {tuple(md.size)} but the model tensor "
                     f"{model_key} has {tuple(self._keys[model_key].size)}; the checkpoint is inconsistent.")
@@ -353,15 +396,16 @@ class TorchDistCheckpoint(CheckpointReader):
                 raise CheckpointFormatError(f"{self._dcp_index}: {what} state of {model_key} is saved "
                                             f"twice ({out[model_key][what]}, {key}).")
             out[model_key][what] = key
-        expected = {"param", "exp_avg", "exp_avg_sq"} if self.distrib_optim_sharding else {"exp_avg", "exp_avg_sq"}
+        expected = {"exp_avg", "exp_avg_sq"} | ({self._optim_layout.main_param} if self._optim_layout else set())
         for model_key, found in out.items():
             if not expected <= set(found):
                 raise CheckpointFormatError(
                     f"{self._dcp_index}: optimizer state of {model_key} has {sorted(found)}, expected "
                     f"{sorted(expected)}; the checkpoint is incomplete or not an Adam checkpoint.")
-        if not out and self.distrib_optim_sharding:
-            raise CheckpointFormatError(f"{self._dcp_index}: distrib_optim_sharding_type='fully_reshardable' "
-                                        f"but no optimizer.state.param.* tensors are saved.")
+        if not out and self._optim_layout:
+            raise CheckpointFormatError(f"{self._dcp_index}: distrib_optim_sharding_type="
+                                        f"{self.distrib_optim_sharding!r} but no optimizer.state."
+                                        f"{self._optim_layout.main_param}.* tensors are saved.")
         return out
 
     def _model_space_common(self) -> tuple[list, Optional[float]]:
@@ -385,6 +429,79 @@ class TorchDistCheckpoint(CheckpointReader):
             raise CheckpointFormatError(f"{self._common_file}: the optimizer state disagrees on the Adam step "
                                         f"{sorted(steps)}.")
         return groups, (steps.pop() if steps else None)
+
+    def _check_flattened(self, key: str, md: DcpTensorMeta, model: DcpTensorMeta) -> tuple[int, ...]:
+        """fully_sharded_model_space: `key` is saved as (*fragments per axis, fragment numel) over the model key's
+        global shape (each fragment one TP-local shard); every fragment's flattened ranges must tile [0, numel)
+        exactly once (all DP ranks' slices present, none twice). Returns the fragment shape."""
+        where = f"{self._dcp_index}: {key}"
+        size, global_shape = tuple(md.size), tuple(model.size)
+        grid = size[:-1]
+        if (len(size) != len(global_shape) + 1 or any(f < 1 or g % f for f, g in zip(grid, global_shape))
+                or size[-1] != math.prod(g // f for f, g in zip(grid, global_shape))):
+            raise CheckpointFormatError(
+                f"{where} has shape {size}, which is not (fragments per axis, fragment numel) of the model tensor's "
+                f"{global_shape} (fully_sharded_model_space); the metadata is corrupt, re-copy the iteration folder.")
+        ranges: dict[tuple, list] = {}
+        for c in md.chunks:
+            if any(n != 1 for n in c.sizes[:-1]):
+                raise CheckpointFormatError(f"{where}: chunk at {c.offsets} of size {c.sizes} spans several "
+                                            f"fragments; the metadata is corrupt, re-copy the iteration folder.")
+            ranges.setdefault(c.offsets[:-1], []).append((c.offsets[-1], c.sizes[-1]))
+        self._fragment_chunks[key] = {f: [f + (start,) for start, _ in sorted(r)] for f, r in ranges.items()}
+        for fragment in itertools.product(*map(range, grid)):
+            pos, tiled = 0, True
+            for start, length in sorted(ranges.get(fragment, ())):
+                tiled = tiled and start == pos
+                pos = start + length
+            if not tiled or pos != size[-1]:
+                raise CheckpointFormatError(
+                    f"{where}: the flattened ranges of fragment {fragment} cover "
+                    f"{sorted((a, a + n) for a, n in ranges.get(fragment, ()))}, not [0, {size[-1]}) exactly once "
+                    f"(a data-parallel rank's slice is missing or doubled); the checkpoint is incomplete, re-copy "
+                    f"the iteration folder.")
+        return tuple(g // f for f, g in zip(grid, global_shape))
+
+    def _flat_fragments(self, fqn: str, box: Box) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """fully_sharded_model_space: the fragments (their grid index, their offset in the box) that make up a
+        box of the model key's global tensor; the box must be made of whole fragments (TP-local shards)."""
+        shape = self._fragments[fqn]
+        offsets, sizes = box
+        if any(o % n or s % n for o, s, n in zip(offsets, sizes, shape)):
+            raise CheckpointFormatError(
+                f"{self._dcp_index}: {fqn} is saved in fragments of shape {shape} (fully_sharded_model_space) "
+                f"but the rank's shard at {offsets} of size {sizes} is not made of whole fragments; the args do not "
+                f"match the layout it was saved at.")
+        return [(tuple(o // n + i for o, n, i in zip(offsets, shape, index)),
+                 tuple(i * n for i, n in zip(index, shape)))
+                for index in itertools.product(*(range(s // n) for s, n in zip(sizes, shape)))]
+
+    def _read_flat_box(self, fqn: str, box: Box):
+        """A box of whole fragments of a fully_sharded_model_space state key, in the model key's coordinates:
+        each fragment's flattened ranges (verified records) concatenated and shaped as the fragment."""
+        import torch
+
+        shape = self._fragments[fqn]
+        out = torch.empty(box[1], dtype=torch_dtype(self._keys[fqn].dtype))
+        for fragment, dst in self._flat_fragments(fqn, box):
+            flat = torch.cat([read_tensor(self._record(fqn, c)).reshape(-1) for c in self._fragment_chunks[fqn][fragment]])
+            view = out
+            for dim, (start, length) in enumerate(zip(dst, shape)):
+                view = view.narrow(dim, start, length)
+            view.copy_(flat.view(shape))
+        return out
+
+    def _locate_flat_box(self, fqn: str, box: Box):
+        """Where a one-fragment box's bytes are: its flattened ranges' bytes in order; None for several fragments."""
+        from megatron_ucp.byteio import concat_stored
+
+        fragments = self._flat_fragments(fqn, box)
+        if len(fragments) != 1:
+            return None
+        parts = [stored_tensor(self._record(fqn, c)) for c in self._fragment_chunks[fqn][fragments[0][0]]]
+        if any(p is None for p in parts):
+            return None
+        return concat_stored(parts, box[1])
 
     def _check_chaining(self) -> None:
         """The saved optimizer has the dense/expert structure megatron-core builds at the saved layout."""
@@ -474,6 +591,8 @@ class TorchDistCheckpoint(CheckpointReader):
             info.params.append(params)
         if self._flat_buckets:
             self._attach_buffers(info, tp_rank, pp_rank)
+        elif self._optim_space == "gathered":
+            self._attach_gathered(info, tp_rank, pp_rank)
         elif self._model_space:
             self._check_model_space_state(info, tp_rank, pp_rank)
         return info
@@ -539,6 +658,28 @@ class TorchDistCheckpoint(CheckpointReader):
             raise CheckpointFormatError(f"{self._dcp_index}: {info.prefix}dp_group_idx_{mp} has {n_saved} "
                                         f"buffers, the model needs {gbuf} ({where}).")
 
+    def _attach_gathered(self, info: _RankInfo, tp_rank: int, pp_rank: int) -> None:
+        """dp_zero_gather_scatter: the rank's object 'optimizer.distributed.dp_group_idx_<m>.param_state' (its
+        buffers gathered over DP, as in distrib_optim.pt), parsed through the allow-list and checked against the
+        buffer layout the args give before any tensor is read."""
+        where = self._describe_rank(info, tp_rank, pp_rank)
+        if self._chained:
+            raise CheckpointFormatError(
+                f"{self._common_file}: dp_zero_gather_scatter state of a chained [dense, expert] optimizer, which "
+                f"megatron-ucp has never seen; resave with --ckpt-format torch or Megatron-LM's default sharding.")
+        prefix = distributed_object_prefix(info, "param_state")
+        keys = [k for k, v in self._keys.items() if k.startswith(prefix) and isinstance(v, DcpBytesMeta)]
+        if len(keys) != 1:
+            raise CheckpointFormatError(f"{self._dcp_index}: {len(keys)} objects {prefix}* for {where}, "
+                                        f"expected one (dp_zero_gather_scatter); the checkpoint is incomplete, re-copy "
+                                        f"the iteration folder.")
+        item = self._metadata.storage_data.get(DcpIndex(keys[0]))
+        source = f"{item.path} (item {keys[0]})" if item else str(self._dcp_index)
+        info.gathered = self._bytes_item(keys[0])
+        info.gbuf_base, info.buffers = coalesced_buffers(
+            info.gathered, info.params, self.args, self.layout, pp_rank=pp_rank, experts=False, where=source,
+            what="the gathered distributed-optimizer state")
+
     def _check_model_space_state(self, info: _RankInfo, tp_rank: int, pp_rank: int) -> None:
         """Every parameter has Adam state (or none has: saved before the first step), and 16-bit ones
         their fp32 main weight; persistent buffers have none."""
@@ -552,8 +693,8 @@ class TorchDistCheckpoint(CheckpointReader):
             if not found and not self._state_keys:
                 continue
             need = {"exp_avg", "exp_avg_sq"}
-            if self.distrib_optim_sharding == "fully_reshardable":
-                need.add("param")
+            if self._optim_layout:
+                need.add(self._optim_layout.main_param)
             elif self._keys[piece.key].dtype in ("float16", "bfloat16"):
                 need.add("fp32_param")
             if not need <= set(found):
@@ -572,7 +713,7 @@ class TorchDistCheckpoint(CheckpointReader):
 
     def _optimizer_groups(self, info: _RankInfo) -> _RankInfo:
         if info.param_groups is None:
-            prefix = f"{info.prefix}optimizer.distributed.dp_group_idx_{info.group_idx}.optimizer/"
+            prefix = distributed_object_prefix(info, "optimizer")
             keys = [k for k, v in self._keys.items() if k.startswith(prefix) and isinstance(v, DcpBytesMeta)]
             if not keys:
                 raise CheckpointFormatError(f"{self._dcp_index}: missing {prefix}* (optimizer param groups); "
@@ -640,6 +781,13 @@ class TorchDistCheckpoint(CheckpointReader):
                 if name in want:
                     req.flat[name] = key
                     req.tensors[key] = [((start,), (numel,))]
+        elif self._optim_space == "gathered":
+            found = coalesced_records(info.gathered, info.gbuf_base, info.buffers, ref.vpp_chunk, ref.local_name)
+            if found is None:
+                raise CheckpointFormatError(f"{self._dcp_index}: {ref.local_name} is in no DDP buffer of "
+                                            f"{self._describe_rank(info, ref.tp_rank, ref.pp_rank)}; the checkpoint "
+                                            f"does not match its args.")
+            req.records = {name: record for name, record in found.items() if name in want}
         elif self._model_space:
             saved = dict(self._state_keys.get(piece.key, {}))
             # fully_reshardable saves the main weight as 'param', the Float16 optimizer as 'fp32_param'
@@ -670,9 +818,11 @@ class TorchDistCheckpoint(CheckpointReader):
         out: dict = {}
         if piece.key in got and "param" in want:
             out["param"] = assemble(got[piece.key], piece)
-        if self._flat_buckets:
+        if self._flat_buckets or self._optim_space == "gathered":
             for name, key in req.flat.items():
                 out[name] = assemble(got[key], _Piece(key, 0, (), 0), ref.shape)
+            for name, record in req.records.items():
+                out[name] = stored_tensor(record) if assemble is _assemble_stored else read_tensor(record)
             step = self._optimizer_groups(self._info_for(ref)).step if not rulebook.is_buffer(ref.local_name) else None
             if step is not None:
                 out["step"] = step_value(step)
@@ -789,6 +939,8 @@ class TorchDistCheckpoint(CheckpointReader):
         the files)."""
         import torch
 
+        if fqn in self._fragments:
+            return self._read_flat_box(fqn, box)
         overlaps = self._overlaps(fqn, box)
         parts = [(o, box_record(self._record(fqn, o.chunk), o.src, o.lengths)) for o in overlaps]
         if len(parts) == 1 and parts[0][0].lengths == box[1]:
@@ -806,6 +958,8 @@ class TorchDistCheckpoint(CheckpointReader):
         from megatron_ucp.core.dtypes import itemsize as itemsize_of
         from megatron_ucp.io.byteio import StoredTensor, box_bytes, concat_stored
 
+        if fqn in self._fragments:
+            return self._locate_flat_box(fqn, box)
         overlaps = self._overlaps(fqn, box)
         if len(overlaps) == 1 and overlaps[0].lengths == box[1]:
             return stored_tensor(self._record(fqn, overlaps[0].chunk))
@@ -853,7 +1007,7 @@ class TorchDistCheckpoint(CheckpointReader):
                                     f"match its args.")
 
     def common_state(self) -> dict:
-        if self._flat_buckets:
+        if self._flat_buckets or self._optim_space == "gathered":
             # the ChainedOptimizer's groups: the dense optimizer's, then the expert optimizer's
             groups = list(self._optimizer_groups(self._ranks[("dense", 0, 0)]).param_groups)
             if self._chained:

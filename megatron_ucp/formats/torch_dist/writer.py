@@ -32,6 +32,10 @@ Entries (formats/torch_dist/reader.py documents them as the reader sees them):
     TP x PP only (any DP).
   - "fully_reshardable": `optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`, chunked like the
     model key; param groups in common.pt. megatron-core loads it at any layout.
+  - "fully_sharded_model_space" (what megatron-core 0.13/0.14 save and load; the default for them):
+    `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>` in megatron-core's nd-flattened form
+    (shape (*fragments, shard numel)), each TP shard one chunk at range start 0 (a DP rank's range loads from
+    it), `.metadata` with `mcore_data` (each key's original global shape); param groups in common.pt.
   - "adam" (no distributed optimizer): `optimizer.state.{exp_avg,exp_avg_sq}.<model key>` (+ `fp32_param`
     for bf16/fp16 models); common.pt holds the param groups and `common_step`.
   - None: weights only (args.no_save_optim), when the universal checkpoint has no Adam state.
@@ -102,7 +106,7 @@ from megatron_ucp.formats.safe_pickle import TorchDType
 from megatron_ucp.formats.torch_dist.names import (
     COMMON_FILENAME, COMMON_STATE_ITEM, DCP_METADATA_FILENAME, METADATA_JSON_FILENAME, RERUN_STATE_KEY, RNG_STATE_KEY,
     chained_prefix, distcp_name, distributed_optimizer_object_key, extra_state_key, flat_bucket_key,
-    model_space_state_key, sharded_object_key)
+    model_space_state_key, parse_model_space_state_key, sharded_object_key)
 from megatron_ucp.formats.torch_save import (
     EnumMember, GlobalRef, Obj, SavedTensor, TorchSize, cast_float32, pickle_bytes, save_bytes, tensor_archive,
     torch_dtype)
@@ -110,7 +114,8 @@ from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, Writ
 from megatron_ucp.io import integrity
 from megatron_ucp.io.byteio import BAND_BYTES, FileHandles, FileRegion, copy_region
 
-OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed optimizer's torch_dist formats
+# the distributed optimizer's torch_dist formats megatron-ucp writes (core/versions.OPTIMIZER_SHARDINGS)
+OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
 _F32 = MODEL_DTYPES["float32"]
 _STATE_NAMES = {"fp32": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # universal -> bucket key
 
@@ -132,6 +137,17 @@ def content_metadata(use_distributed_optimizer: bool, optimizer_format: Optional
         if optimizer_format == "fully_reshardable":
             metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
     return {**metadata, "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def flattened_state_item(saved: str, global_shape: tuple, offsets: tuple, sizes: tuple, piece: "Piece") -> "TensorItem":
+    """fully_sharded_model_space (megatron-core 0.13/0.14): one TP-local shard (a block of the model tensor) of
+    optimizer state as megatron-core's nd-flattened reformulation saves it: the tensor has shape (*fragments per
+    axis, shard numel), the shard is fragment offsets // sizes, flattened whole (range [0, numel): any DP split
+    loads from it); `.metadata` records the original global shape (mcore_data)."""
+    grid = tuple(g // n for g, n in zip(global_shape, sizes))
+    numel = math.prod(sizes)
+    return TensorItem(saved, grid + (numel,), tuple(o // n for o, n in zip(offsets, sizes)) + (0,),
+                      (1,) * len(sizes) + (numel,), _F32, (piece,))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -297,9 +313,10 @@ class _Owners:
         return tuple(out)
 
 
-def optimizer_kind(ucp, target: WriteTarget, optimizer_format: Optional[str]) -> Optional[str]:
-    """The optimizer entries to write: the distributed optimizer's format (default dp_reshardable, as
-    megatron-core), 'adam' without it, None when the universal checkpoint holds no Adam state."""
+def optimizer_kind(ucp, target: WriteTarget, optimizer_format: Optional[str],
+                   default: str = "dp_reshardable") -> Optional[str]:
+    """The optimizer entries to write: the distributed optimizer's format (default: the target release's, as
+    its Megatron-LM saves), 'adam' without it, None when the universal checkpoint holds no Adam state."""
     if optimizer_format is not None and not target.use_distributed_optimizer:
         raise TorchDistWriteError(f"--optimizer-format {optimizer_format} describes the distributed optimizer's "
                                   f"state: add --use-distributed-optimizer, or drop --optimizer-format")
@@ -309,7 +326,7 @@ def optimizer_kind(ucp, target: WriteTarget, optimizer_format: Optional[str]) ->
                                       f"state to write; drop --optimizer-format")
         return None
     if target.use_distributed_optimizer:
-        return optimizer_format or "dp_reshardable"
+        return optimizer_format or default
     return "adam"
 
 
@@ -329,7 +346,13 @@ def plan_checkpoint(ucp, target: WriteTarget, optimizer_format: Optional[str] = 
     release = release or target_release(ucp, None)
     layout = target.layout
     config = replace(ucp.config, padded_vocab_size=target.padded_vocab_size)
-    opt = optimizer_kind(ucp, target, optimizer_format)
+    opt = optimizer_kind(ucp, target, optimizer_format, release.distrib_optim_default)
+    if opt in OPTIMIZER_FORMATS and opt not in release.distrib_optim_loads:
+        oldest = versions.oldest_loading(opt)
+        raise TorchDistWriteError(
+            f"megatron-core {release.name} cannot load the distributed optimizer's {opt} torch_dist state: write "
+            f"--optimizer-format {release.distrib_optim_default} (its default) for it, or target "
+            f"--megatron-core-version {oldest.name if oldest else versions.NEWEST.name} or newer")
     shapes = dict(expected_parameters(config, layout))
     step = _single_step(ucp) if opt is not None else None
     groups = _rank_param_groups(ucp, config, target) if opt is not None else None
@@ -413,16 +436,18 @@ def _rank_param_groups(ucp, config: GPTModelConfig, target: WriteTarget) -> Opti
 
 def _plan_model(ucp, config: GPTModelConfig, layout: ParallelLayout, opt: Optional[str], shapes: dict,
                 owners: _Owners) -> None:
-    """Model tensors, and model-space optimizer state (fully_reshardable, plain Adam) chunked like them."""
+    """Model tensors, and model-space optimizer state (fully_reshardable, plain Adam) chunked like them
+    (fully_sharded_model_space: each chunk flattened)."""
     for name, shape in shapes.items():
         key, lead = torch_dist_key(name, config)
         pp_rank = local_name(name, layout, config.num_layers, tied=config.tied, config=config)[0][0]
         dtype = _model_dtype(ucp, name)
         global_shape = _lead_sizes(config, lead) + tuple(shape)
         states = []  # (saved key, universal tensor); persistent buffers (MoE's expert_bias) have no optimizer state
-        if opt in ("fully_reshardable", "adam") and not is_buffer(name):
-            if opt == "fully_reshardable":
-                states.append((model_space_state_key("param", key), "fp32"))
+        if opt in ("fully_reshardable", "fully_sharded_model_space", "adam") and not is_buffer(name):
+            if opt in OPTIMIZER_FORMATS:
+                main = versions.optimizer_sharding(opt).main_param
+                states.append((model_space_state_key(main, key), "fp32"))
             elif dtype != _F32:
                 states.append((model_space_state_key("fp32_param", key), "fp32"))
             states += [(model_space_state_key(s, key), s) for s in ("exp_avg", "exp_avg_sq")]
@@ -443,8 +468,10 @@ def _plan_model(ucp, config: GPTModelConfig, layout: ParallelLayout, opt: Option
                 numel = _box_numel(box)
                 add(TensorItem(key, global_shape, offsets, sizes, dtype, (Piece(name, "fp32", box, 0, numel),)), tp_rank)
                 for saved, state in states:
-                    add(TensorItem(saved, global_shape, offsets, sizes, _F32, (Piece(name, state, box, 0, numel),)),
-                        tp_rank)
+                    piece = Piece(name, state, box, 0, numel)
+                    add(flattened_state_item(saved, global_shape, offsets, sizes, piece)
+                        if opt == "fully_sharded_model_space" else
+                        TensorItem(saved, global_shape, offsets, sizes, _F32, (piece,)), tp_rank)
 
 
 def _plan_extra_states(config: GPTModelConfig, layout: ParallelLayout, shapes: dict, owners: _Owners) -> None:
@@ -603,11 +630,11 @@ def _optimizer_common(ucp, target: WriteTarget, opt: str, step, groups: TargetGr
     scaler = _grad_scaler(ucp, target)
     if opt == "dp_reshardable":
         return {"param_state_sharding_type": "dp_reshardable"}
-    if opt == "fully_reshardable":
+    if opt in ("fully_reshardable", "fully_sharded_model_space"):
         out: dict = {"optimizer": {"param_groups": [{**g, "step": float(step or 0)} for g in hyper]}}
         if scaler is not None:
             out["grad_scaler"] = scaler
-        out["param_state_sharding_type"] = "fully_reshardable"
+        out["param_state_sharding_type"] = opt
         return out
     # FP32Optimizer, or Float16OptimizerWithFloat16Params around it for 16-bit models
     inner: dict = {"state": {}, "param_groups": hyper}
@@ -834,7 +861,8 @@ _DCP_META = "torch.distributed.checkpoint.metadata."
 DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION (torch 2.13)
 
 
-def dcp_metadata(files: Sequence[OutputFile], written: Sequence[WrittenItem], checkpoint_id: str) -> Obj:
+def dcp_metadata(files: Sequence[OutputFile], written: Sequence[WrittenItem], checkpoint_id: str,
+                 mcore_data: Optional[dict] = None) -> Obj:
     """The DCP `.metadata` of the planned files as written (chunks in file order, as megatron-core's
     global plan lists them rank by rank), as the object tree `pickle.dump(Metadata(...))` writes: each
     dataclass as NEWOBJ + BUILD of its state, torch.Size as a reduce of a tuple, dtypes as globals
@@ -874,9 +902,12 @@ def dcp_metadata(files: Sequence[OutputFile], written: Sequence[WrittenItem], ch
                 "relative_path": w.relative_path, "offset": w.offset, "length": w.length})
     storage_meta = Obj(cls["StorageMeta"], {"checkpoint_id": checkpoint_id, "save_id": str(uuid.uuid4()),
                                              "load_id": None, "modules": []})
-    return Obj(cls["Metadata"], {"state_dict_metadata": state_dict_metadata, "planner_data": None,
-                                  "storage_data": storage_data, "storage_meta": storage_meta,
-                                  "version": DCP_VERSION})
+    fields = {"state_dict_metadata": state_dict_metadata, "planner_data": None, "storage_data": storage_data,
+              "storage_meta": storage_meta, "version": DCP_VERSION}
+    if mcore_data:  # megatron-core's MCoreMetadata field: what its load needs to undo the nd-flattening
+        fields["mcore_data"] = {key: {"nd_reformulated_orig_global_shape": tuple(shape)}
+                                for key, shape in mcore_data.items()}
+    return Obj(cls["Metadata"], fields)
 
 
 _STRIDED = GlobalRef("torch.strided")
@@ -897,12 +928,25 @@ def _write_file(path: Path, write: Callable[[Any], None]) -> None:
         os.fsync(f.fileno())
 
 
+def _flattened_shapes(plan: DirectPlan) -> dict:
+    """fully_sharded_model_space: {state key: the model tensor's global shape} for every flattened state key."""
+    if plan.optimizer != "fully_sharded_model_space":
+        return {}
+    shapes = {i.key: i.global_shape for f in plan.files for i in f.items if isinstance(i, TensorItem)}
+    out = {}
+    for key in shapes:
+        parsed = parse_model_space_state_key(key)
+        if parsed and parsed[1] in shapes:
+            out[key] = shapes[parsed[1]]
+    return out
+
+
 def finish(root: Path, plan: DirectPlan, written: Sequence[WrittenItem],
            on_file: Optional[Callable[[Path, int], None]] = None) -> None:
     """After every .distcp file is written: .metadata, common.pt, metadata.json, then the tracker."""
     iter_name = iteration_dir_name(plan.iteration)
     iter_dir = Path(root) / iter_name
-    metadata = dcp_metadata(plan.files, written, iter_name)
+    metadata = dcp_metadata(plan.files, written, iter_name, _flattened_shapes(plan))
     outputs = [(DCP_METADATA_FILENAME, lambda f: f.write(pickle_bytes(metadata, pickle.DEFAULT_PROTOCOL)))]
     if plan.common is not None:  # megatron-core <= 0.18 (0.19: an item of rank 0's .distcp file)
         common = _common_for_pickle(plan.common)

@@ -1,0 +1,107 @@
+"""Run an older Megatron-LM's own pretrain_gpt.py (core_v0.14.0 / core_v0.15.3) on CPU with gloo, to make the
+tests/fixtures/megatron-core-0.14 checkpoints. Not part of the package: a fixture-making launcher.
+
+    MLM_ROOT=/tmp/mlm014   # `git archive core_v0.14.0` of NVIDIA/Megatron-LM (megatron/core + megatron/training)
+    PYTHONPATH=$MLM_ROOT:. torchrun --nproc-per-node 4 tools/run_pretrain_mcore_old_cpu.py <Megatron-LM flags>
+
+The CPU patches are megatron_ucp/megatron_lm/cpu_shims.py's (written for 0.19.2), each applied here only where
+that older release has the patched name; none changes a number. Differences to 0.19 (why a patch is not used):
+- no `typing.override`, no triton-only module at import in 0.14 (nothing to stub);
+- megatron.training.utils is a module, not a package: the device-arch answer goes to arguments alone;
+- `six` (imported by 0.14's BERT tokenizer module, reached from `import megatron.training`) is not in the venv:
+  `pip install --target /tmp/py_six six` and put that folder on PYTHONPATH (the torch_dist save spawns a
+  process that re-imports megatron.training); an empty stand-in module covers this process only;
+- GPT-MoE: megatron_ucp/training/cpu_backend.py's 0.16.1 patches for the router GEMM (TE name undefined without TE)
+  and the alltoall dispatcher's CUDA DtoH stream apply unchanged; use ETP1 (gloo refuses the expert-TP
+  all-gather of uneven token counts);
+- `megatron.legacy.fused_kernels.load` (0.14's initialize builds Megatron's CUDA softmax kernels with nvcc,
+  unused with --no-masked-softmax-fusion; 0.19 dropped the call): skipped on CPU;
+- numpy 2 (this venv) removed `np.product`, which 0.14's dist_checkpointing exchange_utils calls (0.14 pins
+  numpy<2): `np.product = np.prod`, the same function under its old name;
+- the dataset helper: 0.14's source tree has helpers.cpp and a Makefile needing pybind11; the prebuilt
+  helpers_cpp of megatron-core 0.19.2 (same build_sample_idx / build_blending_indices) is copied beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import shutil
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _prebuilt_helpers(mlm_root: Path) -> None:
+    target = mlm_root / "megatron" / "core" / "datasets"
+    if any(target.glob("helpers_cpp*.so")):
+        return
+    built = sorted((REPO / ".venv" / "megatron-core-0.19" / "megatron" / "core" / "datasets").glob("helpers_cpp*.so"))
+    if not built:
+        raise FileNotFoundError("no prebuilt helpers_cpp: run `make install` (megatron-core 0.19.2 ships one)")
+    shutil.copy(built[0], target / built[0].name)
+
+
+def _numpy_product() -> None:
+    import numpy as np
+
+    if not hasattr(np, "product"):
+        np.product = np.prod
+
+
+def _stub_six() -> None:
+    import importlib.util
+    import types
+
+    if importlib.util.find_spec("six") is None:
+        sys.modules["six"] = types.ModuleType("six")
+
+
+def install_shims() -> None:
+    os.environ.setdefault("MEGATRON_UCP_ALLOW_UNTESTED_MCORE", "1")
+    import torch
+
+    from megatron_ucp.megatron_lm import cpu_shims as s
+
+    s._torch_adam_state_before_load()
+    s._distopt_set_states_under_no_grad_keeping_step()
+    s._distopt_unshare_step_after_load()
+    if torch.cuda.is_available():
+        return
+    s._cuda_device_to_cpu()
+    s._cuda_calls_on_cpu()
+    s._cuda_streams_and_events()
+    s._cuda_available_for_initialize()
+    s._cuda_rng_on_cpu_generator()
+    s._tensor_type_cuda_names()
+    s._dataset_helpers_prebuilt()
+    s._torch_norm_under_sequence_parallel()
+    from megatron.training import arguments
+
+    # GPT-MoE: 0.14's router GEMM and alltoall dispatcher are 0.16.1's (megatron_ucp/training/cpu_backend.py: TE's GEMM
+    # name undefined without TE; the dispatcher's CUDA DtoH stream)
+    from megatron_ucp.training import cpu_backend
+
+    cpu_backend._moe_router_gemm_without_te()
+    cpu_backend._alltoall_dispatcher_without_cuda_streams()
+    from megatron.legacy import fused_kernels
+
+    fused_kernels.load = lambda args: None
+    if hasattr(arguments, "get_device_arch_version"):
+        arguments.get_device_arch_version = lambda: 9
+
+
+def main() -> None:
+    mlm_root = Path(os.environ["MLM_ROOT"]).resolve()
+    _prebuilt_helpers(mlm_root)
+    sys.path.insert(0, str(mlm_root))
+    _stub_six()
+    _numpy_product()
+    install_shims()
+    sys.argv = [str(mlm_root / "pretrain_gpt.py"), *sys.argv[1:]]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
