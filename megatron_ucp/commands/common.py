@@ -93,3 +93,13 @@ def universal_problems(ucp) -> list[str]:
     validation, `UniversalCheckpoint.problems`): what from-universal and a resume refuse. No tensor byte is
     read (`megatron-ucp check` reads them all)."""
     return ucp.problems()
+
+
+def add_publication_flags(p, output: str, marker: str) -> None:
+    """--overwrite and --clean-stale, as every command that publishes a directory through io/staging.py takes
+    them: `output` names what DST holds ("universal checkpoint"), `marker` the file that says this tool wrote it."""
+    p.add_argument("--overwrite", action="store_true",
+                   help=f"replace an existing {output} at DST (only one megatron-ucp wrote: it has {marker})")
+    p.add_argument("--clean-stale", action="store_true",
+                   help="remove leftovers of killed writes to DST (DST.partial-*, DST.old-*), which are otherwise "
+                        "only reported")

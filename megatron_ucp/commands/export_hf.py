@@ -33,11 +33,13 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from megatron_ucp.core.dtypes import PARAM_DTYPES, torch_dtype
 from megatron_ucp.adapters.hf import MODEL_TYPES, MOE_MODEL_TYPES, hf_rows, to_hf
+from megatron_ucp.commands.common import add_publication_flags
+from megatron_ucp.core.dtypes import PARAM_DTYPES, torch_dtype
 from megatron_ucp.core.model_config import GPTModelConfig
-from megatron_ucp.io.staging import TOOL_MARKER_FILENAME, Staging, StagingError, tool_marker
+from megatron_ucp.io.staging import TOOL_MARKER_FILENAME, Staging, StagingError
 from megatron_ucp.io.staging import check_destination as check_staging_destination
+from megatron_ucp.io.staging import tool_marker
 
 PathLike = Union[str, os.PathLike]
 DTYPES = {name: torch_dtype(name) for name in PARAM_DTYPES}
@@ -255,11 +257,7 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--model-type", required=True, choices=MODEL_TYPES)
     p.add_argument("--dtype", default="auto", choices=("auto",) + tuple(DTYPES),
                    help="dtype of the exported weights (default: the model's training dtype)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing export at DST (only one megatron-ucp wrote: it has megatron-ucp.json)")
-    p.add_argument("--clean-stale", action="store_true",
-                   help="remove leftovers of killed writes to DST (DST.partial-*, DST.old-*), which are otherwise "
-                        "only reported")
+    add_publication_flags(p, "export", "megatron-ucp.json")
     p.set_defaults(handler=run_cli)
 
 

@@ -40,18 +40,19 @@ from tqdm import tqdm
 
 from megatron_ucp.adapters.gpt import (
     expected_parameters, experts_per_ep_rank, is_buffer, megatron_padded_vocab, virtual_chunks)
+from megatron_ucp.commands.common import add_publication_flags
 from megatron_ucp.core.layout import LayoutError, ParallelLayout
 from megatron_ucp.core.patterns import PatternError
 from megatron_ucp.core.placement import PlacementError, add_split_arguments, resolve_vpp, split_options
+from megatron_ucp.core.versions import NEWEST as _NEWEST
+from megatron_ucp.core.versions import SUPPORTED as SUPPORTED_RELEASES
 from megatron_ucp.formats.common import TRACKER_FILENAME
 from megatron_ucp.formats.megatron_state import RNG_STATE_KINDS
 from megatron_ucp.formats.torch_dist.harness_writer import DEFAULT_TIMEOUT_S
 from megatron_ucp.formats.torch_dist.writer import OPTIMIZER_FORMATS
-from megatron_ucp.core.versions import NEWEST as _NEWEST
-from megatron_ucp.core.versions import SUPPORTED as SUPPORTED_RELEASES
 from megatron_ucp.formats.writer_base import target_args
 from megatron_ucp.formats.writers import CKPT_FORMATS, WriteError, WriteTarget, make_writer
-from megatron_ucp.io.sharded_job import in_torchrun, run_sharded_job
+from megatron_ucp.io.sharded_job import in_torchrun, reports, run_sharded_job
 from megatron_ucp.io.staging import TOOL_MARKER_FILENAME, Staging, StagingError
 from megatron_ucp.io.staging import check_destination as check_staging_destination
 from megatron_ucp.io.staging import join_staging, tool_marker
@@ -264,9 +265,8 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
                    "--timeout": timeout_s if via_harness else None})
     check_destination(dst, ucp_path, overwrite)  # fails fast; checked again under the lock
     distributed = in_torchrun() and not dry_run
-    rank0 = int(os.environ.get("RANK", "0")) == 0 if distributed else True
     emit = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
-    if not rank0:
+    if distributed and not reports():
         emit = lambda message: None  # noqa: E731 - rank 0 reports
     writer = _make_writer(ckpt_format, via_harness, timeout_s=timeout_s, optimizer_format=optimizer_format,
                           workers=workers, megatron_core_version=megatron_core_version)
@@ -441,12 +441,7 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S,
                    help="--via-harness: seconds the harness run may take")
     p.add_argument("--dry-run", action="store_true", help="print the files that would be written; write nothing")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing Megatron checkpoint at DST (only one megatron-ucp wrote: it has "
-                        "megatron-ucp.json)")
-    p.add_argument("--clean-stale", action="store_true",
-                   help="remove leftovers of killed writes to DST (DST.partial-*, DST.old-*), which are otherwise "
-                        "only reported")
+    add_publication_flags(p, "Megatron checkpoint", "megatron-ucp.json")
     p.set_defaults(handler=run_cli)
 
 
@@ -463,7 +458,7 @@ def run_cli(args: argparse.Namespace) -> dict:
         optimizer_format=args.optimizer_format, workers=args.workers, via_harness=args.via_harness,
         pipeline_split=split_options(args), megatron_core_version=args.megatron_core_version)
     result = summary.to_dict()
-    if in_torchrun() and not summary.dry_run and int(os.environ["RANK"]) != 0:
+    if not summary.dry_run and not reports():
         return result  # rank 0 reports
     plan = summary.plan
     what = f"{plan.ckpt_format} at {plan.layout.describe()}" + (" with the distributed optimizer"

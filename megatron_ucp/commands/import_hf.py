@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from megatron_ucp.core.dtypes import SAFETENSORS, itemsize
 from megatron_ucp.adapters.hf import MODEL_TYPES, VOCAB, ZERO, HFRow, from_hf_bands, hf_rows, hf_shapes
+from megatron_ucp.commands.common import add_publication_flags
+from megatron_ucp.core.dtypes import SAFETENSORS, itemsize
 from megatron_ucp.core.model_config import GPTModelConfig, pad_vocab_size
 
 PathLike = Union[str, os.PathLike]
@@ -522,9 +523,7 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
                    help="the architecture (default: config.json's model_type)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Megatron-LM's vocabulary padding multiple (default 128)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing universal checkpoint at DST written by megatron-ucp")
-    p.add_argument("--clean-stale", action="store_true", help="remove leftovers of killed writes to DST")
+    add_publication_flags(p, "universal checkpoint", "COMPLETE")
     p.set_defaults(handler=run_cli)
 
 

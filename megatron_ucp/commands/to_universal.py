@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 
+from megatron_ucp.commands.common import add_publication_flags
 from megatron_ucp.convert.runner import convert, convert_distributed, default_workers
 from megatron_ucp.convert.tasks import ConversionError
-from megatron_ucp.io.sharded_job import in_torchrun
+from megatron_ucp.io.sharded_job import in_torchrun, reports
 
 
 def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
@@ -26,11 +26,7 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--average-replicas", action="store_true",
                    help="store the mean of replicated copies (TP replicas, tied output layer) instead of "
                         "requiring them to agree bitwise")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing universal checkpoint at DST (only one megatron-ucp wrote: it has COMPLETE)")
-    p.add_argument("--clean-stale", action="store_true",
-                   help="remove leftovers of killed writes to DST (DST.partial-*, DST.old-*), which are otherwise "
-                        "only reported")
+    add_publication_flags(p, "universal checkpoint", "COMPLETE")
     p.add_argument("--lazy", action="store_true",
                    help="write only an index (metadata.json) of where each consolidated tensor's bytes are in SRC: "
                         "no copy; SRC must stay in place, unchanged, while the result is used")
@@ -49,7 +45,7 @@ def run_cli(args: argparse.Namespace) -> dict:
                           average_replicas=args.average_replicas, progress=not args.quiet,
                           overwrite=args.overwrite, lazy=args.lazy, clean_stale=args.clean_stale)
     result = summary.to_dict()
-    if in_torchrun() and int(os.environ["RANK"]) != 0:
+    if not reports():
         return result  # rank 0 reports
     result["message"] = (f"wrote {summary.path}: {summary.num_parameters} parameters, "
                          f"{summary.bytes_written / 2 ** 20:.1f} MiB, iteration {summary.iteration} "

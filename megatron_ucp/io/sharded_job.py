@@ -36,6 +36,11 @@ def in_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
+def reports() -> bool:
+    """This process prints the command's result: the only one, or rank 0 of a torchrun job."""
+    return not in_torchrun() or int(os.environ["RANK"]) == 0
+
+
 def all_ranks_agree(dist, error: Optional[str], error_type: type) -> None:
     """Raise `error_type` on every rank of a torchrun job if any rank failed (the first failure, prefixed with
     its rank on the others), so that all ranks stop together instead of waiting in the next collective."""
