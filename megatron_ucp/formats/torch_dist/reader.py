@@ -493,7 +493,7 @@ class TorchDistCheckpoint(CheckpointReader):
 
     def _locate_flat_box(self, fqn: str, box: Box):
         """Where a one-fragment box's bytes are: its flattened ranges' bytes in order; None for several fragments."""
-        from megatron_ucp.byteio import concat_stored
+        from megatron_ucp.io.byteio import concat_stored
 
         fragments = self._flat_fragments(fqn, box)
         if len(fragments) != 1:
