@@ -67,3 +67,25 @@ def test_a_changed_byte_in_the_written_checkpoint_is_caught(generated, tmp_path)
     victim.write_bytes(bytes(data))
     proc = cli("verify", megatron, generated, "--quiet", "--json")
     assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-2000:])
+
+
+def test_open_files_stay_bounded_by_threads_not_tensor_files(tmp_path):
+    """from-universal of the tiny MoE (87 tensor files) with 2 writer threads under a 120-descriptor limit:
+    each thread keeps at most byteio.FileHandles.max_open source files open (unbounded, it held every tensor
+    file it had read and failed (EMFILE) under 150)."""
+    import resource
+    import subprocess
+
+    from writer_cli import command, env
+
+    config = bench_scale.model_config(bench_scale.CONFIGS["tiny"], moe=True)
+    ucp = bench_scale.generate(config, tmp_path / "ucp", workers=2)
+    assert len(list((ucp / "tensors").iterdir())) > 80
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (120, 120))
+
+    proc = subprocess.run(command("from-universal", ucp, tmp_path / "megatron", *LAYOUT, "--ckpt-format",
+                                  "torch_dist", "--rng-state", "cpu", "--quiet", "--workers", "2"),
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    assert_ok(proc)
