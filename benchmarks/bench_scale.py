@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -203,12 +204,15 @@ class Bench:
         synced = ["sh", "-c", '"$@" && sync -f "$WORKDIR"', "sh", *cmd]
         log = self.work / "logs" / f"{len(self.rows):02d}_{name.split()[0]}.log"
         self.log(f"{name}: {' '.join(cmd[2:5]) if cmd[0] == sys.executable else ' '.join(cmd[:3])} ...")
+        cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         stats = run_measured(name, synced, log_path=log, cwd=REPO, env=self.env, timeout_s=self.args.timeout,
                              check=check)
+        cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)  # reaped descendants: the whole tree
+        cpu = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
         row = {"step": name, "seconds": stats.wall_s, "peak_rss_mib": round(stats.peak_rss_bytes / MIB),
                "peak_pss_mib": round(stats.peak_pss_bytes / MIB), "processes": stats.peak_processes,
                "read_mib": round(stats.read_bytes / MIB), "written_mib": round(stats.write_bytes / MIB),
-               "returncode": stats.returncode}
+               "cpu_seconds": round(cpu, 1), "returncode": stats.returncode}
         if baseline is not None:
             row["cp_seconds"] = baseline.wall_s
             row["ratio"] = round(stats.wall_s / baseline.wall_s, 2)
@@ -315,16 +319,31 @@ def print_table(report: dict) -> None:
           f"{', experts ' + str(c['num_experts']) if c.get('num_experts') else ''}); target {report['target']}; "
           f"page cache {'dropped before each step' if report['page_cache_dropped'] else 'WARM'}; sync timed; sizes: "
           + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in report["sizes_bytes"].items()))
-    head = f"{'step':48s} {'s':>8s} {'x cp -r':>8s} {'peakRSS':>8s} {'peakPSS':>8s} {'read':>9s} {'written':>9s}"
+    head = (f"{'step':48s} {'s':>8s} {'x cp -r':>8s} {'cpu s':>7s} {'peakRSS':>8s} {'peakPSS':>8s} {'read':>9s} "
+            f"{'written':>9s}")
     print(head + "\n" + "-" * len(head))
     for r in report["rows"]:
         ratio = f"{r['ratio']:.2f}" if "ratio" in r else ""
-        print(f"{r['step']:48s} {r['seconds']:8.2f} {ratio:>8s} {r['peak_rss_mib']:>7d}M {r['peak_pss_mib']:>7d}M "
+        cpu = f"{r['cpu_seconds']:.1f}" if "cpu_seconds" in r else ""
+        print(f"{r['step']:48s} {r['seconds']:8.2f} {ratio:>8s} {cpu:>7s} {r['peak_rss_mib']:>7d}M {r['peak_pss_mib']:>7d}M "
               f"{r['read_mib']:>8d}M {r['written_mib']:>8d}M")
     print(f"generation {report['generate_seconds']} s; peak disk of the work folder "
           f"{report['peak_work_disk_bytes'] / GIB:.1f} GiB; checks {report['checks']}")
     print("s: whole command until synced; x cp -r: against the cp -r of the command's input run just before it; "
-          "peak RSS / PSS: summed over the process tree; read / written: storage bytes of the tree.")
+          "cpu s: user + system time of the tree; peak RSS / PSS: summed over the process tree; read / written: "
+          "storage bytes of the tree.")
+
+
+def markdown_table(report: dict) -> str:
+    """The table of print_table as Markdown (benchmarks/README.md)."""
+    lines = ["| step | s | x cp -r | CPU s | peak RSS | peak PSS | read | written |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in report["rows"]:
+        ratio = f"{r['ratio']:.2f}" if "ratio" in r else ""
+        cpu = f"{r['cpu_seconds']:.1f}" if "cpu_seconds" in r else "-"
+        lines.append(f"| {r['step']} | {r['seconds']:.1f} | {ratio} | {cpu} | {r['peak_rss_mib']} MiB | {r['peak_pss_mib']} MiB "
+                     f"| {r['read_mib'] / 1024:.2f} GiB | {r['written_mib'] / 1024:.2f} GiB |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> Optional[dict]:
@@ -344,6 +363,7 @@ def main(argv=None) -> Optional[dict]:
     p.add_argument("--keep", action="store_true", help="keep --workdir")
     p.add_argument("--list", action="store_true", help="print the configs and their parameter counts")
     p.add_argument("--print", metavar="JSON", help="only print the table of an earlier --json file")
+    p.add_argument("--markdown", action="store_true", help="with --print: as a Markdown table")
     a = p.parse_args(argv)
     if a.list:
         for n, s in CONFIGS.items():
@@ -352,7 +372,7 @@ def main(argv=None) -> Optional[dict]:
         return None
     if a.print:
         report = json.loads(Path(a.print).read_text())
-        print_table(report)
+        print(markdown_table(report)) if a.markdown else print_table(report)
         return report
     if a.generate:
         if not a.out:
