@@ -21,12 +21,16 @@ import bench_scale  # noqa: E402
 LAYOUT = ["-t", "2", "-p", "2", "-d", "2", "--use-distributed-optimizer"]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["dense", "moe"])
-def generated(request, tmp_path_factory) -> Path:
-    config = bench_scale.model_config(bench_scale.CONFIGS["tiny"], moe=request.param)
-    assert config.num_query_groups < config.num_attention_heads and config.swiglu
-    assert config.padded_vocab_size > config.vocab_size and config.untie_embeddings_and_output_weights
-    return bench_scale.generate(config, tmp_path_factory.mktemp("scale") / "ucp", workers=2)
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory) -> dict:
+    """{"dense": ucp, "moe": ucp}: the tiny config, and it with 8 routed experts per layer."""
+    out = {}
+    for kind in ("dense", "moe"):
+        config = bench_scale.model_config(bench_scale.CONFIGS["tiny"], moe=kind == "moe")
+        assert config.num_query_groups < config.num_attention_heads and config.swiglu
+        assert config.padded_vocab_size > config.vocab_size and config.untie_embeddings_and_output_weights
+        out[kind] = bench_scale.generate(config, tmp_path_factory.mktemp("scale") / kind, workers=2)
+    return out
 
 
 def _tensors(ucp: Path) -> dict:
@@ -38,8 +42,10 @@ def _tensors(ucp: Path) -> dict:
     return out
 
 
-@pytest.mark.parametrize("optimizer_format", ["dp_reshardable", "fully_reshardable"])
-def test_round_trip_at_tp2_pp2_dp2_is_exact(generated, optimizer_format, tmp_path):
+@pytest.mark.parametrize("kind, optimizer_format", [("dense", "dp_reshardable"), ("dense", "fully_reshardable"),
+                                                     ("moe", "dp_reshardable")])
+def test_round_trip_at_tp2_pp2_dp2_is_exact(generated, kind, optimizer_format, tmp_path):
+    generated = generated[kind]
     assert_ok(cli("check", generated, "--quiet"))
     megatron, back = tmp_path / "megatron", tmp_path / "back"
     assert_ok(cli("from-universal", generated, megatron, *LAYOUT, "--ckpt-format", "torch_dist",
@@ -57,7 +63,7 @@ def test_round_trip_at_tp2_pp2_dp2_is_exact(generated, optimizer_format, tmp_pat
 
 
 def test_a_changed_byte_in_the_written_checkpoint_is_caught(generated, tmp_path):
-    megatron = tmp_path / "megatron"
+    generated, megatron = generated["dense"], tmp_path / "megatron"
     assert_ok(cli("from-universal", generated, megatron, *LAYOUT, "--ckpt-format", "torch_dist",
                   "--rng-state", "cpu", "--quiet"))
     assert_ok(cli("verify", megatron, generated, "--quiet"))
@@ -67,9 +73,11 @@ def test_a_changed_byte_in_the_written_checkpoint_is_caught(generated, tmp_path)
     victim.write_bytes(bytes(data))
     proc = cli("verify", megatron, generated, "--quiet", "--json")
     assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-2000:])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] and not result["equal"], result  # a value that differs, not a file that fails to parse
 
 
-def test_open_files_stay_bounded_by_threads_not_tensor_files(tmp_path):
+def test_open_files_stay_bounded_by_threads_not_tensor_files(generated, tmp_path):
     """from-universal of the tiny MoE (87 tensor files) with 2 writer threads under a 120-descriptor limit:
     each thread keeps at most byteio.FileHandles.max_open source files open (unbounded, it held every tensor
     file it had read and failed (EMFILE) under 150)."""
@@ -78,8 +86,7 @@ def test_open_files_stay_bounded_by_threads_not_tensor_files(tmp_path):
 
     from writer_cli import command, env
 
-    config = bench_scale.model_config(bench_scale.CONFIGS["tiny"], moe=True)
-    ucp = bench_scale.generate(config, tmp_path / "ucp", workers=2)
+    ucp = generated["moe"]
     assert len(list((ucp / "tensors").iterdir())) > 80
 
     def limit():
