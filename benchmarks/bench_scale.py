@@ -35,9 +35,7 @@ import math
 import os
 import resource
 import shutil
-import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
