@@ -323,7 +323,8 @@ def print_table(report: dict) -> None:
     for r in report["rows"]:
         ratio = f"{r['ratio']:.2f}" if "ratio" in r else ""
         cpu = f"{r['cpu_seconds']:.1f}" if "cpu_seconds" in r else ""
-        print(f"{r['step']:48s} {r['seconds']:8.2f} {ratio:>8s} {cpu:>7s} {r['peak_rss_mib']:>7d}M {r['peak_pss_mib']:>7d}M "
+        print(f"{r['step']:48s} {r['seconds']:8.2f} {ratio:>8s} {cpu:>7s} {r['peak_rss_mib']:>7d}M "
+              f"{r['peak_pss_mib']:>7d}M "
               f"{r['read_mib']:>8d}M {r['written_mib']:>8d}M")
     print(f"generation {report['generate_seconds']} s; peak disk of the work folder "
           f"{report['peak_work_disk_bytes'] / GIB:.1f} GiB; checks {report['checks']}")
@@ -339,7 +340,8 @@ def markdown_table(report: dict) -> str:
     for r in report["rows"]:
         ratio = f"{r['ratio']:.2f}" if "ratio" in r else ""
         cpu = f"{r['cpu_seconds']:.1f}" if "cpu_seconds" in r else "-"
-        lines.append(f"| {r['step']} | {r['seconds']:.1f} | {ratio} | {cpu} | {r['peak_rss_mib']} MiB | {r['peak_pss_mib']} MiB "
+        lines.append(f"| {r['step']} | {r['seconds']:.1f} | {ratio} | {cpu} | {r['peak_rss_mib']} MiB "
+                     f"| {r['peak_pss_mib']} MiB "
                      f"| {r['read_mib'] / 1024:.2f} GiB | {r['written_mib'] / 1024:.2f} GiB |")
     return "\n".join(lines)
 

@@ -263,7 +263,8 @@ def _compare_rows(a: ConsolidatedSource, b: ConsolidatedSource, name: str, key: 
     parts = [compare_tensors(name, key, a.read_rows(name, key, r, min(total, r + band)),
                              b.read_rows(name, key, r, min(total, r + band)), atol, rtol)
              for r in range(0, total, band)]
-    return TensorDiff(name, key, equal=all(p.equal for p in parts), max_abs=max((p.max_abs for p in parts), default=0.0),
+    return TensorDiff(name, key, equal=all(p.equal for p in parts),
+                      max_abs=max((p.max_abs for p in parts), default=0.0),
                       max_rel=max((p.max_rel for p in parts), default=0.0),
                       num_differing=sum(p.num_differing for p in parts), numel=sum(p.numel for p in parts))
 
