@@ -141,6 +141,7 @@ def test_readers_open_without_torch_or_numpy(tmp_path):
                                   ("to-universal", str(A), "{tmp}/ucp_a"), ("to-universal", str(B), "{tmp}/ucp_b"),
                                   ("to-universal", str(C), "{tmp}/ucp_c"), ("inspect", "{tmp}/ucp_c"),
                                   ("check", "{tmp}/ucp_c"),
+                                  ("plan", "{tmp}/ucp_a", "-t", "2", "-d", "2", "--use-distributed-optimizer"),
                                   ("from-universal", "{tmp}/ucp_a", "{tmp}/td_a", "--ckpt-format", "torch_dist", "-t",
                                    "2", "-d", "2", "--use-distributed-optimizer", "--sequence-parallel"),
                                   ("from-universal", "{tmp}/ucp_a", "{tmp}/td_a_full", "--ckpt-format", "torch_dist",
@@ -149,7 +150,8 @@ def test_readers_open_without_torch_or_numpy(tmp_path):
                                   ("from-universal", "{tmp}/ucp_c", "{tmp}/td_c", "--ckpt-format", "torch_dist",
                                    "-t", "2", "-p", "2", "--rng-state", "source")],
                          ids=["inspect A", "inspect B", "plan B", "to-universal A", "to-universal B", "to-universal C",
-                              "inspect universal", "check universal", "torch_dist write dp_reshardable",
+                              "inspect universal", "check universal", "plan universal distributed optimizer",
+                              "torch_dist write dp_reshardable",
                               "torch_dist write fully_reshardable", "torch_dist write plain Adam"])
 def test_metadata_commands_import_torch_only_through_the_write_side(tmp_path_factory, args):
     """Commands that need no tensor values load no torch: metadata commands, to-universal, which copies,

@@ -423,8 +423,15 @@ def cast_float32(values, dtype: str):
             out[nan] = (((bits >> 16) & 0x8000) | 0x7E00 | ((bits >> 13) & 0x3FF)).astype(np.uint16)
         return out
     if dtype == "bfloat16":
-        bits = values.view(np.uint32).astype(np.uint64)
-        out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        # round to nearest even in uint32, in place: bits + 0x7FFF + lsb stays below 2**32 for every non-NaN
+        # (at most 0xFF808000, -inf's), NaNs are overwritten below (uint64 temporaries made it 20x slower)
+        bits = values.view(np.uint32)
+        rounded = bits >> 16
+        rounded &= 1
+        rounded += 0x7FFF
+        rounded += bits
+        rounded >>= 16
+        out = rounded.astype(np.uint16)
         if nan.any():
             out[nan] = 0xFFFF
         return out

@@ -16,6 +16,7 @@ describing, checking and copying bytes needs no torch. Copies into a universal t
 
 from __future__ import annotations
 
+from collections import OrderedDict
 import contextlib
 import errno
 import mmap
@@ -122,19 +123,28 @@ def box_bytes(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[in
 
 
 class FileHandles:
-    """Read-only descriptors of source files, opened once per conversion thread."""
+    """Read-only descriptors of source files, opened once per conversion thread and kept open, at most
+    `max_open` of them: the least recently used is closed first. (Unbounded, a writer thread held one per
+    tensor file of the universal checkpoint: threads x files, past a 1024-descriptor limit for a 1.3B MoE.)
+    An fd is used before the next fd() call of its thread, or mapped (mmap holds its own), so evicting one
+    never closes a descriptor in use."""
 
-    def __init__(self):
-        self._fds: dict[str, int] = {}
+    def __init__(self, max_open: int = 16):
+        self._fds: "OrderedDict[str, int]" = OrderedDict()
+        self.max_open = max(2, max_open)
 
     def fd(self, path: str) -> int:
         fd = self._fds.get(path)
-        if fd is None:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise StorageError(f"{path}: cannot open ({e.strerror}); re-copy the checkpoint") from e
-            self._fds[path] = fd
+        if fd is not None:
+            self._fds.move_to_end(path)
+            return fd
+        while len(self._fds) >= self.max_open:
+            os.close(self._fds.popitem(last=False)[1])
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise StorageError(f"{path}: cannot open ({e.strerror}); re-copy the checkpoint") from e
+        self._fds[path] = fd
         return fd
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ import math
 import os
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from megatron_ucp.core.dtypes import SAFETENSORS
 from megatron_ucp.core.dtypes import bits as bits_dtype
@@ -120,33 +120,40 @@ def write_tensor_file(staging_dir: PathLike, name: str, tensors: Mapping[str, "t
     return entry
 
 
-def write_tensor_file_streamed(staging_dir: PathLike, name: str, shape: Sequence[int], bands: Iterable["torch.Tensor"],
+def write_tensor_file_streamed(staging_dir: PathLike, name: str, shape: Sequence[int],
+                               bands: Union[Iterable["torch.Tensor"], Mapping[str, Iterable["torch.Tensor"]]],
                                info: Mapping[str, Any]) -> dict:
-    """write_tensor_file for a weight-only parameter whose fp32 tensor comes as consecutive dim-0 bands (so
-    only one band is in memory: `import-hf` widens a vocabulary band by band); the file is byte for byte
-    what write_tensor_file writes for the bands' concatenation."""
+    """write_tensor_file for a parameter whose tensors come as consecutive dim-0 bands (so only one band is
+    in memory: `import-hf` widens a vocabulary band by band; benchmarks/bench_scale.py generates a 1.3B
+    checkpoint with its Adam moments). `bands`: the fp32 tensor's bands, or {key: its bands} for several of
+    TENSOR_KEYS. The file is byte for byte what write_tensor_file writes for the bands' concatenations."""
     import torch
 
     shape = tuple(int(n) for n in shape)
-    _check_tensors(name, {"fp32": (shape, torch.float32)})
-    entry = _entry(name, shape, ["fp32"], info)
+    by_key = dict(bands) if isinstance(bands, Mapping) else {"fp32": bands}
+    _check_tensors(name, {key: (shape, torch.float32) for key in by_key})
+    keys = [key for key in TENSOR_KEYS if key in by_key]
+    entry = _entry(name, shape, keys, info)
     target = Path(staging_dir) / entry["file"]
     target.parent.mkdir(parents=True, exist_ok=True)
-    prefix, offsets = safetensors_header({"fp32": shape}, _file_metadata(name))
-    size = len(prefix) + math.prod(shape) * 4
+    prefix, offsets = safetensors_header({key: shape for key in keys}, _file_metadata(name))
+    nbytes = math.prod(shape) * 4
+    size = len(prefix) + len(keys) * nbytes
 
     def pieces():
         yield 0, prefix
-        pos = offsets["fp32"]
-        for band in bands:
-            if band.dtype != torch.float32 or tuple(band.shape[1:]) != shape[1:]:
-                raise UniversalFormatError(f"{name}: band {tuple(band.shape)} {band.dtype} does not fit {shape}")
-            data = band.contiguous().reshape(-1).view(torch.uint8).numpy()
-            yield pos, data
-            pos += data.nbytes
-        if pos != size:
-            raise UniversalFormatError(f"{name}: bands hold {pos - offsets['fp32']} bytes, {shape} needs "
-                                       f"{size - offsets['fp32']}")
+        for key in keys:
+            pos = offsets[key]
+            for band in by_key[key]:
+                if band.dtype != torch.float32 or tuple(band.shape[1:]) != shape[1:]:
+                    raise UniversalFormatError(f"{name}: {key} band {tuple(band.shape)} {band.dtype} does not fit "
+                                               f"{shape}")
+                data = band.contiguous().reshape(-1).view(torch.uint8).numpy()
+                yield pos, data
+                pos += data.nbytes
+            if pos != offsets[key] + nbytes:
+                raise UniversalFormatError(f"{name}: {key} bands hold {pos - offsets[key]} bytes, {shape} needs "
+                                           f"{nbytes}")
 
     try:
         record = integrity.write_file_hashed(target, size, pieces(), fsync=False)
