@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from megatron_ucp import integrity  # noqa: E402
+from megatron_ucp.io import integrity  # noqa: E402
 from megatron_ucp.io.byteio import FileHandles, FileRegion, copy_and_hash, copy_region  # noqa: E402
 from megatron_ucp.io.staging import fsync_tree  # noqa: E402
 

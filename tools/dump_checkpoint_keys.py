@@ -47,7 +47,9 @@ def read_objects(iter_dir: Path, keys) -> dict:
     from torch.distributed.checkpoint import FileSystemReader, load
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from megatron_ucp.formats.common import load_pickled_bytes
+    import tempfile
+
+    from megatron_ucp.formats.safe_pickle import load_archive
 
     raw = {}
 
@@ -58,7 +60,13 @@ def read_objects(iter_dir: Path, keys) -> dict:
     import io
     load({k: io.BytesIO() for k in keys}, storage_reader=FileSystemReader(str(iter_dir)), planner=_Capture(),
          no_dist=True)
-    return {k: load_pickled_bytes(io.BytesIO(v), what=k) for k, v in raw.items()}
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:  # each item is a torch.save archive: parse it with the allow-list
+        for i, (k, v) in enumerate(raw.items()):
+            path = Path(tmp) / f"{i}.pt"
+            path.write_bytes(v)
+            out[k] = load_archive(path, what=k)
+    return out
 
 
 def _summary(value, depth: int = 0, max_depth: int = 6) -> str:
