@@ -18,9 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch
 
-from megatron_ucp.training import cpu_backend
-
 from megatron_ucp.core import placement as layer_placement
+from megatron_ucp.training import cpu_backend
 
 cpu_backend.import_megatron_core()  # first: on CPU, megatron-core without torch.compile (saves ~10 s)
 
