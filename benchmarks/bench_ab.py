@@ -2,11 +2,11 @@
 """Two checkouts of megatron-ucp, one command, alternating: did a change make it slower or bigger?
 
 Runs `python -m megatron_ucp.cli ARGS...` with checkout A first on PYTHONPATH, then checkout B, N times each,
-alternating (A B A B ...) so that a disk or a neighbour slowing down mid-run hits both alike; the output
-directory (the last CLI argument, removed before each run) is rewritten every time. Reports per checkout the
+alternating (A B A B ...) so that a disk or a neighbour slowing down mid-run hits both alike; `--clean DIR` (the
+command's output) is removed before each run and at the end. Reports per checkout the
 median and the fastest wall time and peak RSS of the process tree (megatron_ucp.io.stats), and B / A.
 
-    python benchmarks/bench_ab.py --a /tmp/before --b . --repeat 5 -- to-universal CKPT OUT --quiet
+    python benchmarks/bench_ab.py --a /tmp/before --b . --repeat 9 --clean OUT -- to-universal --quiet CKPT OUT
 """
 
 from __future__ import annotations
@@ -33,18 +33,20 @@ def main(argv=None) -> dict:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--drop-caches", choices=["auto", "off"], default="auto")
     p.add_argument("--output", help="write the JSON report here")
+    p.add_argument("--clean", help="the command's output directory, removed before each run")
     p.add_argument("--log-dir", default="/tmp/megatron_ucp_bench_ab", help="each run's output")
-    p.add_argument("cli", nargs=argparse.REMAINDER, help="-- then the megatron-ucp arguments; the last is the output")
+    p.add_argument("cli", nargs=argparse.REMAINDER, help="-- then the megatron-ucp arguments")
     args = p.parse_args(argv)
     cli = args.cli[1:] if args.cli[:1] == ["--"] else args.cli
     if not cli:
         p.error("give the megatron-ucp arguments after --")
-    out = Path(cli[-1])
+    out = Path(args.clean) if args.clean else None
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     runs: dict = {"A": [], "B": []}
     for i in range(args.repeat):
         for label, checkout in (("A", args.a), ("B", args.b)):
-            shutil.rmtree(out, ignore_errors=True)
+            if out is not None:
+                shutil.rmtree(out, ignore_errors=True)
             subprocess.run(["sync"], check=False)
             if args.drop_caches == "auto":
                 drop_page_cache()
@@ -53,7 +55,8 @@ def main(argv=None) -> dict:
                                  log_path=Path(args.log_dir) / f"{label}{i}.log")
             runs[label].append(stats)
             print(f"{label} run {i}: {stats.wall_s:.2f} s, peak RSS {stats.peak_rss_bytes / 2**20:.0f} MiB", flush=True)
-    shutil.rmtree(out, ignore_errors=True)
+    if out is not None:
+        shutil.rmtree(out, ignore_errors=True)
     report = {"command": cli, "a": str(args.a), "b": str(args.b), "repeat": args.repeat}
     for label in ("A", "B"):
         walls = [s.wall_s for s in runs[label]]
