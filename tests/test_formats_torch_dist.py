@@ -51,7 +51,8 @@ def test_torch_dist_spellings_parse_what_they_format():
     assert names.parse_flat_bucket_key(key) == (1, 3, 1, ("torch.bfloat16", "torch.float32"), 2, "exp_avg_sq")
     assert names.parse_flat_bucket_key(names.flat_bucket_key(0, 0, ("a", "b"), 0, "param")).optimizer is None
     assert names.parse_flat_bucket_key(key.replace("exp_avg_sq", "step")) is None
-    assert names.parse_distcp_name(names.distcp_name(17, 1)) == (17, 1) and names.parse_distcp_name("__1_0.pt") is None
+    assert names.distcp_name(17, 1) == "__17_1.distcp" and names.is_distcp_name(names.distcp_name(17, 1))
+    assert not names.is_distcp_name("__1_0.pt") and not names.is_distcp_name("x__1_0.distcp")
     obj = names.sharded_object_key(names.RNG_STATE_KEY, (1, 0, 3), (2, 2, 4))
     assert obj == "rng_state/shard_1.0.3_2.2.4"
     assert names.parse_sharded_object_key(obj) == (names.RNG_STATE_KEY, (1, 0, 3), (2, 2, 4))

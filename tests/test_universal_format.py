@@ -231,3 +231,25 @@ def test_disk_full_gives_one_line_and_leaves_nothing(tmp_path, monkeypatch, caps
     assert code == 1
     assert len(err) == 1 and err[0].startswith("error: no space left on the device while writing"), err
     assert not dst.exists() and not list(tmp_path.glob("ucp.partial-*"))
+
+
+def test_tensor_file_header_parser_refuses_what_does_not_describe_the_bytes():
+    """universal/tensorfile.parse_header, the one parser of a tensor file's header (verified reads and `check`):
+    a header nested past the JSON parser's stack, a gap between tensors and a short file are each a HeaderError
+    (one line), never another exception; a header the writer made parses to its tensors."""
+    import struct
+
+    from megatron_ucp.universal.tensorfile import HeaderError, parse_header, safetensors_header
+
+    def parse(data: bytes):
+        return parse_header(lambda offset, n: data[offset:offset + n], len(data))
+
+    prefix, offsets = safetensors_header({"fp32": (2, 3), "exp_avg": (2, 3)}, {"name": "x"})
+    good = prefix + bytes(2 * 24)
+    assert {k: v[:2] for k, v in parse(good).items()} == {"exp_avg": ("F32", (2, 3)), "fp32": ("F32", (2, 3))}
+    assert {k: v[2] for k, v in parse(good).items()} == offsets
+    deep = b"[" * 200_000 + b"]" * 200_000
+    bad = {"deep": struct.pack("<Q", len(deep)) + deep, "gap": good + bytes(4), "short": good[:-1], "tiny": b"\0" * 7}
+    for what, data in bad.items():
+        with pytest.raises(HeaderError):
+            parse(data)

@@ -40,10 +40,10 @@ from tqdm import tqdm
 
 from megatron_ucp.adapters.gpt import (
     expected_parameters, experts_per_ep_rank, is_buffer, megatron_padded_vocab, virtual_chunks)
-from megatron_ucp.commands.common import add_publication_flags
+from megatron_ucp.commands.common import add_publication_flags, add_target_layout_arguments
 from megatron_ucp.core.layout import LayoutError, ParallelLayout
 from megatron_ucp.core.patterns import PatternError
-from megatron_ucp.core.placement import PlacementError, add_split_arguments, resolve_vpp, split_options
+from megatron_ucp.core.placement import PlacementError, resolve_vpp, split_options
 from megatron_ucp.core.versions import NEWEST as _NEWEST
 from megatron_ucp.core.versions import SUPPORTED as SUPPORTED_RELEASES
 from megatron_ucp.formats.common import TRACKER_FILENAME
@@ -404,16 +404,7 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
                     "the given TP x PP x DP (x VPP, x EP x ETP with experts) layout, with the full optimizer state.")
     p.add_argument("ucp", help="universal checkpoint directory")
     p.add_argument("dst", help="Megatron checkpoint root to create (must not exist unless --overwrite)")
-    p.add_argument("-t", "--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("-p", "--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("-d", "--data-parallel-size", type=int, default=1)
-    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    p.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="EP (models with experts): must divide num_experts; carved out of TP x DP")
-    p.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="ETP (default: TP)")
-    p.add_argument("--use-distributed-optimizer", action="store_true")
-    p.add_argument("--sequence-parallel", action="store_true")
-    add_split_arguments(p)
+    add_target_layout_arguments(p, tp_required=False)
     p.add_argument("--ckpt-format", choices=CKPT_FORMATS, required=True,
                    help="torch_dist: megatron-core's distributed checkpoint; torch: legacy model_optim_rng.pt "
                         "(+ distrib_optim.pt); both written offline, without training processes")

@@ -25,8 +25,9 @@ from typing import Optional
 from megatron_ucp.adapters.gpt import (check_pipeline, expected_parameters, experts_per_ep_rank, in_expert_optimizer,
                                       is_buffer, is_vocab_parameter, padded_vocab_at, parameters_for_rank, rule_for,
                                       virtual_chunks)
-from megatron_ucp.commands.common import human_bytes, is_universal, open_any, text_table, universal_problems
-from megatron_ucp.core.placement import PlacementError, add_split_arguments, resolve_vpp, split_options
+from megatron_ucp.commands.common import (
+    add_target_layout_arguments, human_bytes, is_universal, open_any, text_table, universal_problems)
+from megatron_ucp.core.placement import PlacementError, resolve_vpp, split_options
 from megatron_ucp.core.layout import LayoutError, ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
 
@@ -432,16 +433,7 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
                     "when the layout is incompatible.")
     p.add_argument("src", help="universal checkpoint (or a Megatron-LM checkpoint: conversion + load)")
     p.add_argument("--iteration", type=int, default=None, help="iteration of a Megatron-LM root")
-    p.add_argument("-t", "--tensor-model-parallel-size", type=int, required=True)
-    p.add_argument("-p", "--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("-d", "--data-parallel-size", type=int, default=1)
-    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    p.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="EP (models with experts): must divide num_experts; carved out of TP x DP")
-    p.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="ETP (default: TP)")
-    p.add_argument("--use-distributed-optimizer", action="store_true")
-    p.add_argument("--sequence-parallel", action="store_true")
-    add_split_arguments(p)
+    add_target_layout_arguments(p, tp_required=True)
     p.set_defaults(handler=run_cli)
 
 

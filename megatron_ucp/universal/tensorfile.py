@@ -218,8 +218,8 @@ def parse_header(read: Callable[[int, int], Any], size: int) -> dict[str, tuple[
         raise HeaderError(f"safetensors header of {n} bytes does not fit the file ({size} bytes)")
     try:
         header = json.loads(bytes(read(8, n)))
-    except ValueError as e:
-        raise HeaderError(f"safetensors header is not JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser's stack
+        raise HeaderError(f"safetensors header is not JSON ({type(e).__name__}: {e})") from None
     if not isinstance(header, dict):
         raise HeaderError("safetensors header is not a JSON object")
     tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {}

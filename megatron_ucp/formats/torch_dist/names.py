@@ -41,12 +41,6 @@ def distcp_name(rank: int, n: int) -> str:
     return f"__{rank}_{n}.distcp"
 
 
-def parse_distcp_name(name: str) -> Optional[tuple[int, int]]:
-    """(rank, n) of a data file's name; None for any other name."""
-    m = _DISTCP.fullmatch(name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
 def is_distcp_name(name: str) -> bool:
     return _DISTCP.fullmatch(name) is not None
 
