@@ -1,7 +1,11 @@
-"""Launching real multi-process pretrain_gpt.py runs from tests (torchrun, gloo, CPU), with timeouts.
+"""Launching real multi-process runs of Megatron-LM's own training loop from tests (torchrun, gloo, CPU).
+
+Every run is pretrain_scripts/pretrain_gpt.py: Megatron-LM 0.19's `megatron.training.pretrain` with the
+project's providers and plugin (megatron_ucp/megatron_lm), megatron-core 0.19.2, and the losses of every
+iteration at full precision from the plugin's --log-jsonl.
 
 Tiny model families, each in the shape of Megatron-LM's fixtures (4 layers, hidden 48, 4 heads,
-seq 32, global batch 8, lr 1e-3 constant, dropout 0, --mock-data seed 1234, vocab 1000 (+EOD)):
+seq 32, global batch 8, lr 1e-3 constant, dropout 0, --mock-data seed 1234, vocab 1000 (EOD 999)):
 - LLAMA: GQA with 2 query groups, SwiGLU, RMSNorm, RoPE, untied embeddings, no biases;
 - GPT2: LayerNorm, learned absolute positions, GELU, tied embeddings, biases;
 - LLAMA_MOE: LLAMA with MoE layers 1 and 3 (--moe-layer-freq [0,1,0,1]): 4 experts, top-2, expert
@@ -28,13 +32,13 @@ FIXTURE_CKPTS = {
     "B": FIXTURES / "B_llama_tp2pp2dp2_distopt_sp_torch_dist" / "ckpt",  # torch_dist, dp_reshardable
     "C": FIXTURES / "C_gpt2_tp2pp2dp1_adam_torch" / "ckpt",  # legacy torch, plain Adam, tied embeddings
 }
-PRETRAIN = REPO / "pretrain_scripts" / "pretrain_gpt.py"
+PRETRAIN = REPO / "pretrain_scripts" / "pretrain_gpt.py"  # CPU flags: added by cpu_shims.with_cpu_flags
 TORCHRUN_TIMEOUT_S = int(os.environ.get("MEGATRON_UCP_TEST_TIMEOUT", "600"))
 
 COMMON = ("--num-layers 4 --hidden-size 48 --num-attention-heads 4 --seq-length 32 "
           "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --min-lr 1e-3 "
           "--lr-decay-style constant --seed 1234 --log-interval 1 --mock-data --tokenizer-type NullTokenizer "
-          "--vocab-size 1000 --attention-dropout 0.0 --hidden-dropout 0.0").split()
+          "--vocab-size 1000 --attention-dropout 0.0 --hidden-dropout 0.0 --eval-iters 0 --eval-interval 1000 --num-workers 0").split()
 MOE = ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-layer-freq [0,1,0,1] "
        "--moe-aux-loss-coeff 1e-2").split()
 FAMILIES: Dict[str, List[str]] = {

@@ -395,3 +395,32 @@ def _distopt_unshare_step_after_load() -> None:
         return result
 
     DistributedOptimizer.load_state_dict = load_state_dict
+
+
+# --- the command line on CPU -------------------------------------------------------------------------
+
+# What Megatron-LM 0.19 needs told on CPU (the flags of tests/fixtures/megatron-core-0.19/*/cmd.txt): the
+# local (non-TransformerEngine) layers, gloo, and none of the CUDA-only fused kernels. Each is added only
+# when the command line does not already name it (or its opposite).
+CPU_FLAGS = (
+    ("--transformer-impl", "local"),
+    ("--distributed-backend", "gloo"),
+    ("--no-gradient-accumulation-fusion", None),
+    ("--no-masked-softmax-fusion", None),
+    ("--no-bias-gelu-fusion", None),
+    ("--no-bias-dropout-fusion", None),
+    ("--no-bias-swiglu-fusion", None),
+    ("--disable-jit-fuser", None),
+    ("--no-rope-fusion", None),
+    ("--no-persist-layer-norm", None),
+)
+
+
+def with_cpu_flags(argv):
+    """`argv` plus each CPU flag it does not already give."""
+    argv = list(argv)
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    for flag, value in CPU_FLAGS:
+        if flag not in given:
+            argv += [flag] if value is None else [flag, value]
+    return argv

@@ -1,17 +1,23 @@
-"""GPT pretraining on Megatron-LM 0.19's own training loop (`megatron.training.pretrain`), mock data.
+"""GPT pretraining on Megatron-LM 0.19's own training loop (`megatron.training.pretrain`).
 
 A thin provider set, as Megatron-LM's pretrain_gpt.py plugs into the same loop: a model provider (local
 spec: dense GPT, or GPT-MoE through the decoder block spec), a forward step with the masked LM loss, and
-the mock-data datasets provider. Megatron-LM does everything else: arguments, initialization, the
-schedule, the optimizer, logging, `--save` / `--load`; `--load UCP --universal-checkpoint` resumes from a
-universal checkpoint (universal_plugin). On CPU the patches of `cpu_shims` are installed first. Run with megatron-core 0.19.2 first on PYTHONPATH:
+the datasets provider (three sources, all through megatron-core's BlendedMegatronDatasetBuilder):
+- `--mock-data`: megatron-core's MockGPTDataset;
+- `--data-path PREFIX ...`: Megatron indexed datasets (`PREFIX.bin/.idx`, tools/preprocess_data.py);
+- neither: the embedded corpus (corpus.py), bytes as tokens, with `--tokenizer-type NullTokenizer
+  --vocab-size 257` (ids 0..255 and EOD 256).
+Megatron-LM does everything else: arguments, initialization, the schedule, the optimizer, logging,
+`--save` / `--load`. Added through its extra-args mechanism: `--universal-checkpoint` (universal_plugin)
+and `--log-jsonl` (run_log). On CPU, cpu_shims' patches are installed first and its CPU flags are added
+where the command line does not choose them:
 
-    PYTHONPATH=.venv/megatron-core-0.19 torchrun --nproc-per-node 4 pretrain_scripts/pretrain_gpt_mcore019.py \
-        <Megatron-LM flags> --transformer-impl local --distributed-backend gloo --mock-data ...
+    torchrun --nproc-per-node 4 pretrain_scripts/pretrain_gpt.py <Megatron-LM flags> --mock-data ...
 """
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 from megatron_ucp.megatron_lm import cpu_shims
@@ -22,7 +28,8 @@ import torch  # noqa: E402
 
 from megatron.core import mpu  # noqa: E402
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
-from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset  # noqa: E402
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
+from megatron.core.datasets.utils import get_blend_from_list  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
@@ -36,7 +43,7 @@ from megatron.training.argument_utils import pretrain_cfg_container_from_args  #
 from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args  # noqa: E402
 from megatron.training.utils import is_first_or_last_pipeline_stage  # noqa: E402
 
-from megatron_ucp.megatron_lm import universal_plugin  # noqa: E402
+from megatron_ucp.megatron_lm import corpus, run_log, universal_plugin  # noqa: E402
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
@@ -125,27 +132,44 @@ def is_dataset_built_on_rank(vp_stage=None):
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """megatron-core's mock GPT dataset (--mock-data), seeded by --seed: the same tokens on every layout."""
+    """Mock data, indexed data (--data-path) or the embedded corpus, seeded by --seed: the same samples on
+    every layout."""
     args = get_args()
-    if not args.mock_data:
-        raise ValueError("this entry point trains on --mock-data only")
     tokenizer = get_tokenizer()  # the one Megatron-LM built from --tokenizer-type at initialization
+    blend, split, dataset_type = None, args.split, MockGPTDataset
+    if not args.mock_data:
+        dataset_type = GPTDataset
+        if args.data_path:
+            blend = get_blend_from_list(args.data_path)
+        else:
+            blend = ([corpus.indexed_dataset_prefix(corpus.cache_dir(args.data_cache_path), tokenizer)], None)
+            # all train: the corpus' ~140 documents leave a 1% test split empty, and megatron-core's
+            # GPTDataset never ends on an empty split
+            split = "100,0,0"
     config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=None, blend_per_split=None,
-        split=args.split, path_to_cache=args.data_cache_path, tokenizer=tokenizer,
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=None,
+        split=split, path_to_cache=args.data_cache_path, tokenizer=tokenizer,
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader)
-    print_rank_0("> building mock train, validation, and test datasets for GPT ...")
+    print_rank_0(f"> building {'mock' if args.mock_data else 'indexed'} train, validation, and test datasets "
+                 "for GPT ...")
     return BlendedMegatronDatasetBuilder(
-        MockGPTDataset, train_val_test_num_samples, partial(is_dataset_built_on_rank, vp_stage=vp_stage), config
+        dataset_type, train_val_test_num_samples, partial(is_dataset_built_on_rank, vp_stage=vp_stage), config
     ).build()
 
 
+def extra_args_provider(parser):
+    return run_log.add_arguments(universal_plugin.add_arguments(parser))
+
+
 def main():
-    cpu_shims.install()  # before the arguments: validate_args asks for the GPU architecture
+    on_cpu = cpu_shims.install()  # before the arguments: validate_args asks for the GPU architecture
+    if on_cpu:
+        sys.argv[1:] = cpu_shims.with_cpu_flags(sys.argv[1:])
     universal_plugin.install()  # --universal-checkpoint: --load reads a universal checkpoint
+    run_log.install()  # --log-jsonl
     train_valid_test_datasets_provider.is_distributed = True
-    args = parse_and_validate_args(extra_args_provider=universal_plugin.add_arguments,
+    args = parse_and_validate_args(extra_args_provider=extra_args_provider,
                                    args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
              forward_step, model_provider=model_provider)
