@@ -1,7 +1,7 @@
 """`make demo`: the whole story on CPU, in a few minutes.
 
-1. Train a tiny Llama-like GPT at TP2 x PP2 on the embedded corpus, saving a Megatron torch_dist
-   checkpoint half way.
+1. Train a tiny Llama-like GPT at TP2 x PP2 with Megatron-LM's own training loop (pretrain_scripts/pretrain_gpt.py,
+   megatron-core 0.19.2) on the embedded corpus, saving a Megatron torch_dist checkpoint half way.
 2. Convert that checkpoint to a universal checkpoint.
 3. Resume from it at TP1 x PP1 (one process) and at DP4 (four processes), with the full optimizer state.
 4. Print the three loss curves side by side and plot them to demo_output/loss.png.
@@ -11,20 +11,26 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+_ITERATION_LINE = re.compile(r"iteration\s+\d+/\s*\d+ \|")
 REPO = Path(__file__).resolve().parents[2]
 OUT = Path(os.environ.get("MEGATRON_UCP_DEMO_DIR", REPO / "demo_output"))
 ITERS, SAVE_AT = 30, 15
 MODEL = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
          "--swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
+         "--max-position-embeddings 64 "
          "--disable-bias-linear --seq-length 64 --micro-batch-size 2 --global-batch-size 16 "
          "--lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 5 --lr-decay-style cosine --attention-dropout 0.0 "
-         "--hidden-dropout 0.0 --seed 1234 --log-interval 1 --use-distributed-optimizer").split()
+         "--hidden-dropout 0.0 --seed 1234 --log-interval 1 --use-distributed-optimizer --eval-iters 0 "
+         "--eval-interval 1000 --num-workers 0 "
+         # the embedded corpus: bytes as tokens, EOD 256; padded to 512 rows at TP1 and TP2 alike
+         "--tokenizer-type NullTokenizer --vocab-size 257 --make-vocab-size-divisible-by 256").split()
 
 
 def torchrun(nproc: int, layout: list, extra: list, log_name: str) -> dict:
@@ -39,7 +45,7 @@ def torchrun(nproc: int, layout: list, extra: list, log_name: str) -> dict:
         log = []
         for line in p.stdout:
             log.append(line)
-            if " iteration " in line or line.startswith(" > ") or "error" in line.lower():
+            if _ITERATION_LINE.search(line) or "Error" in line or line.startswith(" > "):
                 print(line.rstrip(), flush=True)
         if p.wait(timeout=900) != 0:
             (OUT / f"{log_name}.log").write_text("".join(log))

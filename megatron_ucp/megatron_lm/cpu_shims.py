@@ -417,7 +417,9 @@ CPU_FLAGS = (
 
 
 def with_cpu_flags(argv):
-    """`argv` plus each CPU flag it does not already give."""
+    """`argv` plus each CPU flag it does not already give. Also sets CUDA_DEVICE_MAX_CONNECTIONS=1, which
+    validate_args demands with tensor parallelism (a CUDA stream setting; on CPU it means nothing)."""
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     argv = list(argv)
     given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
     for flag, value in CPU_FLAGS:
