@@ -22,7 +22,8 @@ MODEL="--num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query-at
  --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights
  --disable-bias-linear --seq-length 128 --micro-batch-size 4 --global-batch-size 16 --lr 1e-3 --min-lr 1e-3
  --lr-decay-style constant --attention-dropout 0.0 --hidden-dropout 0.0 --mock-data --tokenizer-type NullTokenizer
- --vocab-size 1000 --log-interval 1 --use-distributed-optimizer --transformer-impl $IMPL --layout-invariant-init"
+ --vocab-size 1000 --log-interval 1 --use-distributed-optimizer --transformer-impl $IMPL --eval-iters 0
+ --eval-interval 1000 --max-position-embeddings 128"
 
 run() {  # nproc name extra...
   local n=$1 name=$2; shift 2

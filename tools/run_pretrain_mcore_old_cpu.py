@@ -37,7 +37,9 @@ def _prebuilt_helpers(mlm_root: Path) -> None:
     target = mlm_root / "megatron" / "core" / "datasets"
     if any(target.glob("helpers_cpp*.so")):
         return
-    built = sorted((REPO / ".venv" / "megatron-core-0.19" / "megatron" / "core" / "datasets").glob("helpers_cpp*.so"))
+    import sysconfig  # the venv's megatron-core 0.19.2 (make install); MLM_ROOT's megatron shadows it on sys.path
+
+    built = sorted((Path(sysconfig.get_paths()["purelib"]) / "megatron" / "core" / "datasets").glob("helpers_cpp*.so"))
     if not built:
         raise FileNotFoundError("no prebuilt helpers_cpp: run `make install` (megatron-core 0.19.2 ships one)")
     shutil.copy(built[0], target / built[0].name)

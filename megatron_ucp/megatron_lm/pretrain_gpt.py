@@ -35,6 +35,7 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
 from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank, get_batch_on_this_tp_rank  # noqa: E402
@@ -49,17 +50,19 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    """One pipeline chunk of a GPT (or GPT-MoE) model with megatron-core's local (non-TE) layers."""
+    """One pipeline chunk of a GPT (or GPT-MoE) model: megatron-core's local layers, or TransformerEngine's
+    with --transformer-impl transformer_engine (GPUs; not run on this project's CPU machines)."""
     args = get_args()
-    if args.transformer_impl != "local":
-        raise ValueError(f"--transformer-impl {args.transformer_impl}: this entry point builds the local spec "
-                         "only (TransformerEngine is a GPU package); pass --transformer-impl local")
+    use_te = args.transformer_impl == "transformer_engine"
     print_rank_0("building GPT model ...")
     config = config or core_transformer_config_from_args(args)
     if args.num_experts:
-        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                                 normalization=args.normalization, qk_l2_norm=args.qk_l2_norm,
                                                 vp_stage=vp_stage)
+    elif use_te:
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(args.num_experts, args.moe_grouped_gemm,
+                                                                args.qk_layernorm, args.multi_latent_attention)
     else:
         layer_spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
                                               args.multi_latent_attention, normalization=args.normalization)
