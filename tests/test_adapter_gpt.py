@@ -14,6 +14,9 @@ from megatron_ucp.adapters import gpt
 from megatron_ucp.core.layout import LayoutError, ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.core.patterns import FusedSubParams, GroupedQKV, PatternError, Replicated, Sharded, VocabSharded
+from megatron_ucp.megatron_lm import cpu_shims
+
+cpu_shims.install_import_patches()  # megatron-core 0.19 without triton: before megatron is imported
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron-lm"
 
@@ -385,6 +388,21 @@ def test_padded_vocab_rules():
         gpt.padded_vocab_at(config(1000), 1)
     assert gpt.is_vocab_parameter(gpt.OUTPUT_LAYER) and gpt.is_vocab_parameter(gpt.WORD_EMBEDDINGS)
     assert not gpt.is_vocab_parameter(gpt.POSITION_EMBEDDINGS)
+
+
+def test_pad_vocab_size_is_megatron_lms_rule():
+    """core.model_config.pad_vocab_size (the converters' padding) equals Megatron-LM's own
+    calculate_padded_vocab_size for every vocabulary 1..1100, divisor 1/64/128 and TP 1..8."""
+    from megatron_ucp.core.model_config import pad_vocab_size
+
+    from megatron.training.vocab_utils import calculate_padded_vocab_size
+
+    for vocab in range(1, 1101):
+        for divisible in (1, 64, 128):
+            for tp in range(1, 9):
+                assert pad_vocab_size(vocab, divisible, tp) == \
+                    calculate_padded_vocab_size(vocab, divisible, tp, logging_enabled=False), (vocab, divisible, tp)
+    assert pad_vocab_size(257, 128, 2) == 512 and pad_vocab_size(1001, 128, 1) == 1024
 
 
 def test_param_group_rule_from_rows():

@@ -3,7 +3,7 @@
 1. megatron_ucp/formats/bucket_layout.py, which converters use to find parameters in the distributed
    optimizer's flat buffers, predicts from args alone the exact layout megatron-core's DDP builds
    (every parameter's [start, end, bucket], every bucket's [start, end, numel_unpadded], buffer dtypes),
-   read from the live buffers by tests/ddp_bucket_probe.py: several bucket sizes, PP stage 1 (one
+   read from the live buffers of the model Megatron-LM 0.19's get_model builds (tests/ddp_bucket_probe.py): several bucket sizes, PP stage 1 (one
    bucket, the tied embedding in its own), VPP chunk 1 (one bucket), bf16 params with fp32 grads,
    --ddp-num-buckets, DP=3 with --ddp-pad-buckets-for-high-nccl-busbw (lcm(3, 128, 2**16) bucket
    ends), no distributed optimizer (no padding). Negative control: a one-bucket prediction differs from the live
@@ -48,7 +48,7 @@ def probe(name, tmp_path) -> list:
     out = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(REPO / "tests" / "ddp_bucket_probe.py"), str(out), *FAMILIES[family], "--train-iters", "4", *flags]
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1"), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=TORCHRUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]

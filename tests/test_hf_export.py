@@ -5,9 +5,10 @@ LayerNorm, GELU, learned positions, tied, biases), both at iteration 8, converte
 and exported with `megatron-ucp export-hf`; plus an "amplified" copy of each (QKV weights x6, fc1 x10) whose
 attention is sharp and whose activations reach GELU's curved range, so conventions that barely matter at
 init scale (exact vs tanh GELU: 5e-6 on the fixture, 1e-4 amplified) cannot pass unnoticed.
-The megatron-core side is a TP1 PP1 GPTModel (local spec, CPU backend) built from the checkpoint's own
-flags and filled with the universal tensors (which are the TP1 tensors); it runs in a child process so
-the CPU patches and process group stay out of the test process.
+The megatron-core side is a megatron-core 0.19 TP1 PP1 GPTModel (local spec, cpu_shims) built from the
+checkpoint's own flags as Megatron-LM 0.19 builds it (tests/mcore_gpt.py) and filled with the universal tensors
+(which are the TP1 tensors); it runs in a child process so the CPU patches and process group stay out of the
+test process.
 Tolerance: max |logit difference| <= 1e-5 (fp32, CPU; observed <= 6e-7) over the true vocabulary.
 
 Run as a script (`python tests/test_hf_export.py UCP OUT.pt`) it is that child process.
@@ -16,7 +17,6 @@ Run as a script (`python tests/test_hf_export.py UCP OUT.pt`) it is that child p
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -51,14 +51,14 @@ def amplified_copy(src: Path, dst: Path) -> Path:
 
 
 def megatron_flags(ucp) -> list[str]:
-    """pretrain_gpt.py flags that rebuild the checkpoint's model at TP1 PP1 (from its metadata)."""
+    """Megatron-LM 0.19 flags that rebuild the checkpoint's model at TP1 PP1 (from its metadata)."""
     c, a = ucp.config, ucp.args
     flags = ["--num-layers", c.num_layers, "--hidden-size", c.hidden_size, "--ffn-hidden-size", c.ffn_hidden_size,
              "--num-attention-heads", c.num_attention_heads, "--kv-channels", c.kv_channels,
              "--seq-length", a["seq_length"], "--max-position-embeddings", c.max_position_embeddings,
              "--micro-batch-size", 1, "--train-iters", 1, "--lr", 1e-3, "--mock-data",
-             "--tokenizer-type", "NullTokenizer", "--vocab-size", c.vocab_size - 1,  # + EOD
-             "--transformer-impl", "local", "--attention-dropout", 0, "--hidden-dropout", 0,
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", c.vocab_size,  # Megatron-LM 0.19: EOD included
+             "--attention-dropout", 0, "--hidden-dropout", 0,
              "--normalization", c.normalization, "--position-embedding-type", c.position_embedding_type,
              "--norm-epsilon", a.get("norm_epsilon", 1e-5), "--rotary-base", a.get("rotary_base", 10000)]
     if c.num_query_groups != c.num_attention_heads:
@@ -70,28 +70,20 @@ def megatron_flags(ucp) -> list[str]:
 
 def megatron_logits(ucp_paths: list[str]) -> list[torch.Tensor]:
     """Child process: megatron-core forwards of universal checkpoints at TP1 PP1, logits [b, s, padded]."""
-    from megatron_ucp.training import cpu_backend
-
-    cpu_backend.apply()
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from mcore_gpt import build_gpt, gpt_args, single_process
 
     from megatron_ucp.adapters.gpt import canonical_name
     from megatron_ucp.core.layout import ParallelLayout
-    from megatron_ucp.training.arguments import parse_args
-    from megatron_ucp.training.model import build_model, transformer_config_from_args
     from megatron_ucp.universal import UniversalCheckpoint
 
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1, 1)
+    with single_process():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
         for path in ucp_paths:
             ucp = UniversalCheckpoint.open(path)
             model_parallel_cuda_manual_seed(1)
-            args = parse_args(megatron_flags(ucp))
-            args.padded_vocab_size = ucp.config.padded_vocab_size
-            model = build_model(args, transformer_config_from_args(args))[0].module
+            model = build_gpt(gpt_args(megatron_flags(ucp), ucp.config.padded_vocab_size))
             with torch.no_grad():
                 for local, param in model.named_parameters():
                     name = canonical_name(local, ParallelLayout(), 0, None, ucp.config.num_layers,
@@ -103,7 +95,6 @@ def megatron_logits(ucp_paths: list[str]) -> list[torch.Tensor]:
             causal_mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).view(1, 1, SEQ, SEQ)  # True = masked
             with torch.no_grad():
                 results.append(model(tokens, positions, causal_mask))
-        torch.distributed.destroy_process_group()
     return results
 
 
@@ -168,6 +159,7 @@ def test_export_refuses_wrong_family_and_existing_output(exported):
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/: mcore_gpt
     out_dir, paths = Path(sys.argv[1]), sys.argv[2:]
     for path, logits in zip(paths, megatron_logits(paths)):
         torch.save(logits, out_dir / f"{Path(path).name}.logits.pt")

@@ -6,8 +6,9 @@ SwiGLU, RMSNorm, RoPE, untied, no biases; 4 experts, top-2, expert ffn 32):
 - mixtral: every layer MoE (--moe-layer-freq 1), routed experts only;
 - qwen2_moe: dense and MoE layers mixed (--moe-layer-freq [0,1,0,1]: HF's mlp_only_layers [0, 2]) and a shared
   expert of 32 with its sigmoid gate (--moe-shared-expert-gate).
-A child process builds each model with megatron-core (TP1 PP1 EP1, local spec, CPU backend), initialised with
---init-method-std 0.1 so that the router's choices and every expert matter (logits' std 0.69), writes its weights as a universal
+A child process builds each model with megatron-core 0.19 as Megatron-LM 0.19 builds it (TP1 PP1 EP1, local spec,
+cpu_shims; tests/mcore_gpt.py), vocabulary 1001 (NullTokenizer --vocab-size 1001: Megatron-LM 0.19 counts EOD in it),
+initialised with --init-method-std 0.1 so that the router's choices and every expert matter (logits' std 0.69), writes its weights as a universal
 checkpoint (UniversalWriter: the same files to-universal writes) and computes the reference logits; the test
 exports that checkpoint with the CLI and runs the HF class.
 Tolerance: max |logit difference| <= 1e-5 (fp32, CPU; measured 1.3e-6 Mixtral, 1.6e-6 Qwen2-MoE; at std 0.2 the
@@ -21,7 +22,6 @@ Run as a script (`python tests/test_hf_export_moe.py OUT_DIR`) it is that child 
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -33,8 +33,10 @@ from pretrain_runs import COMMON, FAMILIES  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SEQ, BATCH = 32, 2
 TOL, BROKEN = 1e-5, 1e-3
+VOCAB = 1001  # with EOD; padded to 1024
 MOE_BASE = [f for f in FAMILIES["llama"]] + ["--num-experts", "4", "--moe-router-topk", "2",
-                                              "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "1e-2"]
+                                              "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "1e-2",
+                                              "--vocab-size", str(VOCAB)]  # the last --vocab-size counts
 MODELS = {
     "mixtral": MOE_BASE + ["--moe-layer-freq", "1"],
     "qwen2_moe": MOE_BASE + ["--moe-layer-freq", "[0,1,0,1]", "--moe-shared-expert-intermediate-size", "32",
@@ -50,30 +52,24 @@ def tokens_for(vocab_size: int) -> torch.Tensor:
 
 def build_checkpoints(out_dir: Path) -> None:
     """Child process: per model, a universal checkpoint of a megatron-core GPT-MoE and its logits."""
-    from megatron_ucp.training import cpu_backend
-
-    cpu_backend.apply()
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from mcore_gpt import build_gpt, gpt_args, single_process
 
     from megatron_ucp.adapters.gpt import canonical_name, expected_parameters, pad_vocab_size, pattern_for
     from megatron_ucp.core.layout import ParallelLayout
     from megatron_ucp.core.model_config import GPTModelConfig
-    from megatron_ucp.training.arguments import parse_args
-    from megatron_ucp.training.model import build_model, transformer_config_from_args
     from megatron_ucp.universal import UniversalWriter
 
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1, 1)
+    with single_process():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
         for model_type, flags in MODELS.items():
             model_parallel_cuda_manual_seed(1234)
             torch.manual_seed(1234)
-            args = parse_args([*flags, "--train-iters", "1", "--transformer-impl", "local",
-                               "--init-method-std", "0.1"])
-            args.padded_vocab_size = pad_vocab_size(args.vocab_size + 1, args.make_vocab_size_divisible_by, 1)
+            args = gpt_args([*flags, "--train-iters", "1", "--init-method-std", "0.1"],
+                            pad_vocab_size(VOCAB, 128, 1))
             config = GPTModelConfig.from_megatron_args(args)
-            model = build_model(args, transformer_config_from_args(args))[0].module
+            assert config.vocab_size == VOCAB, config.vocab_size  # Megatron-LM 0.19's reading of --vocab-size
+            model = build_gpt(args)
             model.eval()
             with UniversalWriter(out_dir / f"ucp_{model_type}") as writer:
                 for local, param in model.named_parameters():
@@ -97,7 +93,6 @@ def build_checkpoints(out_dir: Path) -> None:
             causal_mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).view(1, 1, SEQ, SEQ)  # True = masked
             with torch.no_grad():
                 torch.save(model(tokens, positions, causal_mask), out_dir / f"{model_type}.logits.pt")
-        torch.distributed.destroy_process_group()
 
 
 def _user_cli(*argv):

@@ -6,7 +6,8 @@ then perturbed (N(0, 0.02) added, so norms are not 1 and biases not 0 and a wron
 - gpt2: 2 layers, hidden 48, 4 heads, exact GELU (`activation_function="gelu"`), tied, biases;
 - qwen2_moe: 2 layers (layer 0 dense: mlp_only_layers=[0]), 4 experts top-2 of 32, a gated shared expert of
   32, QKV biases, norm_topk_prob=false (Megatron's --moe-router-pre-softmax).
-Vocabulary 1024 (NullTokenizer --vocab-size 1023: no padding rows, so Megatron's softmax is HF's).
+Vocabulary 1024 (Megatron-LM 0.19's NullTokenizer --vocab-size 1024, EOD included: no padding rows, so Megatron's
+softmax is HF's).
 
 End to end (tests/pretrain_runs, torchrun, gloo, CPU): each imported checkpoint is loaded with
 `--universal-checkpoint` at TP2 PP2 (qwen2_moe: EP2 ETP1, sequence parallel) and trained 8 iterations with
@@ -35,8 +36,9 @@ from pretrain_runs import FIXTURE_CKPTS, Layout, read_losses, run_pretrain  # no
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-5
+# --eval-*: Megatron-LM 0.19 sizes its splits from them (no default interval); no evaluation runs
 TRAIN = ("--seq-length 32 --micro-batch-size 2 --global-batch-size 8 --lr 1e-4 --train-iters 8 --mock-data "
-         "--attention-dropout 0 --hidden-dropout 0 --log-interval 1 --seed 1234").split()
+         "--attention-dropout 0 --hidden-dropout 0 --log-interval 1 --seed 1234 --eval-iters 0 --eval-interval 1000").split()
 LAYOUTS = {"llama": Layout(tp=2, pp=2), "gpt2": Layout(tp=2, pp=2),
            "qwen2_moe": Layout(tp=2, pp=2, ep=2, etp=1, sp=True)}  # MoE layers with TP need SP
 
@@ -82,12 +84,27 @@ def imported(tmp_path_factory):
 
 
 def first_batch(flags):
-    """The run's first global batch: megatron-core's MockGPTDataset samples 0..GBS-1 (tokens, labels, mask)."""
-    from megatron_ucp.training.arguments import parse_args
-    from megatron_ucp.training.data import build_tokenizer, build_train_dataset
+    """The run's first global batch (tokens, labels, mask) as Megatron-LM 0.19 draws it: the entry point's mock-data
+    provider (megatron-core's MockGPTDataset, GPTDatasetConfig from the run's flags, the tokenizer Megatron-LM builds
+    from them) over the splits Megatron-LM sizes (get_train_valid_test_num_samples); samples 0..GBS-1."""
+    from unittest import mock
 
-    args = parse_args(flags)
-    dataset = build_train_dataset(args, build_tokenizer(args), True)
+    from megatron_lm_args import megatron_lm_args
+
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training import training
+
+    args = megatron_lm_args(flags)
+    with mock.patch.object(training, "get_args", lambda: args):
+        num_samples = training.get_train_valid_test_num_samples()
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=None, blend_per_split=None,
+        split=args.split, path_to_cache=args.data_cache_path, tokenizer=build_tokenizer(args),
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader)
+    dataset, _, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, num_samples, lambda: True, config).build()
     samples = [dataset[i] for i in range(args.global_batch_size)]
     return [torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in ("tokens", "labels", "loss_mask")]
 
@@ -151,6 +168,30 @@ def test_imported_model_trains_from_transformers_loss(imported, model_type, tmp_
     assert broken > TOL, f"{model_type}: swapped QKV groups only move the loss by {broken:.2e}"
     print(f"{model_type} at {layout}: loss diff {diff:.2e}, swapped QKV groups {broken:.2e}")
 
+
+
+@pytest.mark.parametrize("model_type", list(LAYOUTS))
+def test_printed_flags_build_the_imported_model_in_megatron_lm(imported, model_type):
+    """import-hf's flags, read by Megatron-LM 0.19's own parser and validate_args, describe the imported model:
+    the universal loader's compatibility check accepts the run, vocabulary included (1024 = --vocab-size 1024 with
+    0.19's NullTokenizer; 0.16's spelling, --vocab-size 1023, is refused as a 1023-token model)."""
+    from megatron_lm_args import megatron_lm_args
+
+    from megatron_ucp.megatron_lm.loader import UniversalLoadError, check_compatible
+    from megatron_ucp.universal import UniversalCheckpoint
+
+    _, ucp_dir, summary = imported[model_type]
+    ucp = UniversalCheckpoint.open(ucp_dir)
+    layout = LAYOUTS[model_type]
+    flags = [*summary["megatron_flags"], *TRAIN, "--tensor-model-parallel-size", str(layout.tp)]
+    args = megatron_lm_args(flags, world_size=layout.tp)
+    args.padded_vocab_size = ucp.config.padded_vocab_size
+    check_compatible(ucp, args)
+    i = flags.index("--vocab-size")
+    old_spelling = megatron_lm_args([*flags[:i + 1], "1023", *flags[i + 2:]], world_size=layout.tp)
+    old_spelling.padded_vocab_size = ucp.config.padded_vocab_size
+    with pytest.raises(UniversalLoadError, match="vocab_size: checkpoint 1024, this run 1023"):
+        check_compatible(ucp, old_spelling)
 
 
 @pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])

@@ -1,18 +1,23 @@
-"""The universal loader's refusals: a model config or global batch size that differs from the checkpoint."""
+"""The universal loader's refusals: a model config or global batch size that differs from the checkpoint.
+
+The run's args are Megatron-LM 0.19's own (its parser and validate_args, tests/megatron_lm_args.py), as
+`pretrain()` hands them to the --universal-checkpoint plugin. Megatron-LM 0.19's NullTokenizer counts EOD inside
+--vocab-size, so fixture A's vocabulary (1000 ids + EOD, written by an older Megatron-LM) is --vocab-size 1001.
+"""
 
 import pytest
 
+from megatron_lm_args import megatron_lm_args
 from pretrain_runs import FIXTURES
 
 from megatron_ucp.convert import to_universal
 from megatron_ucp.megatron_lm.loader import UniversalLoadError, check_compatible
-from megatron_ucp.training.arguments import build_parser, validate_args
 from megatron_ucp.universal import UniversalCheckpoint
 
 LLAMA = ["--num-layers", "4", "--hidden-size", "48", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
          "--train-iters", "8", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
-         "--vocab-size", "1000", "--group-query-attention", "--num-query-groups", "2", "--swiglu",
+         "--vocab-size", "1001", "--group-query-attention", "--num-query-groups", "2", "--swiglu",
          "--normalization", "RMSNorm", "--position-embedding-type", "rope",
          "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
 
@@ -25,8 +30,8 @@ def ucp(tmp_path_factory):
 
 
 def args_for(*extra, world_size=1):
-    args = validate_args(build_parser().parse_args([*LLAMA, *extra]), world_size=world_size)
-    args.padded_vocab_size = 1024
+    args = megatron_lm_args([*LLAMA, *extra], world_size=world_size)
+    args.padded_vocab_size = 1024  # Megatron-LM sets it when it builds the tokenizer
     return args
 
 
@@ -41,8 +46,7 @@ def test_model_config_mismatch_names_field_and_flag(ucp):
     with pytest.raises(UniversalLoadError, match=r"hidden_size: checkpoint 48, this run 64 \(set --hidden-size\)"):
         check_compatible(ucp, args)
     with pytest.raises(UniversalLoadError, match="swiglu"):
-        check_compatible(ucp, validate_args(build_parser().parse_args([a for a in LLAMA if a != "--swiglu"]
-                                                                       + ["--ffn-hidden-size", "128"]), world_size=1))
+        check_compatible(ucp, megatron_lm_args([a for a in LLAMA if a != "--swiglu"] + ["--ffn-hidden-size", "128"]))
 
 
 def test_global_batch_change_needs_the_flag(ucp):

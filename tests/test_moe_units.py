@@ -1,7 +1,7 @@
 """Mixture-of-experts rules that need no training run: expert rank coordinates against megatron-core's own
 rank generator, the expert DDP buffers' selection and data-parallel group, the optimizer each parameter
-belongs to, the legacy folder names, and the refusals of what Megatron-LM 0.16.1's legacy format cannot
-hold (one line naming the flag). Runtime ~2 s.
+belongs to (against the mark megatron-core's expert linears set), the legacy folder names, and the refusal
+of what Megatron-LM 0.16.1's legacy format cannot hold (one line naming the flag). Runtime ~2 s.
 """
 
 import itertools
@@ -13,8 +13,10 @@ from megatron_ucp.formats.bucket_layout import BufferParam, DDPBucketConfig, bui
 from megatron_ucp.formats.legacy.reader import rank_dir_name
 from megatron_ucp.core.layout import LayoutError, ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
-from megatron_ucp.training.arguments import ArgumentError, build_parser, validate_args
 from megatron_ucp.formats.legacy.writer import LegacyWriteError, check_layout
+from megatron_ucp.megatron_lm import cpu_shims
+
+cpu_shims.install_import_patches()  # megatron-core 0.19 without triton: before megatron is imported
 
 MOE = GPTModelConfig(num_layers=4, hidden_size=48, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
                      kv_channels=12, vocab_size=1001, padded_vocab_size=1024, swiglu=True, normalization="RMSNorm",
@@ -86,17 +88,41 @@ def test_legacy_format_refuses_etp_other_than_tp():
     with pytest.raises(LegacyWriteError, match=r"--expert-tensor-parallel-size 1 != --tensor-model-parallel-size 2"):
         check_layout(MOE, ParallelLayout(tp=2, dp=2, etp=1, ep=2))
     check_layout(MOE, ParallelLayout(tp=2, dp=2, ep=2))  # ETP = TP: what Megatron-LM writes consistently
-    base = ["--num-layers", "4", "--hidden-size", "48", "--num-attention-heads", "4", "--seq-length", "32",
-            "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--mock-data", "--vocab-size", "1000",
-            "--disable-bias-linear", "--num-experts", "4", "--tensor-model-parallel-size", "2",
-            "--sequence-parallel", "--expert-tensor-parallel-size", "1", "--save", "/nonexistent"]
-    with pytest.raises(ArgumentError, match="--ckpt-format torch with --expert-tensor-parallel-size 1 != "
-                                            "--tensor-model-parallel-size 2"):
-        validate_args(build_parser().parse_args([*base, "--ckpt-format", "torch"]), world_size=2)
-    validate_args(build_parser().parse_args(base), world_size=2)  # torch_dist holds it
 
 
 def test_ep_not_dividing_the_experts_is_refused_with_the_choices():
     with pytest.raises(LayoutError, match=r"num_experts=4 is not divisible by EP=3 .*in \[1, 2, 4\]"):
         gpt.experts_per_ep_rank(MOE, 3)
     assert gpt.experts_per_ep_rank(MOE, 4) == 1
+
+
+EXPERT_MARK_GRID = [(tp, etp, ep) for tp in (1, 2, 4) for etp in (1, 2, 4) for ep in (1, 2, 4)]
+
+
+def test_expert_optimizer_rule_is_megatron_cores_expert_mark():
+    """gpt.experts_in_own_optimizer is the rule megatron-core's own expert linears apply: a routed expert's
+    Column/RowParallelLinear marks its weight `allreduce=False` (expert DDP buffer over the expert-DP group, expert
+    optimizer) exactly when the tool says so, for every TP x ETP x EP in the grid; dense linears never. Read from
+    the modules megatron-core builds (no process group: the rule reads only the config), on the megatron-core
+    first on the path (0.19.2: the fixed rule, ETP != TP at EP1 included)."""
+    import torch
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    seen = set()
+    for tp, etp, ep in EXPERT_MARK_GRID:
+        config = TransformerConfig(num_layers=4, hidden_size=48, num_attention_heads=4, num_moe_experts=4,
+                                   tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp,
+                                   expert_model_parallel_size=ep, perform_initialization=False,
+                                   use_cpu_initialization=True, add_bias_linear=False)
+        layout = ParallelLayout(tp=tp, dp=4 * etp * ep, etp=etp, ep=ep)
+        expected = gpt.experts_in_own_optimizer(MOE, layout)
+        seen.add(expected)
+        for cls, extra in ((ColumnParallelLinear, dict(gather_output=False)),
+                           (RowParallelLinear, dict(input_is_parallel=True, skip_bias_add=True))):
+            for is_expert in (True, False):
+                linear = cls(48, 32, config=config, init_method=torch.nn.init.zeros_, bias=False,
+                             is_expert=is_expert, **extra)
+                in_expert_buffers = not getattr(linear.weight, "allreduce", True)
+                assert in_expert_buffers == (is_expert and expected), (cls.__name__, is_expert, tp, etp, ep)
+    assert seen == {True, False}  # both sides of the rule reached

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import logging
 import multiprocessing
 import os
 import re
@@ -41,9 +40,8 @@ sys.path.insert(0, REPO_ROOT)
 
 TOKENIZER_TYPES = ("ByteLevelTokenizer", "NullTokenizer")
 # Importing megatron.core on a machine without Transformer Engine/Apex warns about fallbacks that
-# tokenization never uses, and each tokenizer instance logs a deprecation notice: keep the output short.
+# tokenization never uses: keep the output short.
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-logging.getLogger("megatron.core.datasets.megatron_tokenizer").setLevel(logging.ERROR)
 _BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n")
 
 
@@ -94,9 +92,34 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def build_tokenizer(tokenizer_type: str, vocab_size: Optional[int]):
-    from megatron_ucp.training.data import ByteLevelTokenizer, NullTokenizer
+class NullTokenizer:
+    """Megatron-LM's legacy NullTokenizer: ids are the text; vocab = vocab_size + 1 (EOD = vocab_size, the last id)."""
 
+    def __init__(self, vocab_size: int):
+        self.eod = int(vocab_size)
+        self.vocab_size = self.eod + 1
+
+    def tokenize(self, text: str) -> List[int]:
+        return [int(x) for x in text.split(" ")]
+
+    def detokenize(self, ids) -> str:
+        return " ".join(str(x) for x in ids)
+
+
+class ByteLevelTokenizer:
+    """UTF-8 bytes as tokens 0..255, EOD = 256: vocab 257."""
+
+    vocab_size = 257
+    eod = 256
+
+    def tokenize(self, text: str) -> List[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+def build_tokenizer(tokenizer_type: str, vocab_size: Optional[int]):
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     return ByteLevelTokenizer()
@@ -198,6 +221,9 @@ def encoded_documents(args, encoder: Encoder, records: Iterable[Tuple[int, str]]
 
 def preprocess(args: argparse.Namespace) -> dict:
     """Write the datasets; returns {key: (documents, tokens)}."""
+    from megatron_ucp.megatron_lm import cpu_shims
+
+    cpu_shims.install_import_patches()  # megatron-core 0.19 without triton: before megatron is imported
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     if not os.path.isfile(args.input):

@@ -30,6 +30,7 @@ from megatron_ucp.adapters.hf import MODEL_TYPES, VOCAB, ZERO, HFRow, from_hf_ba
 from megatron_ucp.commands.common import add_publication_flags
 from megatron_ucp.core.dtypes import SAFETENSORS, itemsize
 from megatron_ucp.core.model_config import GPTModelConfig, pad_vocab_size
+from megatron_ucp.core.versions import NEWEST, MegatronRelease
 
 PathLike = Union[str, os.PathLike]
 MAX_JSON = 64 << 20  # bytes a config.json, index or safetensors header may take
@@ -316,14 +317,16 @@ def _moe_config(cfg: dict, model_type: str, args: dict) -> tuple[dict, int]:
             "moe_layer_freq": freq}, int(cfg["intermediate_size"])
 
 
-def megatron_flags(config: GPTModelConfig, args: dict) -> list[str]:
-    """The pretrain_gpt.py / Megatron-LM flags that build this model (vocabulary as NullTokenizer ids)."""
+def megatron_flags(config: GPTModelConfig, args: dict, release: MegatronRelease = NEWEST) -> list[str]:
+    """The Megatron-LM flags (of `release`, by default the newest: the training entry point's) that build this
+    model, the vocabulary as NullTokenizer ids: --vocab-size counts EOD from 0.18 on, not before."""
     c = config
+    vocab_flag = c.vocab_size if release.null_tokenizer_eod_in_vocab else c.vocab_size - 1
     flags = ["--num-layers", c.num_layers, "--hidden-size", c.hidden_size, "--ffn-hidden-size", c.ffn_hidden_size,
              "--num-attention-heads", c.num_attention_heads, "--kv-channels", c.kv_channels,
              "--max-position-embeddings", c.max_position_embeddings, "--normalization", c.normalization,
              "--norm-epsilon", args["norm_epsilon"], "--position-embedding-type", c.position_embedding_type,
-             "--tokenizer-type", "NullTokenizer", "--vocab-size", c.vocab_size - 1,
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", vocab_flag,
              "--make-vocab-size-divisible-by", c.make_vocab_size_divisible_by]
     if c.num_query_groups != c.num_attention_heads:
         flags += ["--group-query-attention", "--num-query-groups", c.num_query_groups]

@@ -12,7 +12,9 @@ Two kinds:
 - after (`install`): CUDA absent, and megatron-core's torch-Adam distributed-optimizer resume bugs.
 The CUDA patches are installed only when CUDA is absent; the torch-Adam ones act only on torch Adam's
 per-parameter `step` (no TransformerEngine/Apex), and are inert otherwise. Other megatron-core versions are refused
-unless MEGATRON_UCP_ALLOW_UNTESTED_MCORE=1 (the 0.16.1 harness has its own: megatron_ucp/training/cpu_backend.py).
+unless MEGATRON_UCP_ALLOW_UNTESTED_MCORE=1.
+
+`device()` and `init_adam_state_for_loading()` are for megatron_ucp.megatron_lm.loader and in-process tests.
 """
 
 from __future__ import annotations
@@ -127,12 +129,43 @@ def install() -> bool:
 
 # --- CUDA absent ---------------------------------------------------------------------------------
 
+def device() -> torch.device:
+    """The device megatron-core's tensors live on in this process: the current CUDA device, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+class _CUDAToCPUMode(torch.overrides.TorchFunctionMode):
+    """Rewrites device='cuda' (and .to('cuda')) to the CPU for every torch call."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.to and args and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+_cuda_to_cpu_mode = None
+
+
 def _cuda_device_to_cpu() -> None:
     # megatron allocates with device='cuda' / torch.cuda.current_device() and calls .cuda() / .to('cuda')
     # (DDP buffers, p2p buffers, loss dicts, iteration tensors, batch broadcast): all mean the CPU here.
-    from megatron_ucp.training import cpu_backend
-
-    cpu_backend._map_cuda_device_to_cpu()
+    global _cuda_to_cpu_mode
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+    _cuda_to_cpu_mode = _CUDAToCPUMode()
+    _cuda_to_cpu_mode.__enter__()  # for the life of the process
 
 
 def _cuda_calls_on_cpu() -> None:
@@ -274,10 +307,23 @@ def _cuda_rng_on_cpu_generator() -> None:
 
 
 def _tensor_type_cuda_names() -> None:
-    # optimizer / distrib_optimizer / clip_grads require param.type() == 'torch.cuda.FloatTensor'.
-    from megatron_ucp.training import cpu_backend
+    # optimizer / distrib_optimizer / clip_grads require param.type() == 'torch.cuda.FloatTensor' (and pick
+    # their fp16/bf16 path by the CUDA type name); report CPU tensors under the CUDA type names.
+    original = torch.Tensor.type
+    names = {
+        "torch.FloatTensor": "torch.cuda.FloatTensor",
+        "torch.HalfTensor": "torch.cuda.HalfTensor",
+        "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    }
 
-    cpu_backend._cuda_type_names()
+    @functools.wraps(original)
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)
+            return names.get(name, name)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
 
 
 def _moe_alltoall_splits_as_numpy() -> None:
@@ -320,9 +366,23 @@ def _torch_norm_under_sequence_parallel() -> None:
     # The local spec's WrappedTorchNorm (torch LayerNorm/RMSNorm) refuses sequence parallelism (Apex's
     # fused norm is the intended SP norm). Torch norms are per token, so they are right on sequence
     # shards; mark their parameters `sequence_parallel` so finalize_model_grads all-reduces their grads.
-    from megatron_ucp.training import cpu_backend
+    from megatron.core.transformer import torch_norm
 
-    cpu_backend._torch_norm_under_sequence_parallel()
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        sp = config.sequence_parallel
+        if sp:
+            config.sequence_parallel = False
+        try:
+            norm = original_new(cls, config, hidden_size, eps, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sp
+        for param in norm.parameters():
+            setattr(param, "sequence_parallel", sp)
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = __new__
 
 
 # --- torch Adam without TE/Apex (any device) -------------------------------------------------------
@@ -334,8 +394,6 @@ def _torch_adam_state_before_load() -> None:
     # zeros, step 0, all overwritten by the load.
     from megatron.core.optimizer import distrib_optimizer
 
-    from megatron_ucp.training import cpu_backend
-
     cls = distrib_optimizer.DistributedOptimizer
     original = cls.state_dict
 
@@ -344,7 +402,7 @@ def _torch_adam_state_before_load() -> None:
         inner = self.optimizer
         if (not distrib_optimizer.HAVE_APEX_OR_TE and isinstance(inner, torch.optim.Optimizer)
                 and not inner.state and any(g["params"] for g in inner.param_groups)):
-            cpu_backend.init_adam_state_for_loading(self)
+            init_adam_state_for_loading(self)
         return original(self)
 
     cls.state_dict = state_dict
@@ -395,6 +453,27 @@ def _distopt_unshare_step_after_load() -> None:
         return result
 
     DistributedOptimizer.load_state_dict = load_state_dict
+
+
+def init_adam_state_for_loading(optimizer) -> None:
+    """Allocate torch Adam's per-parameter state (zeros, own `step` 0) where it is still empty.
+
+    For a load into a fresh optimizer: DistributedOptimizer's state_dict() / sharded_state_dict(is_loading=True)
+    read `step` from that state, which torch Adam creates only at its first step. Megatron-LM's own
+    dummy-step initialisation would run an AdamW step (weight decay moves the parameters); here the state is
+    only allocated, and the load overwrites it. `optimizer`: a megatron optimizer or a ChainedOptimizer.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 # --- the command line on CPU -------------------------------------------------------------------------

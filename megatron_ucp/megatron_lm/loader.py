@@ -23,7 +23,6 @@ router's `expert_bias` (a persistent buffer, no optimizer state) is copied whole
 from __future__ import annotations
 
 import dataclasses
-
 import math
 import random
 from dataclasses import dataclass
@@ -32,11 +31,11 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from megatron_ucp.training import cpu_backend
 from megatron_ucp.adapters import gpt as rulebook
-from megatron_ucp.formats.common import layout_from_args
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.core.patterns import repadded_shard
+from megatron_ucp.formats.common import layout_from_args
+from megatron_ucp.megatron_lm.cpu_shims import device, init_adam_state_for_loading
 
 # Model-config fields that must match between the universal checkpoint and the run.
 MUST_MATCH = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -168,6 +167,7 @@ def _main_params(optimizer) -> Dict[int, _MainParam]:
 @torch.no_grad()
 def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> int:
     from megatron.core import parallel_state
+    from megatron.core.utils import unwrap_model
 
     if ucp is None:
         ucp = open_for_run(args)
@@ -186,15 +186,14 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
             print("WARNING: the universal checkpoint holds no optimizer state; starting Adam from zero", flush=True)
         load_optim = False
     if load_optim:
-        cpu_backend.init_adam_state_for_loading(optimizer)
+        init_adam_state_for_loading(optimizer)
     mains = _main_params(optimizer) if load_optim else {}
     # With the distributed optimizer each DP rank reads only its own range; the param all-gather
     # below fills in the rest of every model weight.
     gather_params = load_optim and _is_distributed(optimizer)
 
     for vpp_chunk, chunk in enumerate(model):
-        from megatron_ucp.training.model import unwrap_model
-        module = unwrap_model(chunk)
+        module = unwrap_model(chunk)  # the GPTModel inside DDP / Float16Module: checkpoints hold its names
         _load_buffers(ucp, module, layout, pp_rank, vpp_chunk, ep_rank, parallel_state, target_padded)
         for local, param in module.named_parameters():
             name = rulebook.canonical_name(local, layout, pp_rank, vpp_chunk if layout.vpp else None,
@@ -261,7 +260,7 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
     args.consumed_train_samples = ucp.consumed_train_samples
     restore_run_state(args, optimizer, ucp, layout, load_optim=load_optim)
     # Bytes read by all ranks together (benchmarks and tests check that no byte is read twice).
-    bytes_read = torch.tensor([float(ucp.bytes_read)], dtype=torch.float64, device=cpu_backend.device())
+    bytes_read = torch.tensor([float(ucp.bytes_read)], dtype=torch.float64, device=device())
     torch.distributed.all_reduce(bytes_read)
     if torch.distributed.get_rank() == 0:
         print(f" > loaded universal checkpoint {ucp.path} (iteration {ucp.iteration}, from "
@@ -352,7 +351,7 @@ def _restore_rng(args, ucp, layout) -> str:
         elif {n: len(v) for n, v in state.tracker} != {n: v.numel() for n, v in live.items()}:
             why = "the RNG states were saved by another kind of generator (CPU vs CUDA)"
     # Every rank decides alike (same layout, same file), except the generator check: agree on it.
-    ok = torch.tensor([0.0 if why else 1.0], device=cpu_backend.device())
+    ok = torch.tensor([0.0 if why else 1.0], device=device())
     torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
     if ok.item() == 1.0:
         restore_rng(state)

@@ -1,0 +1,70 @@
+"""A megatron-core 0.19 GPT model in one process (TP1 PP1 EP1, gloo, CPU), built from Megatron-LM flags as
+Megatron-LM builds it: its parser and validate_args (tests/megatron_lm_args.py), its
+core_transformer_config_from_args, and the GPTModel of the entry point's model provider (local spec: dense
+layers, or the decoder block spec with experts). For the HF export tests' reference logits, and as the model
+provider of tests/ddp_bucket_probe.py.
+
+`single_process()` installs cpu_shims' patches (process-wide: call it in a child process, not in pytest's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from typing import Sequence
+
+import torch
+
+from megatron_lm_args import megatron_lm_args
+
+# Fused kernels need CUDA (and Apex/TE); Megatron-LM's CPU fixtures ran with them off too
+# (tests/fixtures/megatron-core-0.19/*/cmd.txt).
+CPU_FLAGS = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+             "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-bias-swiglu-fusion", "--no-rope-fusion",
+             "--no-persist-layer-norm", "--disable-jit-fuser"]
+
+
+@contextlib.contextmanager
+def single_process():
+    """cpu_shims installed, a one-rank gloo group and megatron-core's parallel state at TP1 PP1."""
+    from megatron_ucp.megatron_lm import cpu_shims
+
+    cpu_shims.install()
+    from megatron.core import parallel_state
+
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+
+
+def gpt_args(flags: Sequence[str], padded_vocab_size: int):
+    """Megatron-LM's args for `flags` (+ CPU_FLAGS), with the padded vocabulary its tokenizer would set."""
+    args = megatron_lm_args([*flags, *CPU_FLAGS])
+    args.padded_vocab_size = padded_vocab_size
+    return args
+
+
+def build_gpt(args, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    """The GPTModel Megatron-LM's model provider builds for `args` (by default the whole model)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    config = config or core_transformer_config_from_args(args)
+    if args.num_experts:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
+                                          qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)
+    else:
+        spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
+                                        args.multi_latent_attention, normalization=args.normalization)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
+                    post_process=post_process, vp_stage=vp_stage, pg_collection=pg_collection,
+                    parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+                    rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling)
