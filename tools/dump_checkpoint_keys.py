@@ -10,14 +10,8 @@ Checkpoint listing (one process, reads only .metadata, common.pt and the small p
   byte entries collapsed per key family (--objects: decoded, e.g. the distributed optimizer's param
   groups and per-bucket sizes), then the structure of common.pt (args summarised, optimizer state).
 
-Parameter and flat-buffer order (run under torchrun at the checkpoint's own layout, gloo on CPU):
-
-    torchrun --nproc-per-node W tools/dump_checkpoint_keys.py CKPT --param-order
-
-  builds the checkpoint's model at its TP/PP/EP/ETP from the args in common.pt (no weights loaded), and
-  prints per rank: the parameters in registration order, each DDP buffer (dense over DP, expert over
-  expert-DP) with its parameters in buffer order and their [start, end) and bucket, and the optimizer's
-  param groups (which chained optimizer, is_expert_parallel, weight-decay multiplier).
+The live parameter and DDP-buffer order of a model Megatron-LM 0.19 builds (per rank, beside what a converter
+predicts from args): tests/ddp_bucket_probe.py, under torchrun with Megatron-LM's flags.
 """
 
 from __future__ import annotations
@@ -138,72 +132,6 @@ def list_checkpoint(iter_dir: Path, pattern, show_chunks: bool, show_objects: bo
             print(f"{key!r}: {_summary(value, 0)}")
 
 
-# --- parameter and buffer order (torchrun) --------------------------------------------------------
-
-def dump_parameter_order(iter_dir: Path) -> None:
-    import os
-    from datetime import timedelta
-
-    import torch
-
-    from megatron_ucp.training import cpu_backend
-
-    cpu_backend.import_megatron_core()
-    from megatron_ucp.formats.common import load_pickled
-    from megatron_ucp.training import model as model_lib
-
-    args = load_pickled(iter_dir / "common.pt", what="common state")["args"]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != args.world_size:
-        raise SystemExit(f"error: {iter_dir} was saved by {args.world_size} processes; run this with "
-                         f"torchrun --nproc-per-node {args.world_size}")
-    on_cpu = cpu_backend.apply()
-    torch.distributed.init_process_group(backend="gloo" if on_cpu else "nccl", timeout=timedelta(minutes=5))
-    from megatron.core import parallel_state as mpu
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    mpu.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
-        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
-    model_parallel_cuda_manual_seed(args.seed)
-    args.layout_invariant_init = False  # shapes and order only
-    config = model_lib.transformer_config_from_args(args)
-    chunks = model_lib.build_model(args, config)
-    optimizer = model_lib.build_optimizer(args, chunks)
-
-    rank = torch.distributed.get_rank()
-    lines = [f"=== rank {rank}: tp {mpu.get_tensor_model_parallel_rank()} pp {mpu.get_pipeline_model_parallel_rank()} "
-             f"dp {mpu.get_data_parallel_rank()} | ep {mpu.get_expert_model_parallel_rank()} "
-             f"etp {mpu.get_expert_tensor_parallel_rank()} edp {mpu.get_expert_data_parallel_rank()} | "
-             f"expert-tp-pp rank {mpu.get_expert_tensor_model_pipeline_parallel_group().rank()}"]
-    for index, chunk in enumerate(chunks):
-        module = model_lib.unwrap_model(chunk)
-        names = {param: name for name, param in module.named_parameters()}
-        lines.append(f"-- model chunk {index}: parameters in registration order")
-        for name, param in module.named_parameters():
-            lines.append(f"   {name} {tuple(param.shape)} allreduce={getattr(param, 'allreduce', True)}")
-        for kind, buffers in (("dense", chunk.buffers), ("expert", chunk.expert_parallel_buffers)):
-            for g, buffer in enumerate(buffers):
-                lines.append(f"-- {kind} buffer {g} (data-parallel group of {buffer.data_parallel_world_size}): "
-                             f"numel {buffer.numel}, buckets {buffer.bucket_indices}; parameters in buffer order")
-                for param in sorted(buffer.param_index_map, key=lambda p: buffer.param_index_map[p][0]):
-                    start, end, bucket = buffer.param_index_map[param]
-                    lines.append(f"   [{start:7d}, {end:7d}) bucket {bucket}  {names.get(param, '?')}")
-    for i, opt in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
-        for g, group in enumerate(opt.param_groups):
-            lines.append(f"-- optimizer {i} param group {g}: is_expert_parallel={group.get('is_expert_parallel')} "
-                         f"wd_mult={group.get('wd_mult')} params={len(group['params'])}")
-    # One rank at a time, in rank order.
-    for r in range(torch.distributed.get_world_size()):
-        if r == rank:
-            print("\n".join(lines), flush=True)
-        torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="checkpoint root (with latest_checkpointed_iteration.txt) or an iter_* folder")
@@ -211,14 +139,9 @@ def main(argv=None) -> int:
     p.add_argument("--grep", default=None, help="only .metadata keys matching this regex")
     p.add_argument("--chunks", action="store_true", help="print every saved chunk's offsets and sizes")
     p.add_argument("--objects", action="store_true", help="decode the pickled byte entries (not rng/_extra_state)")
-    p.add_argument("--param-order", action="store_true",
-                   help="under torchrun at the checkpoint's layout: parameters, DDP buffers, param groups per rank")
     a = p.parse_args(argv)
     iter_dir = _iteration_dir(a.checkpoint, a.iteration)
-    if a.param_order:
-        dump_parameter_order(iter_dir)
-    else:
-        list_checkpoint(iter_dir, re.compile(a.grep) if a.grep else None, a.chunks, a.objects)
+    list_checkpoint(iter_dir, re.compile(a.grep) if a.grep else None, a.chunks, a.objects)
     return 0
 
 

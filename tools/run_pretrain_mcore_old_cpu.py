@@ -11,8 +11,8 @@ that older release has the patched name; none changes a number. Differences to 0
 - `six` (imported by 0.14's BERT tokenizer module, reached from `import megatron.training`) is not in the venv:
   `pip install --target /tmp/py_six six` and put that folder on PYTHONPATH (the torch_dist save spawns a
   process that re-imports megatron.training); an empty stand-in module covers this process only;
-- GPT-MoE: megatron_ucp/training/cpu_backend.py's 0.16.1 patches for the router GEMM (TE name undefined without TE)
-  and the alltoall dispatcher's CUDA DtoH stream apply unchanged; use ETP1 (gloo refuses the expert-TP
+- GPT-MoE: two patches of their own (below; 0.19.2 needs neither): the router GEMM (TE name undefined without TE)
+  and the alltoall dispatcher's CUDA DtoH stream; use ETP1 (gloo refuses the expert-TP
   all-gather of uneven token counts);
 - `megatron.legacy.fused_kernels.load` (0.14's initialize builds Megatron's CUDA softmax kernels with nvcc,
   unused with --no-masked-softmax-fusion; 0.19 dropped the call): skipped on CPU;
@@ -81,17 +81,52 @@ def install_shims() -> None:
     s._torch_norm_under_sequence_parallel()
     from megatron.training import arguments
 
-    # GPT-MoE: 0.14's router GEMM and alltoall dispatcher are 0.16.1's (megatron_ucp/training/cpu_backend.py: TE's GEMM
-    # name undefined without TE; the dispatcher's CUDA DtoH stream)
-    from megatron_ucp.training import cpu_backend
-
-    cpu_backend._moe_router_gemm_without_te()
-    cpu_backend._alltoall_dispatcher_without_cuda_streams()
+    _moe_router_gemm_without_te()
+    _alltoall_dispatcher_without_cuda_streams()
     from megatron.legacy import fused_kernels
 
     fused_kernels.load = lambda args: None
     if hasattr(arguments, "get_device_arch_version"):
         arguments.get_device_arch_version = lambda: 9
+
+
+
+# --- GPT-MoE on 0.14 / 0.15 (megatron-core 0.16.1 had the same two; 0.19.2 needs neither) ----------------
+
+def _moe_router_gemm_without_te() -> None:
+    # moe_utils imports te_general_gemm only inside its TransformerEngine try-block, but the router's gating
+    # GEMM tests `te_general_gemm is not None`: without TE that is a NameError on the first MoE forward.
+    # Defining it as None selects the GEMM's own torch.mm path (what the code intends).
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _alltoall_dispatcher_without_cuda_streams() -> None:
+    # MoEAlltoAllTokenDispatcher creates a CUDA stream in __init__ and copies the token counts to the host on
+    # it at its "DtoH point", then waits on a CUDA event. On CPU the counts are already on the host: the
+    # stream is a placeholder, the copy the same numpy conversion without a stream, the sync a no-op.
+    import numpy as np
+    import torch
+
+    from megatron.core.transformer.moe import token_dispatcher
+
+    cls = token_dispatcher.MoEAlltoAllTokenDispatcher
+    cls.cuda_dtoh_stream = object()  # __init__ only creates a stream while this is None
+
+    def as_host_array(value):
+        return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name)
+                if value is not None:
+                    setattr(self, name, as_host_array(value))
+        return tokens_per_expert
+
+    cls._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
 
 
 def main() -> None:
