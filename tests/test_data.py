@@ -99,7 +99,7 @@ def test_tokenizers(tool):
     assert tok.detokenize(tok.tokenize(text) + [tok.eod]) == text
     assert (tok.vocab_size, tok.eod) == (257, 256)
     null = tool.NullTokenizer(1000)
-    assert (null.vocab_size, null.eod) == (1001, 1000)
+    assert (null.vocab_size, null.eod) == (1000, 999)  # Megatron-LM 0.19's --vocab-size 1000
     assert null.tokenize("5 6 7") == [5, 6, 7] and null.detokenize([5, 6, 7]) == "5 6 7"
 
 
@@ -147,20 +147,20 @@ def test_preprocess_in_process_variants(tool, tmp_path, capsys):
     assert [ByteLevel().detokenize(d) for d in docs] == ["First doc\nline two", "Second doc", "Third"]
     assert all(256 not in d for d in docs)
 
-    # NullTokenizer: ids are the text; EOD = vocab size; int32 storage once vocab >= 65500.
+    # NullTokenizer: ids are the text; EOD = vocab size - 1; int32 storage once vocab >= 65500.
     src = tmp_path / "ids.jsonl"
     src.write_text('{"text": "1 2 3"}\n{"text": "69999  0"}\n', encoding="utf-8")
-    for vocab, dtype in ((70000, np.int32), (65499, None)):
+    for vocab, dtype in ((70001, np.int32), (65500, None)):
         argv = ["--input", str(src), "--output-prefix", str(tmp_path / f"n{vocab}"),
                 "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab), "--append-eod"]
-        if dtype is None:  # 69999 does not fit a vocabulary of 65499
+        if dtype is None:  # 69999 does not fit a vocabulary of 65500 (ids 0..65498, EOD 65499)
             assert tool.main(argv) == 1
             assert "token id 69999 is outside [0, 65499)" in capsys.readouterr().err
             assert not list(tmp_path.glob(f"n{vocab}*"))
             continue
         assert tool.main(argv) == 0
         docs, ds = _documents(tmp_path / f"n{vocab}_text_document")
-        assert docs == [[1, 2, 3, vocab], [69999, 0, vocab]]
+        assert docs == [[1, 2, 3, vocab - 1], [69999, 0, vocab - 1]]
         assert ds.index.dtype == dtype
 
 

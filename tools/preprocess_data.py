@@ -13,7 +13,7 @@ and output naming, so `--data-path PREFIX_text_document` works in both:
     python tools/preprocess_data.py --input book.txt --text-format --output-prefix data/book \\
         --append-eod
 
-    # Pre-tokenized ids: NullTokenizer reads space-separated integers (EOD = --vocab-size)
+    # Pre-tokenized ids: NullTokenizer reads space-separated integers (EOD = --vocab-size - 1, as Megatron-LM 0.19)
     python tools/preprocess_data.py --input ids.jsonl --output-prefix data/ids \\
         --tokenizer-type NullTokenizer --vocab-size 1000 --append-eod
 
@@ -66,7 +66,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="ByteLevelTokenizer")
     g.add_argument("--vocab-size", type=int, default=None,
-                   help="NullTokenizer: number of ids (EOD is id vocab-size, so the vocabulary is vocab-size+1)")
+                   help="NullTokenizer: number of ids, EOD included (EOD is id vocab-size - 1, as Megatron-LM 0.19's "
+                        "--vocab-size)")
     g.add_argument("--append-eod", action="store_true", help="append the EOD token to every document")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", type=str, required=True,
@@ -81,8 +82,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.tokenizer_type == "NullTokenizer":
         if args.vocab_size is None:
             p.error("--tokenizer-type NullTokenizer needs --vocab-size")
-        if args.vocab_size < 1:
-            p.error("--vocab-size must be positive")
+        if args.vocab_size < 2:
+            p.error("--vocab-size must be at least 2 (one id and the EOD)")
     elif args.vocab_size is not None:
         p.error(f"--vocab-size only applies to NullTokenizer ({args.tokenizer_type} has a fixed vocabulary)")
     if len(set(args.json_keys)) != len(args.json_keys):
@@ -93,11 +94,12 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 class NullTokenizer:
-    """Megatron-LM's legacy NullTokenizer: ids are the text; vocab = vocab_size + 1 (EOD = vocab_size, the last id)."""
+    """Megatron-LM 0.19's NullTokenizer: ids are the text; vocabulary vocab_size, EOD its last id (vocab_size - 1).
+    (Megatron-LM 0.16 and older appended the EOD: vocabulary vocab_size + 1.)"""
 
     def __init__(self, vocab_size: int):
-        self.eod = int(vocab_size)
-        self.vocab_size = self.eod + 1
+        self.vocab_size = int(vocab_size)
+        self.eod = self.vocab_size - 1
 
     def tokenize(self, text: str) -> List[int]:
         return [int(x) for x in text.split(" ")]
