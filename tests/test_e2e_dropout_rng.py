@@ -1,10 +1,13 @@
-"""Dropout > 0 resumed at the same layout through a universal checkpoint equals the uninterrupted run.
+"""Dropout > 0 resumed at the same layout through a universal checkpoint equals the uninterrupted run, through
+Megatron-LM 0.19's own training loop (tests/pretrain_runs.py).
 
 Source: GPT-2-like TP2 PP2 DP1, attention and hidden dropout 0.1, distributed optimizer, warmup 2 + cosine,
 weight decay 0.1, saved at iteration 4 (torch_dist: one rng_state item per (pp, tp) rank). Its RNG states go
 into the universal checkpoint's rng_states.json (docs/FORMAT.md "RNG states") unchanged, and a resume at
 the same layout restores every rank's streams: iterations 5..12 within 1e-6 relative (measured: equal to the
-last bit). The same holds for `from-universal --ckpt-format torch --rng-state source` loaded by
+last bit). On CPU this needs cpu_shims' data-loader generator: without it TP rank 0's dropout runs one
+draw ahead of TP rank 1's, the replicated position embeddings drift apart, and to-universal refuses the
+source (its TP copies differ). The same holds for `from-universal --ckpt-format torch --rng-state source` loaded by
 megatron-core with a plain --load. Negative control: the same universal resume with --no-load-rng
 (deterministic re-seed, as any other layout gets) leaves the curve by more than 1e-6 (measured 1.3e-3): the
 dropout masks then differ, which is what cannot be equal at another layout (FORMAT.md says why).

@@ -5,9 +5,10 @@ The source is test_e2e_buckets_targets.py's (Llama-like fp32, TP2 DP2 + SP, 9 DD
 TP1 PP1 DP1 with plain Adam, continues the uninterrupted run within FP32_TOL = 1e-6 over iterations 5..12
 (test_targets_never_run_before[plain-adam]). Here a copy with one planted bug (tests/ucp_edits.py) is
 resumed at the same target and must leave that tolerance; each test reports its margin (difference /
-tolerance). Measured (CPU, gloo): exp_avg_sq shards swapped 2.5e-5 (25x the tolerance), every Adam step + 1
-4.6e-4 (456x), scheduler num_steps 0 8.2e-3 (8162x), layer 2's QKV query groups swapped 5.1e-4 (509x).
-The suite's former tolerance of 1e-4 would have passed the swapped shards.
+tolerance). Measured through Megatron-LM 0.19's loop (CPU, gloo; the good resume: 7.1e-8): exp_avg_sq
+shards swapped 4.5e-5 (45x the tolerance), every Adam step + 1 4.5e-4 (450x), scheduler num_steps 0
+8.1e-3 (8100x), layer 2's QKV query groups swapped 8.7e-4 (870x). The suite's former tolerance of 1e-4
+would have passed the swapped shards.
 """
 
 import pytest

@@ -1,15 +1,18 @@
-"""bf16 and fp16 end to end: train with the harness, save, to-universal, resume at another layout, compare
-iterations 5..12 (fp16: 5..20, where a third of the steps overflow; always at least 8 optimizer steps) with
-the uninterrupted run (warmup 2 + cosine, weight decay 0.1).
+"""bf16 and fp16 end to end through Megatron-LM 0.19's own training loop (tests/pretrain_runs.py): train,
+save, to-universal, resume at another layout, compare iterations 5..12 (fp16: 5..20, where a third of the
+steps overflow; always at least 8 optimizer steps) with the uninterrupted run (warmup 2 + cosine, weight
+decay 0.1).
 
-Measured layout noise (the same run from scratch, --layout-invariant-init, these schedules, 12 iterations):
-- bf16: gpt2 TP2 DP2 + SP (distributed optimizer) vs TP1 PP2 (Float16 optimizer) 1.3e-5, vs TP2 2.7e-5;
-  llama TP1 PP2 vs TP2 1.7e-5. Tolerance BF16_TOL = 1e-4.
-- fp16 (dynamic loss scaling, initial scale 2^20, window 3, hysteresis 2): gpt2 TP2 vs TP1 PP2 2.0e-6 with
-  the same overflow (skipped) steps. Tolerance FP16_TOL = 1e-5. A change of DP is not in this noise: fp16
-  gradients are accumulated per DP rank over its micro-batches before the all-reduce, so the overflow test
-  sees other values; measured at DP2 vs DP1, iteration 7 overflowed at DP2 only and the curves then differ by
-  4.3e-3. So the fp16 resume keeps DP (TP2 -> TP1 PP2) and also asserts the same skipped steps and scales.
+Tolerances, and what was measured here (a resume against the uninterrupted run):
+- bf16: BF16_TOL = 1e-4; gpt2 TP2 DP2 + SP (distributed optimizer) -> TP1 PP2 (Float16 optimizer) 1.9e-5,
+  llama PP2 (uneven) -> TP2 see the test. (Before the move, the same runs from scratch at other layouts
+  differed by up to 2.9e-5.)
+- fp16 (dynamic loss scaling, initial scale 2^20, window 3, hysteresis 2): FP16_TOL = 1e-5; gpt2 TP2 ->
+  TP1 PP2 2.5e-6 with the same overflow (skipped) steps and loss scales at every iteration. A change of DP
+  is not in this noise: fp16 gradients are accumulated per DP rank over its micro-batches before the
+  all-reduce, so the overflow test sees other values (measured with the 0.16.1 harness, DP2 vs DP1:
+  iteration 7 overflowed at DP2 only and the curves then differ by 4.3e-3). So the fp16 resume keeps DP
+  (TP2 -> TP1 PP2) and also asserts the same skipped steps and scales.
 
 Cases:
 - bf16 with the distributed optimizer: GPT-2-like TP2 DP2 + SP -> TP1 PP2 with the Float16 optimizer (no
@@ -17,11 +20,13 @@ Cases:
   source's fp32 mains; not bf16-representable), never the bf16 copies.
 - bf16 without the distributed optimizer (Float16OptimizerWithFloat16Params), uneven source (Llama-like
   PP2, first stage 1 layer) -> TP2 with the distributed optimizer: a bf16 target rebuilt from fp32 mains.
-- fp16: GPT-2-like TP2 (Float16 optimizer, scaler in common.pt) -> TP1 PP2 with the distributed optimizer,
-  through --universal-checkpoint and through `from-universal` (legacy: grad_scaler in the optimizer state;
-  torch_dist: the harness route) loaded by megatron-core; the scaler state is in metadata.json and restored (same
-  skipped steps and loss scales as the uninterrupted run). Negative control: the same universal checkpoint
-  without its loss_scaler restarts the scaler from --initial-loss-scale and logs other scales.
+- fp16: GPT-2-like TP2 (Float16 optimizer, scaler in the optimizer state Megatron-LM saves) -> TP1 PP2 with
+  the distributed optimizer, through --universal-checkpoint (the plugin's loader.restore_run_state loads
+  the scaler into Megatron-LM's optimizer) and through `from-universal` (legacy: grad_scaler in the
+  optimizer state; torch_dist: the direct writer) loaded by Megatron-LM with a plain --load; the scaler
+  state is in metadata.json and restored (same skipped steps and loss scales, from --log-jsonl, as the
+  uninterrupted run). Negative control: the same universal checkpoint without its loss_scaler restarts the
+  scaler from --initial-loss-scale and logs other scales.
 """
 
 import json
@@ -87,7 +92,6 @@ def test_bf16_distributed_optimizer_to_float16_optimizer(runs):
 def test_bf16_float16_optimizer_uneven_source_to_distributed_optimizer(runs):
     family, extra = "llama", ["--bf16"]
     source = runs.source(family, Layout(pp=2), [*extra, "--decoder-first-pipeline-num-layers", "1"])
-    assert " > pipeline split: pp0/v0: embedding + layer 0 | pp1/v0: layers 1-3 + loss" in source.log.read_text()
     ucp = runs.universal(source.save)
     meta = json.loads((ucp / "metadata.json").read_text())
     assert meta["source"]["optimizer_kind"] == "mixed_precision"

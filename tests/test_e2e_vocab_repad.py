@@ -1,14 +1,17 @@
 """A target TP that forces vocabulary re-padding, end to end.
 
-Source: GPT-2-like fp32 TP1 DP1 with --make-vocab-size-divisible-by 1, so the padded vocabulary is the
-true one, 1001 rows (no padding row); warmup 2 + cosine, weight decay 0.1, saved at 4. At TP2 Megatron-LM
-needs a multiple of 2: the loader (--universal-checkpoint) and `from-universal --ckpt-format torch` re-pad
-to 1002 rows, the new row being the mean of the stored rows (weights) with zero Adam moments.
+Source: GPT-2-like fp32 TP1 DP1 with --vocab-size 1001 (Megatron-LM 0.19's NullTokenizer: vocabulary 1001,
+EOD 1000) and --make-vocab-size-divisible-by 1, so the padded vocabulary is the true one, 1001 rows (no
+padding row); warmup 2 + cosine, weight decay 0.1, saved at 4. At TP2 Megatron-LM needs a multiple of 2:
+`--universal-checkpoint` (universal_plugin sets args.padded_vocab_size before Megatron-LM builds the model,
+and the loader fills the rows) and `from-universal --ckpt-format torch` re-pad to 1002 rows, the new row
+being the mean of the stored rows (weights) with zero Adam moments.
 
 A padding row enters the softmax, so the loss shifts from the uninterrupted run's: measured 1.4e-4
 relative over iterations 5..12, asserted below REPAD_SHIFT = 3e-4. What must be exact is the re-padding
 itself: both TP2 resumes equal, within FP32_TOL = 1e-6 (layout noise), a TP1 resume from a copy of the
 universal checkpoint re-padded offline to 1002 rows by patterns.resize_vocab (ucp_edits.repadded).
+Measured through Megatron-LM 0.19's loop: --universal-checkpoint 0 (bit for bit), from-universal 1.4e-7.
 """
 
 import pytest
@@ -22,7 +25,7 @@ from megatron_ucp.commands.from_universal import from_universal
 pytestmark = pytest.mark.torchrun
 
 FAMILY = "gpt2"
-PAD1 = ["--make-vocab-size-divisible-by", "1"]
+PAD1 = ["--vocab-size", "1001", "--make-vocab-size-divisible-by", "1"]  # 1001 rows: odd
 REPAD_SHIFT = 3e-4
 
 
@@ -39,9 +42,12 @@ def reference(source, runs, tmp_path_factory):
 
 
 def test_loader_repads_at_tp2(source, reference, runs):
-    resumed = runs.resume(FAMILY, Layout(tp=2), runs.universal(source.save), [*PAD1, *DISTOPT])
+    """Without --make-vocab-size-divisible-by 1 Megatron-LM would build 1024 rows at TP2 (multiples of
+    128 x 2); universal_plugin sets the checkpoint's rule, 1002 rows, before the model is built."""
+    resumed = runs.resume(FAMILY, Layout(tp=2), runs.universal(source.save), ["--vocab-size", "1001", *DISTOPT])
     log = resumed.log.read_text()
     assert "padded vocabulary (1001 rows) is not divisible by TP=2; re-padding to 1002 rows" in log
+    assert " > padded vocab (size: " not in log  # Megatron-LM's own padding (tokenizer build) kept it
     exact = rel_diff(resumed.losses, reference.losses)
     assert exact <= FP32_TOL, (exact, resumed.losses, reference.losses)
     shift = rel_diff(resumed.losses, source.losses)

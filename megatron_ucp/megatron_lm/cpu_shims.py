@@ -119,6 +119,7 @@ def install() -> bool:
         _cuda_available_for_initialize()
         _cuda_device_properties()
         _cuda_rng_on_cpu_generator()
+        _data_loader_seed_off_the_default_generator()
         _tensor_type_cuda_names()
         _moe_alltoall_splits_as_numpy()
         _dataset_helpers_prebuilt()
@@ -304,6 +305,29 @@ def _cuda_rng_on_cpu_generator() -> None:
     torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     torch.cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     torch.cuda.manual_seed = lambda seed: None  # the tracker seeds its own CPU generators
+
+
+def _data_loader_seed_off_the_default_generator() -> None:
+    # Every DataLoader iterator draws its base seed from torch's default generator, on the ranks that
+    # build data (TP rank 0 of the first and last stage). On a GPU that is the CPU generator, which dropout
+    # never uses; here it is also the one dropout draws from (the "CUDA" default generator), so TP rank 0
+    # would run one draw ahead of the others and drop other elements of activations that must stay equal
+    # on every TP rank (embedding and hidden dropout outside the tracker's fork): replicated parameters
+    # then drift apart. A loader generator of its own (its base seed seeds workers only) keeps them equal.
+    from megatron.training import training
+    from megatron.training.datasets import data_samplers
+
+    original = data_samplers.build_pretraining_data_loader
+
+    @functools.wraps(original)
+    def build_pretraining_data_loader(*args, **kwargs):
+        loader = original(*args, **kwargs)
+        if loader is not None and getattr(loader, "generator", None) is None:
+            loader.generator = torch.Generator()
+        return loader
+
+    data_samplers.build_pretraining_data_loader = build_pretraining_data_loader
+    training.build_pretraining_data_loader = build_pretraining_data_loader  # imported there by name
 
 
 def _tensor_type_cuda_names() -> None:

@@ -1,10 +1,17 @@
 """`--universal-checkpoint` for Megatron-LM 0.19: a plugin through its extra-args mechanism.
 
 `add_arguments` is an `extra_args_provider` (pass it to `parse_and_validate_args` / `pretrain`); `install()`
-routes Megatron-LM's own `load_checkpoint` call (in setup_model_and_optimizer) to megatron_ucp.megatron_lm.loader when
-the flag is given: every rank reads its slices of the universal checkpoint at `--load` into the model and
-the (distributed) optimizer Megatron-LM built, then the scheduler, iteration, consumed samples and FLOP
-count, as Megatron-LM's load would. Without the flag Megatron-LM's load runs unchanged.
+hooks two places of Megatron-LM when the flag is given, and leaves both unchanged without it:
+- after `validate_args` (inside `parse_and_validate_args`, before `set_global_variables` builds the
+  tokenizer and long before the model is built): `args.padded_vocab_size` is set from the universal
+  checkpoint, as Megatron-LM's own `--use-checkpoint-args` (load_args_from_checkpoint) sets it from a
+  Megatron checkpoint at the same point; the tokenizer build then keeps it ("if not already set from a
+  checkpoint"). It is the stored padded vocabulary when this run's TP divides it, else that vocabulary
+  re-padded by Megatron-LM's rule (adapters.gpt.padded_vocab_at); the loader fills the re-padded rows;
+- Megatron-LM's own `load_checkpoint` call (in setup_model_and_optimizer) is routed to
+  megatron_ucp.megatron_lm.loader: every rank reads its slices of the universal checkpoint at `--load`
+  into the model and the (distributed) optimizer Megatron-LM built, then the scheduler, iteration,
+  consumed samples and FLOP count, as Megatron-LM's load would.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ def add_arguments(parser):
 
 
 def install() -> None:
-    from megatron.training import checkpointing, training
+    from megatron.training import arguments, checkpointing, training
 
     original = checkpointing.load_checkpoint
     if getattr(original, "__wrapped_by_megatron_ucp__", False):
@@ -42,19 +49,48 @@ def install() -> None:
     checkpointing.load_checkpoint = load_checkpoint
     training.load_checkpoint = load_checkpoint  # imported there by name
 
+    validate = arguments.validate_args
+
+    @functools.wraps(validate)
+    def validate_args(args, *rest, **kwargs):
+        result = validate(args, *rest, **kwargs)
+        if getattr(args, "universal_checkpoint", False):
+            set_padded_vocab_size(args)
+        return result
+
+    arguments.validate_args = validate_args  # parse_and_validate_args looks it up in its module
+
+
+def set_padded_vocab_size(args) -> None:
+    """The embedding and output-layer rows of the model Megatron-LM will build: the universal checkpoint's
+    padded vocabulary, re-padded when this run's TP does not divide it."""
+    from megatron_ucp.adapters.gpt import padded_vocab_at
+    from megatron_ucp.universal import UniversalCheckpoint
+
+    config = UniversalCheckpoint.open(args.load).config
+    target = padded_vocab_at(config, args.tensor_model_parallel_size)
+    if target != config.padded_vocab_size and args.rank == 0:
+        print(f"WARNING: the universal checkpoint's padded vocabulary ({config.padded_vocab_size} rows) is not "
+              f"divisible by TP={args.tensor_model_parallel_size}; re-padding to {target} rows. Padding rows "
+              "enter the softmax, so the loss shifts slightly after this resume.", flush=True)
+    args.padded_vocab_size = target
+
 
 def load_universal(args, model, optimizer, scheduler):
     """Megatron-LM's load_checkpoint contract: fills model and optimizer, returns (iteration, FLOPs so far)."""
     from megatron.core.num_microbatches_calculator import update_num_microbatches
 
+    from megatron_ucp.adapters.gpt import padded_vocab_at
     from megatron_ucp.megatron_lm import loader
+    from megatron_ucp.universal import UniversalCheckpoint
 
-    ucp = loader.open_for_run(args)  # sets args.padded_vocab_size to the checkpoint's when TP allows
-    if args.padded_vocab_size != ucp.config.padded_vocab_size:
+    ucp = UniversalCheckpoint.open(args.load)
+    expected = padded_vocab_at(ucp.config, args.tensor_model_parallel_size)
+    if args.padded_vocab_size != expected:
         raise loader.UniversalLoadError(
-            f"{ucp.path}: stored padded vocabulary {ucp.config.padded_vocab_size} rows, this run's model was built "
-            f"with {args.padded_vocab_size}; choose a TP that divides {ucp.config.padded_vocab_size} (the "
-            "Megatron-LM 0.19 plugin cannot re-pad: the model is built before the load)")
+            f"{ucp.path}: the model was built with {args.padded_vocab_size} vocabulary rows, the universal "
+            f"checkpoint needs {expected} at TP={args.tensor_model_parallel_size}: call "
+            "universal_plugin.install() before parse_and_validate_args (it sets args.padded_vocab_size)")
     iteration = loader.load_universal_checkpoint(args, model, optimizer, scheduler, ucp)
     update_num_microbatches(consumed_samples=args.consumed_train_samples, verbose=True)
     return iteration, args.num_floating_point_operations_so_far
