@@ -3,14 +3,15 @@
 with --universal-checkpoint, and compare iterations 5..12 (8 optimizer steps) with the source's
 uninterrupted run (warmup 2 + cosine decay, weight decay 0.1: pretrain_runs.SCHEDULE).
 
-Tolerance: 1e-6 relative on the lm loss and on the router's load-balancing loss (fp32, dropout 0; measured
-<= 1.2e-7 for both: the same math in another reduction order, and with either token dispatcher: the
-sources use allgather, two targets alltoall). Negative controls (each test names its own): the same check
-against a universal checkpoint with one kind of state damaged (the routed experts' Adam moments zeroed, two
-experts swapped, MoE layers 1 and 3 swapped, the experts' SwiGLU fc1 rows in a plain row split, the
-experts' biases zeroed, the router's expert_bias zeroed) or loaded without optimizer state must fail it by
-far (> 1e-4 unless said, measured in the comments), and every curve must fail it against the source's curve
-shifted by one iteration (a resume that replays the wrong batches).
+Tolerance: 1e-6 relative on the lm loss and on the router's load-balancing loss (fp32, dropout 0; measured on
+Megatron-LM 0.19: <= 1.4e-7 on the lm loss, <= 2.4e-7 on the aux loss: the same math in another reduction
+order, and with either token dispatcher: the sources use allgather, two targets alltoall). Negative controls
+(each test names its own): the same check against a universal checkpoint with one kind of state damaged (the
+routed experts' Adam moments zeroed, two experts swapped, MoE layers 1 and 3 swapped, the experts' SwiGLU fc1
+rows in a plain row split, the experts' biases zeroed, the router's expert_bias zeroed) or loaded without
+optimizer state must fail it by far (> 1e-4 on the lm loss or the load-balancing loss unless said, measured in
+the comments), and every curve must fail it against the source's curve shifted by one iteration (a resume
+that replays the wrong batches).
 
 Sources: pretrain_runs.MOE_SOURCES (llama_moe: MoE layers 1 and 3 of 4 mixed with dense ones, 4 experts
 top-2, a shared expert; gpt2_moe: biased experts and router, GELU, tied embeddings), trained once per session
@@ -58,6 +59,12 @@ ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]  # the sources use Megatr
 def rel_diff(a: dict, b: dict, key: str = "lm_loss", shift: int = 0) -> float:
     """Largest relative difference of `key` over the resumed iterations (b read `shift` iterations later)."""
     return max(abs(a[i][key] - b[i + shift][key]) / abs(b[i + shift][key]) for i in RESUMED if i + shift in b)
+
+
+def leaves(broken: Trained, src: "Source") -> float:
+    """How far a negative control leaves the source's curve on what check_continues compares: the larger
+    relative difference of the lm loss and the load-balancing loss."""
+    return max(rel_diff(broken.records, src.records, key) for key in ("lm_loss", "load_balancing_loss"))
 
 
 class Source:
@@ -137,17 +144,17 @@ def _zero_expert_moments(name, key, tensor):
 
 def test_ep2_dp4_to_ep1(sources):
     """EP2 DP4 (chained dense + expert distributed optimizer, expert-DP 2, torch_dist) -> EP1 DP1 (one optimizer).
-    Negative control: the routed experts' Adam moments zeroed (measured: 1.6e-3 relative)."""
+    Negative control: the routed experts' Adam moments zeroed (measured: 2.0e-4 relative, 200x TOL)."""
     src = sources("ep2dp4")
     src.check_continues(src.resume(Layout()), "EP1")
     broken = src.resume(Layout(), ucp=src.edited("zero_expert_moments", _zero_expert_moments))
-    assert rel_diff(broken.records, src.records) > BROKEN
+    assert leaves(broken, src) > BROKEN
 
 
 def test_ep1_to_ep4_dp4(sources):
     """EP1 (experts in the dense optimizer) -> EP4 DP4 (one expert per rank, chained optimizers). Every rank reads
     only its own expert's slices: all ranks together read each stored byte about once (measured +0.02%).
-    Negative control: experts 0 and 3 of every MoE layer swapped (weights and moments; measured: 2.4e-2)."""
+    Negative control: experts 0 and 3 of every MoE layer swapped (weights and moments; measured: 1.8e-4)."""
     src = sources("ep1")
     target = Layout(dp=4, ep=4)
     resumed = src.resume(target)
@@ -163,17 +170,17 @@ def test_ep1_to_ep4_dp4(sources):
             return ucp.read(f"decoder.layers.{layer}.mlp.experts.local_experts.{3 - e}.{rest}", key)
         return None
 
-    assert rel_diff(src.resume(Layout(), ucp=src.edited("swapped_experts", swap)).records, src.records) > BROKEN
+    assert leaves(src.resume(Layout(), ucp=src.edited("swapped_experts", swap)), src) > BROKEN
 
 
 def test_tp2_etp1_ep2_to_ep4_tp1_alltoall(sources):
     """TP2 SP ETP1 EP2 (whole experts on each TP rank, the shared expert split over TP; allgather dispatcher)
     -> TP1 EP4 DP4 with the alltoall dispatcher. Negative control: the same universal checkpoint without its
-    optimizer state (measured: 3.9e-3)."""
+    optimizer state (measured: 8.0e-3)."""
     src = sources("tp2etp1ep2")
     target = Layout(dp=4, ep=4)
     src.check_continues(src.resume(target, ALLTOALL), f"{target} alltoall")
-    assert rel_diff(src.resume(Layout(), ["--no-load-optim"]).records, src.records) > BROKEN
+    assert leaves(src.resume(Layout(), ["--no-load-optim"]), src) > BROKEN
 
 
 def test_etp1_to_etp2_slices_every_expert(sources):
@@ -181,7 +188,7 @@ def test_etp1_to_etp2_slices_every_expert(sources):
     fc2 (split on its input dim) sliced over the expert-TP ranks; gloo's all-gather of the allgather dispatcher
     runs at ETP2 in Megatron-LM 0.19. Negative control: the experts' fc1 rows rearranged so that each ETP rank
     gets a plain row split (rank 0 both gate halves, rank 1 both up halves: a loader that ignored SwiGLU's
-    fused halves; measured: 1.3e-2)."""
+    fused halves; measured: 4.8e-4)."""
     src = sources("tp2etp1ep2")
     target = Layout(tp=2, sp=True)
     src.check_continues(src.resume(target), f"{target} ETP2")
@@ -194,14 +201,14 @@ def test_etp1_to_etp2_slices_every_expert(sources):
         return None
 
     broken = src.resume(target, ucp=src.edited("plain_row_split", plain_row_split))
-    assert rel_diff(broken.records, src.records) > BROKEN
+    assert leaves(broken, src) > BROKEN
 
 
 def test_pp_change_with_moe_layers_on_both_stages_alltoall(sources):
     """EP2 DP4 PP1 (allgather) -> PP2 EP2 DP2 with the alltoall dispatcher (the layout and dispatcher of
     Megatron-LM's own E19 fixture run): MoE layer 1 on stage 0, MoE layer 3 on stage 1 (dense layers 0 and 2
     beside them). Negative control: the whole MoE blocks of layers 1 and 3 (router, experts, shared expert)
-    swapped, a stage mix-up (measured: 6.1e-3)."""
+    swapped, a stage mix-up (measured: 5.9e-5 on the lm loss, 2.1e-3 on the load-balancing loss)."""
     src = sources("ep2dp4")
     target = Layout(pp=2, dp=2, ep=2)
     config = UniversalCheckpoint.open(src.ucp).config
@@ -215,7 +222,7 @@ def test_pp_change_with_moe_layers_on_both_stages_alltoall(sources):
         return ucp.read(f"decoder.layers.{4 - int(m.group(1))}.{m.group(2)}", key) if m else None
 
     broken = src.resume(target, ALLTOALL, ucp=src.edited("swapped_moe_layers", swap_layers))
-    assert rel_diff(broken.records, src.records) > BROKEN
+    assert leaves(broken, src) > BROKEN
 
 
 def test_plain_adam_all_moe_source_to_vpp(sources):
@@ -243,7 +250,7 @@ def test_biased_experts_with_ep_over_the_tp_ranks(sources):
         return torch.zeros_like(tensor) if found and found[2].endswith(".bias") else None
 
     broken = src.resume(target, ucp=src.edited("zero_expert_biases", zero_expert_biases))
-    assert rel_diff(broken.records, src.records) > BROKEN
+    assert leaves(broken, src) > BROKEN
 
 
 def test_legacy_source_with_expert_bias(sources):
@@ -261,7 +268,7 @@ def test_legacy_source_with_expert_bias(sources):
     target = Layout(dp=4, ep=4)
     src.check_continues(src.resume(target), str(target))
     zeroed = src.edited("zero_bias", lambda n, k, t: torch.zeros_like(t) if gpt.is_buffer(n) else None)
-    assert rel_diff(src.resume(Layout(), ucp=zeroed).records, src.records) > 5 * TOL
+    assert leaves(src.resume(Layout(), ucp=zeroed), src) > 5 * TOL
 
 
 def test_from_universal_legacy_at_new_ep_is_loaded_by_megatron_lm(sources):
@@ -285,7 +292,7 @@ def test_from_universal_legacy_at_new_ep_is_loaded_by_megatron_lm(sources):
     target = Layout(dp=4, ep=4)
     src.check_continues(src.resume(target, ucp=dst, universal=False), "legacy EP4 via --load")
     broken = src.resume(target, ["--no-load-optim"], ucp=dst, universal=False)
-    assert rel_diff(broken.records, src.records) > BROKEN
+    assert leaves(broken, src) > BROKEN
 
 
 def test_from_universal_torch_dist_at_new_ep_is_loaded_by_megatron_lm(sources):
