@@ -177,6 +177,20 @@ RESUMED = range(SAVED_AT + 1, SOURCE_ITERS + 1)  # 8 optimizer steps after every
 DISTOPT = ["--use-distributed-optimizer"]
 OVERLAP = [*DISTOPT, "--overlap-grad-reduce", "--overlap-param-gather"]
 
+# GPT-MoE continuation sources (tests/test_moe_universal.py; tests/test_moe_harness.py reuses them through
+# `runs`): name -> (family, layout, model flags repeated on every resume, source-only flags). The router's
+# expert_bias needs a sigmoid score function; the gate is the shared expert's.
+MOE_EXPERT_BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                   "--moe-shared-expert-gate"]
+MOE_SOURCES = {
+    "ep2dp4": ("llama_moe", Layout(dp=4, ep=2), [], DISTOPT),  # expert-DP 2, torch_dist dp_reshardable
+    "ep1": ("llama_moe", Layout(), [], DISTOPT),  # the experts in the dense optimizer
+    "tp2etp1ep2": ("llama_moe", Layout(tp=2, sp=True, ep=2, etp=1), [], DISTOPT),  # EP over the TP ranks
+    "adam_allmoe": ("gpt2_moe", Layout(dp=2, ep=2), ["--moe-layer-freq", "1"], []),  # plain Adam, every layer MoE
+    "legacy_bias": ("llama_moe", Layout(dp=2, ep=2), MOE_EXPERT_BIAS, [*DISTOPT, "--ckpt-format", "torch"]),
+    "ep2_fp16": ("llama_moe", Layout(dp=2, ep=2), ["--fp16"], DISTOPT),
+}
+
 # Tolerances on the relative lm-loss difference of a resume at another layout against the uninterrupted
 # run (warmup + cosine, weight decay 0.1, 8 steps after the resume, llama and gpt2 families; see each test
 # for its own figure). Measured through Megatron-LM 0.19's loop: fp32 <= 1.4e-7 (one or two float32 ulps),

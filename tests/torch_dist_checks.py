@@ -1,8 +1,8 @@
 """Comparing two `torch_dist` checkpoints as megatron-core sees them (shared by tests/test_torch_dist_direct.py
 and tests/test_moe_universal.py): `.metadata` structure (keys, global shapes, dtypes, chunk boxes), every
 chunk's bytes and every object's value (RNG states aside: fresh ones differ from a live run's by design),
-common.pt's optimizer / scheduler / iteration / content metadata, and the args a resumed run derives its
-model and layout from."""
+the common state's (common.pt, or megatron-core 0.19's common_state object) optimizer / scheduler /
+iteration / content metadata, and the args a resumed run derives its model and layout from."""
 
 from __future__ import annotations
 
@@ -52,6 +52,10 @@ def structure(iter_dir: Path) -> dict:
 
 
 def load_item(iter_dir: Path, key: str, offsets=None, md=None):
+    if offsets is None:  # an object: unpickling it may import megatron.core, which needs the import shims
+        from megatron_ucp.megatron_lm import cpu_shims
+
+        cpu_shims.install_import_patches()
     info = (md or dcp_metadata(iter_dir)).storage_data[MetadataIndex(key, offsets)]
     with open(iter_dir / info.relative_path, "rb") as f:
         f.seek(info.offset)
@@ -73,7 +77,8 @@ def chunk_differences(ours: Path, theirs: Path, skip: set = frozenset()) -> list
     md_ours, md_theirs = dcp_metadata(ours), dcp_metadata(theirs)
     for key, entry in structure(theirs).items():
         if entry == ("bytes",):
-            if not key.startswith("rng_state") and repr(load_item(ours, key, md=md_ours)) != repr(
+            # RNG states differ by design; the common state is compared field by field (common_state below)
+            if not key.startswith(("rng_state", COMMON_STATE)) and repr(load_item(ours, key, md=md_ours)) != repr(
                     load_item(theirs, key, md=md_theirs)):
                 found.append(key)
             continue
@@ -86,11 +91,24 @@ def chunk_differences(ours: Path, theirs: Path, skip: set = frozenset()) -> list
     return found
 
 
+COMMON_STATE = "common_state/"  # megatron-core 0.19: the common state is a sharded object, not common.pt
+
+
+def common_state(iter_dir: Path) -> dict:
+    """The checkpoint's common state (args, iteration, scheduler, ...): common.pt (megatron-core <= 0.16) or
+    the `common_state` sharded object (0.19)."""
+    if (iter_dir / "common.pt").exists():
+        return load_pickled(iter_dir / "common.pt", what="common.pt")
+    key = next(k for k in structure(iter_dir) if k.startswith(COMMON_STATE))
+    state = load_item(iter_dir, key)
+    return state[0] if isinstance(state, list) else state
+
+
 def assert_equal_to_megatron(ours: Path, theirs: Path, skip: set = frozenset()) -> None:
     """`ours` and `theirs` are iteration folders."""
     assert structure(ours) == structure(theirs)
     assert chunk_differences(ours, theirs, skip) == []
-    common_ours, common_theirs = (load_pickled(p / "common.pt", what="common.pt") for p in (ours, theirs))
+    common_ours, common_theirs = common_state(ours), common_state(theirs)
     assert sorted(common_ours) == sorted(common_theirs)
     for key in ("checkpoint_version", "iteration", "optimizer", "opt_param_scheduler"):
         assert repr(common_ours.get(key)) == repr(common_theirs.get(key)), key

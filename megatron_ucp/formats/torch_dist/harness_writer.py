@@ -112,7 +112,8 @@ def _data_flags(args: Mapping[str, Any], true_vocab: int, notes: list) -> list[s
     if tokenizer != "NullTokenizer":
         notes.append(f"tokenizer {tokenizer!r} is not in the harness; the conversion run uses NullTokenizer with "
                      f"the same vocabulary ({true_vocab}) and --mock-data (no step is trained)")
-    return ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(true_vocab - 1), "--mock-data"]
+    # Megatron-LM 0.19's NullTokenizer: --vocab-size N is vocabulary N (0.16.1's was N + 1)
+    return ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(true_vocab), "--mock-data"]
 
 
 def _is_number(text: Any) -> bool:
@@ -229,7 +230,9 @@ def harness_flags_from_universal(metadata: Mapping[str, Any], layout: ParallelLa
 def harness_command(ucp_path: Path, save_dir: Path, iteration: int, nproc: int, flags: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             str(PRETRAIN_SCRIPT), *flags, "--load", str(ucp_path), "--universal-checkpoint",
-            "--train-iters", str(iteration), "--save", str(save_dir)]
+            "--train-iters", str(iteration), "--save", str(save_dir),
+            # Megatron-LM saves after training when the iteration is not a multiple of --save-interval
+            "--save-interval", str(iteration + 1), "--eval-iters", "0", "--eval-interval", "1000"]
 
 
 def write(ucp_path: Path, save_dir: Path, iteration: int, layout: ParallelLayout, flags: Sequence[str], *,
