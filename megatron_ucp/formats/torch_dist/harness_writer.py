@@ -215,11 +215,12 @@ def harness_flags_from_universal(metadata: Mapping[str, Any], layout: ParallelLa
 
 def harness_command(ucp_path: Path, save_dir: Path, iteration: int, nproc: int, flags: Sequence[str]) -> list[str]:
     """The torchrun command line. pretrain() saves after its training loop when the iteration is not a multiple
-    of --save-interval (iteration + 1 never divides it); no evaluation, no data-loader workers."""
+    of --save-interval (iteration + 1 never divides it); no evaluation (Megatron-LM 0.19 needs an
+    --eval-interval to skip past on a resume), no data-loader workers."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             str(PRETRAIN_SCRIPT), *flags, "--load", str(ucp_path), "--universal-checkpoint",
             "--train-iters", str(iteration), "--save", str(save_dir), "--save-interval", str(iteration + 1),
-            "--eval-iters", "0", "--num-workers", "0"]
+            "--eval-iters", "0", "--eval-interval", str(iteration + 1), "--num-workers", "0"]
 
 
 def write(ucp_path: Path, save_dir: Path, iteration: int, layout: ParallelLayout, flags: Sequence[str], *,
