@@ -141,9 +141,13 @@ def read_records(jsonl: Path) -> Dict[int, dict]:
 # digits: <= 7e-8 relative rounding, <= 1.1e-7 for the 'true' iteration-2 value derived from two printed ones.
 # The fixtures were written on another machine, and another CPU's kernels round differently: re-running A
 # and C with other kernel paths (ATEN_CPU_CAPABILITY=default / avx2, MKL_CBWR=COMPATIBLE, OMP_NUM_THREADS=2,
-# and all three at once; test_harness_legacy_save.py) moved the losses of iterations 1..8 by <= 5.2e-8
-# relative. Resuming at another layout adds layout noise (measured <= 4e-7). 1e-6 covers their sum twice.
+# and all three at once; measured with the retired 0.16.1 harness) moved the losses of iterations 1..8 by
+# <= 5.2e-8 relative. Resuming at another layout adds layout noise (measured <= 4e-7). 1e-6 covers their sum twice.
 FIXTURE_LOSS_TOL = 1e-6
+# The tests/fixtures/megatron-lm runs (megatron-core 0.16.1) used vocabulary 1001 (EOD 1000) for
+# `--vocab-size 1000`; 0.19 takes --vocab-size as the whole vocabulary. These flags (after FAMILIES) give
+# 0.19 the fixtures' mock data: fixture C re-run at its layout reproduces LOSSES.txt within 7.2e-8.
+MOCK_DATA_016 = ["--vocab-size", "1001", "--null-tokenizer-eod-id", "1000"]
 
 
 def megatron_lm_losses(fixture: str) -> Dict[int, float]:

@@ -7,8 +7,13 @@ Layouts and tolerances:
    model/layout args equal.
 2. Resharding: C -> TP1PP1, A -> TP1PP2DP1 and A -> TP1PP2DP2 x VPP2 (distributed optimizer); the output,
    converted back to universal, equals the first universal checkpoint bitwise.
-3. The training harness resumes fixture A's iteration-4 state written at TP1PP2 (torch, and torch_dist by
-   the direct writer) and continues Megatron-LM's uninterrupted run: iterations 5..8 within FIXTURE_TOL.
+   Megatron-LM 0.19's own --load (no plugin; the 0.16.1 fixtures' mock data: pretrain_runs.MOCK_DATA_016)
+   resumes the legacy outputs of C at TP1PP1, A at TP1PP2 (distributed optimizer), A at TP1PP2DP2 x VPP2, A at
+   PP2 x 3 virtual stages with the embedding and loss counted, and C re-padded, and continues Megatron-LM's
+   uninterrupted run (iterations 5..8 within FIXTURE_TOL; the re-padded vocabulary within its measured shift).
+   The direct torch_dist writer's outputs are resumed in tests/test_torch_dist_direct.py.
+3. The --via-harness flags (Megatron-LM's own save of a universal checkpoint) are taken by Megatron-LM 0.19's
+   parser with the values meant.
 4. Errors: a TP that cannot hold the model, an existing DST, --dry-run: nothing is written.
 """
 
@@ -24,7 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pretrain_runs import FIXTURE_LOSS_TOL, FIXTURES, Layout, max_rel_diff, megatron_lm_losses, train  # noqa: E402
+from pretrain_runs import (FIXTURE_LOSS_TOL, FIXTURES, MOCK_DATA_016, Layout, max_rel_diff,  # noqa: E402
+                           megatron_lm_losses, train)
 
 from megatron_ucp.commands import from_universal as fu  # noqa: E402
 from megatron_ucp.convert import to_universal  # noqa: E402
@@ -185,10 +191,11 @@ FIXTURE_TOL = FIXTURE_LOSS_TOL
 FAMILY = {A: "llama", C: "gpt2"}
 
 
-def continue_with_harness(name: str, out: Path, layout: Layout, extra, tmp_path) -> float:
-    """Resume a from-universal output at iteration 4 with pretrain_gpt.py --load (megatron-core's own legacy
-    load, no --universal-checkpoint) and return the largest relative difference from Megatron-LM's run."""
-    resumed = train(FAMILY[name], layout, tmp_path, "continue", 8, [*extra, "--load", str(out)])
+def continue_with_megatron_lm(name: str, out: Path, layout: Layout, extra, tmp_path) -> float:
+    """Resume a from-universal output at iteration 4 with Megatron-LM 0.19's plain --load (its own load, no
+    --universal-checkpoint; the 0.16.1 fixtures' mock data: MOCK_DATA_016) and return the largest relative
+    difference from Megatron-LM 0.16.1's uninterrupted run."""
+    resumed = train(FAMILY[name], layout, tmp_path, "continue", 8, [*MOCK_DATA_016, *extra, "--load", str(out)])
     assert sorted(resumed) == [5, 6, 7, 8], resumed
     return max_rel_diff(resumed, megatron_lm_losses(name), range(5, 9))
 
@@ -217,7 +224,7 @@ def test_reshard_legacy_read_back_and_continue(universal, tmp_path, name, layout
     back = to_universal(out, tmp_path / "back", progress=False)
     assert_universal_equal(back, ucp)
     target = Layout(tp=1, pp=layout["pipeline_model_parallel_size"])
-    diff = continue_with_harness(name, out, target, ["--use-distributed-optimizer"] if distopt else [], tmp_path)
+    diff = continue_with_megatron_lm(name, out, target, ["--use-distributed-optimizer"] if distopt else [], tmp_path)
     assert diff <= FIXTURE_TOL, diff
 
 
@@ -235,7 +242,7 @@ def test_vpp_and_dp_layouts_read_back_and_continue(universal, tmp_path):
     assert sorted(k for k in load(out / "iter_0000004" / "mp_rank_00_000" / "distrib_optim.pt")
                   if k != "buckets_coalesced") == [0, 1]
     assert_universal_equal(to_universal(out, tmp_path / "back", progress=False), ucp)
-    diff = continue_with_harness(A, out, Layout(pp=2, dp=2, vpp_layers=1), ["--use-distributed-optimizer"], tmp_path)
+    diff = continue_with_megatron_lm(A, out, Layout(pp=2, dp=2, vpp_layers=1), ["--use-distributed-optimizer"], tmp_path)
     assert diff <= FIXTURE_TOL, diff
 
 
@@ -259,7 +266,7 @@ def _with_divisible_by(src: Path, dst: Path, divisible_by: int) -> Path:
 def test_vocab_is_repadded_when_megatron_would_compute_another_size(universal, tmp_path):
     """Stored 1024 rows; with divisible_by 100 Megatron-LM computes ceil(1001/200)*200 = 1200 rows at TP2
     (it never reads the padded size from a checkpoint): padding rows are appended (weights: their mean,
-    moments: zero), the true vocabulary is untouched, and a warning says the loss shifts. The harness loads
+    moments: zero), the true vocabulary is untouched, and a warning says the loss shifts. Megatron-LM loads
     it with --make-vocab-size-divisible-by 100 and continues. The loss shifts from Megatron-LM's run by what
     176 more padding rows add to the softmax (each carries about the trained padding rows' average mass: 23
     rows become 199): measured 2.3e-2 relative, asserted below 5e-2. That the re-padding itself is exact (the
@@ -281,7 +288,7 @@ def test_vocab_is_repadded_when_megatron_would_compute_another_size(universal, t
         assert torch.equal(back.read(name, key)[:1024], orig.read(name, key)), key
     assert torch.equal(back.read(name, "exp_avg")[1024:], torch.zeros(176, 48))
     assert torch.allclose(back.read(name, "fp32")[1024:], orig.read(name, "fp32")[1001:].mean(0).expand(176, 48))
-    shift = continue_with_harness(C, tmp_path / "megatron", Layout(tp=2, pp=2),
+    shift = continue_with_megatron_lm(C, tmp_path / "megatron", Layout(tp=2, pp=2),
                                   ["--make-vocab-size-divisible-by", "100"], tmp_path)
     assert shift <= 5e-2, shift
 
@@ -345,7 +352,7 @@ def test_uneven_targets_are_planned_refused_and_continued(universal, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["counted"]
     counted = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
                "--num-virtual-stages-per-pipeline-rank", "3"]
-    diff = continue_with_harness(A, tmp_path / "counted", Layout(pp=2), counted, tmp_path)
+    diff = continue_with_megatron_lm(A, tmp_path / "counted", Layout(pp=2), counted, tmp_path)
     assert diff <= FIXTURE_TOL, diff
 
 
@@ -400,9 +407,25 @@ def test_existing_destination_and_dry_run_write_nothing(universal, tmp_path, cap
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing", "fresh"]
 
 
-def test_harness_flags_from_fixture_args(universal):
-    """The flags rebuild fixture A's command line (model, batch, schedule, data) at the target layout."""
-    from megatron_ucp.formats.torch_dist.harness_writer import harness_flags_from_universal
+# Megatron-LM 0.19's own parser (the entry point's, with the plugin flags), printing the parsed scalar args.
+PARSE_CHILD = r"""
+import json, sys
+from megatron_ucp.megatron_lm import cpu_shims
+cpu_shims.install_import_patches()
+from megatron.training.arguments import parse_args
+from megatron_ucp.megatron_lm.pretrain_gpt import extra_args_provider
+sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
+print(json.dumps({k: v for k, v in vars(parse_args(extra_args_provider)).items()
+                  if isinstance(v, (int, float, str, bool, type(None)))}))
+"""
+
+
+def test_via_harness_flags_are_megatron_lms(universal):
+    """The flags of `--via-harness` rebuild fixture A's command line (model, batch, schedule, data) at the target
+    layout, and Megatron-LM 0.19's own parser takes them with the values meant (vocabulary: 0.16.1's 1001 tokens,
+    EOD included, which 0.19 takes as --vocab-size); an unknown flag would stop it."""
+    from megatron_ucp.formats.torch_dist.harness_writer import (PRETRAIN_SCRIPT, harness_command,
+                                                                 harness_flags_from_universal)
 
     ucp = UniversalCheckpoint.open(universal(A, 4))
     flags = harness_flags_from_universal(ucp.metadata, fu.target_layout(ucp, 1, 2, 1, None, False),
@@ -416,38 +439,20 @@ def test_harness_flags_from_fixture_args(universal):
                      "--micro-batch-size 2", "--global-batch-size 8", "--lr 0.001", "--min-lr 0.001",
                      "--lr-decay-style constant", "--lr-decay-iters 8", "--seed 1234", "--weight-decay 0.01",
                      "--attention-dropout 0.0", "--hidden-dropout 0.0",
-                     "--tokenizer-type NullTokenizer --vocab-size 1000 --mock-data"):
+                     "--tokenizer-type NullTokenizer --vocab-size 1001 --mock-data"):
         assert expected in text, (expected, text)
     assert "--sequence-parallel" not in text and "--bf16" not in text
-    from megatron_ucp.training.arguments import build_parser, validate_args
-    args = validate_args(build_parser().parse_args([*flags, "--train-iters", "4"]), world_size=2)  # it accepts them
-    assert (args.lr_decay_iters, args.num_query_groups, args.padded_vocab_size if hasattr(args, "padded_vocab_size")
-            else None) == (8, 2, None)
-
-
-# ------------------------------------------------------------------------------------------------
-# 3. The harness resumes the from-universal output and continues Megatron-LM's run
-
-
-@pytest.mark.torchrun
-@pytest.mark.parametrize("ckpt_format,rng", [("torch", "other device"), ("torch_dist", "here")])
-def test_harness_resumes_from_universal_output(universal, tmp_path, ckpt_format, rng):
-    """Fixture A iteration 4 (TP2PP2DP2 SP) -> universal -> TP1PP2 ckpt (torch_dist: the direct writer) ->
-    pretrain_gpt.py --load (no --universal-checkpoint): iterations 5..8 continue Megatron-LM's uninterrupted
-    run within FIXTURE_TOL. An RNG state written for the other device kind (from-universal's default is
-    CUDA's) is not restored but reported, and the run re-seeds deterministically instead of crashing
-    (dropout is 0 here: same losses). (The legacy output at this layout with the right RNG kind:
-    test_reshard_legacy_read_back_and_continue.)"""
-    out = tmp_path / "megatron"
-    here = "cuda" if torch.cuda.is_available() else "cpu"
-    rng_state = here if rng == "here" else {"cuda": "cpu", "cpu": "cuda"}[here]
-    fu.from_universal(universal(A, 4), out, tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
-                      use_distributed_optimizer=True, ckpt_format=ckpt_format, rng_state=rng_state, timeout_s=600,
-                      progress=False)
-    assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-    if ckpt_format == "torch_dist":
-        assert (out / "iter_0000004" / "metadata.json").is_file()
-    diff = continue_with_harness(A, out, Layout(tp=1, pp=2), ["--use-distributed-optimizer"], tmp_path)
-    warned = "WARNING: the checkpoint's RNG state is for" in (tmp_path / "continue.log").read_text()
-    assert warned == (rng != "here")
-    assert diff <= FIXTURE_TOL, diff
+    command = harness_command(Path("/ucp"), Path("/dst"), 4, 2, flags)
+    argv = command[command.index(str(PRETRAIN_SCRIPT)) + 1:]
+    proc = subprocess.run([sys.executable, "-c", PARSE_CHILD, *argv], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    args = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (args["lr_decay_iters"], args["num_query_groups"], args["vocab_size"], args["train_iters"],
+            args["save_interval"], args["universal_checkpoint"], args["ckpt_format"]) == (
+        8, 2, 1001, 4, 5, True, "torch_dist")
+    assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"], args["normalization"],
+            args["untie_embeddings_and_output_weights"], args["add_bias_linear"]) == (1, 2, "RMSNorm", True, False)
+    bad = subprocess.run([sys.executable, "-c", PARSE_CHILD, *argv, "--layout-invariant-init"],
+                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "unrecognized arguments: --layout-invariant-init" in bad.stderr  # the check sees

@@ -118,7 +118,7 @@ def test_emulated_dp_sharded_load_reads_each_byte_about_once(tmp_path, capsys):
     assert total <= bound
 
 
-# --- end to end: checkpoints made by the harness (2 processes) ------------------------------------
+# --- end to end: checkpoints Megatron-LM 0.19 saves (2 processes) --------------------------------
 
 def _flags(num_layers: int):
     return ("--num-layers {} --hidden-size 256 --ffn-hidden-size 1024 --num-attention-heads 4 --seq-length 32 "
@@ -129,12 +129,13 @@ def _flags(num_layers: int):
 
 
 @pytest.fixture(scope="module")
-def harness_checkpoints(tmp_path_factory):
+def megatron_checkpoints(tmp_path_factory):
     """torch_dist (dp_reshardable) checkpoints of a 4- and an 8-layer model, trained 1 step at TP2."""
     work = tmp_path_factory.mktemp("perf")
     out = {}
     for layers in (4, 8):
-        run_pretrain(Layout(tp=2), [*_flags(layers), "--train-iters", "1", "--save", str(work / f"ckpt{layers}")],
+        run_pretrain(Layout(tp=2), [*_flags(layers), "--train-iters", "1", "--save", str(work / f"ckpt{layers}"),
+                                    "--save-interval", "1"],
                      work, f"train{layers}")
         out[layers] = work / f"ckpt{layers}"
     return work, out
@@ -170,8 +171,9 @@ def _conversion_growth(src: Path, dst: Path) -> int:
     return result["peak"] - result["baseline"]
 
 
-def test_conversion_memory_is_bounded_by_a_few_parameters(harness_checkpoints, capsys):
-    work, ckpts = harness_checkpoints
+@pytest.mark.torchrun
+def test_conversion_memory_is_bounded_by_a_few_parameters(megatron_checkpoints, capsys):
+    work, ckpts = megatron_checkpoints
     growth, largest = {}, {}
     for layers, src in ckpts.items():
         ucp = work / f"ucp_mem{layers}"
@@ -187,10 +189,11 @@ def test_conversion_memory_is_bounded_by_a_few_parameters(harness_checkpoints, c
     assert abs(growth[8] - growth[4]) <= max(0.2 * growth[4], 16 * MIB), growth
 
 
-def test_torchrun_load_reads_each_byte_about_once(harness_checkpoints):
+@pytest.mark.torchrun
+def test_torchrun_load_reads_each_byte_about_once(megatron_checkpoints):
     """TP2 DP1 -> TP1 DP2 with the distributed optimizer: DP ranks split the reads, the param
     all-gather completes the weights."""
-    work, ckpts = harness_checkpoints
+    work, ckpts = megatron_checkpoints
     ucp_path = to_universal(ckpts[4], work / "ucp_load", progress=False)
     ucp = UniversalCheckpoint.open(ucp_path)
     replicated = sum(math.prod(p.shape) * 4 * len(p.tensors) for p in ucp.parameters.values()

@@ -1,23 +1,26 @@
 """`from-universal --ckpt-format torch_dist` written directly (formats/torch_dist/writer.py).
 
-Sources (shared by the whole module, converted once): Megatron-LM's fixtures A (llama: GQA, SwiGLU,
+Sources (shared by the whole module, converted once): Megatron-LM 0.16.1's fixtures A (llama: GQA, SwiGLU,
 RMSNorm, RoPE, untied, no biases; TP2PP2DP2+SP, distributed optimizer) at iterations 4 and 8, C (GPT-2:
-tied, biases, LayerNorm, learned positions; plain Adam) at 4, and one harness run of GPT-2 with --bf16
+tied, biases, LayerNorm, learned positions; plain Adam) at 4, and one Megatron-LM 0.19 run of GPT-2 with --bf16
 (TP1PP2, 1 layer per virtual stage, distributed optimizer, saved fully_reshardable at iteration 2).
 
-1. megatron-core's own `dist_checkpointing.load` (the harness `--load`, no --universal-checkpoint) reads
-   the files at the target layout and continues Megatron-LM's uninterrupted run (LOSSES.txt: 7
-   significant digits, i.e. 7e-8 relative rounding) at iterations 5..8 within TOL = 1e-6 relative
-   (measured: 1.1e-7, 5.4e-8, 1.1e-7 and 7.3e-8 for the four resumes below, printed by the tests):
-   A -> TP2PP2DP2+SP dp_reshardable; C -> TP1PP2 with VPP (1 layer per virtual stage), plain Adam;
+1. Megatron-LM 0.19's own `--load` (megatron-core's dist_checkpointing.load, no --universal-checkpoint; the
+   0.16.1 fixtures' mock data: pretrain_runs.MOCK_DATA_016) reads the files at the target layout and continues
+   Megatron-LM 0.16.1's uninterrupted run (LOSSES.txt: 7 significant digits, i.e. 7e-8 relative rounding) at
+   iterations 5..8 within TOL = 1e-6 relative (the tests print the measured figure):
+   A -> TP2DP2+SP dp_reshardable (4 processes); C -> TP1PP2 with VPP (1 layer per virtual stage), plain Adam;
    one fully_reshardable write of A at an uneven pipeline (PP3: embedding and loss counted as layers,
    so stages hold 1, 2, 1 layers), loaded there and at TP1PP1DP2.
 2. Equal to megatron-core's own saves, `.metadata` structure (keys, global shapes, dtypes, chunk boxes)
    identical, every chunk byte for byte except the flat buckets' alignment gaps (uninitialised in
    megatron-core, zeros here) and RNG states, `verify` with atol 0:
-   - A@8 -> TP2PP2DP2+SP dp_reshardable vs Megatron-LM's own torch_dist save of that run (fixture B@8);
-   - bf16 GPT-2 at TP1PP2+VPP: fully_reshardable vs the training run's own save, dp_reshardable vs the
-     harness route (`--via-harness`: the harness loads the universal checkpoint and megatron-core saves).
+   - A@8 -> TP2PP2DP2+SP dp_reshardable vs Megatron-LM 0.16.1's own torch_dist save of that run (fixture B@8);
+   - bf16 GPT-2 at TP1PP2+VPP (megatron-core 0.19 files: the writer follows the source's release):
+     fully_reshardable vs the training run's own save (every object too, the common state and RNG included:
+     rng_state="source"), dp_reshardable vs Megatron-LM 0.19 saving what its plugin loaded from the universal
+     checkpoint (`--via-harness`; tensors, optimizer objects and the common state's iteration, optimizer,
+     scheduler and model/layout args).
    Negative control: one flipped byte of an fp32 main-weight chunk is named and fails verify.
 3. Offline: the torch.save framing equals torch.save's; written at other layouts (uneven pipeline
    included, also by the legacy writer) and read back with to-universal, the universal checkpoint is
@@ -25,9 +28,6 @@ tied, biases, LayerNorm, learned positions; plain Adam) at 4, and one harness ru
    vocabulary; a damaged universal block (copied or read) stops the write; torchrun processes write the
    same files as one process; errors before anything is written (MoE, optimizer format, steps).
 4. Memory: peak RSS growth of the writer <= 1 GiB + 3 x the largest parameter, flat as the model doubles.
-
-Runtime: 1 min 52 s on 2 cores shared with other jobs (load average 16-20): 6 torchrun runs of 2-8
-processes, one 2-process CLI run under torchrun, the rest offline (~20 s).
 """
 
 from __future__ import annotations
@@ -44,12 +44,15 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from pretrain_runs import FIXTURE_LOSS_TOL, FIXTURES, REPO, Layout, max_rel_diff, megatron_lm_losses, train
-from torch_dist_checks import (_iter_dir, assert_equal_to_megatron, chunk_differences, dcp_metadata, gap_chunks,
-                               structure)
+from pretrain_runs import (FIXTURE_LOSS_TOL, FIXTURES, MOCK_DATA_016, REPO, Layout, max_rel_diff,
+                           megatron_lm_losses, train)
+from test_megatron_versions import differences_from_megatron
+from torch_dist_checks import (COMPARED_ARGS, _iter_dir, assert_equal_to_megatron, chunk_differences, dcp_metadata,
+                               gap_chunks, structure)
 
 from megatron_ucp.commands import from_universal as fu
 from megatron_ucp.convert import to_universal
+from megatron_ucp.formats import safe_pickle as sp
 from megatron_ucp.formats.common import load_pickled
 from megatron_ucp.formats.torch_save import tensor_archive
 from megatron_ucp.universal import UniversalCheckpoint
@@ -71,7 +74,7 @@ def _layout_kwargs(layout: Layout) -> dict:
 
 
 def _write(ucp: Path, out: Path, layout: Layout, **kwargs) -> fu.FromUniversalSummary:
-    kwargs.setdefault("rng_state", "cpu")  # the CPU harness restores CPU generator states
+    kwargs.setdefault("rng_state", "cpu")  # Megatron-LM on CPU (cpu_shims) restores CPU generator states
     return fu.from_universal(ucp, out, ckpt_format="torch_dist", progress=False, **_layout_kwargs(layout), **kwargs)
 
 
@@ -110,15 +113,15 @@ def flip_a_main_weight_byte(root: Path, summary: fu.FromUniversalSummary, ucp: P
 
 
 def _resume(family: str, ckpt: Path, target: Layout, work: Path, name: str, extra=()) -> dict:
-    """Iterations 5..8 from `--load ckpt` (plain megatron-core torch_dist load)."""
-    return train(family, target, work, name, 8, [*extra, "--load", str(ckpt)])
+    """Iterations 5..8 from `--load ckpt` (Megatron-LM 0.19's plain torch_dist load) on the fixtures' data."""
+    return train(family, target, work, name, 8, [*MOCK_DATA_016, *extra, "--load", str(ckpt)])
 
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("name,family,target,kwargs,flags", [
-    (A, "llama", Layout(tp=2, pp=2, dp=2, sp=True), dict(use_distributed_optimizer=True), DISTOPT),
+    (A, "llama", Layout(tp=2, dp=2, sp=True), dict(use_distributed_optimizer=True), DISTOPT),
     (C, "gpt2", Layout(pp=2, vpp_layers=1), {}, []),
-], ids=["A-TP2PP2DP2+SP-dp_reshardable", "C-TP1PP2VPP-plain-adam"])
+], ids=["A-TP2DP2+SP-dp_reshardable", "C-TP1PP2VPP-plain-adam"])
 def test_resume_continues_megatron_lm_run(sources, work, capsys, name, family, target, kwargs, flags):
     out = work / f"resume_{name[0]}_{target}"
     summary = _write(sources[(name, 4)], out, target, **kwargs)
@@ -178,22 +181,48 @@ def test_equal_to_megatron_lms_own_save(sources, work):
 
 @pytest.fixture(scope="module")
 def bf16(work) -> Path:
-    """GPT-2 --bf16 trained 2 iterations at TP1PP2, 1 layer per virtual stage, saved fully_reshardable."""
+    """GPT-2 --bf16 trained 2 iterations by Megatron-LM 0.19 at TP1PP2, 1 layer per virtual stage, saved
+    fully_reshardable."""
     train("gpt2", Layout(pp=2, vpp_layers=1), work, "bf16_source", 2,
           [*DISTOPT, "--bf16", "--dist-ckpt-optim-fully-reshardable", "--save", str(work / "bf16_ckpt"),
            "--save-interval", "2"])
     return work / "bf16_ckpt"
 
 
+# Objects of a Megatron-LM save that belong to the run rather than to the checkpointed state: RNG and rerun
+# states (a live run's), and the common state, compared field by field below.
+RUN_OBJECTS = ("rng_state", "rerun_state_machine_state", "common_state")
+COMMON_FIELDS = ("checkpoint_version", "iteration", "optimizer", "opt_param_scheduler", "content_metadata",
+                 "num_floating_point_operations_so_far")
+
+
+def _common_state(iter_dir: Path) -> dict:
+    state = sp.load_dcp_item(sp.load_dcp_metadata(iter_dir), sp.DcpIndex("common_state/shard_0_1"))
+    return state[0] if isinstance(state, list) else state
+
+
+def state_differences(ours: Path, theirs: Path, skip: set = frozenset()) -> list:
+    """Where two megatron-core 0.19 torch_dist iteration folders of the same state, saved by different runs,
+    differ: structure, tensor bytes (but `skip`), objects (but the run's own), and of the common state the
+    checkpointed fields and the args a resumed run derives its model and layout from."""
+    if structure(ours) != structure(theirs):
+        return [("structure", sorted(set(structure(ours)) ^ set(structure(theirs)))[:5])]
+    found = [d for d in chunk_differences(ours, theirs, skip) if not str(d).startswith(RUN_OBJECTS)]
+    a, b = _common_state(ours), _common_state(theirs)
+    found += [f"common_state {k}" for k in COMMON_FIELDS if repr(a.get(k)) != repr(b.get(k))]
+    found += [f"args.{k}" for k in COMPARED_ARGS if repr(getattr(a["args"], k, None)) != repr(getattr(b["args"], k, None))]
+    return found
+
+
 @pytest.mark.torchrun
 def test_bf16_vpp_equal_to_megatron_core_saves(bf16, work):
     """bf16 model (fp32 mains) with tied embeddings over PP2 x VPP2: fully_reshardable equals the training
-    run's own save, dp_reshardable equals the harness route's (megatron-core saving what it loaded)."""
+    run's own save, dp_reshardable equals Megatron-LM's own save of what its plugin loaded (--via-harness)."""
     ucp = to_universal(bf16, work / "bf16_ucp", progress=False)
     target = Layout(pp=2, vpp_layers=1)
     full = _write(ucp, work / "bf16_full", target, use_distributed_optimizer=True,
-                  optimizer_format="fully_reshardable")
-    assert_equal_to_megatron(_iter_dir(work / "bf16_full"), _iter_dir(bf16))
+                  optimizer_format="fully_reshardable", rng_state="source")
+    assert differences_from_megatron(_iter_dir(work / "bf16_full"), _iter_dir(bf16)) == []
     assert full.plan.details[0] == "optimizer state: fully_reshardable"
 
     direct = _write(ucp, work / "bf16_dp", target, use_distributed_optimizer=True)
@@ -202,8 +231,12 @@ def test_bf16_vpp_equal_to_megatron_core_saves(bf16, work):
     assert harness.plan.details[0].startswith("harness flags:")
     dtypes = {v[1] for v in structure(_iter_dir(work / "bf16_dp")).values() if v != ("bytes",)}
     assert dtypes == {torch.bfloat16, torch.float32}
-    assert_equal_to_megatron(_iter_dir(work / "bf16_dp"), _iter_dir(work / "bf16_dp_harness"),
-                             gap_chunks(direct, ucp))
+    gaps = gap_chunks(direct, ucp)
+    assert state_differences(_iter_dir(work / "bf16_dp"), _iter_dir(work / "bf16_dp_harness"), gaps) == []
+    # negative control: one flipped byte of a main weight is named
+    shutil.copytree(work / "bf16_dp", work / "bf16_dp_broken")
+    flipped = flip_a_main_weight_byte(work / "bf16_dp_broken", direct, ucp)
+    assert state_differences(_iter_dir(work / "bf16_dp_broken"), _iter_dir(work / "bf16_dp_harness"), gaps) == [flipped]
 
 
 # ------------------------------------------------------------------------------------------------

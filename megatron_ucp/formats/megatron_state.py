@@ -53,6 +53,11 @@ def import_enum(qualified: str, value: Any) -> Any:
     not importable (the enum cannot be pickled faithfully then)."""
     module, _, cls = qualified.rpartition(".")
     try:
+        if module.startswith("megatron."):
+            # megatron-core 0.19 imports triton (a GPU package) and typing.override (Python 3.12) on the way
+            from megatron_ucp.megatron_lm.cpu_shims import install_import_patches
+
+            install_import_patches()
         enum_cls = getattr(importlib.import_module(module), cls)
         if isinstance(enum_cls, type) and issubclass(enum_cls, enum.Enum):
             return enum_cls(value)

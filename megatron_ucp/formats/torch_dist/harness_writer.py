@@ -1,22 +1,22 @@
-"""Universal checkpoint -> megatron-core `torch_dist` checkpoint at any layout, via the training harness
+"""Universal checkpoint -> megatron-core `torch_dist` checkpoint at any layout, saved by Megatron-LM itself
 (`from-universal --via-harness`; the default route is formats/torch_dist/writer.py, offline).
 
-What it still serves: it is megatron-core's own save, so it is the reference the direct writer is tested
-against (tests/test_torch_dist_direct.py, tests/test_moe_universal.py: same `.metadata`, chunk for chunk
-equal), and the fallback for a megatron-core whose torch_dist layout differs from 0.16.1's (the direct writer
-reproduces 0.16.1's).
+What it still serves: it is Megatron-LM's own save, so it is a reference the direct writer is tested against
+(tests/test_torch_dist_direct.py: same `.metadata`, chunk for chunk equal), and the fallback for a
+megatron-core whose torch_dist layout the direct writer does not reproduce.
 It needs T*P*D processes and the whole model and optimizer state in memory.
 
-The faithful route: launch `pretrain_scripts/pretrain_gpt.py` at the target layout with
-`--load UCP --universal-checkpoint --train-iters <iteration> --save DST`. It builds the megatron-core
-model and optimizer exactly as Megatron-LM does, fills them from the universal checkpoint (each rank
-reading only its slices), trains nothing and saves once, with Megatron-LM's state-dict structure
-(tests/test_harness.py proves both read each other's checkpoints).
+The faithful route: launch the project's entry point `pretrain_scripts/pretrain_gpt.py` (Megatron-LM 0.19's
+own training loop, megatron_ucp/megatron_lm) at the target layout with `--load UCP --universal-checkpoint
+--train-iters <iteration> --save DST`. Megatron-LM builds the model and optimizer, the plugin fills them from
+the universal checkpoint (each rank reading only its slices), no step is trained, and Megatron-LM's
+pretrain() saves once after its (empty) training loop, because the iteration is not a multiple of
+--save-interval. The files are megatron-core 0.19's (no common.pt: the common state is a ShardedObject).
 
 Cost: T*P*D processes on this machine (CPU, gloo: CUDA is hidden from them), and memory about the
 model's weights plus optimizer state in total (each rank holds its shard, as in training).
 
-The hard part is rebuilding the harness flags from the Megatron args stored in the universal
+The hard part is rebuilding Megatron-LM flags from the Megatron args stored in the universal
 metadata: `harness_flags_from_universal`.
 """
 
@@ -40,10 +40,10 @@ DEFAULT_TIMEOUT_S = 3600
 
 
 class HarnessRunError(WriteError):
-    """The harness run that writes the torch_dist checkpoint failed; the message has its log tail."""
+    """The Megatron-LM run that writes the torch_dist checkpoint failed; the message has its log tail."""
 
 
-# Megatron arg -> harness flag for values passed through as they are (None: left at the harness default).
+# Megatron arg -> Megatron-LM flag for values passed through as they are (None: left at Megatron-LM's default).
 _VALUE_FLAGS = (
     ("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"), ("ffn_hidden_size", "--ffn-hidden-size"),
     ("num_attention_heads", "--num-attention-heads"), ("kv_channels", "--kv-channels"),
@@ -69,7 +69,7 @@ _VALUE_FLAGS = (
     ("moe_router_bias_update_rate", "--moe-router-bias-update-rate"),
     ("moe_token_dispatcher_type", "--moe-token-dispatcher-type"),
 )
-# Megatron arg -> harness flag for booleans passed when true.
+# Megatron arg -> Megatron-LM flag for booleans passed when true.
 _TRUE_FLAGS = (
     ("swiglu", "--swiglu"), ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
     ("add_qkv_bias", "--add-qkv-bias"), ("bf16", "--bf16"), ("fp16", "--fp16"),
@@ -85,7 +85,6 @@ _HARNESS_CHOICES = {
     "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
     "moe_token_dispatcher_type": ("allgather", "alltoall"),
 }
-_BYTE_LEVEL_VOCAB = 257  # the harness's ByteLevelTokenizer: 256 bytes + EOD
 
 
 def _flag_value(value: Any) -> str:
@@ -94,34 +93,13 @@ def _flag_value(value: Any) -> str:
 
 def _data_flags(args: Mapping[str, Any], true_vocab: int, notes: list) -> list[str]:
     """Tokenizer and data flags. No step is trained, so the data only has to exist and the tokenizer only
-    has to give the model's true vocabulary: tokenizers the harness lacks become NullTokenizer of that size."""
+    has to give the model's true vocabulary: NullTokenizer of that size (Megatron-LM 0.19 takes --vocab-size
+    as the whole vocabulary, EOD included) over --mock-data."""
     tokenizer = args.get("tokenizer_type")
-    if tokenizer == "ByteLevelTokenizer" and true_vocab == _BYTE_LEVEL_VOCAB:
-        flags = ["--tokenizer-type", "ByteLevelTokenizer"]
-        data_path = args.get("data_path")
-        if args.get("mock_data"):
-            return flags + ["--mock-data"]
-        if data_path and all(Path(f"{p}.bin").exists() and Path(f"{p}.idx").exists()
-                             for p in data_path if not _is_number(p)):
-            return flags + ["--data-path", *map(str, data_path)]
-        if data_path:
-            notes.append(f"data path {data_path} not found here; the conversion run uses --mock-data (no step "
-                         f"is trained)")
-            return flags + ["--mock-data"]
-        return flags  # the embedded corpus
     if tokenizer != "NullTokenizer":
-        notes.append(f"tokenizer {tokenizer!r} is not in the harness; the conversion run uses NullTokenizer with "
-                     f"the same vocabulary ({true_vocab}) and --mock-data (no step is trained)")
-    # Megatron-LM 0.19's NullTokenizer: --vocab-size N is vocabulary N (0.16.1's was N + 1)
+        notes.append(f"tokenizer {tokenizer!r}: the conversion run uses NullTokenizer with the same vocabulary "
+                     f"({true_vocab}) and --mock-data (no step is trained)")
     return ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(true_vocab), "--mock-data"]
-
-
-def _is_number(text: Any) -> bool:
-    try:
-        float(text)
-        return True
-    except (TypeError, ValueError):
-        return False
 
 
 def layout_flags(layout: ParallelLayout, vpp_layers: Optional[int], use_distributed_optimizer: bool) -> list[str]:
@@ -157,7 +135,7 @@ def harness_flags_from_universal(metadata: Mapping[str, Any], layout: ParallelLa
     is saved; None keeps the source run's choice.
 
     The model shape comes from `model_config` (authoritative), the rest from Megatron's `args`.
-    Schedule lengths: --lr-decay-iters and --lr-warmup-iters are given explicitly because the harness
+    Schedule lengths: --lr-decay-iters and --lr-warmup-iters are given explicitly because Megatron-LM
     would otherwise derive them from --train-iters, which here is the checkpoint's iteration.
     """
     notes = notes if notes is not None else []
@@ -175,13 +153,13 @@ def harness_flags_from_universal(metadata: Mapping[str, Any], layout: ParallelLa
                                             "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
                                             "moe_router_enable_expert_bias") if k in config})
         if args.get("moe_grouped_gemm"):
-            raise ValueError("--moe-grouped-gemm runs on GPUs only (TransformerEngine); the CPU harness uses "
+            raise ValueError("--moe-grouped-gemm runs on GPUs only (TransformerEngine); the CPU entry point uses "
                              "sequential experts: write --ckpt-format torch")
     if not args.get("seq_length"):
         args["seq_length"] = args.get("max_position_embeddings") or config.get("max_position_embeddings")
     if not args.get("micro_batch_size"):
         raise ValueError("the universal checkpoint's args lack micro_batch_size; it was not written from a "
-                         "Megatron-LM or harness run")
+                         "Megatron-LM run")
 
     flags = layout_flags(layout, vpp_layers, use_distributed_optimizer)
     if config.get("num_experts"):
@@ -195,7 +173,7 @@ def harness_flags_from_universal(metadata: Mapping[str, Any], layout: ParallelLa
             flags += [flag, *map(_flag_value, value)]
             continue
         if name in _HARNESS_CHOICES and value not in _HARNESS_CHOICES[name]:
-            raise ValueError(f"{name}={value!r} is not supported by the harness (it supports "
+            raise ValueError(f"{name}={value!r} is not supported by the CPU entry point (it supports "
                              f"{', '.join(_HARNESS_CHOICES[name])}); use --ckpt-format torch")
         flags += [flag, _flag_value(value)]
     if optimizer_format is not None:
@@ -228,16 +206,18 @@ def harness_flags_from_universal(metadata: Mapping[str, Any], layout: ParallelLa
 
 
 def harness_command(ucp_path: Path, save_dir: Path, iteration: int, nproc: int, flags: Sequence[str]) -> list[str]:
+    """The torchrun command line. pretrain() saves after its training loop when the iteration is not a multiple
+    of --save-interval (iteration + 1 never divides it); no evaluation (Megatron-LM 0.19 needs an
+    --eval-interval to skip past on a resume), no data-loader workers."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             str(PRETRAIN_SCRIPT), *flags, "--load", str(ucp_path), "--universal-checkpoint",
-            "--train-iters", str(iteration), "--save", str(save_dir),
-            # Megatron-LM saves after training when the iteration is not a multiple of --save-interval
-            "--save-interval", str(iteration + 1), "--eval-iters", "0", "--eval-interval", "1000"]
+            "--train-iters", str(iteration), "--save", str(save_dir), "--save-interval", str(iteration + 1),
+            "--eval-iters", "0", "--eval-interval", str(iteration + 1), "--num-workers", "0"]
 
 
 def write(ucp_path: Path, save_dir: Path, iteration: int, layout: ParallelLayout, flags: Sequence[str], *,
           timeout_s: int = DEFAULT_TIMEOUT_S, log_path: Optional[Path] = None) -> Path:
-    """Run the harness so that it saves iteration `iteration` under `save_dir` (tracker included)."""
+    """Run Megatron-LM so that it saves iteration `iteration` under `save_dir` (tracker included)."""
     cmd = harness_command(ucp_path, save_dir, iteration, layout.world_size, flags)
     # CPU + gloo whatever the host has: the conversion needs no accelerator and T*P*D need not fit on GPUs.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
@@ -249,21 +229,21 @@ def write(ucp_path: Path, save_dir: Path, iteration: int, layout: ParallelLayout
         out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         if log_path:
             log_path.write_text(out)
-        raise HarnessRunError(f"the harness run writing the torch_dist checkpoint timed out after {timeout_s} s "
+        raise HarnessRunError(f"the Megatron-LM run writing the torch_dist checkpoint timed out after {timeout_s} s "
                               f"({layout.world_size} processes); raise --timeout") from None
     if log_path:
         log_path.write_text(proc.stdout)
     if proc.returncode != 0:
         errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
         tail = errors[-1] if errors else "\n".join(proc.stdout.splitlines()[-25:])
-        raise HarnessRunError(f"the harness run writing the torch_dist checkpoint failed (exit {proc.returncode}): "
+        raise HarnessRunError(f"the Megatron-LM run writing the torch_dist checkpoint failed (exit {proc.returncode}): "
                               f"{tail}\ncommand: {' '.join(cmd)}")
     return save_dir
 
 
 class HarnessTorchDistWriter(CheckpointWriter):
-    """`--ckpt-format torch_dist`: megatron-core itself writes the checkpoint, from the training harness
-    launched at the target layout (T*P*D CPU processes)."""
+    """`--ckpt-format torch_dist`: Megatron-LM itself writes the checkpoint, from its training loop launched at
+    the target layout (T*P*D CPU processes)."""
 
     ckpt_format = "torch_dist"
     OPTIONS = ("timeout_s", "optimizer_format")
@@ -276,11 +256,11 @@ class HarnessTorchDistWriter(CheckpointWriter):
         if megatron_padded_vocab(ucp.config, target.layout.tp) != padded_vocab_at(ucp.config, target.layout.tp):
             raise WriteError(
                 f"the stored padded vocabulary ({ucp.config.padded_vocab_size} rows) is divisible by TP="
-                f"{target.layout.tp}, so the harness keeps it, but Megatron-LM computes "
+                f"{target.layout.tp}, so the plugin keeps it, but Megatron-LM computes "
                 f"{target.padded_vocab_size} rows at TP={target.layout.tp}; write --ckpt-format torch (it re-pads) "
                 f"or choose another TP")
         if self.optimizer_format not in (None, "dp_reshardable", "fully_reshardable"):  # what 0.16.1 can save
-            raise WriteError(f"--optimizer-format {self.optimizer_format}: the harness (megatron-core 0.16.1) saves "
+            raise WriteError(f"--optimizer-format {self.optimizer_format}: Megatron-LM 0.19 saves "
                              f"dp_reshardable or fully_reshardable; drop --via-harness to write {self.optimizer_format}")
         if self.optimizer_format is not None and not target.use_distributed_optimizer:
             raise WriteError(f"--optimizer-format {self.optimizer_format} describes the distributed optimizer's "
@@ -313,7 +293,7 @@ class HarnessTorchDistWriter(CheckpointWriter):
             raise HarnessRunError(f"{e} (log: {log})") from e
         log.unlink(missing_ok=True)
         if not (root / TRACKER_FILENAME).is_file():
-            raise WriteError(f"{root}: the harness finished without writing {TRACKER_FILENAME}")
+            raise WriteError(f"{root}: the Megatron-LM run finished without writing {TRACKER_FILENAME}")
         if on_file:
             for f in sorted(root.rglob("*")):
                 if f.is_file():
