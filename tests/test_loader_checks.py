@@ -59,3 +59,22 @@ def test_global_batch_change_needs_the_flag(ucp):
 def test_train_iters_before_checkpoint_is_refused(ucp):
     with pytest.raises(UniversalLoadError, match="raise --train-iters"):
         check_compatible(ucp, args_for("--train-iters", "2"))
+
+
+def test_plugin_sets_the_padded_vocabulary_before_the_model_is_built_and_needs_load(ucp):
+    """universal_plugin.install() hooks Megatron-LM's validate_args: with --universal-checkpoint the run's
+    padded vocabulary comes from the checkpoint (kept at TP2, re-padded at TP3: 1024 rows do not split in 3),
+    and the flag without --load is refused instead of silently training from scratch."""
+    from megatron_ucp.megatron_lm import universal_plugin
+
+    universal_plugin.install()  # acts only on runs with --universal-checkpoint
+    tp2 = megatron_lm_args([*LLAMA, "--tensor-model-parallel-size", "2", "--load", str(ucp.path),
+                            "--universal-checkpoint"], world_size=2)
+    assert tp2.padded_vocab_size == ucp.config.padded_vocab_size == 1024
+    tp3 = megatron_lm_args([*LLAMA, "--tensor-model-parallel-size", "3", "--num-attention-heads", "6",
+                            "--num-query-groups", "3", "--load", str(ucp.path), "--universal-checkpoint"],
+                           world_size=3)
+    assert tp3.padded_vocab_size == 1152  # Megatron-LM's rule: a multiple of 128 x TP above 1001
+    assert megatron_lm_args(LLAMA).padded_vocab_size is None  # without the flag: left to the tokenizer build
+    with pytest.raises(ValueError, match="--universal-checkpoint needs --load"):
+        megatron_lm_args([*LLAMA, "--universal-checkpoint"])

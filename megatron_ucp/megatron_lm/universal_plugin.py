@@ -2,7 +2,8 @@
 
 `add_arguments` is an `extra_args_provider` (pass it to `parse_and_validate_args` / `pretrain`); `install()`
 hooks two places of Megatron-LM when the flag is given, and leaves both unchanged without it:
-- after `validate_args` (inside `parse_and_validate_args`, before `set_global_variables` builds the
+- after `validate_args` (inside `parse_and_validate_args`; `--universal-checkpoint` without `--load` is
+  refused there, before `set_global_variables` builds the
   tokenizer and long before the model is built): `args.padded_vocab_size` is set from the universal
   checkpoint, as Megatron-LM's own `--use-checkpoint-args` (load_args_from_checkpoint) sets it from a
   Megatron checkpoint at the same point; the tokenizer build then keeps it ("if not already set from a
@@ -55,6 +56,10 @@ def install() -> None:
     def validate_args(args, *rest, **kwargs):
         result = validate(args, *rest, **kwargs)
         if getattr(args, "universal_checkpoint", False):
+            if not args.load:
+                # Megatron-LM calls load_checkpoint only with --load: the flag alone would train from scratch
+                raise ValueError("--universal-checkpoint needs --load UNIVERSAL_CHECKPOINT (the folder "
+                                 "megatron-ucp to-universal wrote)")
             set_padded_vocab_size(args)
         return result
 
