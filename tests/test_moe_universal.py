@@ -250,7 +250,7 @@ def test_legacy_source_with_expert_bias(sources):
     distrib_optim.pt [dense, expert] / [None, expert]) with the router's expert_bias buffer -> EP4 DP4.
     Negative control: expert_bias zeroed in the universal checkpoint, i.e. the buffer not restored: after 4 steps
     at Megatron-LM's update rate it is small (+-0.002..0.004), yet routing depends on it and the curve leaves the
-    tolerance (measured 7.7e-6 relative, 7.7x the tolerance)."""
+    tolerance (measured 6.0e-6 on the lm loss, 6.4e-5 on the load-balancing loss: 64x the tolerance)."""
     src = sources("legacy_bias")
     folders = sorted(p.name for p in (src.trained.save / "iter_0000004").iterdir())
     assert folders == ["mp_rank_00_000", "mp_rank_00_001"]
@@ -266,7 +266,7 @@ def test_legacy_source_with_expert_bias(sources):
 def test_from_universal_legacy_at_new_ep_is_loaded_by_megatron_lm(sources):
     """from-universal --ckpt-format torch at EP4 DP4 (EP2 DP4 source): Megatron-LM's folders and optimizer
     lists, loaded by Megatron-LM's own --load (load_parameter_state) and continued.
-    Negative control: the same files loaded with --no-load-optim (measured 3.9e-3)."""
+    Negative control: the same files loaded with --no-load-optim (measured 7.8e-3)."""
     from megatron_ucp.commands.from_universal import from_universal
 
     src = sources("ep2dp4")
