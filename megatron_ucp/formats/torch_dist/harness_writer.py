@@ -232,7 +232,10 @@ def harness_command(ucp_path: Path, save_dir: Path, iteration: int, nproc: int, 
             str(PRETRAIN_SCRIPT), *flags, "--load", str(ucp_path), "--universal-checkpoint",
             "--train-iters", str(iteration), "--save", str(save_dir),
             # Megatron-LM saves after training when the iteration is not a multiple of --save-interval
-            "--save-interval", str(iteration + 1), "--eval-iters", "0", "--eval-interval", "1000"]
+            "--save-interval", str(iteration + 1), "--eval-iters", "0", "--eval-interval", "1000",
+            # the scheduler as stored: Megatron-LM derives its weight-decay steps from --train-iters, here the
+            # checkpoint's iteration, and refuses a stored schedule that differs
+            "--use-checkpoint-opt_param-scheduler"]
 
 
 def write(ucp_path: Path, save_dir: Path, iteration: int, layout: ParallelLayout, flags: Sequence[str], *,
