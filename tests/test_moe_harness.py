@@ -9,7 +9,7 @@ tests/test_moe_universal.py through the session's `runs` cache (each trained onc
 Where the proofs of the retired home-made loop's MoE tests live now:
 - the same model and curve at any EP / ETP and with either token dispatcher (was: fresh runs with
   --layout-invariant-init compared with each other): one universal checkpoint resumed at EP1, EP4 DP4
-  (alltoall), TP2 ETP2 (experts sliced), PP2 EP2 DP2 (alltoall), biased experts at PP2 VPP, each against
+  (alltoall), TP2 ETP2 (experts sliced), PP2 EP2 DP2 (alltoall), biased experts at PP2 EP2 VPP, each against
   the source's uninterrupted curve within 1e-6 (tests/test_moe_universal.py). Biased experts under TP2 ETP1
   are not: megatron-core 0.19.2 sums the expert fc2 biases' gradients over the dense TP group (the retired
   harness patched it; see test_moe_universal's docstring);

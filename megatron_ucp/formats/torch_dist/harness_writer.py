@@ -212,7 +212,10 @@ def harness_command(ucp_path: Path, save_dir: Path, iteration: int, nproc: int, 
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             str(PRETRAIN_SCRIPT), *flags, "--load", str(ucp_path), "--universal-checkpoint",
             "--train-iters", str(iteration), "--save", str(save_dir), "--save-interval", str(iteration + 1),
-            "--eval-iters", "0", "--eval-interval", str(iteration + 1), "--num-workers", "0"]
+            "--eval-iters", "0", "--eval-interval", str(iteration + 1), "--num-workers", "0",
+            # the scheduler as stored: Megatron-LM derives its weight-decay steps from --train-iters, here the
+            # checkpoint's iteration, and refuses a stored schedule that differs
+            "--use-checkpoint-opt_param-scheduler"]
 
 
 def write(ucp_path: Path, save_dir: Path, iteration: int, layout: ParallelLayout, flags: Sequence[str], *,
