@@ -25,7 +25,7 @@ from megatron_ucp.io.integrity import BLOCK_SIZE
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError, UniversalWriter
-from pretrain_runs import FAMILIES, Layout, run_pretrain
+from pretrain_runs import FAMILIES, MOCK_DATA_016, Layout, run_pretrain
 from writer_cli import C_FIXTURE, assert_ok, cli, flip_bit
 
 # vocabulary 8192 x hidden 64 x 3 tensors x 4 bytes = 6 MiB: blocks 0..5 of the embedding's file
@@ -205,12 +205,13 @@ def test_check_of_a_lazy_checkpoint_finds_a_flipped_bit_in_its_source(tmp_path):
 
 @pytest.mark.torchrun
 def test_a_resume_from_a_damaged_checkpoint_stops_with_one_line(fixture_ucp, tmp_path):
-    """pretrain_gpt.py --load UCP --universal-checkpoint (TP1, one process) on a copy with one flipped bit:
-    the loader's verified read stops the run with the checksum error, one line, before any step."""
+    """pretrain_gpt.py --load UCP --universal-checkpoint (TP1, one process; fixture C's vocabulary: MOCK_DATA_016)
+    on a copy with one flipped bit: the loader's verified read stops the run with the checksum error, one line,
+    before any step."""
     ucp = copy_of(fixture_ucp, tmp_path)
     victim = ucp / "tensors" / f"{PARAM}.safetensors"
     flip_bit(victim, victim.stat().st_size - 5)
-    proc = run_pretrain(Layout(), [*FAMILIES["gpt2"], "--train-iters", "5", "--use-distributed-optimizer",
+    proc = run_pretrain(Layout(), [*FAMILIES["gpt2"], *MOCK_DATA_016, "--train-iters", "5", "--use-distributed-optimizer",
                                    "--load", str(ucp), "--universal-checkpoint"], tmp_path, "resume",
                         expect_failure=True)
     errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]

@@ -23,9 +23,9 @@ training command once per session (conftest's `runs`).
 - BF16: llama-like TP2 run with --bf16 (Float16OptimizerWithFloat16Params): 'param' is the bf16 model
   weight, 'fp32' the fp32 main weight ('optimizer.state.fp32_param.<key>') that rounds to it.
 - fp16 loss scaler (GPT-2-like DP2, distributed optimizer, initial scale 2**20, window 3, hysteresis 2,
-  saved every iteration as torch_dist and as legacy): the logged loss scale follows megatron-core's
-  DynamicGradScaler rules replayed from the logged skipped steps; at an iteration whose hysteresis tracker
-  (1) no fresh scaler has, to-universal takes the scaler from the torch_dist dp_reshardable ShardedObject
+  torch_dist saved every iteration; the same run saved as legacy at the iteration chosen, then stopped): the
+  logged loss scale follows megatron-core's DynamicGradScaler rules replayed from the logged skipped steps; at
+  an iteration whose hysteresis tracker (1) no fresh scaler has, to-universal takes the scaler from the torch_dist dp_reshardable ShardedObject
   `optimizer.distributed.dp_group_idx_0.grad_scaler` and from legacy model_optim_rng.pt
   ['optimizer']['grad_scaler'] into metadata.json's loss_scaler, equal to the replay's. (Resuming it:
   tests/test_e2e_precision.py.)
@@ -74,8 +74,8 @@ def megatron_save(runs):
     """(family, layout, extra) -> (checkpoint root, {iteration: lm loss}): Megatron-LM 0.19 trains ITERS
     iterations and saves at the end; each command once per session."""
 
-    def run(family: str, layout: Layout, extra=(), iters: int = ITERS, save_interval: int = ITERS):
-        trained = runs.run(family, layout, iters, [*extra, "--save-interval", str(save_interval)], save=True)
+    def run(family: str, layout: Layout, extra=()):
+        trained = runs.run(family, layout, ITERS, [*extra, "--save-interval", str(ITERS)], save=True)
         return trained.save, trained.losses
 
     return run

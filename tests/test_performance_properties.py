@@ -124,7 +124,8 @@ def _flags(num_layers: int):
     return ("--num-layers {} --hidden-size 256 --ffn-hidden-size 1024 --num-attention-heads 4 --seq-length 32 "
             "--max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 2 --lr 1e-3 --min-lr 1e-3 "
             "--lr-decay-style constant --seed 1234 --log-interval 1 --mock-data --tokenizer-type NullTokenizer "
-            "--vocab-size 1023 --attention-dropout 0.0 --hidden-dropout 0.0 --use-distributed-optimizer"
+            "--vocab-size 1023 --attention-dropout 0.0 --hidden-dropout 0.0 --use-distributed-optimizer "
+            "--eval-iters 0 --eval-interval 1000 --num-workers 0"
             ).format(num_layers).split()
 
 

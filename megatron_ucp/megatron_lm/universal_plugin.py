@@ -82,7 +82,23 @@ def set_padded_vocab_size(args) -> None:
 
 
 def load_universal(args, model, optimizer, scheduler):
-    """Megatron-LM's load_checkpoint contract: fills model and optimizer, returns (iteration, FLOPs so far)."""
+    """Megatron-LM's load_checkpoint contract: fills model and optimizer, returns (iteration, FLOPs so far).
+    A checkpoint the user has to fix (damaged, of another model, a layout it cannot take) stops the run with
+    one line, `error: <cause and fix>`, from each rank that found it, and exit status 2; no traceback."""
+    import sys
+
+    from megatron_ucp.core.layout import LayoutError
+    from megatron_ucp.megatron_lm import loader
+    from megatron_ucp.universal import UniversalFormatError
+
+    try:
+        return _load_universal(args, model, optimizer, scheduler)
+    except (loader.UniversalLoadError, UniversalFormatError, LayoutError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def _load_universal(args, model, optimizer, scheduler):
     from megatron.core.num_microbatches_calculator import update_num_microbatches
 
     from megatron_ucp.adapters.gpt import padded_vocab_at
