@@ -159,6 +159,72 @@ def test_save_bytes_is_torch_save(prefix, tmp_path):
     assert back["plain"] == theirs["plain"] and back["ordered"] == theirs["ordered"]
 
 
+def _streamed(ours: dict) -> dict:
+    """The same value with every SavedTensor of data a StreamedTensor yielding it in uneven chunks (a memoryview, a
+    numpy array, bytes: what producers hand over), each produced only when its record is written."""
+    produced = []
+
+    def streamed(key, t):
+        def chunks():
+            produced.append(key)
+            data = t.data
+            cuts = sorted({min(c, len(data)) for c in (0, 1, 7, len(data) // 2, len(data))})
+            for i, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+                yield (memoryview, lambda b: np.frombuffer(b, dtype=np.uint8), bytes)[i % 3](data[lo:hi])
+        return torch_save.StreamedTensor(t.dtype, t.shape, chunks)
+
+    out = {k: streamed(k, v) if isinstance(v, SavedTensor) else v for k, v in ours.items()}
+    out["produced"] = produced  # not saved: the caller pops it
+    return out
+
+
+@pytest.mark.parametrize("prefix", ["archive", "model_optim_rng"])
+def test_save_streamed_is_torch_save(prefix, tmp_path):
+    """save_streamed writes save_bytes' bytes (torch.save's, see above) record by record: StreamedTensor storages
+    are produced one at a time while their records are written, in any chunking."""
+    ours, theirs = _pair()
+    streamed = _streamed(ours)
+    produced = streamed.pop("produced")
+    path = tmp_path / f"{prefix}.pt"
+    with open(path, "wb") as f:
+        n = torch_save.save_streamed(streamed, f, prefix=prefix)
+    written = path.read_bytes()
+    assert n == len(written) and written == save_bytes(ours, prefix=prefix)
+    assert produced == ["weights", "scalar", "half", "rng"]  # in storage key order; the empty one has no data
+    back = torch.load(path, weights_only=False)
+    for key in ("weights", "scalar", "half", "empty", "rng"):
+        assert back[key].dtype == theirs[key].dtype and torch.equal(back[key], theirs[key]), key
+
+
+def test_save_streamed_leaves_zip64_framing_to_torch(monkeypatch, tmp_path):
+    """Past zip32's limit (here forced low) torch's own zip writer frames the archive with each storage's data
+    skipped, and save_streamed fills the holes: torch.load and the allow-list reader read the same values."""
+    ours, theirs = _pair()
+    del ours["args"], ours["np"], theirs["args"], theirs["np"]  # http.HTTPStatus is not on the allow-list
+    streamed = _streamed(ours)
+    streamed.pop("produced")
+    monkeypatch.setattr(torch_save, "_ZIP32_LIMIT", 100)
+    path = tmp_path / "big.pt"
+    with open(path, "wb") as f:
+        f.write(b"x" * 10)  # not at the file's start: holes are found relative to it
+        n = torch_save.save_streamed(streamed, f)
+    data = path.read_bytes()[10:]
+    assert n == len(data)
+    path.write_bytes(data)
+    back = torch.load(path, weights_only=True)
+    for key in ("weights", "scalar", "half", "empty", "rng"):
+        assert back[key].dtype == theirs[key].dtype and torch.equal(back[key], theirs[key]), key
+    assert back["dtypes"] == theirs["dtypes"] and back["plain"] == theirs["plain"]
+    value = load_archive(path, what="a zip64-framed archive")
+    assert bytes(read_tensor_bytes(value["weights"])) == ours["weights"].data
+
+
+def test_save_streamed_refuses_a_wrong_length(tmp_path):
+    short = torch_save.StreamedTensor("float32", (4,), lambda: iter([bytes(12)]))
+    with open(tmp_path / "x.pt", "wb") as f, pytest.raises(TorchSaveError, match="12 bytes produced, 16 declared"):
+        torch_save.save_streamed({"w": short}, f)
+
+
 def test_allow_list_reader_reads_it(tmp_path):
     """megatron-ucp's own reader (no unpickling outside the allow-list) reads what torch_save writes."""
     ours, _ = _pair()

@@ -36,6 +36,11 @@ as pickle writes a dataclass: NEWOBJ, then BUILD of its state), `TorchSize`, and
 (pickled as the torch dtype of its name). `cast_float32` converts float32 values to bfloat16/float16 bits
 as torch's `.to()` rounds them.
 
+`save_streamed(obj, file, prefix)` writes the same bytes to a file record by record, each `StreamedTensor`'s
+storage produced chunk by chunk while its record is written (its CRC-32 computed on the way): the legacy
+writer's files, whatever their size, in the memory of one chunk. Past zip32 it leaves the framing to torch's
+own zip writer and fills the storages into the holes that leaves (CRC-32s 0 there, as under skip_data).
+
 `tensor_archive(shape, dtype)` is the framing of one tensor's archive without its data (what the
 direct writer fills by copying bytes file to file): `head + <data> + tail`, as torch.save writes it
 under `torch.serialization.skip_data()` (the data record's CRC-32 is 0 there, torch's reader does not
@@ -52,7 +57,7 @@ import struct
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from megatron_ucp.core.dtypes import ITEMSIZE, TYPED_STORAGES
 from megatron_ucp.formats.safe_pickle import TorchDType
@@ -149,10 +154,30 @@ class SavedTensor:
         return cls(raw, dtype, tuple(int(n) for n in shape))
 
 
-class _Storage:
-    """The storage of one SavedTensor (its persistent id names it); `data` None: skipped (framing only)."""
+@dataclass(frozen=True, eq=False)
+class StreamedTensor:
+    """A CPU tensor for `save_streamed` whose C-order bytes are produced only when its storage record is
+    written: `chunks()` yields them in order (bytes-like values, any split, `nbytes` in all), so a writer
+    holds one chunk, never the tensor. `dtype` a torch dtype name."""
 
-    def __init__(self, dtype: str, numel: int, data: Optional[bytes]):
+    dtype: str
+    shape: tuple
+    chunks: Callable[[], Iterable[Any]]
+
+    def __post_init__(self):
+        if self.dtype not in STORAGE_TYPES:
+            raise TorchSaveError(f"tensors of dtype {self.dtype} are not written by this module")
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+class _Storage:
+    """The storage of one SavedTensor or StreamedTensor (its persistent id names it); `data` None: skipped
+    (framing only); callable: StreamedTensor.chunks."""
+
+    def __init__(self, dtype: str, numel: int, data):
         self.dtype, self.numel, self.data = dtype, numel, data
         self.key: Optional[str] = None
 
@@ -199,11 +224,11 @@ class Pickler(pickle._Pickler):  # the pure-Python pickler: its dispatch table c
         self.save(obj.state)
         self.write(pickle.BUILD)
 
-    def _save_tensor(self, obj: SavedTensor) -> None:  # Tensor.__reduce_ex__ of a plain CPU tensor
+    def _save_tensor(self, obj) -> None:  # Tensor.__reduce_ex__ of a plain CPU tensor
         numel = math.prod(obj.shape)
-        storage = _Storage(obj.dtype, numel, obj.data)
-        self.save_reduce(_REBUILD_TENSOR, (storage, 0, tuple(obj.shape), _strides(obj.shape), False, OrderedDict()),
-                         obj=obj)
+        storage = _Storage(obj.dtype, numel, obj.data if isinstance(obj, SavedTensor) else obj.chunks)
+        size = tuple(int(n) for n in obj.shape)  # a new tuple per tensor, as Tensor.size() is: never a memo hit
+        self.save_reduce(_REBUILD_TENSOR, (storage, 0, size, _strides(obj.shape), False, OrderedDict()), obj=obj)
 
     def _save_dtype(self, obj: TorchDType) -> None:  # a torch dtype named without torch: the global torch.<name>
         self.save(torch_dtype(obj.name))
@@ -211,6 +236,7 @@ class Pickler(pickle._Pickler):  # the pure-Python pickler: its dispatch table c
     dispatch[GlobalRef] = _save_ref
     dispatch[Obj] = _save_obj
     dispatch[SavedTensor] = _save_tensor
+    dispatch[StreamedTensor] = _save_tensor
     dispatch[TorchDType] = _save_dtype
 
 
@@ -230,10 +256,12 @@ def pickle_bytes(obj: Any, protocol: int = 2) -> bytes:
 
 class _Archive:
     """PyTorchStreamWriter's zip layout (see the module docstring); parts are bytes, or an int: that many
-    bytes of data not written here (a hole the caller fills)."""
+    bytes of data not written here (a hole the caller fills). With `out` (a binary file) every part is
+    written there as it is made instead, and streamed data (a callable yielding chunks) with it."""
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, out=None):
         self.prefix = prefix
+        self.out = out
         self.parts: list = []
         self.pos = 0
         self.central: list[bytes] = []
@@ -241,23 +269,48 @@ class _Archive:
         self.crc_ids: list[int] = []
 
     def _put(self, part) -> None:
-        self.parts.append(part)
+        if self.out is None:
+            self.parts.append(part)
+        elif isinstance(part, int):
+            raise TorchSaveError("a record without its data cannot be written to a file")
+        else:
+            self.out.write(part)
         self.pos += part if isinstance(part, int) else len(part)
 
-    def record(self, name: str, data: Optional[bytes], nbytes: Optional[int] = None) -> None:
-        """One record; `data` None: `nbytes` of data left out (CRC-32 0, as under torch's skip_data)."""
+    def _stream(self, name: str, chunks: Callable[[], Iterable[Any]], nbytes: int) -> int:
+        """Write a storage's chunks as they are produced; its CRC-32."""
+        crc, n = 0, 0
+        for chunk in chunks():
+            view = memoryview(chunk).cast("B")
+            self.out.write(view)
+            crc = zlib.crc32(view, crc)
+            n += len(view)
+        if n != nbytes:
+            raise TorchSaveError(f"record {name}: {n} bytes produced, {nbytes} declared")
+        self.pos += n
+        return crc
+
+    def record(self, name: str, data, nbytes: Optional[int] = None) -> None:
+        """One record; `data` None (or, without `out`, a callable): `nbytes` of data left out (CRC-32 0, as
+        under torch's skip_data); a callable with `out`: chunks streamed into it."""
         full = f"{self.prefix}/{name}".encode()
-        nbytes = len(data) if data is not None else int(nbytes)
+        nbytes = len(data) if isinstance(data, (bytes, bytearray)) else int(nbytes)
         if nbytes >= _ZIP32_LIMIT or self.pos >= _ZIP32_LIMIT:
             raise _NeedsZip64(name)
         offset = self.pos
         pad = -(offset + 30 + len(full) + 4) % ALIGNMENT
-        crc = zlib.crc32(data) if data else 0
+        crc = 0
         flags = 0x0808 if nbytes else 0x0800
         self._put(struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), 4 + pad) + full
                   + b"FB" + struct.pack("<H", pad) + b"Z" * pad)
         if nbytes:
-            self._put(data if data is not None else nbytes)
+            if callable(data) and self.out is not None:
+                crc = self._stream(name, data, nbytes)
+            elif data is None or callable(data):
+                self._put(nbytes)
+            else:
+                crc = zlib.crc32(data)
+                self._put(data)
             self._put(struct.pack("<IIII", 0x08074B50, crc, nbytes, nbytes))
         self.central.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, flags, 0, 0, 0, crc, nbytes, nbytes,
                                         len(full), 0, 0, 0, 0, 0, offset) + full)
@@ -289,21 +342,101 @@ class _NeedsZip64(Exception):
     pass
 
 
-def _archive(obj: Any, prefix: str) -> _Archive:
-    """The records of torch.save(obj); a tensor given without data (SavedTensor(None, ...)) leaves a hole."""
+def _pickled(obj: Any) -> tuple[bytes, list[_Storage]]:
+    """data.pkl of torch.save(obj) and the storages it names, in key order."""
     buf = io.BytesIO()
     pickler = Pickler(buf)
     pickler.dump(obj)
-    archive = _Archive(prefix)
-    archive.record("data.pkl", buf.getvalue())
+    return buf.getvalue(), pickler.storages
+
+
+def _records(archive: _Archive, pickled: bytes, storages: list[_Storage]) -> _Archive:
+    archive.record("data.pkl", pickled)
     archive.record(".format_version", b"1")
     archive.record(".storage_alignment", str(ALIGNMENT).encode())
     archive.record("byteorder", b"little")
-    for storage in pickler.storages:
+    for storage in storages:
         nbytes = storage.numel * ITEMSIZE[storage.dtype]
         archive.record(f"data/{storage.key}", storage.data, nbytes)
     archive.finish()
     return archive
+
+
+def _archive(obj: Any, prefix: str) -> _Archive:
+    """The records of torch.save(obj); a tensor given without data (SavedTensor(None, ...)) leaves a hole."""
+    return _records(_Archive(prefix), *_pickled(obj))
+
+
+def save_streamed(obj: Any, file, prefix: str = "archive") -> int:
+    """Write what torch.save(obj, f) writes (apart from the serialization id's digits) to the binary file
+    `file`, record by record: each StreamedTensor's bytes are produced and written one chunk at a time, so
+    memory holds the pickle and one chunk, whatever the tensors' size. `prefix`: the archive's folder
+    (torch.save to a path names it after the file: "model_optim_rng" for model_optim_rng.pt). Returns the
+    bytes written.
+
+    Records or offsets of 4 GiB or more need zip64 fields: then torch's own zip writer frames the archive
+    (imported then) and the storages are filled into the holes it leaves, as under torch's skip_data (their
+    CRC-32s 0: torch's reader and safe_pickle do not check them; the prefix is torch's "archive")."""
+    pickled, storages = _pickled(obj)
+    try:  # framing only, before a byte is written: does it fit zip32?
+        _records(_Archive(prefix), pickled, storages)  # streamed storages are holes here
+    except _NeedsZip64:
+        return _save_streamed_by_torch(pickled, storages, file)
+    return _records(_Archive(prefix, out=file), pickled, storages).pos
+
+
+def _save_streamed_by_torch(pickled: bytes, storages: list[_Storage], file) -> int:
+    """torch's zip writer (zip64 fields where needed) writes the records, each storage's data skipped
+    (write_record_metadata, as torch.save under skip_data() does); the holes are then filled in order."""
+    import torch
+
+    start = file.tell()
+
+    class Sink:  # torch's writes pass through to `file`; its forward seeks are the storages' holes
+        def __init__(self):
+            self.holes: list[tuple[int, int]] = []
+
+        def write(self, data) -> int:
+            return file.write(data)
+
+        def tell(self) -> int:
+            return file.tell() - start
+
+        def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+            target = offset if whence == io.SEEK_SET else self.tell() + offset
+            if target < self.tell():
+                raise TorchSaveError("torch's zip writer seeked backwards")
+            if target > self.tell():
+                self.holes.append((self.tell(), target - self.tell()))
+                file.seek(start + target)
+            return target
+
+        def flush(self) -> None:
+            file.flush()
+
+    sink = Sink()
+    writer = torch._C.PyTorchFileWriter(sink, True, ALIGNMENT)
+    writer.write_record("data.pkl", pickled, len(pickled))
+    writer.write_record(".format_version", "1", 1)
+    writer.write_record(".storage_alignment", str(ALIGNMENT), len(str(ALIGNMENT)))
+    writer.write_record("byteorder", "little", len("little"))
+    filled = [s for s in storages if s.numel]
+    for storage in storages:
+        writer.write_record_metadata(f"data/{storage.key}", storage.numel * ITEMSIZE[storage.dtype])
+    writer.write_end_of_file()
+    end = file.tell()
+    if [n for _, n in sink.holes] != [s.numel * ITEMSIZE[s.dtype] for s in filled]:
+        raise TorchSaveError(f"torch's zip writer skipped {[n for _, n in sink.holes]} bytes, expected the "
+                             f"storages' {[s.numel * ITEMSIZE[s.dtype] for s in filled]}")
+    for (at, nbytes), storage in zip(sink.holes, filled):
+        file.seek(start + at)
+        n = 0
+        for chunk in (storage.data() if callable(storage.data) else (storage.data,)):
+            n += file.write(memoryview(chunk).cast("B"))
+        if n != nbytes:
+            raise TorchSaveError(f"data/{storage.key}: {n} bytes produced, {nbytes} declared")
+    file.seek(end)
+    return end - start
 
 
 def save_bytes(obj: Any, prefix: str = "archive") -> bytes:

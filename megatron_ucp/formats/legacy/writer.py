@@ -39,33 +39,49 @@ iteration (+ 100 * pp_rank), in the CUDA generator format (16 bytes: seed, Philo
 rng_state="cpu", the CPU generator's (the CPU training harness). rng_state="none" omits it (then resume
 with --no-load-rng); rng_state="source" writes the stored states unchanged, for a target at the source
 layout (a dropout run then continues exactly).
+
+Streaming: a rank's files are what torch.save of its state dict writes (formats/torch_save.py, checked byte for
+byte against torch.save), but no state dict of tensors is built. Every tensor is a torch_save.StreamedTensor: a TP
+shard of a universal tensor (universal_pieces: boxes of the stored tensors, rows past the stored vocabulary
+re-padded), cast to its dtype, or a distributed-optimizer buffer (those shards at their coalesced offsets, zeros
+between); save_streamed pickles the state (names, shapes, the non-tensor state) and then writes each storage
+record band by band, reading it from the universal checkpoint (every block checked) as it goes. Memory: the
+pickle and one band (io/byteio.BAND_BYTES), whatever the parameters per rank. Neither torch nor megatron-core is
+imported: args' dtypes and megatron enums are pickled as references (torch_save.GlobalRef / EnumMember), as
+torch pickles them.
 """
 
 from __future__ import annotations
 
-import argparse
+import functools
+import struct
+import sys
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
-import torch
+import numpy as np
 
-from megatron_ucp.adapters.gpt import is_buffer, is_vocab_parameter, rule_for, tp_size_of
-from megatron_ucp.core.dtypes import PARAM_DTYPES, torch_dtype
+from megatron_ucp.adapters.gpt import expected_parameters, is_buffer, rule_for
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
-from megatron_ucp.core.patterns import repadded_shard
 from megatron_ucp.core import versions
 from megatron_ucp.formats.bucket_layout import BufferParam
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
 from megatron_ucp.formats.legacy.names import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, rank_dir_name
 from megatron_ucp.formats.megatron_state import (
-    CHECKPOINT_VERSION, TargetGroups, args_values, chunk_buffers, ep_ranks, fresh_rng_state, group_hyper,
-    optimizer_index, param_groups_by_rank, rank_buffer_params, rank_chunks, source_rng_state)
+    CHECKPOINT_VERSION, MODEL_DTYPES, TargetGroups, args_values, chunk_buffers, ep_ranks, fresh_rng_state,
+    group_hyper, optimizer_index, param_groups_by_rank, rank_buffer_params, rank_chunks, source_rng_state)
+from megatron_ucp.formats.safe_pickle import TorchDType
+from megatron_ucp.formats.torch_save import (
+    EnumMember, GlobalRef, Obj, SavedTensor, StreamedTensor, save_streamed, torch_dtype)
+from megatron_ucp.formats.universal_pieces import Piece, PieceLayoutError, Sources, local_flat_pieces, piece_bands
 from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
+from megatron_ucp.io.byteio import BAND_BYTES
 
-_DTYPES = {name: torch_dtype(name) for name in PARAM_DTYPES}
+_F32 = MODEL_DTYPES["float32"]
+_NAMESPACE = GlobalRef("argparse.Namespace")
 
 
 class LegacyWriteError(WriteError):
@@ -76,23 +92,23 @@ class LegacyWriteError(WriteError):
 # Args
 
 
-def args_namespace(args: Mapping[str, Any]) -> argparse.Namespace:
-    """argparse.Namespace for model_optim_rng.pt: only plain values, torch dtypes and importable
-    megatron enums (a Megatron-LM without megatron-ucp must be able to unpickle it)."""
-    return argparse.Namespace(**args_values(args, dtype=lambda name: getattr(torch, name)))
+def args_namespace(args: Mapping[str, Any]) -> Obj:
+    """args as Megatron-LM's argparse.Namespace for model_optim_rng.pt: plain values, dtypes as torch's, megatron
+    enums as references to their classes (one stand-in per member, so that pickle refers back to it as it does
+    to the real member); a Megatron-LM without megatron-ucp unpickles it."""
+    member = functools.lru_cache(maxsize=None)(lambda cls, value: EnumMember(GlobalRef(cls), value))
+    values = args_values(args, dtype=torch_dtype, enum_member=member)
+    # setattr interns a Namespace's attribute names: never the objects metadata.json's other keys (param groups)
+    # share, so pickle writes those keys again rather than referring back to the args' (as torch.save does)
+    return Obj(_NAMESPACE, {sys.intern(key[:1] + key[1:]): value for key, value in values.items()})
 
 
 # --------------------------------------------------------------------------------------------------
 # Plan (pure)
 
 
-def _model_dtype(ucp, canonical: str) -> torch.dtype:
-    return _DTYPES[ucp.parameters[canonical].model_dtype]
-
-
-def _rank_buffer_params(ucp, config, layout, pp_rank, ep_rank: int = 0) -> list[list[BufferParam]]:
-    """Parameters of one (pp, ep) rank per chunk with torch dtypes (they key distrib_optim.pt's buffers)."""
-    return rank_buffer_params(ucp, config, layout, pp_rank, ep_rank, dtypes=_DTYPES)
+def _model_dtype(ucp, canonical: str) -> TorchDType:
+    return MODEL_DTYPES[ucp.parameters[canonical].model_dtype]
 
 
 def plan(ucp, config: GPTModelConfig, target: WriteTarget) -> list[PlannedFile]:
@@ -105,10 +121,10 @@ def plan(ucp, config: GPTModelConfig, target: WriteTarget) -> list[PlannedFile]:
     it = iteration_dir_name(ucp.iteration)
     for pp_rank in range(layout.pp):
         for ep_rank in ep_ranks(config, layout):
-            chunks = _rank_buffer_params(ucp, config, layout, pp_rank, ep_rank)
+            chunks = rank_buffer_params(ucp, config, layout, pp_rank, ep_rank)
             model_bytes = sum(p.numel * p.dtype.itemsize for c in chunks for p in c)
             fp32_elems = sum(p.numel for c in chunks for p in c)
-            half = sum(p.numel for c in chunks for p in c if p.dtype != torch.float32)
+            half = sum(p.numel for c in chunks for p in c if p.dtype != _F32)
             opt_bytes = 0
             distrib_bytes = 0
             if has_moments and target.use_distributed_optimizer:
@@ -142,31 +158,64 @@ def check_layout(config: GPTModelConfig, layout: ParallelLayout) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Reading one rank's tensors
+# One rank's tensors, streamed
 
 
-def _owned(t: torch.Tensor) -> torch.Tensor:
-    """A tensor with its own storage (torch.save writes a view's whole storage)."""
-    t = t.contiguous()
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
-        t = t.clone()
-    return t
+class _RankTensors:
+    """One TP rank's tensors as StreamedTensors over the universal checkpoint (routed experts: the same rank of
+    their expert-TP split, ETP = TP here): a parameter's shard, cast to a dtype, or a distributed-optimizer
+    buffer. Nothing is read until the record is written."""
 
+    def __init__(self, sources: Sources, config: GPTModelConfig, layout: ParallelLayout, tp_rank: int, where: str):
+        self.sources, self.config, self.layout, self.tp_rank, self.where = sources, config, layout, tp_rank, where
+        self.shapes = dict(expected_parameters(config))  # global shapes at the target (padded vocabulary)
 
-class _RankReader:
-    """Reads one TP rank's slices from the universal checkpoint, re-padding the vocabulary if needed (routed
-    experts: the same rank of their expert-TP split, ETP = TP here)."""
+    def pieces(self, canonical: str, local_shape: tuple, state: str) -> list[Piece]:
+        numel = int(np.prod(local_shape, dtype=np.int64))
+        try:
+            pieces = local_flat_pieces(self.config, self.layout, canonical, self.shapes[canonical], self.tp_rank,
+                                       state, 0, numel)
+        except PieceLayoutError as e:
+            raise LegacyWriteError(str(e)) from None
+        if sum(p.numel for p in pieces) != numel:
+            raise LegacyWriteError(f"{canonical}: the shard of {self.where} has {sum(p.numel for p in pieces)} "
+                                   f"elements, expected {numel} (shape {tuple(local_shape)})")
+        return pieces
 
-    def __init__(self, ucp, config: GPTModelConfig, padded_vocab_size: int, tp_rank: int, layout: ParallelLayout):
-        self.ucp, self.config, self.padded, self.tp_rank, self.layout = ucp, config, padded_vocab_size, tp_rank, layout
+    def shard(self, canonical: str, local_shape: tuple, state: str, dtype: TorchDType) -> StreamedTensor:
+        """The rank's shard of one universal tensor ('fp32', 'exp_avg', 'exp_avg_sq'), cast to `dtype`."""
+        pieces = self.pieces(canonical, local_shape, state)
+        return StreamedTensor(dtype.name, tuple(local_shape), lambda: self._bands(pieces, dtype))
 
-    def read(self, canonical: str, key: str) -> torch.Tensor:
-        info = self.ucp.parameters[canonical]
-        tp = tp_size_of(canonical, self.layout)
-        if is_vocab_parameter(canonical) and info.shape[0] != self.padded:
-            return repadded_shard(self.ucp.read(canonical, key), info.pattern, self.padded, self.config.vocab_size,
-                                  key, self.tp_rank, tp, name=canonical)
-        return _owned(self.ucp.read_local(canonical, key, self.tp_rank, tp))
+    def buffer(self, numel: int, spans: list[tuple[int, str, tuple]], state: str) -> StreamedTensor:
+        """A flat fp32 buffer of `numel` elements: each (offset, canonical, local shape) span's shard of
+        `state` at its offset, zeros elsewhere."""
+        parts: list = []
+        at = 0
+        for offset, canonical, shape in sorted(spans, key=lambda s: s[0]):
+            if offset < at:
+                raise LegacyWriteError(f"{canonical}: buffer offset {offset} overlaps the previous parameter "
+                                       f"(ends at {at}) in {self.where}")
+            parts.append(offset - at)
+            pieces = self.pieces(canonical, shape, state)
+            parts.append(pieces)
+            at = offset + sum(p.numel for p in pieces)
+        if at > numel:
+            raise LegacyWriteError(f"{self.where}: buffer parameters end at {at}, past its {numel} elements")
+        parts.append(numel - at)
+        return StreamedTensor("float32", (numel,), lambda: self._buffer_bands(parts))
+
+    def _bands(self, pieces: list[Piece], dtype: TorchDType) -> Iterator[np.ndarray]:
+        for piece in pieces:
+            yield from piece_bands(self.sources, piece, dtype)
+
+    def _buffer_bands(self, parts: list) -> Iterator[np.ndarray]:
+        for part in parts:
+            if isinstance(part, int):  # zeros between parameters
+                for lo in range(0, part, BAND_BYTES // 4):
+                    yield np.zeros(min(BAND_BYTES // 4, part - lo), dtype=np.float32)
+            else:
+                yield from self._bands(part, _F32)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -200,13 +249,14 @@ def _rank_step(ucp, canonicals: list[str], where: str) -> Optional[int]:
 
 
 def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: Optional[TargetGroups], tp_rank: int,
-                     pp_rank: int, ep_rank: int = 0) -> tuple[dict, Optional[Any]]:
-    """(model_optim_rng.pt, distrib_optim.pt or None) of one (tp, pp, ep) rank folder; reads only its slices."""
+                     pp_rank: int, ep_rank: int, sources: Sources) -> tuple[dict, Optional[Any]]:
+    """(model_optim_rng.pt, distrib_optim.pt or None) of one (tp, pp, ep) rank folder, as the values torch.save
+    would be given, every tensor a StreamedTensor of its slices (read when written)."""
     layout = target.layout
-    reader = _RankReader(ucp, config, target.padded_vocab_size, tp_rank, layout)
     chunks = rank_chunks(config, layout, pp_rank, ep_rank)
     with_optim = _has_moments(ucp)
     where = f"rank tp={tp_rank} pp={pp_rank}" + (f" ep={ep_rank}" if ep_rank else "")
+    tensors = _RankTensors(sources, config, layout, tp_rank, where)
 
     # Model (and, for the optimizer, each parameter's fp32 master and moments).
     masters: list[dict] = []  # per chunk: local -> {'fp32', 'exp_avg', 'exp_avg_sq'}
@@ -214,22 +264,19 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
     for chunk_index, chunk in enumerate(chunks):
         weights, state = {}, {}
         for local, shape, canonical in chunk:
-            fp32 = reader.read(canonical, "fp32")
-            if tuple(fp32.shape) != tuple(shape):
-                raise LegacyWriteError(f"{canonical}: slice for {where} has shape {tuple(fp32.shape)}, expected {shape}")
+            fp32 = tensors.shard(canonical, shape, "fp32", _F32)
             dtype = _model_dtype(ucp, canonical)
-            weights[local] = fp32 if dtype == torch.float32 else fp32.to(dtype)
+            weights[local] = fp32 if dtype == _F32 else tensors.shard(canonical, shape, "fp32", dtype)
             entry = {"fp32": fp32}
             if with_optim and not is_buffer(canonical):
-                entry["exp_avg"] = reader.read(canonical, "exp_avg")
-                entry["exp_avg_sq"] = reader.read(canonical, "exp_avg_sq")
+                entry["exp_avg"] = tensors.shard(canonical, shape, "exp_avg", _F32)
+                entry["exp_avg_sq"] = tensors.shard(canonical, shape, "exp_avg_sq", _F32)
             state[local] = entry
         last = layout.is_last_chunk(pp_rank, chunk_index if layout.vpp else None)
         model_chunks.append(_model_state(chunk, weights, last=last))
         masters.append(state)
 
     args = dict(target.args)
-    # its writer: expert-DP rank 0 of EP rank ep, i.e. DP rank ep (ETP = TP)
     # the writer of the folder: expert-DP rank 0 of (tp, ep, pp) (with ETP = TP, as the legacy format has it)
     args["rank"] = args["local_rank"] = layout.expert_global_rank(tp_rank, ep_rank, 0, pp_rank)
     sd: dict = {"args": args_namespace(args), "checkpoint_version": CHECKPOINT_VERSION, "iteration": ucp.iteration}
@@ -254,7 +301,7 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
                                 for g in range(len(rank_groups))]
                 optimizers.append({"optimizer": {"param_groups": param_groups}})
                 # written by DP rank 0 of each optimizer's group: the dense one's in EP folder 0 only
-                distribs.append(_distrib_optim(target, pp_rank, chunks, masters, ucp, experts=index == 1)
+                distribs.append(_distrib_optim(target, pp_rank, chunks, tensors, ucp, experts=index == 1)
                                 if index == 1 or ep_rank == 0 else None)
             else:
                 optimizers.append(_torch_adam_state(ucp, rank_groups, mine, masters, identities))
@@ -266,10 +313,10 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
         if ucp.scheduler_state:
             sd["opt_param_scheduler"] = dict(ucp.scheduler_state)
     if target.rng_state == "source":
-        sd["rng_state"] = source_rng_state(ucp, tp_rank, pp_rank)
+        sd["rng_state"] = source_rng_state(ucp, tp_rank, pp_rank, tensor=SavedTensor)
     elif target.rng_state != "none":
         sd["rng_state"] = fresh_rng_state(target.args, ucp.iteration, tp_rank, pp_rank, layout.dp,
-                                          target.rng_state, ep_rank)
+                                          target.rng_state, ep_rank, tensor=SavedTensor)
     flops = ucp.metadata.get("num_floating_point_operations_so_far")
     sd["num_floating_point_operations_so_far"] = flops if flops is not None else 0
     return sd, distrib
@@ -279,7 +326,7 @@ def _torch_adam_state(ucp, rank_groups, canonicals, masters, identities) -> dict
     """torch Adam state_dict (FP32Optimizer), or Float16OptimizerWithFloat16Params' wrapper for 16-bit
     models; state indices run group by group, every parameter with its own step."""
     dtypes = {(c, local): _model_dtype(ucp, canonical) for (c, local), canonical in canonicals.items()}
-    mixed = any(d != torch.float32 for d in dtypes.values())
+    mixed = any(d != _F32 for d in dtypes.values())
     state, param_groups, fp32_from_16 = {}, [], []
     index = 0
     for g, members in enumerate(rank_groups):
@@ -288,10 +335,10 @@ def _torch_adam_state(ucp, rank_groups, canonicals, masters, identities) -> dict
             chunk, local = ref
             entry = masters[chunk][local]
             info = ucp.parameters[canonicals[ref]]
-            if info.step is not None:
-                state[index] = {"step": torch.tensor(float(info.step), dtype=torch.float32),
+            if info.step is not None:  # torch Adam's step: a float32 scalar tensor
+                state[index] = {"step": SavedTensor(struct.pack("<f", float(info.step)), "float32", ()),
                                 "exp_avg": entry["exp_avg"], "exp_avg_sq": entry["exp_avg_sq"]}
-            if dtypes[ref] != torch.float32:
+            if dtypes[ref] != _F32:
                 halves.append(entry["fp32"])
             ids.append(index)
             index += 1
@@ -312,28 +359,26 @@ def _add_grad_scaler(optimizer: dict, ucp, target: WriteTarget) -> None:
     items = list(optimizer.items())
     optimizer.clear()
     optimizer.update(items[:1])
-    optimizer["grad_scaler"] = ucp.loss_scaler.to_megatron()
+    optimizer["grad_scaler"] = ucp.loss_scaler.to_megatron(SavedTensor)
     optimizer.update(items[1:])
 
 
-def _distrib_optim(target: WriteTarget, pp_rank: int, chunks, masters, ucp, *, experts: bool = False) -> dict:
+def _distrib_optim(target: WriteTarget, pp_rank: int, chunks, tensors: _RankTensors, ucp, *,
+                   experts: bool = False) -> dict:
     """One optimizer's distrib_optim.pt entry: each of its DDP buffers' fp32 master and moments, coalesced over
     buckets (the dense buffers, or the expert-parallel ones)."""
-    config, layout = ucp.config, target.layout
+    config, layout = tensors.config, target.layout
     params = [[BufferParam(local, tuple(shape), _model_dtype(ucp, canonical),
                            expert=optimizer_index(canonical, config, layout) == 1)
                for local, shape, canonical in chunk if not is_buffer(canonical)] for chunk in chunks]
+    names = [{local: (canonical, tuple(shape)) for local, shape, canonical in chunk} for chunk in chunks]
     out: dict = {"buckets_coalesced": True}
     gbuf = 0
     for chunk_index, buffers in enumerate(chunk_buffers(target, pp_rank, params, experts=experts)):
         for buf in buffers:
-            world = {key: torch.zeros(buf.numel_unpadded, dtype=torch.float32) for key in ("param", "exp_avg", "exp_avg_sq")}
-            for span in buf.params:
-                entry = masters[chunk_index][span.name]
-                start = buf.coalesced_offset(span)
-                numel = span.end - span.start
-                for key, source in (("param", "fp32"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
-                    world[key][start:start + numel].copy_(entry[source].reshape(-1))
+            spans = [(buf.coalesced_offset(span), *names[chunk_index][span.name]) for span in buf.params]
+            world: dict = {key: tensors.buffer(buf.numel_unpadded, spans, source)
+                           for key, source in (("param", "fp32"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))}
             world["numel_unpadded"] = buf.numel_unpadded
             out[gbuf] = {(buf.param_dtype, buf.grad_dtype): world}
             gbuf += 1
@@ -347,27 +392,31 @@ def _distrib_optim(target: WriteTarget, pp_rank: int, chunks, masters, ucp, *, e
 def write(ucp, config: GPTModelConfig, target: WriteTarget, root: Path,
           on_file: Optional[Callable[[Path, int], None]] = None) -> list[Path]:
     """Write the legacy checkpoint under `root` (a staging directory): every rank's files, then the
-    tracker file last. Memory: one (tp, pp, ep) rank's weights and optimizer state at a time."""
+    tracker file last. Memory: one rank's pickle and one band of tensor bytes at a time."""
     layout = target.layout
     config = replace(config, padded_vocab_size=target.padded_vocab_size)
     check_layout(config, layout)
     groups = param_groups_by_rank(ucp, config, target) if _has_moments(ucp) else None
     iter_dir = Path(root) / iteration_dir_name(ucp.iteration)
     written = []
-    for pp_rank, tp_rank, ep_rank in [(p, t, e) for p in range(layout.pp) for t in range(layout.tp)
-                                      for e in ep_ranks(config, layout)]:
-        rank_dir = iter_dir / rank_dir_name(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep)
-        rank_dir.mkdir(parents=True, exist_ok=True)
-        state, distrib = build_rank_state(ucp, config, target, groups, tp_rank, pp_rank, ep_rank)
-        for filename, obj in ((MODEL_FILENAME, state), (DISTRIB_OPTIM_FILENAME, distrib)):
-            if obj is None:
-                continue
-            path = rank_dir / filename
-            torch.save(obj, path)
-            written.append(path)
-            if on_file:
-                on_file(path, path.stat().st_size)
-        del state, distrib
+    sources = Sources(ucp, config)
+    try:
+        for pp_rank, tp_rank, ep_rank in [(p, t, e) for p in range(layout.pp) for t in range(layout.tp)
+                                          for e in ep_ranks(config, layout)]:
+            rank_dir = iter_dir / rank_dir_name(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep)
+            rank_dir.mkdir(parents=True, exist_ok=True)
+            state, distrib = build_rank_state(ucp, config, target, groups, tp_rank, pp_rank, ep_rank, sources)
+            for filename, obj in ((MODEL_FILENAME, state), (DISTRIB_OPTIM_FILENAME, distrib)):
+                if obj is None:
+                    continue
+                path = rank_dir / filename
+                with open(path, "wb") as f:  # torch.save to a path names the archive's folder after the file
+                    save_streamed(obj, f, prefix=path.stem)
+                written.append(path)
+                if on_file:
+                    on_file(path, path.stat().st_size)
+    finally:
+        sources.close()
     tracker = Path(root) / TRACKER_FILENAME
     tracker.write_text(str(ucp.iteration))
     written.append(tracker)
@@ -375,9 +424,10 @@ def write(ucp, config: GPTModelConfig, target: WriteTarget, root: Path,
 
 
 class LegacyWriter(CheckpointWriter):
-    """`--ckpt-format torch`: offline, one (tp, pp, ep) rank's state in memory at a time. megatron-core 0.16
-    through 0.19 save the same legacy files (the same entries and layout; only the args they pickle differ,
-    and those are the universal checkpoint's), so `megatron_core_version` is checked, not branched on."""
+    """`--ckpt-format torch`: offline, one rank's files streamed at a time (see the module docstring).
+    megatron-core 0.16 through 0.19 save the same legacy files (the same entries and layout; only the args they
+    pickle differ, and those are the universal checkpoint's), so `megatron_core_version` is checked, not
+    branched on."""
 
     ckpt_format = "torch"
     OPTIONS = ("megatron_core_version",)

@@ -90,8 +90,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
-import numpy as np
-
 from megatron_ucp.adapters.gpt import (
     LAYER, expected_parameters, expert_location, experts_in_own_optimizer, is_buffer, is_expert, local_name,
     parameters_for_rank, pattern_for, rule_for, torch_dist_key, torch_dist_stacked, tp_size_of)
@@ -108,11 +106,12 @@ from megatron_ucp.formats.torch_dist.names import (
     chained_prefix, distcp_name, distributed_optimizer_object_key, extra_state_key, flat_bucket_key,
     model_space_state_key, parse_model_space_state_key, sharded_object_key)
 from megatron_ucp.formats.torch_save import (
-    EnumMember, GlobalRef, Obj, SavedTensor, TorchSize, cast_float32, pickle_bytes, save_bytes, tensor_archive,
+    EnumMember, GlobalRef, Obj, SavedTensor, TorchSize, pickle_bytes, save_bytes, tensor_archive,
     torch_dtype)
 from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
 from megatron_ucp.io import integrity
-from megatron_ucp.io.byteio import BAND_BYTES, FileHandles, FileRegion, copy_region
+from megatron_ucp.formats.universal_pieces import (Gap, Piece, Sources, box_numel, box_of, local_flat_pieces,
+                                                   write_piece)
 
 # the distributed optimizer's torch_dist formats megatron-ucp writes (core/versions.OPTIMIZER_SHARDINGS)
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
@@ -152,32 +151,6 @@ def flattened_state_item(saved: str, global_shape: tuple, offsets: tuple, sizes:
 
 # --------------------------------------------------------------------------------------------------
 # The plan (pure: from the universal metadata and the rulebook; no tensor is read)
-
-
-Box = tuple[tuple[int, int], ...]  # (start, stop) per dim of a universal tensor, target coordinates
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Elements [start, stop) (C order) of the box `box` of the universal tensor `state` ('fp32',
-    'exp_avg', 'exp_avg_sq') of parameter `name`; rows past the stored vocabulary are re-padding."""
-
-    name: str
-    state: str
-    box: Box
-    start: int
-    stop: int
-
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
-
-
-@dataclass(frozen=True)
-class Gap:
-    """`numel` elements of alignment padding, left as zeros."""
-
-    numel: int
 
 
 @dataclass(frozen=True)
@@ -244,14 +217,6 @@ class WrittenItem:
     relative_path: str
     offset: int
     length: int
-
-
-def _box(block) -> Box:
-    return tuple((r.start, r.stop) for r in block.dst)
-
-
-def _box_numel(box: Box) -> int:
-    return math.prod(b - a for a, b in box)
 
 
 def _model_dtype(ucp, name: str) -> TorchDType:
@@ -462,10 +427,10 @@ def _plan_model(ucp, config: GPTModelConfig, layout: ParallelLayout, opt: Option
 
         for tp_rank in range(1 if pattern.dim is None else tp):
             for block in pattern.rank_blocks(shape, tp_rank, tp, name=name):
-                box = _box(block)
+                box = box_of(block)
                 offsets = tuple(lead) + tuple(a for a, _ in box)
                 sizes = (1,) * len(lead) + tuple(b - a for a, b in box)
-                numel = _box_numel(box)
+                numel = box_numel(box)
                 add(TensorItem(key, global_shape, offsets, sizes, dtype, (Piece(name, "fp32", box, 0, numel),)), tp_rank)
                 for saved, state in states:
                     piece = Piece(name, state, box, 0, numel)
@@ -502,27 +467,6 @@ def _rank_buffers(ucp, config: GPTModelConfig, target: WriteTarget, pp_rank: int
               for chunk in range(layout.num_chunks)]
     params = rank_buffer_params(ucp, config, layout, pp_rank, ep_rank)
     return chunks, chunk_buffers(target, pp_rank, params, experts=experts)
-
-
-def _local_flat_pieces(config: GPTModelConfig, layout: ParallelLayout, name: str, shape: tuple, tp_rank: int,
-                       state: str, start: int, stop: int) -> list[Piece]:
-    """Elements [start, stop) of the TP rank's shard flattened (C order) as pieces of global boxes. The shard
-    is its blocks concatenated along the pattern's dim, i.e. their flattenings concatenated when that dim
-    is 0 (or there is one block)."""
-    pattern, tp = pattern_for(name, config), tp_size_of(name, layout)
-    blocks = pattern.rank_blocks(shape, tp_rank, tp, name=name)
-    if len(blocks) > 1 and pattern.dim != 0:
-        raise TorchDistWriteError(f"{name}: pattern {pattern.to_json()} concatenates {len(blocks)} blocks along dim "
-                                  f"{pattern.dim}; flat buckets need dim-0 concatenation")
-    pieces, pos = [], 0
-    for block in blocks:
-        box = _box(block)
-        n = _box_numel(box)
-        lo, hi = max(start, pos), min(stop, pos + n)
-        if lo < hi:
-            pieces.append(Piece(name, state, box, lo - pos, hi - pos))
-        pos += n
-    return pieces
 
 
 def _plan_flat_buckets(ucp, config: GPTModelConfig, target: WriteTarget, shapes: dict, step, groups: Optional[TargetGroups],
@@ -566,7 +510,7 @@ def _plan_rank_buckets(ucp, config, layout, shapes, step, identities, buffers, c
 
                 def flat(span, lo, hi, state, chunk_index=chunk_index):
                     name = canonical[(chunk_index, span.name)]
-                    return _local_flat_pieces(config, layout, name, shapes[name], tp_rank, state, lo, hi)
+                    return local_flat_pieces(config, layout, name, shapes[name], tp_rank, state, lo, hi)
 
                 where = f"bucket {b} of buffer {gbuf} of {prefix}dp_group_idx_{mp} (pp={pp_rank})"
                 for rank, chunk_list in zip(ranks, _bucket_chunks(bucket, spans, len(ranks), flat, where)):
@@ -685,98 +629,12 @@ def _common_for_pickle(common: dict) -> dict:
 # Bytes: pieces of universal tensors into an open file
 
 
-class _Sources:
-    """One writer thread's view of the universal tensors, seen as 2-D (a 1-D tensor is one row): byte regions
-    to copy (`UniversalCheckpoint.locate`, cached) and rows read through `UniversalCheckpoint.read`
-    (checked). Rows past the stored vocabulary (a target with more padding rows) are filled as
-    patterns.resize_vocab re-pads: the mean padding row for weights, zeros for moments."""
-
-    def __init__(self, ucp, config: GPTModelConfig):
-        self.ucp, self.config = ucp, config
-        self.files = FileHandles()
-        self._located: dict = {}
-        self._fill: dict = {}
-
-    def close(self) -> None:
-        self.files.close()
-
-    def shape2d(self, name: str) -> tuple[int, int]:
-        shape = self.ucp.parameters[name].shape
-        if len(shape) > 2:
-            raise TorchDistWriteError(f"{name}: {len(shape)}-D tensors are not laid out by this writer")
-        return (1, shape[0]) if len(shape) == 1 else shape
-
-    def region(self, name: str, state: str, start: int, stop: int) -> Optional[FileRegion]:
-        """File region of stored elements [start, stop) (flat) of the tensor, or None (read it instead)."""
-        if (name, state) not in self._located:
-            self._located[(name, state)] = self.ucp.locate(name, state)
-        located = self._located[(name, state)]
-        if located is None:
-            return None
-        return FileRegion(located.path, located.offset + 4 * start, 4 * (stop - start))
-
-    def rows(self, name: str, state: str, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
-        """Rows [r0, r1), columns [c0, c1) of the tensor as float32 (r1 - r0, c1 - c0)."""
-        rows, _ = self.shape2d(name)
-        parts = []
-        if r0 < rows:
-            top = min(r1, rows)
-            if len(self.ucp.parameters[name].shape) == 1:
-                parts.append(self.ucp.read(name, state, (slice(c0, c1),), array=True).reshape(1, c1 - c0))
-            else:
-                parts.append(self.ucp.read(name, state, (slice(r0, top), slice(c0, c1)), array=True))
-        if r1 > rows:
-            parts.append(np.broadcast_to(self.fill_row(name, state)[:, c0:c1], (r1 - max(r0, rows), c1 - c0)))
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    def fill_row(self, name: str, state: str) -> np.ndarray:
-        found = self._fill.get((name, state))
-        if found is None:
-            rows, cols = self.shape2d(name)
-            if state != "fp32":
-                found = np.zeros((1, cols), dtype=np.float32)
-            else:  # the mean of the stored padding rows (all rows if none), in float64
-                lo = self.config.vocab_size if rows > self.config.vocab_size else 0
-                total = np.zeros(cols, dtype=np.float64)
-                step = max(1, BAND_BYTES // (4 * cols))
-                for a in range(lo, rows, step):
-                    total += self.rows(name, state, a, min(rows, a + step), 0, cols).astype(np.float64).sum(0)
-                found = (total / (rows - lo)).astype(np.float32).reshape(1, cols)
-            self._fill[(name, state)] = found
-        return found
-
-
-def _write_piece(sources: _Sources, fd: int, pos: int, piece: Piece, dtype: TorchDType) -> None:
-    """Write the piece's elements, cast to `dtype`, at byte `pos` of the open file `fd`."""
-    rows, cols = sources.shape2d(piece.name)
-    (r0, _), (c0, c1) = piece.box if len(piece.box) == 2 else ((0, 1), piece.box[0])
-    width = c1 - c0
-    first_row, last_row = piece.start // width, (piece.stop - 1) // width
-    if dtype == _F32 and (width == cols or first_row == last_row) and r0 + last_row < rows:
-        start = (r0 + first_row) * cols + c0 + piece.start % width
-        region = sources.region(piece.name, piece.state, start, start + piece.numel)
-        if region is not None:  # one run of the stored tensor: file to file, then checked
-            copy_region(sources.files, region, fd, pos)
-            sources.ucp.verify_copied(piece.name, region)
-            return
-    band_rows = max(1, BAND_BYTES // (4 * cols))
-    e = piece.start
-    while e < piece.stop:
-        row = e // width
-        end_row = min(row + band_rows, -(-piece.stop // width))
-        block = sources.rows(piece.name, piece.state, r0 + row, r0 + end_row, c0, c1)
-        lo, hi = e - row * width, min(piece.stop, end_row * width) - row * width
-        data = cast_float32(block.reshape(-1)[lo:hi], dtype.name)  # torch's rounding (bf16/fp16)
-        integrity.pwrite_hashed(fd, memoryview(data.view(np.uint8)), pos + (e - piece.start) * dtype.itemsize, None)
-        e = row * width + hi
-
-
 def _object_bytes(value: Any) -> bytes:
     """A ShardedObject item: megatron-core saves torch.save([data]) (one list entry per local object)."""
     return save_bytes([value])
 
 
-def write_file(sources: _Sources, iter_dir: Path, out: OutputFile, *, fsync: bool = False) -> list[WrittenItem]:
+def write_file(sources: Sources, iter_dir: Path, out: OutputFile, *, fsync: bool = False) -> list[WrittenItem]:
     """Write one .distcp file: items one after another, each tensor as torch's framing around its data."""
     path = iter_dir / out.name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -794,7 +652,7 @@ def write_file(sources: _Sources, iter_dir: Path, out: OutputFile, *, fsync: boo
             at = pos + archive.data_offset
             for piece in item.pieces:  # a Gap is left unwritten: a hole of the new file, zeros
                 if isinstance(piece, Piece):
-                    _write_piece(sources, fd, at, piece, item.dtype)
+                    write_piece(sources, fd, at, piece, item.dtype)
                 at += piece.numel * item.dtype.itemsize
             integrity.pwrite_hashed(fd, archive.tail, pos + archive.data_offset + archive.nbytes, None)
             written.append(WrittenItem(item.key, item.offsets, out.name, pos, archive.length))
@@ -818,13 +676,13 @@ def write_files(ucp, plan: DirectPlan, root: Path, files: Sequence[OutputFile], 
     iter_dir = Path(root) / iteration_dir_name(plan.iteration)
     iter_dir.mkdir(parents=True, exist_ok=True)
     local = threading.local()
-    opened: list[_Sources] = []
+    opened: list[Sources] = []
     lock = threading.Lock()
 
     def run(out: OutputFile) -> list[WrittenItem]:
         sources = getattr(local, "sources", None)
         if sources is None:
-            sources = local.sources = _Sources(ucp, config)
+            sources = local.sources = Sources(ucp, config)
             with lock:
                 opened.append(sources)
         return write_file(sources, iter_dir, out, fsync=fsync)

@@ -1,0 +1,183 @@
+"""Pieces of universal tensors as a Megatron writer lays them out: what both Megatron writers stream.
+
+A rank's tensor (a TP shard, a flat DDP buffer, a chunk of one) is a sequence of `Piece`s (elements of a box
+of a stored universal tensor, C order) and `Gap`s (zeros). `Sources` is one writer thread's view of the
+universal checkpoint: byte regions to copy file to file, and rows read through `UniversalCheckpoint.read`
+(every block checked), with rows past the stored vocabulary filled as patterns.resize_vocab re-pads.
+`write_piece` puts a piece at a position of an open file (the direct torch_dist writer: copies where it
+can); `piece_bands` yields it as bytes band by band (the legacy writer, which frames each storage record
+itself and needs its CRC-32). Memory: one band (io/byteio.BAND_BYTES) at a time, whatever the tensor size.
+No torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import numpy as np
+
+from megatron_ucp.adapters.gpt import pattern_for, tp_size_of
+from megatron_ucp.core.layout import ParallelLayout
+from megatron_ucp.core.model_config import GPTModelConfig
+from megatron_ucp.formats.safe_pickle import TorchDType
+from megatron_ucp.formats.torch_save import cast_float32
+from megatron_ucp.formats.writer_base import WriteError
+from megatron_ucp.io import integrity
+from megatron_ucp.io.byteio import BAND_BYTES, FileHandles, FileRegion, copy_region
+
+Box = tuple[tuple[int, int], ...]  # (start, stop) per dim of a universal tensor, target coordinates
+_F32 = TorchDType("float32")
+
+
+class PieceLayoutError(WriteError):
+    """A tensor cannot be laid out as pieces of the universal tensors (cause + fix)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, stop) (C order) of the box `box` of the universal tensor `state` ('fp32',
+    'exp_avg', 'exp_avg_sq') of parameter `name`; rows past the stored vocabulary are re-padding."""
+
+    name: str
+    state: str
+    box: Box
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Gap:
+    """`numel` elements of alignment padding, left as zeros."""
+
+    numel: int
+
+
+def box_of(block) -> Box:
+    return tuple((r.start, r.stop) for r in block.dst)
+
+
+def box_numel(box: Box) -> int:
+    return math.prod(b - a for a, b in box)
+
+
+def local_flat_pieces(config: GPTModelConfig, layout: ParallelLayout, name: str, shape: tuple, tp_rank: int,
+                      state: str, start: int, stop: int) -> list[Piece]:
+    """Elements [start, stop) of the TP rank's shard flattened (C order) as pieces of global boxes. The shard
+    is its blocks concatenated along the pattern's dim, i.e. their flattenings concatenated when that dim
+    is 0 (or there is one block)."""
+    pattern, tp = pattern_for(name, config), tp_size_of(name, layout)
+    blocks = pattern.rank_blocks(shape, tp_rank, tp, name=name)
+    if len(blocks) > 1 and pattern.dim != 0:
+        raise PieceLayoutError(f"{name}: pattern {pattern.to_json()} concatenates {len(blocks)} blocks along dim "
+                               f"{pattern.dim}; flat buckets need dim-0 concatenation")
+    pieces, pos = [], 0
+    for block in blocks:
+        box = box_of(block)
+        n = box_numel(box)
+        lo, hi = max(start, pos), min(stop, pos + n)
+        if lo < hi:
+            pieces.append(Piece(name, state, box, lo - pos, hi - pos))
+        pos += n
+    return pieces
+
+
+class Sources:
+    """One writer thread's view of the universal tensors, seen as 2-D (a 1-D tensor is one row): byte regions
+    to copy (`UniversalCheckpoint.locate`, cached) and rows read through `UniversalCheckpoint.read`
+    (checked). Rows past the stored vocabulary (a target with more padding rows) are filled as
+    patterns.resize_vocab re-pads: the mean padding row for weights, zeros for moments."""
+
+    def __init__(self, ucp, config: GPTModelConfig):
+        self.ucp, self.config = ucp, config
+        self.files = FileHandles()
+        self._located: dict = {}
+        self._fill: dict = {}
+
+    def close(self) -> None:
+        self.files.close()
+
+    def shape2d(self, name: str) -> tuple[int, int]:
+        shape = self.ucp.parameters[name].shape
+        if len(shape) > 2:
+            raise PieceLayoutError(f"{name}: {len(shape)}-D tensors are not laid out by this writer")
+        return (1, shape[0]) if len(shape) == 1 else shape
+
+    def region(self, name: str, state: str, start: int, stop: int) -> Optional[FileRegion]:
+        """File region of stored elements [start, stop) (flat) of the tensor, or None (read it instead)."""
+        if (name, state) not in self._located:
+            self._located[(name, state)] = self.ucp.locate(name, state)
+        located = self._located[(name, state)]
+        if located is None:
+            return None
+        return FileRegion(located.path, located.offset + 4 * start, 4 * (stop - start))
+
+    def rows(self, name: str, state: str, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
+        """Rows [r0, r1), columns [c0, c1) of the tensor as float32 (r1 - r0, c1 - c0)."""
+        rows, _ = self.shape2d(name)
+        parts = []
+        if r0 < rows:
+            top = min(r1, rows)
+            if len(self.ucp.parameters[name].shape) == 1:
+                parts.append(self.ucp.read(name, state, (slice(c0, c1),), array=True).reshape(1, c1 - c0))
+            else:
+                parts.append(self.ucp.read(name, state, (slice(r0, top), slice(c0, c1)), array=True))
+        if r1 > rows:
+            parts.append(np.broadcast_to(self.fill_row(name, state)[:, c0:c1], (r1 - max(r0, rows), c1 - c0)))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def fill_row(self, name: str, state: str) -> np.ndarray:
+        found = self._fill.get((name, state))
+        if found is None:
+            rows, cols = self.shape2d(name)
+            if state != "fp32":
+                found = np.zeros((1, cols), dtype=np.float32)
+            else:  # the mean of the stored padding rows (all rows if none), in float64
+                lo = self.config.vocab_size if rows > self.config.vocab_size else 0
+                total = np.zeros(cols, dtype=np.float64)
+                step = max(1, BAND_BYTES // (4 * cols))
+                for a in range(lo, rows, step):
+                    total += self.rows(name, state, a, min(rows, a + step), 0, cols).astype(np.float64).sum(0)
+                found = (total / (rows - lo)).astype(np.float32).reshape(1, cols)
+            self._fill[(name, state)] = found
+        return found
+
+
+def piece_bands(sources: Sources, piece: Piece, dtype: TorchDType) -> Iterator[np.ndarray]:
+    """The piece's elements cast to `dtype` (torch's rounding for bf16/fp16) as contiguous arrays of at most a
+    band of rows each, in order."""
+    rows, cols = sources.shape2d(piece.name)
+    (r0, _), (c0, c1) = piece.box if len(piece.box) == 2 else ((0, 1), piece.box[0])
+    width = c1 - c0
+    band_rows = max(1, BAND_BYTES // (4 * cols))
+    e = piece.start
+    while e < piece.stop:
+        row = e // width
+        end_row = min(row + band_rows, -(-piece.stop // width))
+        block = sources.rows(piece.name, piece.state, r0 + row, r0 + end_row, c0, c1)
+        lo, hi = e - row * width, min(piece.stop, end_row * width) - row * width
+        yield cast_float32(block.reshape(-1)[lo:hi], dtype.name)
+        e = row * width + hi
+
+
+def write_piece(sources: Sources, fd: int, pos: int, piece: Piece, dtype: TorchDType) -> None:
+    """Write the piece's elements, cast to `dtype`, at byte `pos` of the open file `fd`."""
+    rows, cols = sources.shape2d(piece.name)
+    (r0, _), (c0, c1) = piece.box if len(piece.box) == 2 else ((0, 1), piece.box[0])
+    width = c1 - c0
+    first_row, last_row = piece.start // width, (piece.stop - 1) // width
+    if dtype == _F32 and (width == cols or first_row == last_row) and r0 + last_row < rows:
+        start = (r0 + first_row) * cols + c0 + piece.start % width
+        region = sources.region(piece.name, piece.state, start, start + piece.numel)
+        if region is not None:  # one run of the stored tensor: file to file, then checked
+            copy_region(sources.files, region, fd, pos)
+            sources.ucp.verify_copied(piece.name, region)
+            return
+    for data in piece_bands(sources, piece, dtype):
+        integrity.pwrite_hashed(fd, memoryview(data.view(np.uint8)), pos, None)
+        pos += data.nbytes
