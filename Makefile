@@ -8,13 +8,10 @@ TORCH  ?= torch==2.13.0
 # megatron-core, pinned: the release whose Megatron-LM training loop (megatron/training, in the wheel) the
 # entry point, the plugin and cpu_shims are written for.
 MCORE  ?= megatron-core==0.19.2
-# megatron-core 0.16.1 for the retiring 0.16.1 harness (pretrain_scripts/pretrain_gpt_harness016.py) only:
-# its runs put this folder first on PYTHONPATH.
-MCORE016 := $(VENV)/megatron-core-0.16
 
 .PHONY: demo test install clean
 
-install: $(VENV)/.installed $(MCORE016)/.installed
+install: $(VENV)/.installed
 
 # --ignore-requires-python: megatron-core 0.19.2's cp311 wheel says >=3.12 but runs on 3.11 given
 # typing.override (cpu_shims.py). --no-deps: what it imports at run time (torch, numpy, packaging) is
@@ -24,10 +21,6 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet --no-deps --ignore-requires-python "$(MCORE)"
 	$(PY) -m pip install --quiet -e ".[dev]"
-	touch $@
-
-$(MCORE016)/.installed: $(VENV)/.installed
-	$(PY) -m pip install --quiet --no-deps --upgrade --target $(MCORE016) megatron-core==0.16.1
 	touch $@
 
 demo: install
