@@ -82,9 +82,11 @@ def test_round_trip_is_bitwise(source, runs):
     family, layout, extra = SOURCES["gpt2-tp2pp2sp"]
     ucp = runs.universal(source("gpt2-tp2pp2sp").save)
     # --train-iters 4 = the loaded iteration: no step runs; Megatron-LM's final save writes iteration 4
-    # (it skips that save when the iteration is a multiple of --save-interval)
+    # (it skips that save when the iteration is a multiple of --save-interval). The scheduler keeps the
+    # checkpoint's decay length (12 iterations), which Megatron-LM checks against --train-iters otherwise.
     resaved = runs.run(family, layout, SAVED_AT, [*SCHEDULE, *extra, "--load", str(ucp), "--universal-checkpoint",
-                                                  "--save-interval", "1000"], save=True)
+                                                  "--save-interval", "1000", "--use-checkpoint-opt-param-scheduler"],
+                       save=True)
     again = runs.universal(resaved.save)
     first = json.loads((Path(ucp) / "metadata.json").read_text())
     second = json.loads((Path(again) / "metadata.json").read_text())
