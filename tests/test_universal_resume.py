@@ -73,19 +73,24 @@ def test_llama_tp4_is_refused_with_a_clear_error(source, runs, tmp_path):
     assert "linear_qkv.weight: num_query_groups=2 not divisible by TP=4; choose TP in [1, 2]" in proc.stdout
 
 
-def test_round_trip_is_bitwise(source, runs):
+def test_round_trip_is_bitwise(source, runs, tmp_path):
     """Load the universal checkpoint at the source layout, let Megatron-LM save it (torch_dist) without
     training, convert again: every tensor, step, scheduler value, the loss scaler and the RNG states come
     back unchanged."""
     from megatron_ucp.universal import UniversalCheckpoint
+    from pretrain_runs import FAMILIES, run_pretrain
 
     family, layout, extra = SOURCES["gpt2-tp2pp2sp"]
     ucp = runs.universal(source("gpt2-tp2pp2sp").save)
-    # --train-iters 4 = the loaded iteration: no step runs; Megatron-LM's final save writes iteration 4
-    # (it skips that save when the iteration is a multiple of --save-interval)
-    resaved = runs.run(family, layout, SAVED_AT, [*SCHEDULE, *extra, "--load", str(ucp), "--universal-checkpoint",
-                                                  "--save-interval", "1000"], save=True)
-    again = runs.universal(resaved.save)
+    # --train-iters 4 = the loaded iteration: no step runs (and none is logged); Megatron-LM's final save
+    # writes iteration 4 (it skips that save when the iteration is a multiple of --save-interval). The
+    # scheduler keeps the checkpoint's decay length (12 iterations), which Megatron-LM checks against
+    # --train-iters otherwise.
+    resaved = tmp_path / "resaved"
+    run_pretrain(layout, [*FAMILIES[family], *SCHEDULE, *extra, "--train-iters", str(SAVED_AT), "--load", str(ucp),
+                          "--universal-checkpoint", "--use-checkpoint-opt-param-scheduler", "--save", str(resaved),
+                          "--save-interval", "1000"], tmp_path, "resave")
+    again = runs.universal(resaved)
     first = json.loads((Path(ucp) / "metadata.json").read_text())
     second = json.loads((Path(again) / "metadata.json").read_text())
     assert first["parameters"].keys() == second["parameters"].keys()
