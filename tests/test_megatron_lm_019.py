@@ -37,6 +37,7 @@ from megatron_ucp.megatron_lm import launch
 pytestmark = pytest.mark.torchrun
 
 F19 = Path(__file__).resolve().parent / "fixtures" / "megatron-core-0.19"
+USER_SCRIPT = Path(__file__).resolve().parent / "user_pretrain_script.py"  # a user's own script with the plugin
 A19 = "A19_llama_tp2pp2dp1_distopt_sp_torch_dist"
 E19 = "E19_moe4top2_tp1pp2dp2ep2_distopt_torch_dist"
 RESUME_TOL = 1e-6  # fp32 relative; the printed losses have 7 significant digits (rounding ~1e-7)
@@ -102,12 +103,12 @@ class Runs:
         self.root = root
         self._done: Dict[tuple, Dict[int, str]] = {}
 
-    def train(self, flags: List[str], label: str) -> Dict[int, str]:
-        key = tuple(flags)
+    def train(self, flags: List[str], label: str, script: Path = launch.ENTRY_POINT) -> Dict[int, str]:
+        key = (str(script), *flags)
         if key not in self._done:
             work = self.root / label
             work.mkdir(parents=True, exist_ok=True)
-            proc = launch.torchrun(4, flags, cwd=work, timeout=TIMEOUT_S)
+            proc = launch.torchrun(4, flags, cwd=work, timeout=TIMEOUT_S, script=script)
             (work / "run.log").write_text(proc.stdout)
             tail = "\n".join(proc.stdout.splitlines()[-40:])
             assert proc.returncode == 0, f"{label}: Megatron-LM 0.19 run failed; log {work / 'run.log'}\n{tail}"
@@ -172,10 +173,12 @@ def test_resume_without_optimizer_state_misses(runs019):
 
 def test_universal_checkpoint_plugin_resumes_at_another_expert_parallel_size(runs019):
     """E19 (EP2) iteration 4 as a universal checkpoint, loaded by `--load UCP --universal-checkpoint` inside
-    Megatron-LM 0.19's own setup at EP1: iterations 5-8 equal the uninterrupted run's within RESUME_TOL."""
+    Megatron-LM 0.19's own setup at EP1, run the way a user's own script enables the plugin
+    (tests/user_pretrain_script.py: one import, install(), extra_args_provider): iterations 5-8 equal the
+    uninterrupted run's within RESUME_TOL."""
     flags = [*with_layout(fixture_flags(E19), {"--expert-model-parallel-size": "1"}),
              "--load", str(runs019.universal(E19)), "--universal-checkpoint"]
-    printed = runs019.train(flags, f"{E19}.universal_ep1")
+    printed = runs019.train(flags, f"{E19}.universal_ep1", script=USER_SCRIPT)
     assert sorted(printed) == [5, 6, 7, 8], f"the resume should start at iteration 5: {printed}"
     diff = max_rel(true_resumed_losses(printed), fixture_losses(E19))
     assert diff <= RESUME_TOL, f"E19 loaded from the universal checkpoint at EP1: max relative diff {diff:.2e}"

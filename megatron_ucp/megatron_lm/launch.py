@@ -22,10 +22,10 @@ def environment(extra: Dict[str, str] | None = None) -> Dict[str, str]:
 
 
 def torchrun(nproc: int, flags: Sequence[str], *, cwd: Path, timeout: float,
-             env: Dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """torchrun the entry point with `flags` (Megatron-LM's own); output captured."""
+             env: Dict[str, str] | None = None, script: Path = ENTRY_POINT) -> subprocess.CompletedProcess:
+    """torchrun `script` (the entry point unless told) with `flags` (Megatron-LM's own); output captured."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(ENTRY_POINT), *flags]
+           str(script), *flags]
     return subprocess.run(cmd, cwd=cwd, env=environment(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=timeout)
 
