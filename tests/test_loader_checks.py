@@ -61,10 +61,11 @@ def test_train_iters_before_checkpoint_is_refused(ucp):
         check_compatible(ucp, args_for("--train-iters", "2"))
 
 
-def test_plugin_sets_the_padded_vocabulary_before_the_model_is_built_and_needs_load(ucp):
+def test_plugin_sets_the_padded_vocabulary_before_the_model_is_built_and_needs_load(ucp, capsys, tmp_path):
     """universal_plugin.install() hooks Megatron-LM's validate_args: with --universal-checkpoint the run's
     padded vocabulary comes from the checkpoint (kept at TP2, re-padded at TP3: 1024 rows do not split in 3),
-    and the flag without --load is refused instead of silently training from scratch."""
+    and the flag without --load (or with a folder that is no universal checkpoint) stops in one error line,
+    exit 2, instead of silently training from scratch or a traceback."""
     from megatron_ucp.megatron_lm import universal_plugin
 
     universal_plugin.install()  # acts only on runs with --universal-checkpoint
@@ -76,5 +77,10 @@ def test_plugin_sets_the_padded_vocabulary_before_the_model_is_built_and_needs_l
                            world_size=3)
     assert tp3.padded_vocab_size == 1152  # Megatron-LM's rule: a multiple of 128 x TP above 1001
     assert megatron_lm_args(LLAMA).padded_vocab_size is None  # without the flag: left to the tokenizer build
-    with pytest.raises(ValueError, match="--universal-checkpoint needs --load"):
-        megatron_lm_args([*LLAMA, "--universal-checkpoint"])
+    for bad, why in (([], "--universal-checkpoint needs --load"),
+                     (["--load", str(tmp_path)], "")):  # an empty folder: not a universal checkpoint
+        with pytest.raises(SystemExit) as stop:
+            megatron_lm_args([*LLAMA, *bad, "--universal-checkpoint"])
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and err.startswith("error: ") and "\n" not in err and why in err, err
+    assert not list(tmp_path.iterdir())  # nothing written

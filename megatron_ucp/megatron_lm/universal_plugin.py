@@ -56,11 +56,7 @@ def install() -> None:
     def validate_args(args, *rest, **kwargs):
         result = validate(args, *rest, **kwargs)
         if getattr(args, "universal_checkpoint", False):
-            if not args.load:
-                # Megatron-LM calls load_checkpoint only with --load: the flag alone would train from scratch
-                raise ValueError("--universal-checkpoint needs --load UNIVERSAL_CHECKPOINT (the folder "
-                                 "megatron-ucp to-universal wrote)")
-            set_padded_vocab_size(args)
+            _stop_on_user_error(set_padded_vocab_size, args)
         return result
 
     arguments.validate_args = validate_args  # parse_and_validate_args looks it up in its module
@@ -70,8 +66,12 @@ def set_padded_vocab_size(args) -> None:
     """The embedding and output-layer rows of the model Megatron-LM will build: the universal checkpoint's
     padded vocabulary, re-padded when this run's TP does not divide it."""
     from megatron_ucp.adapters.gpt import padded_vocab_at
+    from megatron_ucp.megatron_lm import loader
     from megatron_ucp.universal import UniversalCheckpoint
 
+    if not args.load:  # Megatron-LM calls load_checkpoint only with --load: the flag alone would train from scratch
+        raise loader.UniversalLoadError("--universal-checkpoint needs --load UNIVERSAL_CHECKPOINT (the folder "
+                                        "megatron-ucp to-universal wrote)")
     config = UniversalCheckpoint.open(args.load).config
     target = padded_vocab_at(config, args.tensor_model_parallel_size)
     if target != config.padded_vocab_size and args.rank == 0:
@@ -81,10 +81,10 @@ def set_padded_vocab_size(args) -> None:
     args.padded_vocab_size = target
 
 
-def load_universal(args, model, optimizer, scheduler):
-    """Megatron-LM's load_checkpoint contract: fills model and optimizer, returns (iteration, FLOPs so far).
-    A checkpoint the user has to fix (damaged, of another model, a layout it cannot take) stops the run with
-    one line, `error: <cause and fix>`, from each rank that found it, and exit status 2; no traceback."""
+def _stop_on_user_error(step, *args):
+    """`step(*args)`; a checkpoint or flag the user has to fix (damaged, not universal, of another model, a layout
+    it cannot take, no --load) stops the run with one line, `error: <cause and fix>`, from each rank that found
+    it, and exit status 2; no traceback."""
     import sys
 
     from megatron_ucp.core.layout import LayoutError
@@ -92,10 +92,16 @@ def load_universal(args, model, optimizer, scheduler):
     from megatron_ucp.universal import UniversalFormatError
 
     try:
-        return _load_universal(args, model, optimizer, scheduler)
+        return step(*args)
     except (loader.UniversalLoadError, UniversalFormatError, LayoutError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def load_universal(args, model, optimizer, scheduler):
+    """Megatron-LM's load_checkpoint contract: fills model and optimizer, returns (iteration, FLOPs so far);
+    errors the user has to fix as `_stop_on_user_error` says."""
+    return _stop_on_user_error(_load_universal, args, model, optimizer, scheduler)
 
 
 def _load_universal(args, model, optimizer, scheduler):
