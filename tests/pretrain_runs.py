@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+import zygote
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "megatron-lm"  # copied unchanged from Megatron-LM runs (README there)
 # Megatron-LM's own checkpoints (see the fixtures' README), by label
@@ -101,6 +103,23 @@ def run_pretrain(layout: Layout, args: Sequence[str], workdir: Path, name: str,
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
            **(env or {})}
     log = workdir / f"{name}.log"
+    rc = zygote.launch(PRETRAIN, layout.nproc, [*layout.flags(), *args], log, env, TORCHRUN_TIMEOUT_S)
+    if rc is None:
+        proc = _torchrun(cmd, env, log, name, layout)
+    else:  # forked from the session's fork server (tests/zygote.py)
+        proc = subprocess.CompletedProcess(cmd, rc, log.read_text())
+        if rc == zygote.TIMEOUT_RC:
+            raise RunFailed(f"{name} at {layout}: timed out after {TORCHRUN_TIMEOUT_S}s; log: {log}")
+    if expect_failure:
+        if proc.returncode == 0:
+            raise RunFailed(f"{name} at {layout} was expected to fail but succeeded; log: {log}")
+    elif proc.returncode != 0:
+        tail = "\n".join(proc.stdout.splitlines()[-40:])
+        raise RunFailed(f"{name} at {layout} failed (exit {proc.returncode}); log: {log}\n{tail}")
+    return proc
+
+
+def _torchrun(cmd, env, log: Path, name: str, layout: Layout) -> subprocess.CompletedProcess:
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=TORCHRUN_TIMEOUT_S)
@@ -108,12 +127,6 @@ def run_pretrain(layout: Layout, args: Sequence[str], workdir: Path, name: str,
         log.write_text((e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""))
         raise RunFailed(f"{name} at {layout}: torchrun timed out after {TORCHRUN_TIMEOUT_S}s; log: {log}")
     log.write_text(proc.stdout)
-    if expect_failure:
-        if proc.returncode == 0:
-            raise RunFailed(f"{name} at {layout} was expected to fail but succeeded; log: {log}")
-    elif proc.returncode != 0:
-        tail = "\n".join(proc.stdout.splitlines()[-40:])
-        raise RunFailed(f"{name} at {layout} failed (exit {proc.returncode}); log: {log}\n{tail}")
     return proc
 
 
