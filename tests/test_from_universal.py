@@ -396,6 +396,10 @@ def test_existing_destination_and_dry_run_write_nothing(universal, tmp_path, cap
     rc, out = _cli([str(ucp), str(fresh), "--ckpt-format", "torch_dist", "--dry-run", "--via-megatron-lm",
                     "--pipeline-model-parallel-size", "2"])
     assert rc == 0 and not fresh.exists() and "--pipeline-model-parallel-size 2" in out["message"]
+    # the flag's former name (the writer ran the retired home-made loop) still means the same
+    rc, old = _cli([str(ucp), str(fresh), "--ckpt-format", "torch_dist", "--dry-run", "--via-harness",
+                    "--pipeline-model-parallel-size", "2"])
+    assert rc == 0 and old["message"] == out["message"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"]
 
     # --overwrite replaces an existing Megatron checkpoint atomically (here with iteration 4 of the run; the
