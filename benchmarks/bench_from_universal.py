@@ -14,7 +14,7 @@ dropped before each step when allowed:
                    --use-distributed-optimizer --ckpt-format torch_dist (dp_reshardable), --workers W: bytes
                    copied file to file, every universal block read or copied checked against its checksum
   direct full      the same with --optimizer-format fully_reshardable
-  harness          the same as `direct` with --via-harness (T*P*D training processes save it), when its
+  harness          the same as `direct` with --via-megatron-lm (T*P*D training processes save it), when its
                    memory estimate fits (--skip-harness to skip)
 
 For each: wall time, peak RSS and PSS summed over the process tree, storage bytes read / written
@@ -142,7 +142,7 @@ class Bench:
             self.log(f"harness route skipped ({self.harness_note})")
         else:
             try:
-                self.measure("harness", self.from_universal(ucp, self.work / "harness", "--via-harness"))
+                self.measure("harness", self.from_universal(ucp, self.work / "harness", "--via-megatron-lm"))
                 sizes["torch_dist_harness"] = dir_bytes(self.work / "harness")
             except CommandFailed as e:  # e.g. killed for memory: report it, keep the other rows
                 self.harness_note += f"; failed: {str(e).splitlines()[0][:300]}"
@@ -195,9 +195,9 @@ class Bench:
         rows.append({"step": "  direct, fully_reshardable, without CLI start", "seconds": round(full.wall_s - start, 2),
                      "ratio": round((full.wall_s - start) / cp.wall_s, 2)})
         if "harness" in r:
-            row("harness route (--via-harness)", r["harness"], self.harness_note)
+            row("harness route (--via-megatron-lm)", r["harness"], self.harness_note)
         else:
-            rows.append({"step": "harness route (--via-harness)", "note": f"skipped: {self.harness_note}"})
+            rows.append({"step": "harness route (--via-megatron-lm)", "note": f"skipped: {self.harness_note}"})
         return {"preset": a.preset, "shape": self.shape.__dict__, "num_parameters": self.shape.num_parameters,
                 "target": f"TP{a.tp}PP{a.pp}DP{a.dp}", "workers": a.workers, "page_cache_dropped": bool(self.cold),
                 "sync": a.sync,

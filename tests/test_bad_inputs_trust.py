@@ -334,14 +334,14 @@ def test_a_metadata_bomb_is_refused_in_seconds_and_bounded_memory(bomb, ucp, tmp
 
 
 def test_from_universal_counts_below_one_are_refused_before_anything_is_created(ucp, tmp_path):
-    """#7 and #11: a zero or negative count, --via-harness --timeout -5 (no log left beside DST)."""
+    """#7 and #11: a zero or negative count, --via-megatron-lm --timeout -5 (no log left beside DST)."""
     dst = tmp_path / "out"
     cases = [(["--expert-model-parallel-size", "0"], "--expert-model-parallel-size 0: must be >= 1"),
              (["-t", "0"], "--tensor-model-parallel-size 0: must be >= 1"),
              (["-d", "-1"], "--data-parallel-size -1: must be >= 1"),
              (["--expert-tensor-parallel-size", "0"], "--expert-tensor-parallel-size 0: must be >= 1"),
              (["--workers", "0"], "--workers 0: must be >= 1"),
-             (["--via-harness", "--timeout", "-5"], "--timeout -5: must be >= 1")]
+             (["--via-megatron-lm", "--timeout", "-5"], "--timeout -5: must be >= 1")]
     before = tree_digest(ucp)
     runs = run_cli([["from-universal", str(ucp), str(dst), "--ckpt-format", "torch_dist", "--rng-state", "cpu",
                      *flags] for flags, _ in cases], tmp_path)

@@ -158,9 +158,9 @@ def test_fp16_from_universal_loads_in_megatron_core(fp16_source, runs, tmp_path,
     out = tmp_path / "megatron"
     ucp = runs.universal(fp16_source.save)
     if ckpt_format == "torch_dist":
-        from megatron_ucp.formats.torch_dist.harness_writer import harness_flags_from_universal
+        from megatron_ucp.formats.torch_dist.megatron_lm_writer import megatron_lm_flags_from_universal
 
-        flags = " ".join(harness_flags_from_universal(UniversalCheckpoint.open(ucp).metadata, ParallelLayout(pp=2)))
+        flags = " ".join(megatron_lm_flags_from_universal(UniversalCheckpoint.open(ucp).metadata, ParallelLayout(pp=2)))
         assert "--fp16" in flags and "--initial-loss-scale 1048576" in flags and "--hysteresis 2" in flags, flags
         assert "--loss-scale-window 3" in flags, flags
     from_universal(ucp, out, pipeline_model_parallel_size=2, use_distributed_optimizer=True, ckpt_format=ckpt_format,

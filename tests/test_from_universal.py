@@ -12,7 +12,7 @@ Layouts and tolerances:
    PP2 x 3 virtual stages with the embedding and loss counted, and C re-padded, and continues Megatron-LM's
    uninterrupted run (iterations 5..8 within FIXTURE_TOL; the re-padded vocabulary within its measured shift).
    The direct torch_dist writer's outputs are resumed in tests/test_torch_dist_direct.py.
-3. The --via-harness flags (Megatron-LM's own save of a universal checkpoint) are taken by Megatron-LM 0.19's
+3. The --via-megatron-lm flags (Megatron-LM's own save of a universal checkpoint) are taken by Megatron-LM 0.19's
    parser with the values meant.
 4. Errors: a TP that cannot hold the model, an existing DST, --dry-run: nothing is written.
 """
@@ -393,9 +393,13 @@ def test_existing_destination_and_dry_run_write_nothing(universal, tmp_path, cap
         "iter_0000008/__0_0.distcp", "iter_0000008/__0_1.distcp", "iter_0000008/__1_0.distcp",
         "iter_0000008/__1_1.distcp", "iter_0000008/.metadata", "iter_0000008/common.pt",
         "iter_0000008/metadata.json", "latest_checkpointed_iteration.txt"]
-    rc, out = _cli([str(ucp), str(fresh), "--ckpt-format", "torch_dist", "--dry-run", "--via-harness",
+    rc, out = _cli([str(ucp), str(fresh), "--ckpt-format", "torch_dist", "--dry-run", "--via-megatron-lm",
                     "--pipeline-model-parallel-size", "2"])
     assert rc == 0 and not fresh.exists() and "--pipeline-model-parallel-size 2" in out["message"]
+    # the flag's former name (the writer ran the retired home-made loop) still means the same
+    rc, old = _cli([str(ucp), str(fresh), "--ckpt-format", "torch_dist", "--dry-run", "--via-harness",
+                    "--pipeline-model-parallel-size", "2"])
+    assert rc == 0 and old["message"] == out["message"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"]
 
     # --overwrite replaces an existing Megatron checkpoint atomically (here with iteration 4 of the run; the
@@ -420,15 +424,15 @@ print(json.dumps({k: v for k, v in vars(parse_args(extra_args_provider)).items()
 """
 
 
-def test_via_harness_flags_are_megatron_lms(universal):
-    """The flags of `--via-harness` rebuild fixture A's command line (model, batch, schedule, data) at the target
+def test_via_megatron_lm_flags_are_megatron_lms(universal):
+    """The flags of `--via-megatron-lm` rebuild fixture A's command line (model, batch, schedule, data) at the target
     layout, and Megatron-LM 0.19's own parser takes them with the values meant (vocabulary: 0.16.1's 1001 tokens,
     EOD included, which 0.19 takes as --vocab-size); an unknown flag would stop it."""
-    from megatron_ucp.formats.torch_dist.harness_writer import (PRETRAIN_SCRIPT, harness_command,
-                                                                 harness_flags_from_universal)
+    from megatron_ucp.formats.torch_dist.megatron_lm_writer import (PRETRAIN_SCRIPT, megatron_lm_command,
+                                                                 megatron_lm_flags_from_universal)
 
     ucp = UniversalCheckpoint.open(universal(A, 4))
-    flags = harness_flags_from_universal(ucp.metadata, fu.target_layout(ucp, 1, 2, 1, None, False),
+    flags = megatron_lm_flags_from_universal(ucp.metadata, fu.target_layout(ucp, 1, 2, 1, None, False),
                                          use_distributed_optimizer=True)
     text = " ".join(flags)
     for expected in ("--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2", "--use-distributed-optimizer",
@@ -442,7 +446,7 @@ def test_via_harness_flags_are_megatron_lms(universal):
                      "--tokenizer-type NullTokenizer --vocab-size 1001 --mock-data"):
         assert expected in text, (expected, text)
     assert "--sequence-parallel" not in text and "--bf16" not in text
-    command = harness_command(Path("/ucp"), Path("/dst"), 4, 2, flags)
+    command = megatron_lm_command(Path("/ucp"), Path("/dst"), 4, 2, flags)
     argv = command[command.index(str(PRETRAIN_SCRIPT)) + 1:]
     proc = subprocess.run([sys.executable, "-c", PARSE_CHILD, *argv], cwd=Path(__file__).resolve().parents[1],
                           capture_output=True, text=True, timeout=300)

@@ -245,7 +245,7 @@ def test_from_universal_for_014(tmp_path, ucp14):
     assert "--optimizer-format fully_sharded_model_space" in line and not (tmp_path / "dp").exists()
     line = one_line_error(cli("from-universal", ucp14["A14"], tmp_path / "h", "-t", "2", "-d", "2",
                               "--use-distributed-optimizer", "--sequence-parallel", "--ckpt-format", "torch_dist",
-                              "--via-harness", "--optimizer-format", "fully_sharded_model_space", "--quiet"))
+                              "--via-megatron-lm", "--optimizer-format", "fully_sharded_model_space", "--quiet"))
     assert "Megatron-LM 0.19 saves dp_reshardable or fully_reshardable" in line
     from_universal(ucp14["A14"], tmp_path / "legacy", tensor_model_parallel_size=2, data_parallel_size=2,
                    use_distributed_optimizer=True, sequence_parallel=True, ckpt_format="torch",

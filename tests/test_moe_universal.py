@@ -32,7 +32,7 @@ and the curve left by 1.8e-4 (measured). The retired 0.16.1 harness patched this
 expert MLP adds fc2's bias in place into the view a one-rank all-reduce Function returns, and autograd refuses;
 so biased experts are resumed at EP2 (the retired harness patched this too).
 from-universal --ckpt-format torch_dist is written directly (no training process) and compared with
-megatron-core's own save of the same layout (the --via-harness route): EP4 DP4 chained dp_reshardable, EP1
+megatron-core's own save of the same layout (the --via-megatron-lm route): EP4 DP4 chained dp_reshardable, EP1
 dp_reshardable, plain Adam with stacked MoE layers, fp16 dp_reshardable; three writes are loaded by
 Megatron-LM's own --load and continue the run (legacy EP4, torch_dist EP4 dp_reshardable, fully_reshardable
 written at TP2 ETP1 EP2 and loaded at EP4).
@@ -289,7 +289,7 @@ def test_from_universal_legacy_at_new_ep_is_loaded_by_megatron_lm(sources):
     ("ep1_dp_reshardable", "ep2dp4", Layout(dp=2), dict(use_distributed_optimizer=True)),
 ])
 def test_direct_torch_dist_equals_megatron_cores_save(sources, name, source, target, kwargs):
-    """The direct torch_dist writer equals megatron-core's own save (the --via-harness route) where the MoE
+    """The direct torch_dist writer equals megatron-core's own save (the --via-megatron-lm route) where the MoE
     layout differs from the legacy EP4 write above: EP1 (experts in the dense optimizer's buffers, no ChainedOptimizer).
     Plain Adam with every layer MoE and an fp16 MoE model were compared too while porting to Megatron-LM 0.19
     and are left out of CI for time: each costs a source run and a Megatron-LM save."""
@@ -299,7 +299,7 @@ def test_direct_torch_dist_equals_megatron_cores_save(sources, name, source, tar
     args = dict(data_parallel_size=target.dp, expert_model_parallel_size=target.ep, ckpt_format="torch_dist",
                 rng_state="cpu", progress=False, **kwargs)
     direct = from_universal(src.ucp, src.work / f"direct_{name}", **args)
-    from_universal(src.ucp, src.work / f"harness_{name}", via_harness=True, **args)
+    from_universal(src.ucp, src.work / f"harness_{name}", via_megatron_lm=True, **args)
     ours, theirs = (src.work / f"{kind}_{name}" / "iter_0000004" for kind in ("direct", "harness"))
     skip = gap_chunks(direct, src.ucp) if kwargs.get("use_distributed_optimizer") else set()
     assert_equal_to_megatron(ours, theirs, skip)

@@ -19,7 +19,7 @@ tied, biases, LayerNorm, learned positions; plain Adam) at 4, and one Megatron-L
    - bf16 GPT-2 at TP1PP2+VPP (megatron-core 0.19 files: the writer follows the source's release):
      fully_reshardable vs the training run's own save (every object too, the common state and RNG included:
      rng_state="source"), dp_reshardable vs Megatron-LM 0.19 saving what its plugin loaded from the universal
-     checkpoint (`--via-harness`; tensors, optimizer objects and the common state's iteration, optimizer,
+     checkpoint (`--via-megatron-lm`; tensors, optimizer objects and the common state's iteration, optimizer,
      scheduler and model/layout args).
    Negative control: one flipped byte of an fp32 main-weight chunk is named and fails verify.
 3. Offline: the torch.save framing equals torch.save's; written at other layouts (uneven pipeline
@@ -232,7 +232,7 @@ def state_differences(ours: Path, theirs: Path, skip: set = frozenset()) -> list
 def model_args(args) -> dict:
     """COMPARED_ARGS as the model reads them: num_query_groups only with group_query_attention (Megatron-LM
     sets it to the head count as a side effect of counting a trained step's FLOPs, training.py
-    transformer_flops; a run that trains nothing, like the --via-harness save, keeps 0.19's default 1)."""
+    transformer_flops; a run that trains nothing, like the --via-megatron-lm save, keeps 0.19's default 1)."""
     values = {k: vars(args).get(k) for k in COMPARED_ARGS}
     if not vars(args).get("group_query_attention"):
         values["num_query_groups"] = None
@@ -242,7 +242,7 @@ def model_args(args) -> dict:
 @pytest.mark.torchrun
 def test_bf16_vpp_equal_to_megatron_core_saves(bf16, work):
     """bf16 model (fp32 mains) with tied embeddings over PP2 x VPP2: fully_reshardable equals the training
-    run's own save, dp_reshardable equals Megatron-LM's own save of what its plugin loaded (--via-harness)."""
+    run's own save, dp_reshardable equals Megatron-LM's own save of what its plugin loaded (--via-megatron-lm)."""
     ucp = to_universal(bf16, work / "bf16_ucp", progress=False)
     target = Layout(pp=2, vpp_layers=1)
     full = _write(ucp, work / "bf16_full", target, use_distributed_optimizer=True,
@@ -251,9 +251,9 @@ def test_bf16_vpp_equal_to_megatron_core_saves(bf16, work):
     assert full.plan.details[0] == "optimizer state: fully_reshardable"
 
     direct = _write(ucp, work / "bf16_dp", target, use_distributed_optimizer=True)
-    harness = _write(ucp, work / "bf16_dp_harness", target, use_distributed_optimizer=True, via_harness=True,
+    harness = _write(ucp, work / "bf16_dp_harness", target, use_distributed_optimizer=True, via_megatron_lm=True,
                      timeout_s=600)
-    assert harness.plan.details[0].startswith("harness flags:")
+    assert harness.plan.details[0].startswith("Megatron-LM flags:")
     dtypes = {v[1] for v in structure(_iter_dir(work / "bf16_dp")).values() if v != ("bytes",)}
     assert dtypes == {torch.bfloat16, torch.float32}
     gaps = gap_chunks(direct, ucp)
@@ -389,8 +389,8 @@ def test_errors_before_anything_is_written(sources, tmp_path):
     with pytest.raises(fu.FromUniversalError, match="--optimizer-format does not apply to --ckpt-format torch"):
         fu.from_universal(ucp, tmp_path / "x", ckpt_format="torch", optimizer_format="dp_reshardable",
                           use_distributed_optimizer=True, progress=False)
-    with pytest.raises(fu.FromUniversalError, match="--via-harness writes torch_dist"):
-        fu.from_universal(ucp, tmp_path / "x", ckpt_format="torch", via_harness=True, progress=False)
+    with pytest.raises(fu.FromUniversalError, match="--via-megatron-lm writes torch_dist"):
+        fu.from_universal(ucp, tmp_path / "x", ckpt_format="torch", via_megatron_lm=True, progress=False)
     with pytest.raises(fu.FromUniversalError, match="num_layers=4 is not divisible by PP x VPP = 3"):
         _write(ucp, tmp_path / "x", Layout(pp=3))
     with pytest.raises(fu.FromUniversalError, match="give the virtual pipeline size as "

@@ -739,8 +739,8 @@ def _group_order(keys) -> list:
 def experts_in_own_optimizer(config: GPTModelConfig, layout: ParallelLayout) -> bool:
     """Whether routed experts live in their own DDP buffers (reduced over the expert-DP group) and their own
     optimizer, megatron-core's ChainedOptimizer [dense, expert]: with experts at EP > 1, or at ETP != TP
-    (megatron-core 0.16.1 marks them only at EP > 1; the harness applies Megatron-LM's later fix, without
-    which their gradients are reduced over the wrong group)."""
+    (megatron-core 0.16.1 marked them only at EP > 1, reducing their gradients over the wrong group at
+    ETP != TP; 0.19 marks them at either: tensor_parallel/layers.py, `use_expert_pgs`)."""
     return bool(config.num_experts) and (layout.ep > 1 or layout.expert_tp != layout.tp)
 
 

@@ -6,7 +6,7 @@
         [--expert-model-parallel-size E] [--expert-tensor-parallel-size ET]
         [--use-distributed-optimizer [--optimizer-format {dp_reshardable,fully_reshardable,fully_sharded_model_space}]]
         [--sequence-parallel] --ckpt-format {torch,torch_dist} [--megatron-core-version X.Y] [--workers K]
-        [--via-harness] [--dry-run] [--overwrite] [--clean-stale]
+        [--via-megatron-lm] [--dry-run] [--overwrite] [--clean-stale]
 
 The target layout is validated against the model before anything is written. The vocabulary keeps its
 stored padded size when Megatron-LM would compute the same one at TP=T (it recomputes
@@ -48,7 +48,7 @@ from megatron_ucp.core.versions import NEWEST as _NEWEST
 from megatron_ucp.core.versions import SUPPORTED as SUPPORTED_RELEASES
 from megatron_ucp.formats.common import TRACKER_FILENAME
 from megatron_ucp.formats.megatron_state import RNG_STATE_KINDS
-from megatron_ucp.formats.torch_dist.harness_writer import DEFAULT_TIMEOUT_S
+from megatron_ucp.formats.torch_dist.megatron_lm_writer import DEFAULT_TIMEOUT_S
 from megatron_ucp.formats.torch_dist.writer import OPTIMIZER_FORMATS
 from megatron_ucp.formats.writer_base import target_args
 from megatron_ucp.formats.writers import CKPT_FORMATS, WriteError, WriteTarget, make_writer
@@ -74,7 +74,7 @@ class TargetPlan:
     target: WriteTarget
     ckpt_format: str
     warnings: tuple[str, ...]
-    files: tuple[tuple[str, int], ...]  # (path relative to DST, tensor bytes); torch_dist harness: estimate
+    files: tuple[tuple[str, int], ...]  # (path relative to DST, tensor bytes); torch_dist via Megatron-LM: estimate
     details: tuple[str, ...] = ()  # the writer's own description (shown by --dry-run)
 
     @property
@@ -239,7 +239,7 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
                    ckpt_format: str = "torch_dist", dry_run: bool = False, overwrite: bool = False,
                    rng_state: str = "cuda", timeout_s: int = DEFAULT_TIMEOUT_S,
                    progress: bool = True, warn=None, clean_stale: bool = False,
-                   optimizer_format: Optional[str] = None, workers: Optional[int] = None, via_harness: bool = False,
+                   optimizer_format: Optional[str] = None, workers: Optional[int] = None, via_megatron_lm: bool = False,
                    pipeline_split: Optional[dict] = None,
                    megatron_core_version: Optional[str] = None) -> FromUniversalSummary:
     """Write the universal checkpoint at `ucp_path` as a Megatron checkpoint root `dst` at the given layout.
@@ -248,7 +248,7 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
     nothing is left at `dst` (nor its staging directory). DST's lock is held from before the universal
     checkpoint is opened until the output is published; leftovers of killed writes to DST are reported
     (`warn`) and removed with `clean_stale`. `optimizer_format` and `workers` go to the writers that take
-    them (torch_dist); `via_harness` chooses the writer that runs the training harness. `pipeline_split`: an
+    them (torch_dist); `via_megatron_lm` chooses the writer that runs Megatron-LM's training loop. `pipeline_split`: an
     uneven target split, target_layout's keywords (first_stage_layers, last_stage_layers, embedding_in_split,
     loss_in_split, virtual_stages). Under torchrun (more than one process) call it on every process: they
     split the files (writers that can)."""
@@ -262,16 +262,16 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
                    "--num-layers-per-virtual-pipeline-stage": num_layers_per_virtual_pipeline_stage,
                    "--expert-model-parallel-size": expert_model_parallel_size,
                    "--expert-tensor-parallel-size": expert_tensor_parallel_size, "--workers": workers,
-                   "--timeout": timeout_s if via_harness else None})
+                   "--timeout": timeout_s if via_megatron_lm else None})
     check_destination(dst, ucp_path, overwrite)  # fails fast; checked again under the lock
     distributed = in_torchrun() and not dry_run
     emit = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
     if distributed and not reports():
         emit = lambda message: None  # noqa: E731 - rank 0 reports
-    writer = _make_writer(ckpt_format, via_harness, timeout_s=timeout_s, optimizer_format=optimizer_format,
+    writer = _make_writer(ckpt_format, via_megatron_lm, timeout_s=timeout_s, optimizer_format=optimizer_format,
                           workers=workers, megatron_core_version=megatron_core_version)
     if distributed and not writer.splits_over_processes:
-        raise FromUniversalError(f"--ckpt-format {ckpt_format}{' --via-harness' if via_harness else ''} writes "
+        raise FromUniversalError(f"--ckpt-format {ckpt_format}{' --via-megatron-lm' if via_megatron_lm else ''} writes "
                                  f"from one process: launch it without torchrun (the direct torch_dist writer "
                                  f"splits its files over torchrun processes)")
 
@@ -331,17 +331,17 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
     return FromUniversalSummary(dst, plan, ucp.iteration, written, time.perf_counter() - start, False)
 
 
-def _make_writer(ckpt_format: str, via_harness: bool, **options):
+def _make_writer(ckpt_format: str, via_megatron_lm: bool, **options):
     """The format's writer with the options it takes; an option the user gave (not None) that it does not
     take is refused, naming the flag."""
     try:
-        writer = make_writer(ckpt_format, via_harness=via_harness, **options)
+        writer = make_writer(ckpt_format, via_megatron_lm=via_megatron_lm, **options)
     except WriteError as e:
         raise FromUniversalError(str(e)) from e
     for name, value in options.items():
         if value is not None and name not in writer.OPTIONS and name != "timeout_s":
             raise FromUniversalError(f"--{name.replace('_', '-')} does not apply to --ckpt-format {ckpt_format}"
-                                     f"{' --via-harness' if via_harness else ''}; drop it")
+                                     f"{' --via-megatron-lm' if via_megatron_lm else ''}; drop it")
     return writer
 
 
@@ -421,16 +421,16 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help="torch_dist: threads writing the output files (default: min(4, CPUs)); under torchrun "
                         "the processes also split the files (a shared filesystem)")
-    p.add_argument("--via-harness", action="store_true",
-                   help="torch_dist: let megatron-core itself save, by launching the training harness with "
+    p.add_argument("--via-megatron-lm", "--via-harness", dest="via_megatron_lm", action="store_true",
+                   help="torch_dist: let Megatron-LM itself save, by launching its training loop with "
                         "T*P*D CPU processes (memory: the whole model and optimizer state); the direct "
                         "writer's reference")
     p.add_argument("--rng-state", choices=RNG_STATE_KINDS, default="cuda",
                    help="write a fresh deterministic RNG state for CUDA (default; Megatron-LM on GPUs) or CPU "
-                        "generators (the CPU harness), or none (then resume with --no-load-rng), or source: the "
+                        "generators (Megatron-LM on CPU), or none (then resume with --no-load-rng), or source: the "
                         "source run's own states (only at the source layout: dropout continues exactly)")
     p.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S,
-                   help="--via-harness: seconds the harness run may take")
+                   help="--via-megatron-lm: seconds the Megatron-LM run may take")
     p.add_argument("--dry-run", action="store_true", help="print the files that would be written; write nothing")
     add_publication_flags(p, "Megatron checkpoint", "megatron-ucp.json")
     p.set_defaults(handler=run_cli)
@@ -446,7 +446,7 @@ def run_cli(args: argparse.Namespace) -> dict:
         use_distributed_optimizer=args.use_distributed_optimizer, sequence_parallel=args.sequence_parallel,
         ckpt_format=args.ckpt_format, dry_run=args.dry_run, overwrite=args.overwrite, rng_state=args.rng_state,
         timeout_s=args.timeout, progress=not args.quiet, clean_stale=args.clean_stale,
-        optimizer_format=args.optimizer_format, workers=args.workers, via_harness=args.via_harness,
+        optimizer_format=args.optimizer_format, workers=args.workers, via_megatron_lm=args.via_megatron_lm,
         pipeline_split=split_options(args), megatron_core_version=args.megatron_core_version)
     result = summary.to_dict()
     if not summary.dry_run and not reports():

@@ -240,7 +240,7 @@ def describe_placements(split: PipelineSplit) -> str:
 
 
 def split_from_args(args) -> PipelineSplit:
-    """The split of a Megatron-LM (or harness) args namespace / dict."""
+    """The split of a Megatron-LM args namespace / dict."""
     get = args.get if isinstance(args, dict) else (lambda k, d=None: getattr(args, k, d))
     return PipelineSplit(
         num_layers=get("num_layers"),

@@ -10,7 +10,7 @@ per-rank RNG states, in the JSON forms docs/FORMAT.md specifies ("Loss scaler", 
 
 Both are built from the objects a Megatron checkpoint's pickles hold, as formats/safe_pickle.py parses
 them (TensorRecord, NumpyArray: no torch needed, nothing unpickled for real), or from live values (torch
-tensors, numpy arrays, for tests and the harness), and are turned back into what megatron-core's
+tensors, numpy arrays, for tests and the plugin), and are turned back into what megatron-core's
 load_state_dict / Megatron-LM's set-rng code take (torch imported on use). Bytes of generator states
 are stored as base64 so the file stays plain JSON.
 """

@@ -10,8 +10,8 @@ have: from 0.15 on, arguments it introduced that every later release still has; 
 they have and 0.15 removed (checked against Megatron-LM's tagged `megatron/training/arguments.py`, the wheels'
 sources and the args of real checkpoints: tests/fixtures/megatron-core-0.14 (0.14.0, 0.15.3),
 tests/fixtures/megatron-lm (0.16.1), tests/fixtures/megatron-core-0.19). The newest release whose markers are
-all present wrote the checkpoint; args with no markers at all (megatron-ucp's own 0.16.1 harness saves its
-own namespace) are 0.16's (`FALLBACK`). 0.13 and 0.14 save alike and are one row.
+all present wrote the checkpoint; args with no markers at all (saves of megatron-ucp's retired 0.16.1 training
+loop, which stored its own namespace) are 0.16's (`FALLBACK`). 0.13 and 0.14 save alike and are one row.
 
 The distributed optimizer's torch_dist layout is recorded in each checkpoint (content_metadata
 'distrib_optim_sharding_type'); `OPTIMIZER_SHARDINGS` says what each recorded name means for a reader, and each

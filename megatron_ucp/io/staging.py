@@ -15,7 +15,7 @@ A write to DST goes through `Staging`:
    killed between moving the old output aside and moving the new one in (only possible where the
    kernel lacks RENAME_EXCHANGE) is undone: the old output is renamed back to DST, and reported.
 3. Staging. The writer fills `DST.partial-<host>-<pid>-<random>` (its `.megatron-ucp-staging.json`
-   names the owner). Other processes (torchrun ranks, the torch_dist harness) write into the same
+   names the owner). Other processes (torchrun ranks, Megatron-LM saving for --via-megatron-lm) write into the same
    directory; `join_staging` checks they can see it.
 4. Publication (`publish`): every file and directory of the staging tree is fsynced, the owner file
    removed, the writer's completion marker written and fsynced LAST, then the directory is renamed to
@@ -688,7 +688,7 @@ class Staging:
     def _discard(self) -> None:
         try:
             shutil.rmtree(self.path, ignore_errors=True)
-            if self.path.exists():  # e.g. files written read-only by a harness: one more try, loudly
+            if self.path.exists():  # e.g. files written read-only by another program: one more try, loudly
                 shutil.rmtree(self.path)
         finally:
             self._lock.release()
@@ -808,7 +808,7 @@ def _host_token() -> str:
 
 def join_staging(path: PathLike) -> Path:
     """For processes that write into a staging directory another process owns (torchrun ranks > 0, the
-    torch_dist harness): check it is one and is visible here, and return it."""
+    Megatron-LM saving for --via-megatron-lm): check it is one and is visible here, and return it."""
     path = Path(path)
     if not _STAGING_SUFFIX.search(path.name):
         raise StagingError(f"{path}: not a megatron-ucp staging directory; pass Staging.path of the owning process")

@@ -36,7 +36,7 @@ nothing at another layout. Megatron-LM's load_checkpoint exits ("Unable to load 
 `rng_state` is missing unless --no-load-rng, so by default a fresh deterministic state is written:
 Megatron's own seeding (_set_random_seed + model_parallel_cuda_manual_seed) with seed = args.seed + 7919 *
 iteration (+ 100 * pp_rank), in the CUDA generator format (16 bytes: seed, Philox offset) or, with
-rng_state="cpu", the CPU generator's (the CPU training harness). rng_state="none" omits it (then resume
+rng_state="cpu", the CPU generator's (Megatron-LM on CPU, cpu_shims). rng_state="none" omits it (then resume
 with --no-load-rng); rng_state="source" writes the stored states unchanged, for a target at the source
 layout (a dropout run then continues exactly).
 

@@ -2,7 +2,7 @@
 
 The default `from-universal --ckpt-format torch_dist` writer. It writes what megatron-core 0.16.1's
 `dist_checkpointing.save` writes for a local-spec GPTModel trained by Megatron-LM at the target layout
-(training/checkpointing.py shows how the harness calls it), without building the model: the same DCP
+(Megatron-LM's training/checkpointing.py shows how it is called), without building the model: the same DCP
 keys, global shapes and chunks, each distinct shard once (megatron-core's main-replica rule), the same
 common.pt:
 

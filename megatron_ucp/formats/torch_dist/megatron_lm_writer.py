@@ -1,5 +1,5 @@
 """Universal checkpoint -> megatron-core `torch_dist` checkpoint at any layout, saved by Megatron-LM itself
-(`from-universal --via-harness`; the default route is formats/torch_dist/writer.py, offline).
+(`from-universal --via-megatron-lm`; the default route is formats/torch_dist/writer.py, offline).
 
 What it still serves: it is Megatron-LM's own save, so it is a reference the direct writer is tested against
 (tests/test_torch_dist_direct.py: same `.metadata`, chunk for chunk equal), and the fallback for a
@@ -17,7 +17,7 @@ Cost: T*P*D processes on this machine (CPU, gloo: CUDA is hidden from them), and
 model's weights plus optimizer state in total (each rank holds its shard, as in training).
 
 The hard part is rebuilding Megatron-LM flags from the Megatron args stored in the universal
-metadata: `harness_flags_from_universal`.
+metadata: `megatron_lm_flags_from_universal`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ PRETRAIN_SCRIPT = REPO / "pretrain_scripts" / "pretrain_gpt.py"
 DEFAULT_TIMEOUT_S = 3600
 
 
-class HarnessRunError(WriteError):
+class MegatronLMRunError(WriteError):
     """The Megatron-LM run that writes the torch_dist checkpoint failed; the message has its log tail."""
 
 
@@ -79,7 +79,7 @@ _TRUE_FLAGS = (
     ("moe_shared_expert_gate", "--moe-shared-expert-gate"), ("moe_router_pre_softmax", "--moe-router-pre-softmax"),
     ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias"),
 )
-_HARNESS_CHOICES = {
+_MEGATRON_LM_CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
     "position_embedding_type": ("learned_absolute", "rope"),
     "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
@@ -126,7 +126,7 @@ def layout_flags(layout: ParallelLayout, vpp_layers: Optional[int], use_distribu
     return flags
 
 
-def harness_flags_from_universal(metadata: Mapping[str, Any], layout: ParallelLayout, *,
+def megatron_lm_flags_from_universal(metadata: Mapping[str, Any], layout: ParallelLayout, *,
                                  vpp_layers: Optional[int] = None, use_distributed_optimizer: bool = False,
                                  optimizer_format: Optional[str] = None, notes: Optional[list] = None) -> list[str]:
     """pretrain_gpt.py flags that rebuild the universal checkpoint's model, optimizer and LR schedule at
@@ -172,9 +172,9 @@ def harness_flags_from_universal(metadata: Mapping[str, Any], layout: ParallelLa
         if isinstance(value, (list, tuple)):  # nargs="+" flags (e.g. --moe-aux-loss-coeff per loss type)
             flags += [flag, *map(_flag_value, value)]
             continue
-        if name in _HARNESS_CHOICES and value not in _HARNESS_CHOICES[name]:
+        if name in _MEGATRON_LM_CHOICES and value not in _MEGATRON_LM_CHOICES[name]:
             raise ValueError(f"{name}={value!r} is not supported by the CPU entry point (it supports "
-                             f"{', '.join(_HARNESS_CHOICES[name])}); use --ckpt-format torch")
+                             f"{', '.join(_MEGATRON_LM_CHOICES[name])}); use --ckpt-format torch")
         flags += [flag, _flag_value(value)]
     if optimizer_format is not None:
         args["dist_ckpt_optim_fully_reshardable"] = optimizer_format == "fully_reshardable"
@@ -205,7 +205,7 @@ def harness_flags_from_universal(metadata: Mapping[str, Any], layout: ParallelLa
     return flags
 
 
-def harness_command(ucp_path: Path, save_dir: Path, iteration: int, nproc: int, flags: Sequence[str]) -> list[str]:
+def megatron_lm_command(ucp_path: Path, save_dir: Path, iteration: int, nproc: int, flags: Sequence[str]) -> list[str]:
     """The torchrun command line. pretrain() saves after its training loop when the iteration is not a multiple
     of --save-interval (iteration + 1 never divides it); no evaluation (Megatron-LM 0.19 needs an
     --eval-interval to skip past on a resume), no data-loader workers."""
@@ -221,7 +221,7 @@ def harness_command(ucp_path: Path, save_dir: Path, iteration: int, nproc: int, 
 def write(ucp_path: Path, save_dir: Path, iteration: int, layout: ParallelLayout, flags: Sequence[str], *,
           timeout_s: int = DEFAULT_TIMEOUT_S, log_path: Optional[Path] = None) -> Path:
     """Run Megatron-LM so that it saves iteration `iteration` under `save_dir` (tracker included)."""
-    cmd = harness_command(ucp_path, save_dir, iteration, layout.world_size, flags)
+    cmd = megatron_lm_command(ucp_path, save_dir, iteration, layout.world_size, flags)
     # CPU + gloo whatever the host has: the conversion needs no accelerator and T*P*D need not fit on GPUs.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
                CUDA_VISIBLE_DEVICES="")
@@ -232,19 +232,19 @@ def write(ucp_path: Path, save_dir: Path, iteration: int, layout: ParallelLayout
         out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         if log_path:
             log_path.write_text(out)
-        raise HarnessRunError(f"the Megatron-LM run writing the torch_dist checkpoint timed out after {timeout_s} s "
+        raise MegatronLMRunError(f"the Megatron-LM run writing the torch_dist checkpoint timed out after {timeout_s} s "
                               f"({layout.world_size} processes); raise --timeout") from None
     if log_path:
         log_path.write_text(proc.stdout)
     if proc.returncode != 0:
         errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
         tail = errors[-1] if errors else "\n".join(proc.stdout.splitlines()[-25:])
-        raise HarnessRunError(f"the Megatron-LM run writing the torch_dist checkpoint failed (exit {proc.returncode}): "
+        raise MegatronLMRunError(f"the Megatron-LM run writing the torch_dist checkpoint failed (exit {proc.returncode}): "
                               f"{tail}\ncommand: {' '.join(cmd)}")
     return save_dir
 
 
-class HarnessTorchDistWriter(CheckpointWriter):
+class MegatronLMTorchDistWriter(CheckpointWriter):
     """`--ckpt-format torch_dist`: Megatron-LM itself writes the checkpoint, from its training loop launched at
     the target layout (T*P*D CPU processes)."""
 
@@ -264,14 +264,14 @@ class HarnessTorchDistWriter(CheckpointWriter):
                 f"or choose another TP")
         if self.optimizer_format not in (None, "dp_reshardable", "fully_reshardable"):  # what 0.16.1 can save
             raise WriteError(f"--optimizer-format {self.optimizer_format}: Megatron-LM 0.19 saves "
-                             f"dp_reshardable or fully_reshardable; drop --via-harness to write {self.optimizer_format}")
+                             f"dp_reshardable or fully_reshardable; drop --via-megatron-lm to write {self.optimizer_format}")
         if self.optimizer_format is not None and not target.use_distributed_optimizer:
             raise WriteError(f"--optimizer-format {self.optimizer_format} describes the distributed optimizer's "
                              f"state: add --use-distributed-optimizer, or drop --optimizer-format")
         # megatron-core's default (dp_reshardable) unless asked, as the direct writer
         optimizer_format = (self.optimizer_format or "dp_reshardable") if target.use_distributed_optimizer else None
         try:
-            return harness_flags_from_universal(ucp.metadata, target.layout, vpp_layers=target.vpp_layers,
+            return megatron_lm_flags_from_universal(ucp.metadata, target.layout, vpp_layers=target.vpp_layers,
                                                 use_distributed_optimizer=target.use_distributed_optimizer,
                                                 optimizer_format=optimizer_format, notes=notes)
         except ValueError as e:
@@ -284,7 +284,7 @@ class HarnessTorchDistWriter(CheckpointWriter):
                             state_bytes), PlannedFile(TRACKER_FILENAME, 0)]
 
     def describe(self, ucp, target: WriteTarget) -> list[str]:
-        return ["harness flags: " + " ".join(self._flags(ucp, target, []))]
+        return ["Megatron-LM flags: " + " ".join(self._flags(ucp, target, []))]
 
     def write(self, ucp, target: WriteTarget, root: Path, on_file=None) -> None:
         flags = self._flags(ucp, target, [])
@@ -292,8 +292,8 @@ class HarnessTorchDistWriter(CheckpointWriter):
         try:
             write(Path(ucp.path).absolute(), root, ucp.iteration, target.layout, flags, timeout_s=self.timeout_s,
                   log_path=log)
-        except HarnessRunError as e:
-            raise HarnessRunError(f"{e} (log: {log})") from e
+        except MegatronLMRunError as e:
+            raise MegatronLMRunError(f"{e} (log: {log})") from e
         log.unlink(missing_ok=True)
         if not (root / TRACKER_FILENAME).is_file():
             raise WriteError(f"{root}: the Megatron-LM run finished without writing {TRACKER_FILENAME}")
