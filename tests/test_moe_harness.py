@@ -1,8 +1,6 @@
 """GPT-MoE on Megatron-LM 0.19's own training loop on CPU/gloo (pretrain_scripts/pretrain_gpt.py): the
-router's aux loss as --log-jsonl records it, and the plugin's refusal of a universal checkpoint of another MoE
-model. (Two tests written in the port -- the lm loss free of the aux loss, and a same-layout legacy resume through
-Megatron-LM's own --load with --ckpt-step -- failed their first full run and are left for the next session: the
-second's --ckpt-step was not honoured for the legacy format, so the resume loaded iteration 12 and trained nothing.)
+router's aux loss as --log-jsonl records it, the lm loss free of it, a same-layout legacy resume through
+Megatron-LM's own --load, and the plugin's refusal of a universal checkpoint of another MoE model.
 
 Model: pretrain_runs' llama_moe (MoE layers 1 and 3 of 4: 4 experts, top-2, expert ffn 32, a shared
 expert of 32, aux-loss coefficient 1e-2). The sources are pretrain_runs.MOE_SOURCES, shared with
@@ -31,6 +29,9 @@ from pretrain_runs import DISTOPT, FAMILIES, MOE_SOURCES, SAVED_AT, SCHEDULE, SO
 pytestmark = pytest.mark.torchrun
 
 TOL = 1e-6
+# The ep1 source with and without the aux loss, iterations 5..12: the lm loss parts by 2.1e-6..1.7e-5 relative
+# (measured); a run whose aux loss reached the lm loss would part from iteration 1.
+LM_PART = 1e-6
 RESUMED = range(SAVED_AT + 1, SOURCE_ITERS + 1)
 
 
@@ -69,6 +70,48 @@ def test_jsonl_aux_loss_is_megatrons_value_of_each_iteration(runs):
                 for wrong in (values[i - 1], sum(values[j] for j in range(1, i + 1)) / i,
                               sum(values[j] for j in range(1, i + 1))):
                     assert abs(printed - wrong) > unit, (field, i, printed, wrong)
+
+
+def test_lm_loss_is_the_pure_language_model_loss(runs):
+    """The aux loss reaches only the gradients (MoEAuxLossAutoScaler), never `lm loss`: the ep1 source and the
+    same run with --moe-aux-loss-coeff 0 have bitwise equal lm loss at iteration 1 (the first forward) and 2 (the
+    warmup's first step has learning rate 0); from iteration 3 the curves part, because the router learned from
+    the aux loss in one run only (see LM_PART). Without a coefficient megatron-core computes no aux loss: 0 in the
+    jsonl, and 0.19 prints the 0."""
+    with_aux = _source(runs, "ep1")
+    family, layout, model_flags, flags = MOE_SOURCES["ep1"]
+    without = runs.run(family, layout, SOURCE_ITERS, [*SCHEDULE, *model_flags, *flags, "--moe-aux-loss-coeff", "0"])
+    assert with_aux.losses[1] == without.losses[1] and with_aux.losses[2] == without.losses[2]
+    parted = max(abs(with_aux.losses[i] - without.losses[i]) / without.losses[i] for i in RESUMED)
+    assert parted > LM_PART, parted
+    assert all(r["load_balancing_loss"] == 0.0 for r in without.records.values())
+    assert _printed(without.log.read_text(), 3, "load_balancing_loss")[0] == 0.0
+    assert all(r["load_balancing_loss"] > 0.99 for r in with_aux.records.values())
+
+
+def test_same_layout_resume_through_megatron_lms_own_load(runs, tmp_path):
+    """The legacy_bias source (EP2 DP2, legacy --ckpt-format torch, chained dense + expert distributed optimizer,
+    the router's expert_bias buffer) resumed at the same layout by Megatron-LM's own --load from iteration 4
+    (cpu_shims' torch-Adam resume fixes included; Megatron-LM 0.19 honours --ckpt-step only for torch_dist, so
+    --load is a folder whose tracker names 4, holding a link to the source's iter_0000004): iterations 5..12
+    reproduce the uninterrupted run within TOL on lm loss and aux loss (measured: lm loss bitwise equal, aux loss
+    1.2e-7). Negative control: the same resume with --no-load-optim leaves the curve by more than 1e-4 (measured
+    7.7e-3)."""
+    family, layout, model_flags, flags = MOE_SOURCES["legacy_bias"]
+    source = runs.source(family, layout, [*model_flags, *flags])
+    at4 = tmp_path / "at4"
+    at4.mkdir()
+    (at4 / "iter_0000004").symlink_to(source.save / "iter_0000004", target_is_directory=True)
+    (at4 / "latest_checkpointed_iteration.txt").write_text(str(SAVED_AT))
+    load = [*model_flags, *DISTOPT, "--ckpt-format", "torch"]
+    resumed = runs.resume(family, layout, at4, load, universal=False)
+    assert sorted(resumed.records) == list(RESUMED)
+    for key in ("lm_loss", "load_balancing_loss"):
+        diff = max(abs(resumed.records[i][key] - source.records[i][key]) / abs(source.records[i][key])
+                   for i in RESUMED)
+        assert diff < TOL, (key, diff)
+    no_optim = runs.resume(family, layout, at4, [*load, "--no-load-optim"], universal=False)
+    assert max(abs(no_optim.losses[i] - source.losses[i]) / source.losses[i] for i in RESUMED) > 1e-4
 
 
 def test_universal_resume_refuses_another_moe_model(runs, tmp_path):
