@@ -285,12 +285,33 @@ def test_from_universal_legacy_at_new_ep_is_loaded_by_megatron_lm(sources):
     assert leaves(broken, src) > BROKEN
 
 
+def test_from_universal_torch_dist_at_new_ep_is_loaded_by_megatron_lm(sources):
+    """from-universal --ckpt-format torch_dist at EP4 DP4 with the distributed optimizer from the EP2 DP4
+    source, written directly (no training process): every key, chunk box and byte, every optimizer object
+    (chained `chained_0.` dense / `chained_1.` expert buckets over the ETP x EP x PP groups, param groups, bucket
+    numels) equal megatron-core's own save at that layout (`--via-harness`; alignment gaps and RNG states
+    aside), verify atol 0; Megatron-LM's own --load (dist_checkpointing.load) continues the source's run within
+    TOL (with the shifted-curve negative control of check_continues)."""
+    from megatron_ucp.commands.from_universal import from_universal
+
+    src = sources("ep2dp4")
+    target = dict(data_parallel_size=4, expert_model_parallel_size=4, use_distributed_optimizer=True,
+                  ckpt_format="torch_dist", rng_state="cpu", progress=False)
+    direct = from_universal(src.ucp, src.work / "td_ep4", **target)
+    from_universal(src.ucp, src.work / "td_ep4_harness", via_harness=True, **target)
+    ours, theirs = (src.work / name / "iter_0000004" for name in ("td_ep4", "td_ep4_harness"))
+    assert any(k.startswith("chained_1.optimizer.distributed.dp_group_idx_3.") for k in structure(ours))
+    assert_equal_to_megatron(ours, theirs, gap_chunks(direct, src.ucp))
+    src.check_continues(src.resume(Layout(dp=4, ep=4), ucp=src.work / "td_ep4", universal=False),
+                        "torch_dist EP4 via --load")
+
+
 @pytest.mark.parametrize("name,source,target,kwargs", [
     ("ep1_dp_reshardable", "ep2dp4", Layout(dp=2), dict(use_distributed_optimizer=True)),
 ])
 def test_direct_torch_dist_equals_megatron_cores_save(sources, name, source, target, kwargs):
     """The direct torch_dist writer equals megatron-core's own save (the --via-megatron-lm route) where the MoE
-    layout differs from the legacy EP4 write above: EP1 (experts in the dense optimizer's buffers, no ChainedOptimizer).
+    layout differs from the test above: EP1 (experts in the dense optimizer's buffers, no ChainedOptimizer).
     Plain Adam with every layer MoE and an fp16 MoE model were compared too while porting to Megatron-LM 0.19
     and are left out of CI for time: each costs a source run and a Megatron-LM save."""
     from megatron_ucp.commands.from_universal import from_universal
