@@ -205,6 +205,7 @@ MOE_SOURCES = {
     "tp2etp1ep2": ("llama_moe", Layout(tp=2, sp=True, ep=2, etp=1), [], DISTOPT),  # EP over the TP ranks
     "adam_allmoe": ("gpt2_moe", Layout(dp=2, ep=2), ["--moe-layer-freq", "1"], []),  # plain Adam, every layer MoE
     "legacy_bias": ("llama_moe", Layout(dp=2, ep=2), MOE_EXPERT_BIAS, [*DISTOPT, "--ckpt-format", "torch"]),
+    "ep2_fp16": ("llama_moe", Layout(dp=2, ep=2), ["--fp16"], DISTOPT),
 }
 
 # Tolerances on the relative lm-loss difference of a resume at another layout against the uninterrupted

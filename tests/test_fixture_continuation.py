@@ -8,7 +8,7 @@ warmup + cosine and weight decay is in test_universal_resume.py and test_e2e_*.p
 
 0.19 reads the fixtures' mock data only with V016_DATA (0.16.1's NullTokenizer appended EOD to
 --vocab-size; fixtures/megatron-core-0.19/README.md). With it, 0.19's model continues 0.16.1's run as
-0.16.1 would: measured here 7.3e-8 (A at its own TP2 PP2 DP2 -- 8 processes, left out of CI for time -- and B at TP1 PP2 DP2), 1.4e-7 (A at TP1), 7.2e-8 (C own
+0.16.1 would: measured here 7.3e-8 (A own layout, B at TP1 PP2 DP2), 1.4e-7 (A at TP1), 7.2e-8 (C own
 layout and at DP2), i.e. within the printed digits' rounding: no numerical difference between the two
 releases shows.
 
@@ -34,6 +34,7 @@ FIXTURE_TOL = FIXTURE_LOSS_TOL  # printed digits, cross-CPU and layout noise (pr
 V016_DATA = ["--vocab-size", "1001", "--null-tokenizer-eod-id", "1000"]
 
 CASES = [
+    (A, Layout(tp=2, pp=2, dp=2, sp=True), "own layout"),
     (A, Layout(), "TP1PP1"),
     (B, Layout(pp=2, dp=2), "TP1PP2DP2"),
     (C, Layout(tp=2, pp=2), "own layout"),

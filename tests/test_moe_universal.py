@@ -23,6 +23,8 @@ through the `runs` cache (tests/test_moe_harness.py reuses them):
   axis before the expert axis), EP2 DP2, plain Adam (no distributed optimizer);
 - legacy_bias: llama_moe with a sigmoid router, its expert_bias buffer and a gated shared expert, EP2 DP2,
   distributed optimizer, saved in Megatron-LM's legacy format (--ckpt-format torch);
+- ep2_fp16: llama_moe at EP2 DP2 with --fp16 (dynamic loss scaling), distributed optimizer (only written
+  again by from-universal and compared with megatron-core's save; not resumed).
 Biased experts are resumed at TP1 only: under TP2 (MoE needs sequence parallelism there) at ETP1, megatron-core
 0.19.2 marks each expert fc2 bias `sequence_parallel` and finalize_model_grads sums its gradient over the dense
 TP group, i.e. over other experts (EP2) or a replica (EP1). A resume of adam_allmoe at TP2 SP EP2 ETP1
@@ -308,12 +310,14 @@ def test_from_universal_torch_dist_at_new_ep_is_loaded_by_megatron_lm(sources):
 
 @pytest.mark.parametrize("name,source,target,kwargs", [
     ("ep1_dp_reshardable", "ep2dp4", Layout(dp=2), dict(use_distributed_optimizer=True)),
+    ("adam_stacked", "adam_allmoe", Layout(dp=2, ep=2), {}),
+    ("fp16_dp_reshardable", "ep2_fp16", Layout(dp=2, ep=2), dict(use_distributed_optimizer=True)),
 ])
 def test_direct_torch_dist_equals_megatron_cores_save(sources, name, source, target, kwargs):
     """The direct torch_dist writer equals megatron-core's own save (the --via-megatron-lm route) where the MoE
-    layout differs from the test above: EP1 (experts in the dense optimizer's buffers, no ChainedOptimizer).
-    Plain Adam with every layer MoE and an fp16 MoE model were compared too while porting to Megatron-LM 0.19
-    and are left out of CI for time: each costs a source run and a Megatron-LM save."""
+    layout differs from the test above: EP1 (experts in the dense optimizer's buffers, no ChainedOptimizer),
+    plain Adam with every layer MoE (stacked keys: layer axis, then expert axis; two optimizers' common_step),
+    and an fp16 model (fp16 weights cast as torch casts them, each chained optimizer's loss-scaler object)."""
     from megatron_ucp.commands.from_universal import from_universal
 
     src = sources(source)

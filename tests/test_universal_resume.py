@@ -61,6 +61,18 @@ def test_loss_continues_at_new_layout(source, runs, source_name, target, extra, 
         assert "RNG re-seeded from --seed and the iteration (the RNG states were saved at" in resumed.log.read_text()
 
 
+def test_llama_tp4_is_refused_with_a_clear_error(source, runs, tmp_path):
+    """Megatron-LM 0.19 itself builds TP4 with 2 query groups (each KV head replicated on two TP ranks);
+    the universal format slices the fused QKV by whole query groups, so the loader refuses, naming the
+    parameter and the TPs that work."""
+    from pretrain_runs import FAMILIES, run_pretrain
+
+    ucp = runs.universal(source("llama-pp2vpp-adam").save)
+    proc = run_pretrain(Layout(tp=4), [*FAMILIES["llama"], "--train-iters", "12", "--load", str(ucp),
+                                      "--universal-checkpoint"], tmp_path, "tp4", expect_failure=True)
+    assert "linear_qkv.weight: num_query_groups=2 not divisible by TP=4; choose TP in [1, 2]" in proc.stdout
+
+
 def test_round_trip_is_bitwise(source, runs, tmp_path):
     """Load the universal checkpoint at the source layout, let Megatron-LM save it (torch_dist) without
     training, convert again: every tensor, step, scheduler value, the loss scaler and the RNG states come
