@@ -300,7 +300,7 @@ def test_from_universal_torch_dist_at_new_ep_is_loaded_by_megatron_lm(sources):
     target = dict(data_parallel_size=4, expert_model_parallel_size=4, use_distributed_optimizer=True,
                   ckpt_format="torch_dist", rng_state="cpu", progress=False)
     direct = from_universal(src.ucp, src.work / "td_ep4", **target)
-    from_universal(src.ucp, src.work / "td_ep4_harness", via_harness=True, **target)
+    from_universal(src.ucp, src.work / "td_ep4_harness", via_megatron_lm=True, **target)
     ours, theirs = (src.work / name / "iter_0000004" for name in ("td_ep4", "td_ep4_harness"))
     assert any(k.startswith("chained_1.optimizer.distributed.dp_group_idx_3.") for k in structure(ours))
     assert_equal_to_megatron(ours, theirs, gap_chunks(direct, src.ucp))
