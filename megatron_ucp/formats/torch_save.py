@@ -158,7 +158,9 @@ class SavedTensor:
 class StreamedTensor:
     """A CPU tensor for `save_streamed` whose C-order bytes are produced only when its storage record is
     written: `chunks()` yields them in order (bytes-like values, any split, `nbytes` in all), so a writer
-    holds one chunk, never the tensor. `dtype` a torch dtype name."""
+    holds one chunk, never the tensor. A chunk may also be an object that writes itself into the file
+    (`nbytes`, `copy_into(fd, pos, crc) -> crc`: e.g. universal_pieces.StoredRun, file to file). `dtype` a
+    torch dtype name."""
 
     dtype: str
     shape: tuple
@@ -281,10 +283,8 @@ class _Archive:
         """Write a storage's chunks as they are produced; its CRC-32."""
         crc, n = 0, 0
         for chunk in chunks():
-            view = memoryview(chunk).cast("B")
-            self.out.write(view)
-            crc = zlib.crc32(view, crc)
-            n += len(view)
+            written, crc = _write_chunk(self.out, chunk, crc)
+            n += written
         if n != nbytes:
             raise TorchSaveError(f"record {name}: {n} bytes produced, {nbytes} declared")
         self.pos += n
@@ -340,6 +340,21 @@ class _Archive:
 
 class _NeedsZip64(Exception):
     pass
+
+
+def _write_chunk(file, chunk, crc: int) -> tuple[int, int]:
+    """Write one StreamedTensor chunk at `file`'s position: bytes-like, or an object that copies itself in
+    (`copy_into(fd, pos, crc) -> crc`, `nbytes`: e.g. file to file). Returns (bytes, CRC-32 continued)."""
+    copy_into = getattr(chunk, "copy_into", None)
+    if copy_into is None:
+        view = memoryview(chunk).cast("B")
+        file.write(view)
+        return len(view), zlib.crc32(view, crc)
+    file.flush()
+    pos = file.tell()
+    crc = copy_into(file.fileno(), pos, crc)
+    file.seek(pos + chunk.nbytes)
+    return chunk.nbytes, crc
 
 
 def _pickled(obj: Any) -> tuple[bytes, list[_Storage]]:
@@ -432,7 +447,7 @@ def _save_streamed_by_torch(pickled: bytes, storages: list[_Storage], file) -> i
         file.seek(start + at)
         n = 0
         for chunk in (storage.data() if callable(storage.data) else (storage.data,)):
-            n += file.write(memoryview(chunk).cast("B"))
+            n += _write_chunk(file, chunk, 0)[0]
         if n != nbytes:
             raise TorchSaveError(f"data/{storage.key}: {n} bytes produced, {nbytes} declared")
     file.seek(end)

@@ -13,6 +13,7 @@ No torch.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -165,8 +166,39 @@ def piece_bands(sources: Sources, piece: Piece, dtype: TorchDType) -> Iterator[n
         e = row * width + hi
 
 
-def write_piece(sources: Sources, fd: int, pos: int, piece: Piece, dtype: TorchDType) -> None:
-    """Write the piece's elements, cast to `dtype`, at byte `pos` of the open file `fd`."""
+@dataclass(frozen=True)
+class StoredRun:
+    """A piece whose elements are one run of its universal tensor file as stored (float32, no cast): written
+    file to file (copy_file_range: the bytes never enter this process), then checked against the universal
+    checksums where they lie, in the page cache. torch_save's archive writer takes it as a chunk (`copy_into`)."""
+
+    sources: Sources
+    name: str
+    region: FileRegion
+
+    @property
+    def nbytes(self) -> int:
+        return self.region.nbytes
+
+    def copy_into(self, fd: int, pos: int, crc: Optional[int] = None) -> Optional[int]:
+        """Copy the run to byte `pos` of `fd`, check it; with `crc`, return the CRC-32 continued over it
+        (computed on the checked mapping: no copy)."""
+        copy_region(self.sources.files, self.region, fd, pos)
+        if crc is None:
+            self.sources.ucp.verify_copied(self.name, self.region)
+            return None
+        running = [crc]
+
+        def on_view(view) -> None:
+            running[0] = zlib.crc32(view, running[0])
+
+        self.sources.ucp.verify_copied(self.name, self.region, on_view=on_view)
+        return running[0]
+
+
+def stored_run(sources: Sources, piece: Piece, dtype: TorchDType) -> Optional[StoredRun]:
+    """The piece as one stored run, when it is one: float32 out, whole rows or part of one row, inside the
+    stored rows, and a universal checkpoint that stores its bytes (not a lazy one)."""
     rows, cols = sources.shape2d(piece.name)
     (r0, _), (c0, c1) = piece.box if len(piece.box) == 2 else ((0, 1), piece.box[0])
     width = c1 - c0
@@ -174,10 +206,25 @@ def write_piece(sources: Sources, fd: int, pos: int, piece: Piece, dtype: TorchD
     if dtype == _F32 and (width == cols or first_row == last_row) and r0 + last_row < rows:
         start = (r0 + first_row) * cols + c0 + piece.start % width
         region = sources.region(piece.name, piece.state, start, start + piece.numel)
-        if region is not None:  # one run of the stored tensor: file to file, then checked
-            copy_region(sources.files, region, fd, pos)
-            sources.ucp.verify_copied(piece.name, region)
-            return
-    for data in piece_bands(sources, piece, dtype):
-        integrity.pwrite_hashed(fd, memoryview(data.view(np.uint8)), pos, None)
-        pos += data.nbytes
+        if region is not None:
+            return StoredRun(sources, piece.name, region)
+    return None
+
+
+def piece_chunks(sources: Sources, piece: Piece, dtype: TorchDType) -> Iterator:
+    """The piece's bytes in order: one StoredRun where it is one, else piece_bands' cast bands."""
+    run = stored_run(sources, piece, dtype)
+    if run is not None:
+        yield run
+    else:
+        yield from piece_bands(sources, piece, dtype)
+
+
+def write_piece(sources: Sources, fd: int, pos: int, piece: Piece, dtype: TorchDType) -> None:
+    """Write the piece's elements, cast to `dtype`, at byte `pos` of the open file `fd`."""
+    for chunk in piece_chunks(sources, piece, dtype):
+        if isinstance(chunk, StoredRun):
+            chunk.copy_into(fd, pos)
+        else:
+            integrity.pwrite_hashed(fd, memoryview(chunk.view(np.uint8)), pos, None)
+        pos += chunk.nbytes

@@ -25,7 +25,7 @@ import os
 import stat
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
 from megatron_ucp.core.dtypes import to_torch
 from megatron_ucp.core.layout import ParallelLayout
@@ -667,10 +667,11 @@ class UniversalCheckpoint:
             raise _as_format_error(e) from None
         return FileRegion(str(file), start, stop - start)
 
-    def verify_copied(self, name: str, region: FileRegion) -> None:
+    def verify_copied(self, name: str, region: FileRegion, on_view: Optional[Callable] = None) -> None:
         """Check every block of `name`'s tensor file that holds `region` (bytes a writer just copied from
         locate()'s region, still in the page cache) against its checksums, mapping at most
-        integrity.COPY_STEP bytes at a time; a damaged block raises UniversalFormatError naming it."""
+        integrity.COPY_STEP bytes at a time; a damaged block raises UniversalFormatError naming it.
+        `on_view`: called with each checked piece of the region, in order (a memoryview, valid in the call)."""
         info = self._info(name)
         fd = self._source_files().fd(region.path)
         label = integrity.tensor_file_label(info.name)
@@ -678,8 +679,9 @@ class UniversalCheckpoint:
             for lo in range(region.offset, region.offset + region.nbytes, integrity.COPY_STEP):
                 n = min(integrity.COPY_STEP, region.offset + region.nbytes - lo)
                 with integrity.verified_view(fd, lo, n, info.checksum, path=region.path, label=label,
-                                             cache=self._verified):
-                    pass
+                                             cache=self._verified) as view:
+                    if on_view is not None:
+                        on_view(view)
         except ChecksumError as e:
             raise _as_format_error(e) from None
         self.bytes_read += region.nbytes

@@ -76,7 +76,7 @@ from megatron_ucp.formats.megatron_state import (
 from megatron_ucp.formats.safe_pickle import TorchDType
 from megatron_ucp.formats.torch_save import (
     EnumMember, GlobalRef, Obj, SavedTensor, StreamedTensor, save_streamed, torch_dtype)
-from megatron_ucp.formats.universal_pieces import Piece, PieceLayoutError, Sources, local_flat_pieces, piece_bands
+from megatron_ucp.formats.universal_pieces import Piece, PieceLayoutError, Sources, local_flat_pieces, piece_chunks
 from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
 from megatron_ucp.io.byteio import BAND_BYTES
 
@@ -205,9 +205,9 @@ class _RankTensors:
         parts.append(numel - at)
         return StreamedTensor("float32", (numel,), lambda: self._buffer_bands(parts))
 
-    def _bands(self, pieces: list[Piece], dtype: TorchDType) -> Iterator[np.ndarray]:
-        for piece in pieces:
-            yield from piece_bands(self.sources, piece, dtype)
+    def _bands(self, pieces: list[Piece], dtype: TorchDType) -> Iterator:
+        for piece in pieces:  # stored runs copied file to file, the rest as cast bands
+            yield from piece_chunks(self.sources, piece, dtype)
 
     def _buffer_bands(self, parts: list) -> Iterator[np.ndarray]:
         for part in parts:
