@@ -263,7 +263,7 @@ class Bench:
             base = self.copy(ucp)
             self.measure(f"from-universal -> {label}", cli("from-universal", str(ucp), str(out), *target, *flags,
                                                            "--rng-state", "cpu", "--quiet", "--json",
-                                                           *(workers if short != "legacy" else [])), base)
+                                                           *workers), base)
             self.sizes[f"megatron_{short}"] = dir_bytes(out)
             if short == "dp":
                 v = self.measure("verify torch_dist vs universal", cli("verify", str(out), str(ucp), "--quiet",

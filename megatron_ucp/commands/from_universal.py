@@ -419,8 +419,9 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
                         f"one without a Megatron source). 0.19 keeps the common state inside the .distcp files "
                         f"(0.19 still reads the older common.pt form; 0.16-0.18 read only that)")
     p.add_argument("--workers", type=int, default=None,
-                   help="torch_dist: threads writing the output files (default: min(4, CPUs)); under torchrun "
-                        "the processes also split the files (a shared filesystem)")
+                   help="threads writing the output files (default: min(4, CPUs); legacy torch: one rank's "
+                        "files per thread); torch_dist under torchrun: the processes also split the files (a "
+                        "shared filesystem)")
     p.add_argument("--via-megatron-lm", "--via-harness", dest="via_megatron_lm", action="store_true",
                    help="torch_dist: let Megatron-LM itself save, by launching its training loop with "
                         "T*P*D CPU processes (memory: the whole model and optimizer state); the direct "

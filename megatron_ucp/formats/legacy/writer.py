@@ -53,9 +53,12 @@ torch pickles them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 import struct
 import sys
+import threading
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
@@ -390,33 +393,56 @@ def _distrib_optim(target: WriteTarget, pp_rank: int, chunks, tensors: _RankTens
 
 
 def write(ucp, config: GPTModelConfig, target: WriteTarget, root: Path,
-          on_file: Optional[Callable[[Path, int], None]] = None) -> list[Path]:
-    """Write the legacy checkpoint under `root` (a staging directory): every rank's files, then the
-    tracker file last. Memory: one rank's pickle and one band of tensor bytes at a time."""
+          on_file: Optional[Callable[[Path, int], None]] = None, workers: int = 1) -> list[Path]:
+    """Write the legacy checkpoint under `root` (a staging directory): every rank's files, by `workers`
+    threads (one rank each at a time: copies in the kernel overlap the casting and checksumming of another
+    rank), then the tracker file last. Memory: per thread, one rank's pickle and one band of tensor bytes."""
     layout = target.layout
     config = replace(config, padded_vocab_size=target.padded_vocab_size)
     check_layout(config, layout)
     groups = param_groups_by_rank(ucp, config, target) if _has_moments(ucp) else None
     iter_dir = Path(root) / iteration_dir_name(ucp.iteration)
-    written = []
-    sources = Sources(ucp, config)
+    local = threading.local()
+    opened: list[Sources] = []
+    lock = threading.Lock()
+
+    def write_rank(pp_rank: int, tp_rank: int, ep_rank: int) -> list[Path]:
+        sources = getattr(local, "sources", None)
+        if sources is None:  # one per thread: its open files are its own
+            sources = local.sources = Sources(ucp, config)
+            with lock:
+                opened.append(sources)
+        rank_dir = iter_dir / rank_dir_name(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep)
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        state, distrib = build_rank_state(ucp, config, target, groups, tp_rank, pp_rank, ep_rank, sources)
+        paths = []
+        for filename, obj in ((MODEL_FILENAME, state), (DISTRIB_OPTIM_FILENAME, distrib)):
+            if obj is None:
+                continue
+            path = rank_dir / filename
+            with open(path, "wb") as f:  # torch.save to a path names the archive's folder after the file
+                save_streamed(obj, f, prefix=path.stem)
+            paths.append(path)
+        return paths
+
+    ranks = [(p, t, e) for p in range(layout.pp) for t in range(layout.tp) for e in ep_ranks(config, layout)]
     try:
-        for pp_rank, tp_rank, ep_rank in [(p, t, e) for p in range(layout.pp) for t in range(layout.tp)
-                                          for e in ep_ranks(config, layout)]:
-            rank_dir = iter_dir / rank_dir_name(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep)
-            rank_dir.mkdir(parents=True, exist_ok=True)
-            state, distrib = build_rank_state(ucp, config, target, groups, tp_rank, pp_rank, ep_rank, sources)
-            for filename, obj in ((MODEL_FILENAME, state), (DISTRIB_OPTIM_FILENAME, distrib)):
-                if obj is None:
-                    continue
-                path = rank_dir / filename
-                with open(path, "wb") as f:  # torch.save to a path names the archive's folder after the file
-                    save_streamed(obj, f, prefix=path.stem)
-                written.append(path)
-                if on_file:
-                    on_file(path, path.stat().st_size)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers),
+                                                   thread_name_prefix="legacy-writer") as pool:
+            futures = [pool.submit(write_rank, *rank) for rank in ranks]
+            try:
+                for future in concurrent.futures.as_completed(futures):
+                    for path in future.result():
+                        if on_file:
+                            on_file(path, path.stat().st_size)
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
     finally:
-        sources.close()
+        for sources in opened:
+            sources.close()
+    written = [path for future in futures for path in future.result()]  # in rank order
     tracker = Path(root) / TRACKER_FILENAME
     tracker.write_text(str(ucp.iteration))
     written.append(tracker)
@@ -430,9 +456,12 @@ class LegacyWriter(CheckpointWriter):
     branched on."""
 
     ckpt_format = "torch"
-    OPTIONS = ("megatron_core_version",)
+    OPTIONS = ("megatron_core_version", "workers")
 
-    def __init__(self, megatron_core_version: Optional[str] = None):
+    def __init__(self, megatron_core_version: Optional[str] = None, workers: Optional[int] = None):
+        if workers is not None and int(workers) < 1:
+            raise WriteError(f"--workers {workers}: use at least 1")
+        self.workers = int(workers) if workers else max(1, min(4, os.cpu_count() or 1))
         if megatron_core_version is not None:
             try:
                 versions.release(megatron_core_version)
@@ -443,4 +472,4 @@ class LegacyWriter(CheckpointWriter):
         return plan(ucp, ucp.config, target)
 
     def write(self, ucp, target: WriteTarget, root: Path, on_file=None) -> None:
-        write(ucp, ucp.config, target, root, on_file=on_file)
+        write(ucp, ucp.config, target, root, on_file=on_file, workers=self.workers)
