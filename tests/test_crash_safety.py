@@ -21,8 +21,8 @@ from writer_cli import C_FIXTURE, Paused, assert_ok, assert_one_line_error, cli,
 
 TO_UNIVERSAL_PHASES = ["staged", "half-written", "fsynced", "marker-written", "renaming"]
 FROM_UNIVERSAL_PHASES = ["half-written", "marker-written", "renaming"]  # "staged" is the writers' shared code
-# 4 rank files, written one after another (--workers 1): "half-written" is then exactly 2 of them (with more
-# writer threads the others go on while the main thread is stopped at the phase)
+# 4 rank files, written one after another in the command's own thread (--workers 1): "half-written" is then
+# exactly 2 of them (with writer threads the others go on while the main thread is stopped at the phase)
 FROM = ("-t", "2", "-p", "2", "--ckpt-format", "torch", "--rng-state", "cpu", "--quiet", "--workers", "1")
 
 

@@ -426,6 +426,18 @@ def write(ucp, config: GPTModelConfig, target: WriteTarget, root: Path,
         return paths
 
     ranks = [(p, t, e) for p in range(layout.pp) for t in range(layout.tp) for e in ep_ranks(config, layout)]
+    if workers <= 1:  # in this thread: each file reported (on_file) before the next one is started
+        written = []
+        try:
+            for rank in ranks:
+                for path in write_rank(*rank):
+                    written.append(path)
+                    if on_file:
+                        on_file(path, path.stat().st_size)
+        finally:
+            for sources in opened:
+                sources.close()
+        return _with_tracker(written, root, ucp.iteration)
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers),
                                                    thread_name_prefix="legacy-writer") as pool:
@@ -442,11 +454,14 @@ def write(ucp, config: GPTModelConfig, target: WriteTarget, root: Path,
     finally:
         for sources in opened:
             sources.close()
-    written = [path for future in futures for path in future.result()]  # in rank order
+    return _with_tracker([path for future in futures for path in future.result()], root, ucp.iteration)
+
+
+def _with_tracker(written: list[Path], root: Path, iteration: int) -> list[Path]:
+    """The tracker file, written last (after every rank's files); the written paths, it included."""
     tracker = Path(root) / TRACKER_FILENAME
-    tracker.write_text(str(ucp.iteration))
-    written.append(tracker)
-    return written
+    tracker.write_text(str(iteration))
+    return [*written, tracker]
 
 
 class LegacyWriter(CheckpointWriter):
