@@ -184,16 +184,14 @@ class StoredRun:
         """Copy the run to byte `pos` of `fd`, check it; with `crc`, return the CRC-32 continued over it
         (computed on the checked mapping: no copy)."""
         copy_region(self.sources.files, self.region, fd, pos)
-        if crc is None:
-            self.sources.ucp.verify_copied(self.name, self.region)
-            return None
-        running = [crc]
+        running = crc
 
         def on_view(view) -> None:
-            running[0] = zlib.crc32(view, running[0])
+            nonlocal running
+            running = zlib.crc32(view, running)
 
-        self.sources.ucp.verify_copied(self.name, self.region, on_view=on_view)
-        return running[0]
+        self.sources.ucp.verify_copied(self.name, self.region, on_view=None if crc is None else on_view)
+        return running
 
 
 def stored_run(sources: Sources, piece: Piece, dtype: TorchDType) -> Optional[StoredRun]:

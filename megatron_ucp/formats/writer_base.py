@@ -9,11 +9,20 @@ it moves into place. Writers register in `megatron_ucp.formats.writers` (WRITERS
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Optional
 
 from megatron_ucp.core.layout import ParallelLayout
+
+
+def writer_threads(workers: Optional[int], error=None) -> int:
+    """`--workers`: the threads a writer uses (default min(4, CPUs)); below 1 is refused (`error`: the
+    writer's own WriteError class)."""
+    if workers is not None and int(workers) < 1:
+        raise (error or WriteError)(f"--workers {workers}: use at least 1")
+    return int(workers) if workers else max(1, min(4, os.cpu_count() or 1))
 
 
 class WriteError(ValueError):

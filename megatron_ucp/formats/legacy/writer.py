@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import os
 import struct
 import sys
 import threading
@@ -80,7 +79,7 @@ from megatron_ucp.formats.safe_pickle import TorchDType
 from megatron_ucp.formats.torch_save import (
     EnumMember, GlobalRef, Obj, SavedTensor, StreamedTensor, save_streamed, torch_dtype)
 from megatron_ucp.formats.universal_pieces import Piece, PieceLayoutError, Sources, local_flat_pieces, piece_chunks
-from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
+from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, WriteError, WriteTarget, writer_threads
 from megatron_ucp.io.byteio import BAND_BYTES
 
 _F32 = MODEL_DTYPES["float32"]
@@ -425,42 +424,35 @@ def write(ucp, config: GPTModelConfig, target: WriteTarget, root: Path,
             paths.append(path)
         return paths
 
+    def report(paths: list[Path]) -> None:
+        for path in paths:
+            if on_file:
+                on_file(path, path.stat().st_size)
+
     ranks = [(p, t, e) for p in range(layout.pp) for t in range(layout.tp) for e in ep_ranks(config, layout)]
-    if workers <= 1:  # in this thread: each file reported (on_file) before the next one is started
-        written = []
-        try:
-            for rank in ranks:
-                for path in write_rank(*rank):
-                    written.append(path)
-                    if on_file:
-                        on_file(path, path.stat().st_size)
-        finally:
-            for sources in opened:
-                sources.close()
-        return _with_tracker(written, root, ucp.iteration)
+    written: list[Path] = []
     try:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers),
-                                                   thread_name_prefix="legacy-writer") as pool:
-            futures = [pool.submit(write_rank, *rank) for rank in ranks]
-            try:
-                for future in concurrent.futures.as_completed(futures):
-                    for path in future.result():
-                        if on_file:
-                            on_file(path, path.stat().st_size)
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
+        if workers <= 1:  # in this thread: each file reported before the next one is started
+            for rank in ranks:
+                paths = write_rank(*rank)
+                report(paths)
+                written += paths
+        else:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="legacy-writer") as pool:
+                futures = [pool.submit(write_rank, *rank) for rank in ranks]
+                try:
+                    for future in concurrent.futures.as_completed(futures):
+                        report(future.result())
+                except BaseException:
+                    for future in futures:
+                        future.cancel()
+                    raise
+            written = [path for future in futures for path in future.result()]  # in rank order
     finally:
         for sources in opened:
             sources.close()
-    return _with_tracker([path for future in futures for path in future.result()], root, ucp.iteration)
-
-
-def _with_tracker(written: list[Path], root: Path, iteration: int) -> list[Path]:
-    """The tracker file, written last (after every rank's files); the written paths, it included."""
     tracker = Path(root) / TRACKER_FILENAME
-    tracker.write_text(str(iteration))
+    tracker.write_text(str(ucp.iteration))
     return [*written, tracker]
 
 
@@ -474,9 +466,7 @@ class LegacyWriter(CheckpointWriter):
     OPTIONS = ("megatron_core_version", "workers")
 
     def __init__(self, megatron_core_version: Optional[str] = None, workers: Optional[int] = None):
-        if workers is not None and int(workers) < 1:
-            raise WriteError(f"--workers {workers}: use at least 1")
-        self.workers = int(workers) if workers else max(1, min(4, os.cpu_count() or 1))
+        self.workers = writer_threads(workers)
         if megatron_core_version is not None:
             try:
                 versions.release(megatron_core_version)

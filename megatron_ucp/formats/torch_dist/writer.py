@@ -108,7 +108,7 @@ from megatron_ucp.formats.torch_dist.names import (
 from megatron_ucp.formats.torch_save import (
     EnumMember, GlobalRef, Obj, SavedTensor, TorchSize, pickle_bytes, save_bytes, tensor_archive,
     torch_dtype)
-from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, WriteError, WriteTarget
+from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, WriteError, WriteTarget, writer_threads
 from megatron_ucp.io import integrity
 from megatron_ucp.formats.universal_pieces import (Gap, Piece, Sources, box_numel, box_of, local_flat_pieces,
                                                    write_piece)
@@ -836,8 +836,7 @@ class DirectTorchDistWriter(CheckpointWriter):
         if optimizer_format is not None and optimizer_format not in OPTIMIZER_FORMATS:
             raise TorchDistWriteError(f"--optimizer-format {optimizer_format!r}: choose one of "
                                       f"{', '.join(OPTIMIZER_FORMATS)}")
-        if workers is not None and int(workers) < 1:
-            raise TorchDistWriteError(f"--workers {workers}: use at least 1")
+        self.workers = writer_threads(workers, TorchDistWriteError)
         self.optimizer_format = optimizer_format
         self.megatron_core_version = megatron_core_version
         if megatron_core_version is not None:
@@ -845,7 +844,6 @@ class DirectTorchDistWriter(CheckpointWriter):
                 versions.release(megatron_core_version)
             except ValueError as e:
                 raise TorchDistWriteError(f"--megatron-core-version: {e}") from None
-        self.workers = int(workers) if workers else max(1, min(4, os.cpu_count() or 1))
         self._cached: Optional[tuple] = None  # (ucp, target, plan): plan() and write() share one plan
 
     def checkpoint_plan(self, ucp, target: WriteTarget) -> DirectPlan:
