@@ -35,6 +35,7 @@ import math
 import os
 import resource
 import shutil
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -222,6 +223,21 @@ class Bench:
         self.peak_disk = max(self.peak_disk, dir_bytes(self.work))
         return stats
 
+    def median_row(self, name: str, n: int) -> None:
+        """A row of the medians of the last n measured rows (and of their adjacent cp -r), ratio of the medians."""
+        rows = self.rows[-n:]
+        med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+        row = {"step": name, "seconds": round(med("seconds"), 2), "cp_seconds": round(med("cp_seconds"), 2),
+               "runs": [r["seconds"] for r in rows], "cp_runs": [r["cp_seconds"] for r in rows],
+               "peak_rss_mib": max(r["peak_rss_mib"] for r in rows), "peak_pss_mib": max(r["peak_pss_mib"] for r in rows),
+               "processes": max(r["processes"] for r in rows), "read_mib": round(med("read_mib")),
+               "written_mib": round(med("written_mib")), "cpu_seconds": round(med("cpu_seconds"), 1),
+               "returncode": max(r["returncode"] for r in rows)}
+        row["ratio"] = round(row["seconds"] / row["cp_seconds"], 2)
+        self.rows.append(row)
+        self.log(f"{name}: {row['seconds']:.2f} s (runs {row['runs']}) = {row['ratio']}x the median cp -r "
+                 f"{row['cp_seconds']:.2f} s (runs {row['cp_runs']})")
+
     def copy(self, src: Path) -> RunStats:
         dst = self.work / "copy"
         stats = self.measure(f"cp -r {src.name}", ["cp", "-r", str(src), str(dst)])
@@ -260,10 +276,17 @@ class Bench:
                                                          "dp_reshardable"])]
         for label, short, flags in formats:
             out = self.work / f"megatron_{short}"
-            base = self.copy(ucp)
-            self.measure(f"from-universal -> {label}", cli("from-universal", str(ucp), str(out), *target, *flags,
-                                                           "--rng-state", "cpu", "--quiet", "--json",
-                                                           *workers), base)
+            pairs = []
+            for i in range(a.repeat):  # cp -r and the command alternate: each ratio is to the copy right before
+                if out.exists():
+                    shutil.rmtree(out)
+                base = self.copy(ucp)
+                run = f" (run {i + 1} of {a.repeat})" if a.repeat > 1 else ""
+                pairs.append((base, self.measure(f"from-universal -> {label}{run}",
+                                                 cli("from-universal", str(ucp), str(out), *target, *flags,
+                                                     "--rng-state", "cpu", "--quiet", "--json", *workers), base)))
+            if a.repeat > 1:
+                self.median_row(f"from-universal -> {label}, median of {a.repeat}", len(pairs))
             self.sizes[f"megatron_{short}"] = dir_bytes(out)
             if short == "dp":
                 v = self.measure("verify torch_dist vs universal", cli("verify", str(out), str(ucp), "--quiet",
@@ -356,6 +379,8 @@ def main(argv=None) -> Optional[dict]:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--workers", type=int, default=2, help="threads of the generator and of every command")
     p.add_argument("--distributed", type=int, default=4, help="torchrun processes for the split to-universal (0: skip)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each from-universal N times, each after its own cp -r, and add a row of the medians")
     p.add_argument("--workdir", default="/work/scale_tmp/bench")
     p.add_argument("--json", dest="json_out", help="write the JSON report here")
     p.add_argument("--drop-caches", choices=["auto", "off"], default="auto")

@@ -38,6 +38,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -577,3 +578,69 @@ def test_write_memory_is_bounded_and_flat(tmp_path, capsys):
         shutil.rmtree(tmp_path / f"out{layers}_warm")
     assert largest[4] == largest[8]
     assert abs(growth[8] - growth[4]) <= max(0.2 * growth[4], 16 * MIB), growth
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. The TP ranks' files of a stage are written together: each band of a row-parallel weight is read once
+
+
+@pytest.mark.parametrize("optimizer", ["fully_reshardable", "dp_reshardable"])
+def test_tp_slices_of_a_band_are_read_once_for_all_tp_ranks(tmp_path, monkeypatch, optimizer):
+    """At TP4 a row-parallel weight's shards are column slices of the same stored rows. Written by units
+    (share_units: files whose pieces read the same rows, at most a TP group's 4), each band of those rows is
+    mapped and checked once per unit holding its slices; written one file at a time (write_file, the negative
+    control: what the writer did before) once per file. Counted exactly for linear_fc2 (one band per tensor at
+    this size), and the files are the same bytes either way (bf16 weights cast from the band, fp32 optimizer
+    state sliced from it)."""
+    from megatron_ucp.formats.torch_dist import writer as tdw
+    from megatron_ucp.formats.universal_pieces import Piece, Sources, shared_rows_key
+
+    ucp_path = _fabricate(tmp_path / "ucp", 2, hidden=256)
+    summary = _write(ucp_path, tmp_path / "units", Layout(tp=4, dp=2), use_distributed_optimizer=True,
+                     optimizer_format=optimizer, workers=1)
+    ucp = UniversalCheckpoint.open(ucp_path)
+    plan = plan_checkpoint(ucp, summary.plan.target, optimizer)
+    units = tdw.share_units(ucp, plan.files)
+    assert max(len(u) for u in units) == 4 and sum(len(u) for u in units) == len(plan.files) == 16
+    unit_of = {f.name: i for i, u in enumerate(units) for f in u}
+    row_parallel = "decoder.layers.0.mlp.linear_fc2.weight"
+    spread: dict = {}  # shared-rows key of row_parallel's pieces -> the files holding one
+    for f in plan.files:
+        for item in f.items:
+            for piece in getattr(item, "pieces", ()):
+                if isinstance(piece, Piece) and piece.name == row_parallel:
+                    key = shared_rows_key(ucp.parameters[piece.name].shape, piece, item.dtype)
+                    if key is not None:
+                        spread.setdefault(key, []).append(f.name)
+    expected = {"units": sum(len({unit_of[n] for n in names}) for names in spread.values()),
+                "files": sum(len(names) for names in spread.values())}
+    assert expected["files"] >= 2 * expected["units"], expected  # the sharing is there to be seen
+
+    reads: list = []
+    original = UniversalCheckpoint.read_view
+
+    def counting(self, name, key="fp32", index=None):
+        reads.append(name)
+        return original(self, name, key, index)
+
+    monkeypatch.setattr(UniversalCheckpoint, "read_view", counting)
+    config = replace(ucp.config, padded_vocab_size=plan.padded_vocab_size)
+    counts = {}
+    for mode in ("units", "files"):
+        reads.clear()
+        out = tmp_path / f"again_{mode}" / _iter_dir(tmp_path / "units").name
+        out.mkdir(parents=True)
+        sources = Sources(ucp, config)
+        try:
+            for unit in units:
+                if mode == "units":
+                    tdw.write_unit(sources, out, unit)
+                else:
+                    for f in unit:
+                        tdw.write_file(sources, out, f)
+        finally:
+            sources.close()
+        counts[mode] = reads.count(row_parallel)
+        for f in plan.files:
+            assert (out / f.name).read_bytes() == (_iter_dir(tmp_path / "units") / f.name).read_bytes(), (mode, f.name)
+    assert counts == expected

@@ -27,8 +27,8 @@ import torch
 
 from megatron_ucp.formats import torch_save
 from megatron_ucp.formats.safe_pickle import TensorRecord, TorchDType, load_archive, read_tensor_bytes
-from megatron_ucp.formats.torch_save import (EnumMember, GlobalRef, Obj, SavedTensor, TorchSaveError, cast_float32,
-                                             save_bytes, tensor_archive, torch_dtype)
+from megatron_ucp.formats.torch_save import (EnumMember, GlobalRef, Obj, SavedTensor, TorchSaveError, TorchSize,
+                                             cast_float32, save_bytes, tensor_archive, torch_dtype)
 from megatron_ucp.core.run_state import cpu_generator_state
 
 
@@ -247,6 +247,65 @@ def test_refuses_what_it_cannot_write():
         torch_dtype("float17")
     with pytest.raises(TorchSaveError, match="tensors need"):
         torch_save.pickle_bytes([SavedTensor(bytes(4), "float32", (1,))])
+
+
+def _pure_pickle(value) -> bytes:
+    buf = io.BytesIO()
+    torch_save.Pickler(buf, 2).dump(value)
+    return buf.getvalue()
+
+
+def _metadata_like():
+    """A value like DCP's .metadata in stand-ins: dataclass-like Obj (dict and tuple states), torch.Size,
+    dtypes, enum members, shared references (the memo), keys repeated across entries."""
+    size = TorchSize((4, 8))
+    props = Obj(GlobalRef("torch.distributed.checkpoint.metadata.TensorProperties"),
+                (torch_dtype("bfloat16"), GlobalRef("torch.strided"), False,
+                 EnumMember(GlobalRef("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING"), 0), False))
+    shared = {"relative_path": "__0_0.distcp", "offset": 0, "length": 64}
+    chunks = [Obj(GlobalRef("torch.distributed.checkpoint.metadata.ChunkStorageMetadata"),
+                  {"offsets": TorchSize((i, 0)), "sizes": TorchSize((1, 8))}) for i in range(4)]
+    return {"md": Obj(GlobalRef("torch.distributed.checkpoint.metadata.TensorStorageMetadata"),
+                      {"properties": props, "size": size, "chunks": chunks}),
+            "again": [props, shared, shared, size], "dtype": TorchDType("float32"), "plain": (1, 2.5, "s", None, b"b"),
+            "big": list(range(2500)), "keys": {f"k{i}": {"x": i} for i in range(1500)}}
+
+
+def test_c_pickler_path_writes_the_pure_picklers_bytes():
+    """pickle_bytes(value, 2) goes through Python's C pickler with importable stand-in classes whose GLOBAL
+    lines are then renamed: the bytes are exactly the pure-Python pickler's (memo references, batching, every
+    stand-in kind), and torch unpickles them to its own objects."""
+    value = _metadata_like()
+    fast = torch_save._fast_pickle(value)
+    assert fast is not None and fast == _pure_pickle(value)
+    assert torch_save.pickle_bytes(value) == fast
+    loaded = pickle_loads(fast)
+    md = loaded["md"]
+    assert type(md).__name__ == "TensorStorageMetadata" and md.size == torch.Size((4, 8))
+    assert md.properties.dtype is torch.bfloat16 and md.properties.memory_format == torch.contiguous_format
+    assert loaded["again"][0] is md.properties and loaded["again"][1] is loaded["again"][2]
+    assert loaded["dtype"] is torch.float32 and [c.offsets for c in md.chunks] == [torch.Size((i, 0)) for i in range(4)]
+
+
+def test_c_pickler_path_steps_aside_when_data_could_be_taken_for_a_stand_in():
+    """A string holding a stand-in's GLOBAL line (only reachable by knowing the process's random token), or a
+    value of a type the path does not convert, goes to the pure-Python pickler: same result, never a renamed
+    piece of data."""
+    value = _metadata_like()
+    torch_save._fast_pickle(value)  # stand-ins exist now
+    marker = next(iter(torch_save._STAND_INS.values())).__name__
+    tricky = {**value, "path": f"x\nc{torch_save.__name__}\n{marker}\n"}
+    assert torch_save._fast_pickle(tricky) is None
+    assert torch_save.pickle_bytes(tricky) == _pure_pickle(tricky)
+    other = {**value, "ordered": OrderedDict(a=1)}
+    assert torch_save._fast_pickle(other) is None
+    assert torch_save.pickle_bytes(other) == _pure_pickle(other)
+
+
+def pickle_loads(data: bytes):
+    import pickle
+
+    return pickle.loads(data)  # our own bytes, read back in the test
 
 
 # --------------------------------------------------------------------------------------------------

@@ -49,11 +49,14 @@ check CRC-32s).
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import io
 import math
 import pickle
+import secrets
 import struct
+import threading
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -243,13 +246,129 @@ class Pickler(pickle._Pickler):  # the pure-Python pickler: its dispatch table c
 
 
 def pickle_bytes(obj: Any, protocol: int = 2) -> bytes:
-    """The pickle of a value holding stand-ins but no tensors (DCP's .metadata: pickle.dump's default protocol)."""
+    """The pickle of a value holding stand-ins but no tensors (DCP's .metadata). Protocol 2 through Python's C
+    pickler where the value is made of the stand-ins and plain containers only (`_fast_pickle`: the same
+    bytes, ~10x faster: a 64-rank .metadata took 0.6 s in the pure-Python pickler); otherwise, or for another
+    protocol, the pure-Python one."""
+    if protocol == 2:
+        fast = _fast_pickle(obj)
+        if fast is not None:
+            return fast
     buf = io.BytesIO()
     pickler = Pickler(buf, protocol)
     pickler.dump(obj)
     if pickler.storages:
         raise TorchSaveError("tensors need torch.save's archive (save()), not a bare pickle")
     return buf.getvalue()
+
+
+# The C pickler writes a class as a GLOBAL only after importing its module and finding the class there, so it
+# cannot name DCP's classes without importing torch. `_fast_pickle` gives it stand-ins it can find: for each
+# GlobalRef a class in this module, named with a random token, then replaces each such GLOBAL line (written
+# once: the memo refers back to it) with the GlobalRef's real one. Protocol 2 has no frames or byte offsets,
+# so a line may change length. The token is random per process and each line must occur exactly once, so
+# no pickled data (a key, a path) can be taken for a stand-in; if one is not found exactly once, the
+# pure-Python pickler writes the value instead.
+_TOKEN = secrets.token_hex(8)
+_STAND_INS: dict = {}  # GlobalRef -> its class here
+_STAND_INS_LOCK = threading.Lock()
+_PLAIN = (str, int, float, bool, bytes, type(None))
+
+
+class _Reduced:
+    """A stand-in pickled as `func(*args)` (REDUCE), as EnumMember and TorchSize are."""
+
+    __slots__ = ("func", "args")
+
+    def __init__(self, func, args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+def _newobj_reduce(self, protocol):
+    return copyreg.__newobj__, (type(self),), self.__dict__["_state"]
+
+
+def _stand_in(ref: GlobalRef) -> type:
+    with _STAND_INS_LOCK:
+        cls = _STAND_INS.get(ref)
+        if cls is None:
+            name = f"_pickled_{_TOKEN}_{len(_STAND_INS)}"
+            cls = type(name, (), {"__module__": __name__, "__qualname__": name, "__reduce_ex__": _newobj_reduce})
+            globals()[name] = cls
+            _STAND_INS[ref] = cls
+        return cls
+
+
+def _fast_pickle(obj: Any) -> Optional[bytes]:
+    """pickle_bytes(obj, 2) by the C pickler, or None where the value holds something else than plain values,
+    containers and the stand-ins (the pure-Python pickler's case)."""
+    memo: dict[int, Any] = {}
+    keep: list = []  # the originals, alive while their ids are in the memo
+    used: set = set()
+
+    def convert(value):
+        if type(value) in _PLAIN:
+            return value
+        found = memo.get(id(value))
+        if found is not None:
+            return found
+        t = type(value)
+        if t is dict:
+            out = {}
+            memo[id(value)] = out
+            for k, v in value.items():
+                out[convert(k)] = convert(v)
+        elif t is list:
+            out = []
+            memo[id(value)] = out
+            out.extend(convert(v) for v in value)
+        elif t is tuple:
+            out = tuple(convert(v) for v in value)
+        elif t is Obj:
+            cls = ref(value.cls)
+            out = cls.__new__(cls)
+            memo[id(value)] = out
+            out.__dict__["_state"] = convert(value.state)
+        elif t is GlobalRef:
+            out = ref(value)
+        elif t is TorchDType:
+            out = ref(torch_dtype(value.name))
+        elif t is EnumMember:
+            out = _Reduced(ref(value.cls), (convert(value.value),))
+        elif t is TorchSize:
+            out = _Reduced(ref(_TORCH_SIZE), (tuple(convert(v) for v in value),))
+        else:
+            raise _NotPlain
+        memo[id(value)] = out
+        keep.append(value)
+        return out
+
+    def ref(r) -> type:
+        if not isinstance(r, GlobalRef):
+            raise _NotPlain
+        cls = _stand_in(r)
+        used.add(r)
+        return cls
+
+    try:
+        data = pickle.dumps(convert(obj), protocol=2)
+    except (_NotPlain, RecursionError, pickle.PicklingError):
+        return None
+    for r in used:
+        marker = f"c{__name__}\n{_STAND_INS[r].__name__}\n".encode()
+        if data.count(marker) != 1:
+            return None
+        data = data.replace(marker, f"c{r.module}\n{r.name}\n".encode())
+    if data.count(_TOKEN.encode()):
+        return None
+    return data
+
+
+class _NotPlain(Exception):
+    """A value _fast_pickle leaves to the pure-Python pickler."""
 
 
 # --------------------------------------------------------------------------------------------------

@@ -132,6 +132,23 @@ class Sources:
             parts.append(np.broadcast_to(self.fill_row(name, state)[:, c0:c1], (r1 - max(r0, rows), c1 - c0)))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def cast_rows(self, name: str, state: str, r0: int, r1: int, c0: int, c1: int, lo: int, hi: int,
+                  dtype: TorchDType) -> np.ndarray:
+        """Elements [lo, hi) (C order) of rows [r0, r1) x columns [c0, c1) of the tensor, cast to `dtype`, as a
+        new contiguous array. Stored rows are cast straight from the checked mapping (no copy first)."""
+        rows, _ = self.shape2d(name)
+        if r1 > rows:  # re-padded vocabulary rows: assembled by rows()
+            return cast_float32(self.rows(name, state, r0, r1, c0, c1).reshape(-1)[lo:hi], dtype.name)
+        one_d = len(self.ucp.parameters[name].shape) == 1
+        index = (slice(c0, c1),) if one_d else (slice(r0, r1), slice(c0, c1))
+        with self.ucp.read_view(name, state, index) as block:
+            flat = block.reshape(-1)[lo:hi]  # a view of the mapping where the block is contiguous, else a copy
+            out = cast_float32(flat, dtype.name)
+            if np.may_share_memory(out, block):  # float32 out of a contiguous block: still the mapping
+                out = out.copy()
+            del flat, block  # nothing may keep the mapping past the with-block
+        return out
+
     def fill_row(self, name: str, state: str) -> np.ndarray:
         found = self._fill.get((name, state))
         if found is None:
@@ -149,21 +166,30 @@ class Sources:
         return found
 
 
-def piece_bands(sources: Sources, piece: Piece, dtype: TorchDType) -> Iterator[np.ndarray]:
-    """The piece's elements cast to `dtype` (torch's rounding for bf16/fp16) as contiguous arrays of at most a
-    band of rows each, in order."""
-    rows, cols = sources.shape2d(piece.name)
-    (r0, _), (c0, c1) = piece.box if len(piece.box) == 2 else ((0, 1), piece.box[0])
+def row_bands(sources: Sources, piece: Piece) -> Iterator[tuple[int, int, int, int, int]]:
+    """The piece's elements band by band (at most BAND_BYTES of whole stored rows each), in order:
+    (first row, end row) of the stored tensor, (lo, hi) the band's elements of the piece within the box
+    columns of those rows (C order), and the piece element the band starts at."""
+    _, cols = sources.shape2d(piece.name)
+    r0 = piece.box[0][0] if len(piece.box) == 2 else 0
+    c0, c1 = piece.box[-1]
     width = c1 - c0
     band_rows = max(1, BAND_BYTES // (4 * cols))
     e = piece.start
     while e < piece.stop:
         row = e // width
         end_row = min(row + band_rows, -(-piece.stop // width))
-        block = sources.rows(piece.name, piece.state, r0 + row, r0 + end_row, c0, c1)
         lo, hi = e - row * width, min(piece.stop, end_row * width) - row * width
-        yield cast_float32(block.reshape(-1)[lo:hi], dtype.name)
+        yield r0 + row, r0 + end_row, lo, hi, e
         e = row * width + hi
+
+
+def piece_bands(sources: Sources, piece: Piece, dtype: TorchDType) -> Iterator[np.ndarray]:
+    """The piece's elements cast to `dtype` (torch's rounding for bf16/fp16) as contiguous arrays of at most a
+    band of rows each, in order."""
+    c0, c1 = piece.box[-1]
+    for first, end, lo, hi, _ in row_bands(sources, piece):
+        yield sources.cast_rows(piece.name, piece.state, first, end, c0, c1, lo, hi, dtype)
 
 
 @dataclass(frozen=True)
@@ -216,6 +242,40 @@ def piece_chunks(sources: Sources, piece: Piece, dtype: TorchDType) -> Iterator:
         yield run
     else:
         yield from piece_bands(sources, piece, dtype)
+
+
+def shared_rows_key(shape: tuple, piece: Piece, dtype: TorchDType) -> Optional[tuple]:
+    """A key equal for pieces that read the same stored rows band by band in step: TP slices (other columns,
+    same rows, same element range, same output dtype) of a 2-D tensor, e.g. a row-parallel weight's shards in
+    the TP ranks' files. `write_sharing_rows` writes such pieces together, mapping each band of rows once for all of them
+    instead of once per TP rank. None: a piece written on its own (full rows, or one stored run)."""
+    if len(shape) != 2 or len(piece.box) != 2:
+        return None
+    (r0, r1), (c0, c1) = piece.box
+    width = c1 - c0
+    if width >= shape[1] or r1 > shape[0]:
+        return None
+    if dtype == _F32 and piece.start // width == (piece.stop - 1) // width:  # part of one row: a stored run
+        return None
+    return piece.name, piece.state, dtype.name, r0, r1, width, piece.start, piece.stop
+
+
+def write_sharing_rows(sources: Sources, writes: list) -> None:
+    """Write pieces of equal shared_rows_key, each `(fd, pos, piece, dtype)` (its elements, cast to dtype, at
+    byte pos of the open file fd): every band of their common rows is mapped and checked once, then each
+    piece's columns are cast from it and written."""
+    _, _, first, _ = writes[0]
+    for r0, r1, lo, hi, e in row_bands(sources, first):
+        with sources.ucp.read_view(first.name, first.state, (slice(r0, r1),)) as band:
+            for fd, pos, piece, dtype in writes:
+                a, b = piece.box[1]
+                out = cast_float32(band[:, a:b].reshape(-1)[lo:hi], dtype.name)  # a strided slice: copied
+                if np.may_share_memory(out, band):
+                    out = out.copy()
+                integrity.pwrite_hashed(fd, memoryview(out.view(np.uint8)),
+                                        pos + (e - piece.start) * dtype.itemsize, None)
+                del out
+            del band  # nothing may keep the mapping past the with-block
 
 
 def write_piece(sources: Sources, fd: int, pos: int, piece: Piece, dtype: TorchDType) -> None:

@@ -18,6 +18,7 @@ describing and checking a checkpoint needs neither.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -541,6 +542,39 @@ class UniversalCheckpoint:
         """One stored tensor of a parameter, or only the region `index` of it (just those bytes, and every
         checksum block they lie in, are read and checked). `index` is a tuple of step-1 slices, one per
         leading dimension. `array`: a numpy float32 array instead of a torch tensor (no torch imported)."""
+        info, index = self._read_request(name, key, index)
+        if info.placements is not None:
+            values = self._read_lazy(info, key, index)
+        elif info.checksum is not None:
+            with self._verified_view(info, key, index) as view:
+                values = view.copy()
+                del view  # no view of the mapping may outlive the with-block
+        else:
+            values = self._read_unverified(info, key, index, array)
+        self.bytes_read += values.nbytes
+        if array:
+            return values.view("float32")
+        return values if self._is_tensor(values) else to_torch(values, "float32")
+
+    @contextlib.contextmanager
+    def read_view(self, name: str, key: str = "fp32", index: Optional[tuple[slice, ...]] = None):
+        """read(..., array=True) for a caller that only reads the values once inside a with-block (a cast, a
+        strided copy): a read-only float32 view of the checked mapping of the stored bytes, not copied first;
+        valid inside the block only. Lazy and version-1 checkpoints yield read()'s array."""
+        info, index = self._read_request(name, key, index)
+        if info.placements is not None or info.checksum is None:
+            yield self.read(name, key, index, array=True)
+            return
+        with self._verified_view(info, key, index) as view:
+            self.bytes_read += view.nbytes
+            values = view.view("float32")
+            del view
+            try:
+                yield values
+            finally:
+                del values
+
+    def _read_request(self, name: str, key: str, index) -> tuple:
         info = self._info(name)
         if key not in info.tensors:
             where = self.path / info.file if info.file else self.path
@@ -552,40 +586,41 @@ class UniversalCheckpoint:
                     not isinstance(s, slice) or s.step not in (None, 1) for s in index):
                 raise UniversalFormatError(f"{name}: index {index} must be at most {len(info.shape)} step-1 slices")
         self._check_backed(info)
-        if info.placements is not None:
-            values = self._read_lazy(info, key, index)
-        elif info.checksum is not None:
-            values = self._read_verified(info, key, index)
-        else:
-            values = self._read_unverified(info, key, index, array)
-        self.bytes_read += values.nbytes
-        if array:
-            return values.view("float32")
-        return values if self._is_tensor(values) else to_torch(values, "float32")
+        return info, index
 
     @staticmethod
     def _is_tensor(values) -> bool:
         return type(values).__module__.startswith("torch")
 
-    def _read_verified(self, info: ParamInfo, key: str, index):  # raw float32 bits (numpy)
+    @contextlib.contextmanager
+    def _verified_view(self, info: ParamInfo, key: str, index):  # raw float32 bits (numpy), a view
         file = self.path / info.file
         label = integrity.tensor_file_label(info.name)
-        try:
-            with VerifiedTensorFile(file, info.checksum, label, cache=self._verified,
-                                              headers=self._headers) as f:
-                stored = f.tensors.get(key)
-                if stored is None or stored[0] != "F32" or tuple(stored[1]) != info.shape:
-                    got = "absent" if stored is None else f"{stored[0]} {list(stored[1])}"
-                    raise UniversalFormatError(f"{file}: '{key}' is {got}, metadata.json says F32 {list(info.shape)}; "
-                                               f"restore the file from a copy or reconvert")
-                return f.read_bits(key, index)
-        except UniversalFormatError:
+        stack = contextlib.ExitStack()
+        try:  # reading and checking; what the caller's block raises is not a read error and passes unchanged
+            fd = self._source_files().fd(str(file))  # the thread's descriptor, kept open (not one per read)
+            f = stack.enter_context(VerifiedTensorFile(file, info.checksum, label, cache=self._verified,
+                                                       headers=self._headers, fd=fd))
+            stored = f.tensors.get(key)
+            if stored is None or stored[0] != "F32" or tuple(stored[1]) != info.shape:
+                got = "absent" if stored is None else f"{stored[0]} {list(stored[1])}"
+                raise UniversalFormatError(f"{file}: '{key}' is {got}, metadata.json says F32 {list(info.shape)}; "
+                                           f"restore the file from a copy or reconvert")
+            view = stack.enter_context(f.view_bits(key, index))
+        except BaseException as e:
+            stack.close()
+            if isinstance(e, ChecksumError):
+                raise _as_format_error(e) from None
+            if isinstance(e, (OSError, ValueError, KeyError, TypeError)) and not isinstance(e, UniversalFormatError):
+                raise UniversalFormatError(f"{file}: cannot read '{key}' of {info.name} ({type(e).__name__}: {e}); "
+                                           f"the file is missing or damaged, restore it from a copy or reconvert"
+                                           ) from None
             raise
-        except ChecksumError as e:
-            raise _as_format_error(e) from None
-        except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable or malformed header bytes
-            raise UniversalFormatError(f"{file}: cannot read '{key}' of {info.name} ({type(e).__name__}: {e}); the "
-                                       f"file is missing or damaged, restore it from a copy or reconvert") from None
+        with stack:
+            try:
+                yield view
+            finally:
+                del view
 
     def _read_unverified(self, info: ParamInfo, key: str, index, array: bool):
         """Version 1 (no checksums): safetensors' own reader (numpy with `array`), after the header is checked

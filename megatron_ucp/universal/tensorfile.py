@@ -6,6 +6,7 @@ same bytes for the same tensors and digest every byte as it is written; `lazy_en
 checkpoint's entry that points into the source instead."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -253,12 +254,14 @@ class VerifiedTensorFile:
     thread; `cache` (VerifiedBlocks) lets readers share checked blocks (the header block, neighbours)."""
 
     def __init__(self, path: PathLike, record: DigestRecord, label: str, *, remedy: str = FILE_REMEDY,
-                 cache: Optional[VerifiedBlocks] = None, headers: Optional[dict] = None):
+                 cache: Optional[VerifiedBlocks] = None, headers: Optional[dict] = None, fd: Optional[int] = None):
         """`headers`: a dict shared by one reader's opens of the same files, {file identity: parsed header},
-        so a file's header is parsed (and its blocks checked) once, not on every read."""
+        so a file's header is parsed (and its blocks checked) once, not on every read. `fd`: a read-only
+        descriptor of `path` the caller keeps open (byteio.FileHandles), borrowed instead of opening the file."""
         self.path, self.record, self.label, self.remedy = str(path), record, label, remedy
         self.cache = cache if cache is not None else VerifiedBlocks()
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._owned = fd is None
+        self._fd = os.open(self.path, os.O_RDONLY) if fd is None else fd
         try:
             size = os.fstat(self._fd).st_size
             if size != record.stop:
@@ -275,7 +278,7 @@ class VerifiedTensorFile:
             if key is not None:
                 headers[key] = self.tensors
         except BaseException:
-            os.close(self._fd)
+            self.close()
             raise
 
     def _pread(self, offset: int, nbytes: int) -> memoryview:
@@ -291,6 +294,15 @@ class VerifiedTensorFile:
     def read_bits(self, key: str, index: Optional[Sequence[slice]] = None):
         """Tensor `key`, or its region `index`, as a new numpy array of the elements' raw bits (unsigned ints of
         the element's width: numpy has no bfloat16; `.view(numpy.float32)` for F32). No torch."""
+        with self.view_bits(key, index) as stored:
+            out = stored.copy()
+            del stored  # the mapping closes when the with-block ends: no view of it may outlive the block
+        return out
+
+    @contextlib.contextmanager
+    def view_bits(self, key: str, index: Optional[Sequence[slice]] = None):
+        """read_bits without the copy: a read-only numpy view of the checked mapping, valid inside the
+        with-block (a cast or a strided copy reads it once, where read_bits would copy it first)."""
         import numpy
 
         dtype_name, shape, start, stop = self.tensors[key]
@@ -305,17 +317,20 @@ class VerifiedTensorFile:
         row_bytes = math.prod(shape[1:]) * item
         lo, n = start + r0 * row_bytes, (r1 - r0) * row_bytes
         if n == 0 or not math.prod(out_shape):
-            return numpy.empty(out_shape, dtype=bits)
+            yield numpy.empty(out_shape, dtype=bits)
+            return
         with verified_view(self._fd, lo, n, self.record, path=self.path, label=self.label, remedy=self.remedy,
                            cache=self.cache) as view:
             stored = numpy.frombuffer(view, dtype=bits).reshape(((r1 - r0),) + tuple(shape[1:]) if shape else ())
-            out = stored[(slice(None),) + tuple(box[1:])].copy() if shape else stored.copy()
-            del stored  # the mapping closes with the view
-        return out
+            try:
+                yield stored[(slice(None),) + tuple(box[1:])] if shape else stored
+            finally:
+                del stored  # the mapping closes with the view
 
     def close(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
+            if self._owned:
+                os.close(self._fd)
             self._fd = None
 
     def __enter__(self) -> "VerifiedTensorFile":

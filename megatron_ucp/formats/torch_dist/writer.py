@@ -82,7 +82,6 @@ import heapq
 import json
 import math
 import os
-import pickle
 import struct
 import threading
 import uuid
@@ -111,7 +110,7 @@ from megatron_ucp.formats.torch_save import (
 from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, WriteError, WriteTarget, writer_threads
 from megatron_ucp.io import integrity
 from megatron_ucp.formats.universal_pieces import (Gap, Piece, Sources, box_numel, box_of, local_flat_pieces,
-                                                   write_piece)
+                                                   shared_rows_key, write_piece, write_sharing_rows)
 
 # the distributed optimizer's torch_dist formats megatron-ucp writes (core/versions.OPTIMIZER_SHARDINGS)
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
@@ -634,70 +633,145 @@ def _object_bytes(value: Any) -> bytes:
     return save_bytes([value])
 
 
-def write_file(sources: Sources, iter_dir: Path, out: OutputFile, *, fsync: bool = False) -> list[WrittenItem]:
-    """Write one .distcp file: items one after another, each tensor as torch's framing around its data."""
-    path = iter_dir / out.name
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+def _write_own_bytes(sources: Sources, fd: int, out: OutputFile, shared: dict) -> list[WrittenItem]:
+    """Write one .distcp file's items one after another (each tensor as torch's framing around its data),
+    except the pieces that read rows other files of its unit read too: those go to `shared`
+    {shared_rows_key: [(fd, pos, piece, dtype), ...]} for write_unit. Returns where every item went."""
     written, pos = [], 0
-    try:
-        for item in out.items:
-            if isinstance(item, ObjectItem):
-                data = _object_bytes(item.value)
-                integrity.pwrite_hashed(fd, data, pos, None)
-                written.append(WrittenItem(item.key, None, out.name, pos, len(data)))
-                pos += len(data)
-                continue
-            archive = tensor_archive(item.sizes, item.dtype.name)
-            integrity.pwrite_hashed(fd, archive.head, pos, None)
-            at = pos + archive.data_offset
-            for piece in item.pieces:  # a Gap is left unwritten: a hole of the new file, zeros
-                if isinstance(piece, Piece):
+    for item in out.items:
+        if isinstance(item, ObjectItem):
+            data = _object_bytes(item.value)
+            integrity.pwrite_hashed(fd, data, pos, None)
+            written.append(WrittenItem(item.key, None, out.name, pos, len(data)))
+            pos += len(data)
+            continue
+        archive = tensor_archive(item.sizes, item.dtype.name)
+        integrity.pwrite_hashed(fd, archive.head, pos, None)
+        at = pos + archive.data_offset
+        for piece in item.pieces:  # a Gap is left unwritten: a hole of the new file, zeros
+            if isinstance(piece, Piece):
+                key = shared_rows_key(sources.ucp.parameters[piece.name].shape, piece, item.dtype)
+                if key is None:
                     write_piece(sources, fd, at, piece, item.dtype)
-                at += piece.numel * item.dtype.itemsize
-            integrity.pwrite_hashed(fd, archive.tail, pos + archive.data_offset + archive.nbytes, None)
-            written.append(WrittenItem(item.key, item.offsets, out.name, pos, archive.length))
-            pos += archive.length
-        if fsync:
-            os.fsync(fd)
+                else:
+                    shared.setdefault(key, []).append((fd, at, piece, item.dtype))
+            at += piece.numel * item.dtype.itemsize
+        integrity.pwrite_hashed(fd, archive.tail, pos + archive.data_offset + archive.nbytes, None)
+        written.append(WrittenItem(item.key, item.offsets, out.name, pos, archive.length))
+        pos += archive.length
+    return written
+
+
+def write_unit(sources: Sources, iter_dir: Path, unit: Sequence[OutputFile], *, fsync: bool = False,
+               on_done: Optional[Callable[[OutputFile], None]] = None) -> list[WrittenItem]:
+    """Write a unit of files (share_units: files whose pieces read the same stored rows, e.g. a stage's TP
+    ranks) together: each file's own bytes in order, then the pieces they share, rows by rows: each band of
+    a row-parallel weight mapped and checked once for all the files' slices of it (write_sharing_rows), at
+    the positions the framing left for them. `on_done(out)` as each file is complete."""
+    fds: list[int] = []
+    written: list[WrittenItem] = []
+    shared: dict[tuple, list] = {}
+    current = iter_dir
+    try:
+        for out in unit:
+            current = iter_dir / out.name
+            fds.append(os.open(current, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644))
+            written += _write_own_bytes(sources, fds[-1], out, shared)
+        for writes in shared.values():
+            current = iter_dir / unit[fds.index(writes[0][0])].name
+            write_sharing_rows(sources, writes)
+        for fd, out in zip(fds, unit):
+            current = iter_dir / out.name
+            if fsync:
+                os.fsync(fd)
     except OSError as e:
         if e.filename is None:  # name the file (ENOSPC from a copy names none)
-            raise OSError(e.errno, e.strerror, str(path)) from e
+            raise OSError(e.errno, e.strerror, str(current)) from e
         raise
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
+    if on_done:
+        for out in unit:
+            on_done(out)
     return written
+
+
+def write_file(sources: Sources, iter_dir: Path, out: OutputFile, *, fsync: bool = False) -> list[WrittenItem]:
+    """Write one .distcp file on its own."""
+    return write_unit(sources, iter_dir, [out], fsync=fsync)
+
+
+def share_units(ucp, files: Sequence[OutputFile]) -> list[list[OutputFile]]:
+    """`files` grouped into units whose pieces read the same stored rows (shared_rows_key), found from the
+    pieces themselves (no rank geometry here), each in the given order. The heaviest shared rows join their
+    files first, and a unit never grows past the most files one key is spread over (TP, where megatron-core's
+    distribution of the save puts a key's TP slices in files of different DP ranks): units of a TP group's
+    size keep the writer threads busy; rows whose files end up in two units are mapped once per unit."""
+    parent, size = list(range(len(files))), [1] * len(files)
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    spread: dict[tuple, list] = {}  # key -> [bytes, file indices]
+    for i, out in enumerate(files):
+        for item in out.items:
+            if isinstance(item, TensorItem):
+                for piece in item.pieces:
+                    if isinstance(piece, Piece):
+                        key = shared_rows_key(ucp.parameters[piece.name].shape, piece, item.dtype)
+                        if key is not None:
+                            entry = spread.setdefault(key, [0, set()])
+                            entry[0] += piece.numel * item.dtype.itemsize
+                            entry[1].add(i)
+    cap = max((len(found) for _, found in spread.values()), default=1)
+    for _, found in sorted(spread.values(), key=lambda e: (-e[0], min(e[1]))):
+        roots = {root(i) for i in found}
+        if len(roots) > 1 and sum(size[r] for r in roots) <= cap:
+            first, *rest = sorted(roots)
+            for r in rest:
+                parent[r] = first
+                size[first] += size[r]
+    units: dict[int, list[OutputFile]] = {}
+    for i, out in enumerate(files):
+        units.setdefault(root(i), []).append(out)
+    return list(units.values())
 
 
 def write_files(ucp, plan: DirectPlan, root: Path, files: Sequence[OutputFile], workers: int, *,
                 fsync: bool = False, on_file: Optional[Callable[[Path, int], None]] = None) -> list[WrittenItem]:
-    """Write `files` (some or all of the plan's) under `root` with `workers` threads, largest first;
-    returns where every item went."""
+    """Write `files` (some or all of the plan's) under `root` with `workers` threads, a unit of files
+    (share_units) per task, largest first; returns where every item went."""
     config = replace(ucp.config, padded_vocab_size=plan.padded_vocab_size)
     iter_dir = Path(root) / iteration_dir_name(plan.iteration)
     iter_dir.mkdir(parents=True, exist_ok=True)
     local = threading.local()
     opened: list[Sources] = []
     lock = threading.Lock()
+    done: list[OutputFile] = []
 
-    def run(out: OutputFile) -> list[WrittenItem]:
+    def run(unit: list[OutputFile]) -> list[WrittenItem]:
         sources = getattr(local, "sources", None)
         if sources is None:
             sources = local.sources = Sources(ucp, config)
             with lock:
                 opened.append(sources)
-        return write_file(sources, iter_dir, out, fsync=fsync)
+        return write_unit(sources, iter_dir, unit, fsync=fsync, on_done=done.append)
 
     written: list[WrittenItem] = []
-    ordered = sorted(files, key=lambda f: -f.nbytes)
+    units = sorted(share_units(ucp, files), key=lambda u: -sum(f.nbytes for f in u))
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers),
                                                    thread_name_prefix="torch-dist-direct") as pool:
-            futures = {pool.submit(run, out): out for out in ordered}
+            futures = [pool.submit(run, unit) for unit in units]
             try:
                 for future in concurrent.futures.as_completed(futures):
                     written += future.result()
-                    if on_file:
-                        path = iter_dir / futures[future].name
+                    while on_file and done:  # list.pop is atomic: files completed by any thread so far
+                        path = iter_dir / done.pop(0).name
                         on_file(path, path.stat().st_size)
             except BaseException:
                 for future in futures:
@@ -805,7 +879,7 @@ def finish(root: Path, plan: DirectPlan, written: Sequence[WrittenItem],
     iter_name = iteration_dir_name(plan.iteration)
     iter_dir = Path(root) / iter_name
     metadata = dcp_metadata(plan.files, written, iter_name, _flattened_shapes(plan))
-    outputs = [(DCP_METADATA_FILENAME, lambda f: f.write(pickle_bytes(metadata, pickle.DEFAULT_PROTOCOL)))]
+    outputs = [(DCP_METADATA_FILENAME, lambda f: f.write(pickle_bytes(metadata)))]
     if plan.common is not None:  # megatron-core <= 0.18 (0.19: an item of rank 0's .distcp file)
         common = _common_for_pickle(plan.common)
         # common.pt's archive is named after the file, as torch.save(obj, path) names it in megatron-core's save
@@ -880,7 +954,11 @@ class DirectTorchDistWriter(CheckpointWriter):
 
     def write_share(self, ucp, target: WriteTarget, root: Path, rank: int, world: int, on_file=None) -> list:
         plan = self.checkpoint_plan(ucp, target)
-        mine = sorted(plan.files, key=lambda f: (-f.nbytes, f.name))[rank::world]  # largest dealt round-robin
+        units = sorted(share_units(ucp, plan.files), key=lambda u: (-sum(f.nbytes for f in u), u[0].name))
+        if len(units) >= world:  # units (a TP group's files: rows read once) dealt round-robin, largest first
+            mine = [f for unit in units[rank::world] for f in unit]
+        else:  # fewer units than processes: every process gets files
+            mine = sorted(plan.files, key=lambda f: (-f.nbytes, f.name))[rank::world]
         return write_files(ucp, plan, root, mine, self.workers, fsync=True, on_file=on_file)
 
     def finish_shares(self, ucp, target: WriteTarget, root: Path, shares: list) -> None:
