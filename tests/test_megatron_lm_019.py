@@ -5,10 +5,11 @@ torchrun, gloo, 4 processes, the fixture's cmd.txt flags (without --save), throu
 pretrain_scripts/pretrain_gpt.py (megatron_ucp/megatron_lm: model / forward / mock-data providers on
 `megatron.training.pretrain`, and the CPU patches of cpu_shims.py), launched by megatron_lm/launch.py; the
 losses compared are the ones Megatron-LM prints. Each training runs once per module. This file is the one
-place the suite reproduces Megatron-LM 0.19's own logs digit for digit (other tests compare --log-jsonl).
+place the suite reproduces Megatron-LM 0.19's own logs to the last printed digit (other tests compare --log-jsonl).
 
 - reproduction: A19 (TP2 PP2 SP, llama-like) and E19 (MoE, 4 experts top-2, TP1 PP2 DP2 EP2) from scratch
-  print the fixture's lm loss for iterations 1-8, every digit;
+  print the fixture's lm loss for iterations 1-8, every digit on the fixtures' and CI's machines, within one
+  unit of the last printed digit on a CPU without AVX-512;
 - resume at another layout: the fixture's iteration-4 checkpoint -> to-universal -> from-universal
   --megatron-core-version 0.19 --rng-state cpu at another layout (A19 -> TP1 PP2 DP2; E19 -> TP1 PP1 DP4
   EP4), then Megatron-LM's plain --load: iterations 5-8 within 1e-6 relative of the fixture's train.log
@@ -141,12 +142,29 @@ def runs019(tmp_path_factory) -> Runs:
     return Runs(tmp_path_factory.mktemp("mlm019"))
 
 
+def last_digit_unit(printed: str) -> float:
+    """One unit in the last printed place of a loss Megatron-LM prints as '6.861002E+00'."""
+    mantissa, exponent = printed.upper().split("E")
+    decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
+    return 10.0 ** (int(exponent) - decimals)
+
+
 @pytest.mark.parametrize("name", [A19, E19])
-def test_fixture_run_is_reproduced(runs019, name):
-    """From scratch at the fixture's layout: lm loss of iterations 1-8 printed exactly as in train.log."""
+def test_fixture_run_is_reproduced(runs019, name, capsys):
+    """From scratch at the fixture's layout: lm loss of iterations 1-8 as printed in train.log, each within one
+    unit of its last printed digit (~1.5e-7 relative). Every digit matched on the machines the fixtures and CI
+    ran on; on a CPU without AVX-512 (2026-12-03: AVX2 only) A19's iteration 4 printed 6.861002E+00 for the
+    log's 6.861003E+00: torch's vectorised CPU kernels sum in another order on another ISA. A wrong flag or
+    data moves the loss by orders of magnitude more (the negative control below misses by > 1e-4)."""
     expected = fixture_losses(name)
     assert sorted(expected) == list(range(1, 9))
-    assert runs019.train(fixture_flags(name), f"{name}.fresh") == expected
+    ours = runs019.train(fixture_flags(name), f"{name}.fresh")
+    assert sorted(ours) == list(range(1, 9))
+    off = {i: (ours[i], expected[i]) for i in expected if ours[i] != expected[i]}
+    with capsys.disabled():
+        print(f"\n[0.19 reproduction] {name}: {8 - len(off)} of 8 losses printed exactly; differing: {off}")
+    for i, (got, want) in off.items():
+        assert abs(float(got) - float(want)) <= last_digit_unit(want) * (1 + 1e-9), (i, got, want)
 
 
 def resume_flags(name: str, ckpt: Path) -> List[str]:

@@ -247,8 +247,8 @@ def piece_chunks(sources: Sources, piece: Piece, dtype: TorchDType) -> Iterator:
 def shared_rows_key(shape: tuple, piece: Piece, dtype: TorchDType) -> Optional[tuple]:
     """A key equal for pieces that read the same stored rows band by band in step: TP slices (other columns,
     same rows, same element range, same output dtype) of a 2-D tensor, e.g. a row-parallel weight's shards in
-    the TP ranks' files. `write_sharing_rows` writes such pieces together, mapping each band of rows once for all of them
-    instead of once per TP rank. None: a piece written on its own (full rows, or one stored run)."""
+    the TP ranks' files. `write_sharing_rows` writes such pieces together, mapping each band of rows once for
+    all of them instead of once per TP rank. None: a piece written on its own (full rows, or one stored run)."""
     if len(shape) != 2 or len(piece.box) != 2:
         return None
     (r0, r1), (c0, c1) = piece.box

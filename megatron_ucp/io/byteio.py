@@ -152,6 +152,12 @@ class FileHandles:
             os.close(fd)
         self._fds.clear()
 
+    def __del__(self) -> None:  # a thread-local set (UniversalCheckpoint's) goes with its thread, unclosed
+        try:
+            self.close()
+        except OSError:
+            pass
+
     def __enter__(self) -> "FileHandles":
         return self
 
