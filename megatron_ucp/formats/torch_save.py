@@ -305,8 +305,7 @@ def _stand_in(ref: GlobalRef) -> type:
 def _fast_pickle(obj: Any) -> Optional[bytes]:
     """pickle_bytes(obj, 2) by the C pickler, or None where the value holds something else than plain values,
     containers and the stand-ins (the pure-Python pickler's case)."""
-    memo: dict[int, Any] = {}
-    keep: list = []  # the originals, alive while their ids are in the memo
+    memo: dict[int, Any] = {}  # id of an original (alive in `obj` throughout) -> its stand-in
     used: set = set()
 
     def convert(value):
@@ -343,7 +342,6 @@ def _fast_pickle(obj: Any) -> Optional[bytes]:
         else:
             raise _NotPlain
         memo[id(value)] = out
-        keep.append(value)
         return out
 
     def ref(r) -> type:

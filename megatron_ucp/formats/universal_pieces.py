@@ -142,11 +142,8 @@ class Sources:
         one_d = len(self.ucp.parameters[name].shape) == 1
         index = (slice(c0, c1),) if one_d else (slice(r0, r1), slice(c0, c1))
         with self.ucp.read_view(name, state, index) as block:
-            flat = block.reshape(-1)[lo:hi]  # a view of the mapping where the block is contiguous, else a copy
-            out = cast_float32(flat, dtype.name)
-            if np.may_share_memory(out, block):  # float32 out of a contiguous block: still the mapping
-                out = out.copy()
-            del flat, block  # nothing may keep the mapping past the with-block
+            out = cast_out_of(block, lo, hi, dtype)
+            del block  # nothing may keep the mapping past the with-block
         return out
 
     def fill_row(self, name: str, state: str) -> np.ndarray:
@@ -164,6 +161,13 @@ class Sources:
                 found = (total / (rows - lo)).astype(np.float32).reshape(1, cols)
             self._fill[(name, state)] = found
         return found
+
+
+def cast_out_of(block: np.ndarray, lo: int, hi: int, dtype: TorchDType) -> np.ndarray:
+    """Elements [lo, hi) (C order) of a 2-D float32 block (a view of a checked mapping) cast to `dtype`, as a
+    new array that does not keep the mapping (float32 out of a contiguous block would still be a view)."""
+    out = cast_float32(block.reshape(-1)[lo:hi], dtype.name)  # reshape copies a strided block
+    return out.copy() if np.may_share_memory(out, block) else out
 
 
 def row_bands(sources: Sources, piece: Piece) -> Iterator[tuple[int, int, int, int, int]]:
@@ -220,15 +224,25 @@ class StoredRun:
         return running
 
 
+def is_one_run(rows: int, cols: int, piece: Piece, dtype: TorchDType) -> bool:
+    """Whether the piece's elements are one run of its stored (rows, cols) tensor, copyable as they lie:
+    float32 out, whole rows or part of one row, inside the stored rows."""
+    r0 = piece.box[0][0] if len(piece.box) == 2 else 0
+    c0, c1 = piece.box[-1]
+    width = c1 - c0
+    first_row, last_row = piece.start // width, (piece.stop - 1) // width
+    return dtype == _F32 and (width == cols or first_row == last_row) and r0 + last_row < rows
+
+
 def stored_run(sources: Sources, piece: Piece, dtype: TorchDType) -> Optional[StoredRun]:
     """The piece as one stored run, when it is one: float32 out, whole rows or part of one row, inside the
     stored rows, and a universal checkpoint that stores its bytes (not a lazy one)."""
     rows, cols = sources.shape2d(piece.name)
-    (r0, _), (c0, c1) = piece.box if len(piece.box) == 2 else ((0, 1), piece.box[0])
-    width = c1 - c0
-    first_row, last_row = piece.start // width, (piece.stop - 1) // width
-    if dtype == _F32 and (width == cols or first_row == last_row) and r0 + last_row < rows:
-        start = (r0 + first_row) * cols + c0 + piece.start % width
+    if is_one_run(rows, cols, piece, dtype):
+        r0 = piece.box[0][0] if len(piece.box) == 2 else 0
+        c0, c1 = piece.box[-1]
+        width = c1 - c0
+        start = (r0 + piece.start // width) * cols + c0 + piece.start % width
         region = sources.region(piece.name, piece.state, start, start + piece.numel)
         if region is not None:
             return StoredRun(sources, piece.name, region)
@@ -252,12 +266,9 @@ def shared_rows_key(shape: tuple, piece: Piece, dtype: TorchDType) -> Optional[t
     if len(shape) != 2 or len(piece.box) != 2:
         return None
     (r0, r1), (c0, c1) = piece.box
-    width = c1 - c0
-    if width >= shape[1] or r1 > shape[0]:
-        return None
-    if dtype == _F32 and piece.start // width == (piece.stop - 1) // width:  # part of one row: a stored run
-        return None
-    return piece.name, piece.state, dtype.name, r0, r1, width, piece.start, piece.stop
+    if c1 - c0 >= shape[1] or r1 > shape[0] or is_one_run(shape[0], shape[1], piece, dtype):
+        return None  # whole rows, re-padded rows, or a run copied file to file
+    return piece.name, piece.state, dtype.name, r0, r1, c1 - c0, piece.start, piece.stop
 
 
 def write_sharing_rows(sources: Sources, writes: list) -> None:
@@ -269,9 +280,7 @@ def write_sharing_rows(sources: Sources, writes: list) -> None:
         with sources.ucp.read_view(first.name, first.state, (slice(r0, r1),)) as band:
             for fd, pos, piece, dtype in writes:
                 a, b = piece.box[1]
-                out = cast_float32(band[:, a:b].reshape(-1)[lo:hi], dtype.name)  # a strided slice: copied
-                if np.may_share_memory(out, band):
-                    out = out.copy()
+                out = cast_out_of(band[:, a:b], lo, hi, dtype)
                 integrity.pwrite_hashed(fd, memoryview(out.view(np.uint8)),
                                         pos + (e - piece.start) * dtype.itemsize, None)
                 del out
