@@ -1,5 +1,6 @@
 """Running a conversion: threads over parameters in one process, or the processes of a torchrun job
-(e.g. one per node on a shared filesystem), writing through the universal checkpoint writer.
+(e.g. one per node on a shared filesystem), writing through the universal checkpoint writer; and a direct
+resume's index (`source_index`: `to-universal --lazy`'s index, kept in memory, without checksums).
 
 The writer (DST's lock and staging directory) is entered before the source is opened, so one job owns
 DST from its first check to its publication; under torchrun rank 0 owns it and the other ranks join its
@@ -25,7 +26,7 @@ from megatron_ucp.convert.tasks import ConversionError, ParamTask, conversion_ta
 from megatron_ucp.formats import CheckpointReader, open_checkpoint
 from megatron_ucp.io.sharded_job import run_sharded_job
 from megatron_ucp.io.staging import fsync_path, join_staging
-from megatron_ucp.universal import UniversalFormatError, UniversalWriter, lazy_section
+from megatron_ucp.universal import UniversalFormatError, UniversalWriter, lazy_section, universal_document
 
 PathLike = Union[str, os.PathLike]
 
@@ -102,12 +103,7 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
                 writer.phase(HALF_WRITTEN)
 
         try:
-            if workers == 1:
-                for task in tasks:
-                    record(task.name, convert_parameter(ckpt, task, writer.staging_dir,
-                                                        average_replicas=average_replicas, lazy=lazy))
-            else:
-                _convert_in_threads(ckpt, tasks, writer.staging_dir, workers, average_replicas, record, lazy)
+            _convert_all(ckpt, tasks, writer.staging_dir, workers, average_replicas, record, lazy)
         finally:
             bar.close()
         if lazy:  # the index records the checksums of every source byte it reads
@@ -179,6 +175,55 @@ def convert_distributed(src: PathLike, dst: PathLike, iteration: Optional[int] =
     return ConversionSummary(path=Path(job.result), source=str(Path(ckpt.path).resolve()), source_format=ckpt.format,
                              iteration=ckpt.iteration, num_parameters=len(tasks), bytes_written=written,
                              seconds=time.perf_counter() - start, workers=job.world)
+
+
+@dataclass(frozen=True)
+class SourceIndex:
+    """A direct resume's index of a Megatron-LM checkpoint (`--load CKPT --universal-checkpoint`): the lazy
+    universal checkpoint `to-universal --lazy` would write (metadata.json's `document`, the RNG file's
+    bytes), made in memory and never written anywhere, without source checksums (making them reads every
+    byte: the second pass a resume avoids). UniversalCheckpoint.from_source_index reads it."""
+
+    document: dict
+    rng: Optional[bytes]
+    seconds: float
+    workers: int
+
+    @property
+    def source(self) -> dict:
+        return self.document["source"]
+
+
+def source_index(src: PathLike, iteration: Optional[int] = None, workers: Optional[int] = None) -> SourceIndex:
+    """Index the Megatron-LM checkpoint at `src` (a root or an iteration folder) as to_universal(lazy=True)
+    does, with the same checks before any tensor is read (every parameter present once on every TP rank with
+    its local shape, the optimizer's byte layout as each reader knows it, file sizes against what the
+    checkpoint's own metadata records) and the same byte comparisons (TP replicas and a tied output-layer
+    copy equal), but no checksums and no output: nothing is written, the source is only read."""
+    start = time.perf_counter()
+    ckpt = open_checkpoint(src, iteration)
+    tasks = conversion_tasks(ckpt)
+    metadata = build_metadata(ckpt, average_replicas=False)
+    metadata["conversion"] = {"tool": "megatron-ucp --universal-checkpoint (direct resume)", "lazy": True,
+                              "average_replicas": False}
+    workers = 1 if not ckpt.thread_safe_reads else max(1, min(int(workers or default_workers()), len(tasks)))
+    entries: dict = {}
+    _convert_all(ckpt, tasks, None, workers, False, entries.__setitem__, lazy=True)
+    metadata["lazy"] = lazy_section(ckpt.path, entries, checksums=False)
+    document, rng = universal_document(ckpt.path, metadata, entries, expected_parameters(ckpt.config),
+                                       rng=saved_rng_states(ckpt))
+    return SourceIndex(document, rng, time.perf_counter() - start, workers)
+
+
+def _convert_all(ckpt: CheckpointReader, tasks: list[ParamTask], staging_dir: Optional[Path], workers: int,
+                 average_replicas: bool, record, lazy: bool) -> None:
+    """convert_parameter for every task (in `workers` threads), each entry handed to `record(name, entry)`."""
+    if workers == 1:
+        for task in tasks:
+            record(task.name, convert_parameter(ckpt, task, staging_dir, average_replicas=average_replicas,
+                                                lazy=lazy))
+    else:
+        _convert_in_threads(ckpt, tasks, staging_dir, workers, average_replicas, record, lazy)
 
 
 def _convert_in_threads(ckpt: CheckpointReader, tasks: list[ParamTask], staging_dir: Path, workers: int,

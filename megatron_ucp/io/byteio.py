@@ -433,15 +433,43 @@ def _mapped_shards(files: FileHandles, placement: Placement, indices, *, readahe
             m.close()
 
 
-def _fill_box(out, box: Sequence[slice], placement: Placement, sources: dict) -> None:
-    """out := the region `box` (one slice per dim) of the consolidated tensor, from the blocks it overlaps."""
-    for b in placement.blocks:
+def _fill_box(out, box: Sequence[slice], placement: Placement, sources: dict,
+              first_rows: Optional[dict] = None) -> None:
+    """out := the region `box` (one slice per dim) of the consolidated tensor, from the blocks it overlaps.
+    `first_rows[i]`: source i holds only the shard's rows from that one on (a band read for this box)."""
+    for b in _overlapping(box, placement):
         lo = [max(x.start, d.start) for x, d in zip(box, b.dst)]
         hi = [min(x.stop, d.stop) for x, d in zip(box, b.dst)]
-        if all(l < h for l, h in zip(lo, hi)):
-            dst = tuple(slice(l - x.start, h - x.start) for l, h, x in zip(lo, hi, box))
-            src = tuple(slice(s.start + l - d.start, s.start + h - d.start) for l, h, d, s in zip(lo, hi, b.dst, b.src))
-            out[dst] = sources[b.shard][src]
+        dst = tuple(slice(l - x.start, h - x.start) for l, h, x in zip(lo, hi, box))
+        src = [slice(s.start + l - d.start, s.start + h - d.start) for l, h, d, s in zip(lo, hi, b.dst, b.src)]
+        shift = (first_rows or {}).get(b.shard, 0)
+        if src and shift:
+            src[0] = slice(src[0].start - shift, src[0].stop - shift)
+        out[dst] = sources[b.shard][tuple(src)]
+
+
+def _overlapping(box: Sequence[slice], placement: Placement):
+    return [b for b in placement.blocks
+            if all(max(x.start, d.start) < min(x.stop, d.stop) for x, d in zip(box, b.dst))]
+
+
+def _shard_rows(box: Sequence[slice], placement: Placement, shard: int) -> tuple[int, int]:
+    """The rows [first, stop) of shard `shard` that the box's blocks read (dim 0 of the shard)."""
+    first, stop = None, None
+    for b in _overlapping(box, placement):
+        if b.shard != shard:
+            continue
+        lo, hi = max(box[0].start, b.dst[0].start), min(box[0].stop, b.dst[0].stop)
+        a, z = b.src[0].start + lo - b.dst[0].start, b.src[0].start + hi - b.dst[0].start
+        first, stop = (a, z) if first is None else (min(first, a), max(stop, z))
+    return first, stop
+
+
+def _read_shard_rows(files: FileHandles, shard: StoredTensor, first: int, stop: int):
+    """Rows [first, stop) of a shard stored as several regions, read into a new array (those bytes only)."""
+    row = _numel(shard.shape[1:]) * itemsize(shard.dtype)
+    regions = tuple(shard.byte_slice(first * row, stop * row))
+    return _read_stored_array(files, StoredTensor((stop - first, *shard.shape[1:]), shard.dtype, regions))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -524,9 +552,17 @@ def read_box_bits(files: FileHandles, placement: Placement, index: Optional[Sequ
     box = [slice(*s.indices(n)[:2]) for s, n in zip(index or (), shape)]
     box += [slice(0, n) for n in shape[len(box):]]
     out = numpy.empty([max(0, s.stop - s.start) for s in box], dtype=bits_dtype(placement.dtype))
-    if out.size:
-        needed = sorted({b.shard for b in placement.blocks
-                         if all(max(x.start, d.start) < min(x.stop, d.stop) for x, d in zip(box, b.dst))})
-        with _mapped_shards(files, placement, needed, readahead=False) as sources:
-            _fill_box(out, box, placement, sources)
+    if not out.size:
+        return out
+    needed = sorted({b.shard for b in _overlapping(box, placement)})
+    # a shard split over saved chunks (several regions) is read for the rows the box needs only: memory and
+    # reads are the box's band, not the whole shard (a one-region shard is mapped: only touched pages are read)
+    banded = [i for i in needed if len(placement.shards[i].regions) > 1 and placement.shards[i].shape]
+    first_rows, bands = {}, {}
+    for i in banded:
+        first, stop = _shard_rows(box, placement, i)
+        first_rows[i], bands[i] = first, _read_shard_rows(files, placement.shards[i], first, stop)
+    with _mapped_shards(files, placement, [i for i in needed if i not in bands], readahead=False) as sources:
+        sources.update(bands)
+        _fill_box(out, box, placement, sources, first_rows)
     return out

@@ -1,7 +1,11 @@
 """Fill a live megatron-core GPT model and its optimizer from a universal checkpoint, at any layout.
 
-Every rank walks its own model chunks' parameters, maps each to its canonical name and UCP pattern
-(adapters.gpt), and reads from the universal checkpoint only what it holds:
+`--load` is a universal checkpoint, or the run's own Megatron-LM checkpoint (a --save root or an iteration
+folder, any format and release to-universal reads): then rank 0 indexes it (`convert.runner.source_index`: the
+lazy universal checkpoint `to-universal --lazy` would write, in memory, without checksums) and shares the index
+with every rank (`open_for_load`), so every rank reads its slices straight from the source files. Either way
+every rank walks its own model chunks' parameters, maps each to its canonical name and UCP pattern
+(adapters.gpt), and reads only what it holds:
 - with the distributed optimizer, the fp32 master weight and Adam moments of the flat range its
   data-parallel rank owns (only the rows covering that range are read); the model weight is that
   range cast to the model dtype, and one all-gather of the DDP parameter buffers over the
@@ -9,7 +13,9 @@ Every rank walks its own model chunks' parameters, maps each to its canonical na
   bytes twice;
 - otherwise the whole tensor-parallel slice of the weight (pieces given by `pattern.slice_ranges`)
   and of each Adam moment.
-Each parameter gets its own Adam `step`. Then the LR scheduler, iteration and consumed samples, and
+Each parameter gets its own Adam `step`. Values Adam cannot hold (non-finite, a negative second moment: a damaged
+checkpoint) are refused; a rank that cannot load stops every rank with its error before any collective
+(`_agree`). Then the LR scheduler, iteration and consumed samples, and
 the run state (restore_run_state): the fp16 loss scaler, the FLOP counter, and the RNG states, which
 are restored only at the layout that drew them (elsewhere every rank re-seeds deterministically).
 
@@ -22,10 +28,13 @@ router's `expert_bias` (a persistent buffer, no optimizer state) is copied whole
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import json
 import math
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -59,6 +68,148 @@ FLAGS = {
 
 class UniversalLoadError(RuntimeError):
     pass
+
+
+# --- what --load is: a universal checkpoint, or the run's own Megatron-LM checkpoint (direct resume) -------------
+
+def is_direct(args) -> bool:
+    """Whether --load is a Megatron-LM checkpoint (a --save root or an iteration folder) rather than a universal
+    checkpoint: then every rank reads it directly through an index of it (open_for_load)."""
+    from megatron_ucp.formats import megatron_kind
+
+    return bool(args.load) and megatron_kind(Path(args.load)) is not None
+
+
+def _source_error(e: Exception) -> UniversalLoadError:
+    """A Megatron-LM checkpoint the direct resume refuses (damaged, incomplete, of a format or model this tool
+    does not read): one line naming it and the fix."""
+    text = " ".join(str(e).split())
+    return UniversalLoadError(f"{text} (--load of --universal-checkpoint, read directly; the checkpoint was not "
+                              f"changed)")
+
+
+_SOURCE_ERRORS = (ValueError, OSError)  # what the readers raise on a checkpoint (their errors are ValueErrors)
+
+
+def checkpoint_config(args) -> GPTModelConfig:
+    """The model config of the checkpoint at --load (universal, or a Megatron-LM checkpoint's args), at argument
+    time: every rank opens it itself (as Megatron-LM's --use-checkpoint-args reads the args), so a checkpoint
+    that cannot be opened is refused by every rank before the model is built."""
+    from megatron_ucp.formats import open_checkpoint
+    from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError
+
+    if not is_direct(args):
+        return UniversalCheckpoint.open(args.load).config
+    try:
+        return open_checkpoint(args.load, getattr(args, "ckpt_step", None) or None).config
+    except UniversalFormatError:
+        raise
+    except _SOURCE_ERRORS as e:
+        raise _source_error(e) from None
+
+
+def open_for_load(args):
+    """The checkpoint at --load as a UniversalCheckpoint: a universal checkpoint opened (validated) by every
+    rank; a Megatron-LM checkpoint indexed once by rank 0 (source_index: every check that needs no second pass
+    over the data) and shared with every rank, each of which validates it against the files it sees. A source
+    rank 0 refuses is refused by every rank, with rank 0's message."""
+    from megatron_ucp.universal import UniversalCheckpoint
+
+    if not is_direct(args):
+        return UniversalCheckpoint.open(args.load)
+    payload = json.loads(_from_rank0(lambda: _index_payload(args)))
+    rng = None if payload["rng"] is None else base64.b64decode(payload["rng"])
+    ucp = UniversalCheckpoint.from_source_index(payload["document"], rng)
+    if torch.distributed.get_rank() == 0:
+        layout = layout_from_args(vars(args))
+        source = ucp.metadata["source"]
+        same = ucp.source_layout == layout
+        print(f" > --universal-checkpoint: {args.load} is a Megatron-LM checkpoint ({source['format']}, written by "
+              f"megatron-core {source.get('megatron_core')}, iteration {ucp.iteration} at "
+              f"{ucp.source_layout.describe()}): every rank reads its slices straight from its files at "
+              f"{layout.describe()}"
+              + (" (the layout it was saved at: read the same way as at any other, so every check and the run "
+                 "state are handled alike, not by Megatron-LM's own load)" if same else "")
+              + f"; rank 0 indexed {len(ucp.parameters)} parameters in {payload['seconds']:.2f} s "
+                f"({payload['workers']} threads), no byte of it written", flush=True)
+    return ucp
+
+
+def _index_payload(args) -> bytes:
+    from megatron_ucp.convert import source_index
+
+    try:
+        index = source_index(args.load, getattr(args, "ckpt_step", None) or None)
+    except _SOURCE_ERRORS as e:
+        raise _source_error(e) from None
+    return json.dumps({"document": index.document, "seconds": index.seconds, "workers": index.workers,
+                       "rng": None if index.rng is None else base64.b64encode(index.rng).decode()},
+                      allow_nan=False).encode()
+
+
+def _from_rank0(build) -> bytes:
+    """The bytes rank 0's `build()` returns, on every rank; when it raises, every rank raises: the user's
+    error (UniversalLoadError, UniversalFormatError) with rank 0's message, anything else (a bug) as a
+    RuntimeError naming it on the other ranks while rank 0 raises the original."""
+    from megatron_ucp.universal import UniversalFormatError
+
+    rank, failure = torch.distributed.get_rank(), None
+    if rank == 0:
+        try:
+            payload = b"ok" + build()
+        except (UniversalLoadError, UniversalFormatError) as e:
+            failure, payload = e, b"ue" + str(e).encode()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks learnt of it
+            failure, payload = e, b"ex" + f"{type(e).__name__}: {e}".encode()
+    else:
+        payload = b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device())
+    torch.distributed.broadcast(size, src=0)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device())
+    if rank == 0:
+        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    torch.distributed.broadcast(data, src=0)
+    if failure is not None:
+        raise failure
+    raw = bytes(data.cpu().numpy())
+    if raw[:2] == b"ue":
+        raise UniversalLoadError(raw[2:].decode())
+    if raw[:2] == b"ex":
+        raise RuntimeError(f"rank 0 failed to index --load ({raw[2:].decode()}); see rank 0's traceback")
+    return raw[2:]
+
+
+def _agree(problem: Optional[str]) -> None:
+    """Collective: when any rank found a problem, every rank raises UniversalLoadError with the lowest such
+    rank's message (so one damaged piece, read by one rank, stops the whole job before its first step)."""
+    world = torch.distributed.get_world_size()
+    first = torch.tensor([torch.distributed.get_rank() if problem else world], dtype=torch.int64, device=device())
+    torch.distributed.all_reduce(first, op=torch.distributed.ReduceOp.MIN)
+    src = int(first.item())
+    if src == world:
+        return
+    text = (problem or "").encode()
+    size = torch.tensor([len(text)], dtype=torch.int64, device=device())
+    torch.distributed.broadcast(size, src=src)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device())
+    if problem:
+        data.copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
+    torch.distributed.broadcast(data, src=src)
+    raise UniversalLoadError(bytes(data.cpu().numpy()).decode())
+
+
+def _check_values(ucp, name: str, key: str, values: torch.Tensor) -> None:
+    """Values Adam's state cannot hold (a NaN or an infinity, a negative second moment) mean a damaged checkpoint
+    (a flipped sign or exponent bit): refused, since nothing but such a check sees them without checksums."""
+    bad = ~torch.isfinite(values)
+    if key == "exp_avg_sq":
+        bad |= values < 0
+    count = int(bad.sum())
+    if count:
+        what = "negative or non-finite" if key == "exp_avg_sq" else "non-finite"
+        raise UniversalLoadError(
+            f"{ucp.path}: {name} [{key}] holds {count} {what} value(s) (first: {values.reshape(-1)[bad.reshape(-1)][0]}"
+            f"), which training never writes: the checkpoint is damaged (a flipped bit?); restore it from a copy")
 
 
 def open_for_run(args):
@@ -167,7 +318,9 @@ def _main_params(optimizer) -> Dict[int, _MainParam]:
 @torch.no_grad()
 def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> int:
     from megatron.core import parallel_state
-    from megatron.core.utils import unwrap_model
+
+    from megatron_ucp.core.layout import LayoutError
+    from megatron_ucp.universal import UniversalFormatError
 
     if ucp is None:
         ucp = open_for_run(args)
@@ -192,6 +345,43 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
     # below fills in the rest of every model weight.
     gather_params = load_optim and _is_distributed(optimizer)
 
+    problem = None
+    try:
+        _load_tensors(ucp, model, layout, pp_rank, ep_rank, target_padded, mains, gather_params, parallel_state)
+    except (UniversalLoadError, UniversalFormatError, LayoutError) as e:
+        problem = " ".join(str(e).split())
+    _agree(problem)  # before the first collective below: a rank that cannot load stops them all
+
+    if gather_params:
+        for chunk in model:  # megatron-core DDP: all-gather each bucket's param shards over DP
+            chunk.start_param_sync(force_sync=True)
+
+    if load_optim:
+        scheduler.load_state_dict(dict(ucp.scheduler_state))
+    elif args.bf16 or args.fp16:
+        optimizer.reload_model_params()  # fp32 main params start from the loaded weights
+    args.iteration = ucp.iteration
+    args.consumed_train_samples = ucp.consumed_train_samples
+    restore_run_state(args, optimizer, ucp, layout, load_optim=load_optim)
+    # Bytes read by all ranks together (benchmarks and tests check that no byte is read twice).
+    bytes_read = torch.tensor([float(ucp.bytes_read)], dtype=torch.float64, device=device())
+    torch.distributed.all_reduce(bytes_read)
+    if torch.distributed.get_rank() == 0:
+        what = "Megatron-LM checkpoint (directly)" if ucp.direct else "universal checkpoint"
+        print(f" > loaded {what} {ucp.path} (iteration {ucp.iteration}, from "
+              f"{ucp.source_layout.describe()}) at {layout.describe()}"
+              + ("" if load_optim else " without optimizer state")
+              + f"; all ranks read {int(bytes_read.item())} bytes of tensors", flush=True)
+    return ucp.iteration
+
+
+def _load_tensors(ucp, model, layout, pp_rank: int, ep_rank: int, target_padded: int, mains: dict,
+                  gather_params: bool, parallel_state) -> None:
+    """This rank's slices of every parameter and buffer of its model chunks, into the model and the optimizer's
+    main parameters and state (no collective: the caller completes the weights with the param all-gather)."""
+    from megatron.core.utils import unwrap_model
+
+    config = ucp.config
     for vpp_chunk, chunk in enumerate(model):
         module = unwrap_model(chunk)  # the GPTModel inside DDP / Float16Module: checkpoints hold its names
         _load_buffers(ucp, module, layout, pp_rank, vpp_chunk, ep_rank, parallel_state, target_padded)
@@ -217,6 +407,7 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
                 start, end = main.flat_range
                 for key in ("fp32", "exp_avg", "exp_avg_sq"):
                     values = read_local_flat_range(ucp, name, key, tp_rank, tp, start, end)
+                    _check_values(ucp, name, key, values)
                     if key == "fp32":
                         param.view(-1)[start:end].copy_(values.to(param.dtype))
                     target = main.main if key == "fp32" else main.state[key]
@@ -229,6 +420,7 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
                 weight = local_tensors["fp32"]
             else:
                 weight = ucp.read_local(name, "fp32", tp_rank, tp)
+            _check_values(ucp, name, "fp32", weight)
             if tuple(weight.shape) != tuple(param.shape):
                 raise UniversalLoadError(f"{name}: universal slice for TP rank {tp_rank} has shape "
                                          f"{tuple(weight.shape)}, the model expects {tuple(param.shape)}")
@@ -244,30 +436,11 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
                     values = weight.reshape(-1)[start:end]
                 else:
                     values = read_local_flat_range(ucp, name, key, tp_rank, tp, start, end)
+                if key != "fp32":  # the weight was checked above
+                    _check_values(ucp, name, key, values)
                 target = main.main if key == "fp32" else main.state[key]
                 target.copy_(values.view_as(target).to(target.dtype))
             main.state["step"] = torch.tensor(float(info.step or 0), dtype=torch.float32)
-
-    if gather_params:
-        for chunk in model:  # megatron-core DDP: all-gather each bucket's param shards over DP
-            chunk.start_param_sync(force_sync=True)
-
-    if load_optim:
-        scheduler.load_state_dict(dict(ucp.scheduler_state))
-    elif args.bf16 or args.fp16:
-        optimizer.reload_model_params()  # fp32 main params start from the loaded weights
-    args.iteration = ucp.iteration
-    args.consumed_train_samples = ucp.consumed_train_samples
-    restore_run_state(args, optimizer, ucp, layout, load_optim=load_optim)
-    # Bytes read by all ranks together (benchmarks and tests check that no byte is read twice).
-    bytes_read = torch.tensor([float(ucp.bytes_read)], dtype=torch.float64, device=device())
-    torch.distributed.all_reduce(bytes_read)
-    if torch.distributed.get_rank() == 0:
-        print(f" > loaded universal checkpoint {ucp.path} (iteration {ucp.iteration}, from "
-              f"{ucp.source_layout.describe()}) at {layout.describe()}"
-              + ("" if load_optim else " without optimizer state")
-              + f"; all ranks read {int(bytes_read.item())} bytes of tensors", flush=True)
-    return ucp.iteration
 
 
 def _load_buffers(ucp, module, layout, pp_rank: int, vpp_chunk: int, ep_rank: int, parallel_state,

@@ -13,6 +13,13 @@ hooks two places of Megatron-LM when the flag is given, and leaves both unchange
   megatron_ucp.megatron_lm.loader: every rank reads its slices of the universal checkpoint at `--load`
   into the model and the (distributed) optimizer Megatron-LM built, then the scheduler, iteration,
   consumed samples and FLOP count, as Megatron-LM's load would.
+
+`--load` may also be the run's own Megatron-LM checkpoint (its --save root, or an iteration folder; torch_dist in
+any optimizer format or legacy torch, megatron-core 0.13-0.19): relaunching with a new node count and the flag
+is then the whole resume. Every rank opens it for its args at the first hook; at the second, rank 0 indexes it
+(the lazy universal checkpoint `to-universal --lazy` would write, in memory) and shares the index, and every
+rank reads its slices straight from the source files (loader.open_for_load). Nothing is written anywhere but
+Megatron-LM's own --save.
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ import functools
 def add_arguments(parser):
     group = parser.add_argument_group(title="megatron-ucp")
     group.add_argument("--universal-checkpoint", action="store_true",
-                       help="--load is a universal checkpoint (megatron-ucp to-universal): resume from it at "
-                            "this run's layout, with the optimizer state")
+                       help="resume from --load at this run's layout, with the optimizer state: --load is the "
+                            "run's Megatron-LM checkpoint (any layout, format and release megatron-ucp reads), "
+                            "or a universal checkpoint (megatron-ucp to-universal)")
     group.add_argument("--universal-allow-batch-change", action="store_true",
                        help="allow another --global-batch-size than the checkpoint's")
     return parser
@@ -67,12 +75,11 @@ def set_padded_vocab_size(args) -> None:
     padded vocabulary, re-padded when this run's TP does not divide it."""
     from megatron_ucp.adapters.gpt import padded_vocab_at
     from megatron_ucp.megatron_lm import loader
-    from megatron_ucp.universal import UniversalCheckpoint
 
     if not args.load:  # Megatron-LM calls load_checkpoint only with --load: the flag alone would train from scratch
-        raise loader.UniversalLoadError("--universal-checkpoint needs --load UNIVERSAL_CHECKPOINT (the folder "
-                                        "megatron-ucp to-universal wrote)")
-    config = UniversalCheckpoint.open(args.load).config
+        raise loader.UniversalLoadError("--universal-checkpoint needs --load CHECKPOINT (the run's Megatron-LM "
+                                        "checkpoint, its --save folder, or a universal checkpoint)")
+    config = loader.checkpoint_config(args)
     target = padded_vocab_at(config, args.tensor_model_parallel_size)
     if target != config.padded_vocab_size and args.rank == 0:
         print(f"WARNING: the universal checkpoint's padded vocabulary ({config.padded_vocab_size} rows) is not "
@@ -109,9 +116,8 @@ def _load_universal(args, model, optimizer, scheduler):
 
     from megatron_ucp.adapters.gpt import padded_vocab_at
     from megatron_ucp.megatron_lm import loader
-    from megatron_ucp.universal import UniversalCheckpoint
 
-    ucp = UniversalCheckpoint.open(args.load)
+    ucp = loader.open_for_load(args)  # a universal checkpoint, or the index of the run's Megatron-LM checkpoint
     expected = padded_vocab_at(ucp.config, args.tensor_model_parallel_size)
     if args.padded_vocab_size != expected:
         raise loader.UniversalLoadError(

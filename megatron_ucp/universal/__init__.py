@@ -22,7 +22,7 @@ _EXPORTS = {
     "reader": ("UniversalCheckpoint",),
     "tensorfile": ("VerifiedTensorFile", "lazy_entry", "safetensors_header", "write_tensor_file",
                    "write_tensor_file_placed", "write_tensor_file_streamed"),
-    "writer": ("UniversalWriter", "lazy_section", "source_file_stats"),
+    "writer": ("UniversalWriter", "lazy_section", "source_file_stats", "universal_document"),
     "check": ("UNIVERSAL_CHECKS", "check_universal"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -146,12 +146,14 @@ def _inside(path: Path, root: Path) -> bool:
     return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
 
 
-def _check_lazy_source(lazy: Any, meta_path: Path, version: int, source: Any
+def _check_lazy_source(lazy: Any, meta_path: Path, version: int, source: Any, direct: bool = False
                        ) -> tuple[Path, dict, Optional[SourceDigests]]:
     """A lazy checkpoint's source folder, its files and their checksums (version 2), after checking every
     file it refers to is there, a regular file of tensor bytes of the Megatron-LM checkpoint recorded as the
     conversion's source (by that format's file names), reached without a link, unchanged. Containment does
-    not rest on checksums: anything else is refused before a byte is read."""
+    not rest on checksums: anything else is refused before a byte is read. `direct`: a direct resume's
+    in-memory index (UniversalCheckpoint.from_source_index), made by this run from the source: no
+    checksums (no second pass over the source), the same containment and stat() checks."""
     from megatron_ucp.formats import is_data_file
 
     try:
@@ -177,6 +179,9 @@ def _check_lazy_source(lazy: Any, meta_path: Path, version: int, source: Any
         try:
             st = os.lstat(f)
         except OSError:
+            if direct:
+                raise UniversalFormatError(f"{f}: missing on this node although rank 0 indexed it; every node must "
+                                           f"see the same checkpoint at {root} (a shared filesystem)") from None
             raise UniversalFormatError(
                 f"{f}: missing. {meta_path.parent} is a lazy universal checkpoint (an index into {root}, "
                 f"not a copy) and its source was moved or deleted; restore it, or convert again without "
@@ -184,13 +189,18 @@ def _check_lazy_source(lazy: Any, meta_path: Path, version: int, source: Any
         if not stat.S_ISREG(st.st_mode) or not _inside(f, root):
             raise UniversalFormatError(f"{f}: is not a regular file inside {root} (a symbolic link or other file "
                                        f"was put in its place); restore the source checkpoint, or reconvert")
+        if (st.st_size != want.get("size") or st.st_mtime_ns != want.get("mtime_ns")) and direct:
+            raise UniversalFormatError(
+                f"{f}: size {st.st_size} and mtime {st.st_mtime_ns} on this node, rank 0 indexed {want.get('size')} "
+                f"and {want.get('mtime_ns')}; the checkpoint changed while the run started (is another job writing "
+                f"it?) or the nodes see different copies: relaunch once it is finished, from one shared copy")
         if st.st_size != want.get("size") or st.st_mtime_ns != want.get("mtime_ns"):
             raise UniversalFormatError(
                 f"{f}: changed since the lazy conversion (size {st.st_size} vs {want.get('size')}, mtime "
                 f"{st.st_mtime_ns} vs {want.get('mtime_ns')}); {meta_path.parent} indexes the old bytes. "
                 f"Run `megatron-ucp to-universal --lazy` again (or without --lazy for a standalone copy)")
     digests = None
-    if version >= 2:
+    if version >= 2 and not direct:
         try:
             digests = SourceDigests({str(root / rel): [DigestRecord.from_json(r, f"lazy {rel}")
                                                        for r in want["checksums"]] for rel, want in files.items()})
@@ -266,11 +276,14 @@ class UniversalCheckpoint:
     (version 2); a lazy checkpoint (`to-universal --lazy`) reads every tensor from the source
     checkpoint's files, checked against the source checksums recorded by the lazy conversion."""
 
-    def __init__(self, path: Path, metadata: dict):
+    def __init__(self, path: Path, metadata: dict, *, rng_bytes: Optional[bytes] = None, direct: bool = False):
         self.path = path
         self.metadata = metadata
         self.version: int = int(metadata["version"])
-        meta_path = path / METADATA_FILENAME
+        # a direct resume's index lives in memory (from_source_index): its RNG file too
+        self.direct = direct
+        self._rng_bytes = rng_bytes
+        meta_path = Path(f"{path} (this run's index)") if direct else path / METADATA_FILENAME
         try:
             self.iteration: int = int(metadata["iteration"])
             self.consumed_train_samples: int = int(metadata["consumed_train_samples"])
@@ -290,7 +303,7 @@ class UniversalCheckpoint:
         lazy_files = None
         if lazy is not None:
             self.lazy_source, lazy_files, self.source_digests = _check_lazy_source(
-                lazy, meta_path, self.version, metadata.get("source"))
+                lazy, meta_path, self.version, metadata.get("source"), direct)
         if not isinstance(metadata["parameters"], dict):
             raise UniversalFormatError(f"{meta_path}: 'parameters' is not an object; reconvert")
         self._expected = _model_parameters(self.config, metadata["parameters"], meta_path)
@@ -315,6 +328,21 @@ class UniversalCheckpoint:
                 more = (f" ({len(problems) - 1} more problem(s): `megatron-ucp check {ucp.path}` lists them)"
                         if len(problems) > 1 else "")
                 raise UniversalFormatError(" ".join(problems[0].split()) + more)
+        return ucp
+
+    @classmethod
+    def from_source_index(cls, document: dict, rng_bytes: Optional[bytes] = None) -> "UniversalCheckpoint":
+        """A direct resume's index (convert.runner.source_index: a lazy checkpoint's metadata.json document
+        and RNG file, made in memory from a Megatron-LM checkpoint, never written) opened for reading with the
+        validation every reader gets. Its path is the source iteration folder; reads are not checked against
+        checksums (the index has none: making them would read the whole source), everything else is."""
+        lazy = document.get("lazy") if isinstance(document, dict) else None
+        if not isinstance(lazy, dict) or not isinstance(lazy.get("source"), str):
+            raise UniversalFormatError("a direct resume's index has no source folder (an internal error)")
+        ucp = cls(Path(lazy["source"]), document, rng_bytes=rng_bytes, direct=True)
+        problems = ucp.problems()
+        if problems:
+            raise UniversalFormatError(" ".join(problems[0].split()))
         return ucp
 
     @classmethod
@@ -413,14 +441,19 @@ class UniversalCheckpoint:
             return []
         path = self.path / RNG_FILENAME
         size, ranks = section.get("size"), section.get("ranks")
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return [f"{path}: missing although metadata.json records RNG states; restore it from a copy or reconvert"]
-        if not stat.S_ISREG(st.st_mode) or not _inside(path, self.path):
-            return [f"{path}: is not a regular file inside {self.path}; restore it from a copy or reconvert"]
-        if not _is_int(size) or size != st.st_size or size > MAX_RNG_FILE:
-            return [f"{self.path / METADATA_FILENAME}: rng.size is {size!r}, {path} has {st.st_size} bytes (at most "
+        if self.direct:
+            held = len(self._rng_bytes) if self._rng_bytes is not None else None
+        else:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return [f"{path}: missing although metadata.json records RNG states; restore it from a copy or "
+                        f"reconvert"]
+            if not stat.S_ISREG(st.st_mode) or not _inside(path, self.path):
+                return [f"{path}: is not a regular file inside {self.path}; restore it from a copy or reconvert"]
+            held = st.st_size
+        if not _is_int(size) or size != held or size > MAX_RNG_FILE:
+            return [f"{self.path / METADATA_FILENAME}: rng.size is {size!r}, {path} has {held} bytes (at most "
                     f"{MAX_RNG_FILE}); metadata.json was edited, reconvert"]
         if not _is_int(ranks) or not 1 <= ranks <= ParallelLayout.from_dict(section["layout"]).world_size:
             return [f"{self.path / METADATA_FILENAME}: rng.ranks is {ranks!r}, not a rank count of the layout it "
@@ -735,7 +768,7 @@ class UniversalCheckpoint:
             return []
         path = self.path / RNG_FILENAME
         try:
-            data = _read_small_file(path, self.path)
+            data = self._rng_bytes if self.direct else _read_small_file(path, self.path)
         except OSError as e:
             raise UniversalFormatError(f"{path}: cannot be read ({e.strerror or e}); restore it from a copy or "
                                        f"reconvert") from None

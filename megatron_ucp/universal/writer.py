@@ -1,5 +1,6 @@
-"""Writing a universal checkpoint: `UniversalWriter` (locked, staged, marker last), the lazy index's
-source section, and the RNG file. Tensor files come from `tensorfile`."""
+"""Writing a universal checkpoint: `UniversalWriter` (locked, staged, marker last), metadata.json's document
+and the RNG file (`universal_document`, which a direct resume's in-memory index shares), the lazy index's
+source section. Tensor files come from `tensorfile`."""
 from __future__ import annotations
 
 import hashlib
@@ -34,12 +35,17 @@ def source_file_stats(root: PathLike, entries: Mapping[str, Mapping[str, Any]]) 
     return out
 
 
-def lazy_section(root: PathLike, entries: Mapping[str, Mapping[str, Any]], *, workers: int = 4) -> dict:
+def lazy_section(root: PathLike, entries: Mapping[str, Mapping[str, Any]], *, workers: int = 4,
+                 checksums: bool = True) -> dict:
     """metadata.json's `lazy` section for lazy entries into the source iteration folder `root`: each
     referenced file's size, mtime and the block checksums of the regions the index reads (one read of
-    those bytes, `workers` threads). Refuses a source that changes while it is hashed."""
+    those bytes, `workers` threads). Refuses a source that changes while it is hashed. Without `checksums`
+    (a direct resume's in-memory index, which is never written: docs/TRAINING.md), size and mtime only,
+    nothing read."""
     root = Path(root).resolve()
     before = source_file_stats(root, entries)
+    if not checksums:
+        return {"source": str(root), "files": before}
     regions = [(str(root / rel), offset, nbytes) for rel, offset, nbytes in _referenced_regions(entries)]
     digests = integrity.digest_regions(regions, workers=workers)
     after = source_file_stats(root, entries)
@@ -139,16 +145,10 @@ class UniversalWriter:
         if self._done:
             raise UniversalFormatError(f"{self.dst}: writer already finished or aborted")
         try:
-            missing = [k for k in REQUIRED_METADATA if k not in metadata]
-            if missing:
-                raise UniversalFormatError(f"{self.dst}: metadata lacks {missing}")
-            self._check_complete(expected)
-            doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION}
-            # `rng` describes the file written here, never one a copied metadata names
-            doc.update({k: v for k, v in metadata.items() if k not in ("format", "version", "parameters", "rng")})
-            if rng is not None and rng.states:
-                doc["rng"] = _write_rng_file(self.staging_dir, rng)
-            doc["parameters"] = self.parameters
+            doc, rng_bytes = universal_document(self.dst, metadata, self.parameters, expected, rng)
+            self.parameters = doc["parameters"]
+            if rng_bytes is not None:
+                (self.staging_dir / RNG_FILENAME).write_bytes(rng_bytes)  # publication fsyncs the tree
             meta_path = self.staging_dir / METADATA_FILENAME
             try:
                 write_json(meta_path, doc)
@@ -168,30 +168,51 @@ class UniversalWriter:
         self._done = True
         return self.dst
 
-    def _check_complete(self, expected: Sequence[tuple[str, Sequence[int]]]) -> None:
-        expected = {name: tuple(shape) for name, shape in expected}
-        missing = [n for n in expected if n not in self.parameters]
-        extra = sorted(set(self.parameters) - set(expected))
-        if missing or extra:
-            raise UniversalFormatError(
-                f"{self.dst}: parameters do not match the model config: missing {missing[:5]}"
-                f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}; a universal checkpoint holds "
-                f"every parameter of the model exactly once")
-        for name, shape in expected.items():
-            if tuple(self.parameters[name]["shape"]) != shape:
-                raise UniversalFormatError(f"{name}: shape {tuple(self.parameters[name]['shape'])} but the model "
-                                           f"config gives {shape}")
-        # metadata.json lists parameters in registration order, whatever order workers finished in
-        self.parameters = {name: self.parameters[name] for name in expected}
+
+def universal_document(where: PathLike, metadata: Mapping[str, Any], parameters: Mapping[str, dict],
+                       expected: Sequence[tuple[str, Sequence[int]]], rng: Optional[SavedRngStates] = None
+                       ) -> tuple[dict, Optional[bytes]]:
+    """metadata.json's document (format, version, `metadata`'s other top-level keys, the RNG section, the
+    parameters in registration order) and the RNG file's bytes (None without RNG states), after checking that
+    `parameters` are exactly the model's (`expected`: every parameter with its global shape, from its rulebook),
+    so an incomplete checkpoint or index is never made. `where` names it in errors. The writer publishes both;
+    a direct resume (convert.runner.source_index) keeps them in memory."""
+    missing = [k for k in REQUIRED_METADATA if k not in metadata]
+    if missing:
+        raise UniversalFormatError(f"{where}: metadata lacks {missing}")
+    doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION}
+    # `rng` describes the RNG file made here, never one a copied metadata names
+    doc.update({k: v for k, v in metadata.items() if k not in ("format", "version", "parameters", "rng")})
+    rng_bytes = None
+    if rng is not None and rng.states:
+        rng_bytes, doc["rng"] = _rng_file(rng)
+    doc["parameters"] = _in_model_order(where, parameters, expected)
+    return doc, rng_bytes
 
 
-def _write_rng_file(staging_dir: Path, rng: SavedRngStates) -> dict:
-    """Write RNG_FILENAME into the staging directory; returns metadata.json's `rng` section."""
+def _in_model_order(where: PathLike, parameters: Mapping[str, dict],
+                    expected: Sequence[tuple[str, Sequence[int]]]) -> dict:
+    expected = {name: tuple(shape) for name, shape in expected}
+    missing = [n for n in expected if n not in parameters]
+    extra = sorted(set(parameters) - set(expected))
+    if missing or extra:
+        raise UniversalFormatError(
+            f"{where}: parameters do not match the model config: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}; a universal checkpoint holds "
+            f"every parameter of the model exactly once")
+    for name, shape in expected.items():
+        if tuple(parameters[name]["shape"]) != shape:
+            raise UniversalFormatError(f"{name}: shape {tuple(parameters[name]['shape'])} but the model "
+                                       f"config gives {shape}")
+    # metadata.json lists parameters in registration order, whatever order workers finished in
+    return {name: parameters[name] for name in expected}
+
+
+def _rng_file(rng: SavedRngStates) -> tuple[bytes, dict]:
+    """RNG_FILENAME's bytes and metadata.json's `rng` section describing them."""
     from megatron_ucp.core.run_state import rng_file
 
     data = (json.dumps(rng_file(list(rng.states), rng.layout.to_dict(), rng.micro_batch_size),
                        separators=(",", ":"), allow_nan=False) + "\n").encode()
-    (Path(staging_dir) / RNG_FILENAME).write_bytes(data)  # publication fsyncs the tree
-    return {"file": RNG_FILENAME, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-            "layout": rng.layout.to_dict(), "micro_batch_size": rng.micro_batch_size, "ranks": len(rng.states)}
-
+    return data, {"file": RNG_FILENAME, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                  "layout": rng.layout.to_dict(), "micro_batch_size": rng.micro_batch_size, "ranks": len(rng.states)}
