@@ -94,16 +94,17 @@ class RunFailed(AssertionError):
 
 
 def run_pretrain(layout: Layout, args: Sequence[str], workdir: Path, name: str,
-                 expect_failure: bool = False, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
-    """torchrun pretrain_gpt.py at `layout`; the log goes to workdir/name.log. `env`: extra environment
-    variables for the run (e.g. ATEN_CPU_CAPABILITY to choose another kernel path)."""
+                 expect_failure: bool = False, env: Optional[Dict[str, str]] = None,
+                 script: Path = PRETRAIN) -> subprocess.CompletedProcess:
+    """torchrun pretrain_gpt.py (or another entry point `script`) at `layout`; the log goes to workdir/name.log.
+    `env`: extra environment variables for the run (e.g. ATEN_CPU_CAPABILITY to choose another kernel path)."""
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(layout.nproc),
-           str(PRETRAIN), *layout.flags(), *args]
+           str(script), *layout.flags(), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
            **(env or {})}
     log = workdir / f"{name}.log"
-    rc = zygote.launch(PRETRAIN, layout.nproc, [*layout.flags(), *args], log, env, TORCHRUN_TIMEOUT_S)
+    rc = zygote.launch(script, layout.nproc, [*layout.flags(), *args], log, env, TORCHRUN_TIMEOUT_S)
     if rc is None:
         proc = _torchrun(cmd, env, log, name, layout)
     else:  # forked from the session's fork server (tests/zygote.py)

@@ -70,6 +70,11 @@ class UniversalLoadError(RuntimeError):
     pass
 
 
+class JobLoadError(UniversalLoadError):
+    """A load error every rank of the job raises alike, after agreeing on it (`_agree`, `_from_rank0`): each rank
+    may wait for the others before it exits (universal_plugin._stop_on_user_error), so every rank says it."""
+
+
 # --- what --load is: a universal checkpoint, or the run's own Megatron-LM checkpoint (direct resume) -------------
 
 def is_direct(args) -> bool:
@@ -115,11 +120,18 @@ def open_for_load(args):
     rank 0 refuses is refused by every rank, with rank 0's message."""
     from megatron_ucp.universal import UniversalCheckpoint
 
+    from megatron_ucp.universal import UniversalFormatError
+
     if not is_direct(args):
         return UniversalCheckpoint.open(args.load)
     payload = json.loads(_from_rank0(lambda: _index_payload(args)))
     rng = None if payload["rng"] is None else base64.b64decode(payload["rng"])
-    ucp = UniversalCheckpoint.from_source_index(payload["document"], rng)
+    ucp, problem = None, None
+    try:  # every rank checks the index against the files it sees (a node with another copy is refused)
+        ucp = UniversalCheckpoint.from_source_index(payload["document"], rng)
+    except UniversalFormatError as e:
+        problem = str(e)
+    _agree(problem)
     if torch.distributed.get_rank() == 0:
         layout = layout_from_args(vars(args))
         source = ucp.metadata["source"]
@@ -158,7 +170,7 @@ def _from_rank0(build) -> bytes:
         try:
             payload = b"ok" + build()
         except (UniversalLoadError, UniversalFormatError) as e:
-            failure, payload = e, b"ue" + str(e).encode()
+            failure, payload = JobLoadError(str(e)), b"ue" + str(e).encode()
         except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks learnt of it
             failure, payload = e, b"ex" + f"{type(e).__name__}: {e}".encode()
     else:
@@ -173,7 +185,7 @@ def _from_rank0(build) -> bytes:
         raise failure
     raw = bytes(data.cpu().numpy())
     if raw[:2] == b"ue":
-        raise UniversalLoadError(raw[2:].decode())
+        raise JobLoadError(raw[2:].decode())
     if raw[:2] == b"ex":
         raise RuntimeError(f"rank 0 failed to index --load ({raw[2:].decode()}); see rank 0's traceback")
     return raw[2:]
@@ -195,7 +207,7 @@ def _agree(problem: Optional[str]) -> None:
     if problem:
         data.copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
     torch.distributed.broadcast(data, src=src)
-    raise UniversalLoadError(bytes(data.cpu().numpy()).decode())
+    raise JobLoadError(bytes(data.cpu().numpy()).decode())
 
 
 def _check_values(ucp, name: str, key: str, values: torch.Tensor) -> None:
@@ -324,7 +336,12 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
 
     if ucp is None:
         ucp = open_for_run(args)
-    check_compatible(ucp, args)
+    try:
+        check_compatible(ucp, args)
+        problem = None
+    except UniversalLoadError as e:
+        problem = str(e)
+    _agree(problem)
     config = ucp.config
     layout = layout_from_args(vars(args))
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()

@@ -101,8 +101,21 @@ def _stop_on_user_error(step, *args):
     try:
         return step(*args)
     except (loader.UniversalLoadError, UniversalFormatError, LayoutError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"error: {e}\n")  # one write: ranks sharing a log do not interleave their lines
+        sys.stderr.flush()
+        _wait_for_every_rank(e)
         raise SystemExit(2) from None
+
+
+def _wait_for_every_rank(e: Exception) -> None:
+    """An error every rank raised alike (loader.JobLoadError): wait until every rank has said it before exiting,
+    or the launcher, stopping the job at the first exit, could silence the others."""
+    import torch
+
+    from megatron_ucp.megatron_lm import loader
+
+    if isinstance(e, loader.JobLoadError) and torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def load_universal(args, model, optimizer, scheduler):
