@@ -14,11 +14,16 @@ releases shows.
 
 Megatron-LM's own same-layout resume does not reproduce its iteration 6 log line (a logging quirk
 described in the fixtures' README); the comparison is with the uninterrupted run's true losses.
+
+At another layout each case also resumes the fixture's own checkpoint directly (`--load CKPT
+--universal-checkpoint`, issue 35: rank 0 indexes it, every rank reads its slices from its files; A and C by
+`--ckpt-step 4` at the root, B at its iteration folder): every --log-jsonl field of iterations 5..8 equals the
+resume through to-universal bit for bit (the same bytes read), hence the same distance to train.log.
 """
 
 import pytest
 
-from pretrain_runs import FIXTURE_LOSS_TOL, FIXTURES, Layout, max_rel_diff, megatron_lm_losses, train
+from pretrain_runs import FIXTURE_LOSS_TOL, FIXTURES, Layout, max_rel_diff, megatron_lm_losses, read_records, train
 
 from megatron_ucp.convert import to_universal
 
@@ -40,6 +45,8 @@ CASES = [
     (C, Layout(tp=2, pp=2), "own layout"),
     (C, Layout(dp=2), "TP1PP1DP2"),
 ]
+# the direct resume's --load at another layout: the root with Megatron-LM's --ckpt-step, or the iteration folder
+DIRECT_LOAD = {A: ["ckpt", "--ckpt-step", "4"], B: ["ckpt/iter_0000004"], C: ["ckpt", "--ckpt-step", "4"]}
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +58,16 @@ def universal(tmp_path_factory):
 
 @pytest.mark.parametrize("fixture,layout,what", CASES, ids=[f"{f[0]}-{w.replace(' ', '_')}" for f, _, w in CASES])
 def test_universal_resume_continues_megatron_lm_run(universal, fixture, layout, what, tmp_path):
-    resumed = train(FAMILY[fixture], layout, tmp_path, "resume", 8,
-                    [*V016_DATA, "--use-distributed-optimizer", "--load", str(universal[fixture]), "--universal-checkpoint"])
+    flags = [*V016_DATA, "--use-distributed-optimizer", "--universal-checkpoint"]
+    resumed = train(FAMILY[fixture], layout, tmp_path, "resume", 8, [*flags, "--load", str(universal[fixture])])
     theirs = megatron_lm_losses(fixture)
     diff = max_rel_diff(resumed, theirs, range(5, 9))
     print(f"{fixture} at {layout}: {diff:.2e}")
     assert diff <= FIXTURE_TOL, f"{fixture} at {layout} ({what}): {diff:.2e}\n{resumed}\n{theirs}"
+    if what == "own layout":
+        return
+    path, *step = DIRECT_LOAD[fixture]
+    train(FAMILY[fixture], layout, tmp_path, "direct", 8, [*flags, "--load", str(FIXTURES / fixture / path), *step])
+    assert "is a Megatron-LM checkpoint" in (tmp_path / "direct.log").read_text()
+    direct, through = read_records(tmp_path / "direct.jsonl"), read_records(tmp_path / "resume.jsonl")
+    assert sorted(direct) == [5, 6, 7, 8] and direct == through, f"{fixture} at {layout}: direct != to-universal"

@@ -3,8 +3,9 @@
 Sources: tests/fixtures/megatron-core-0.19, real Megatron-LM core_v0.19.0 runs on CPU. Each run here is
 torchrun, gloo, 4 processes, the fixture's cmd.txt flags (without --save), through the project's entry point
 pretrain_scripts/pretrain_gpt.py (megatron_ucp/megatron_lm: model / forward / mock-data providers on
-`megatron.training.pretrain`, and the CPU patches of cpu_shims.py), launched by megatron_lm/launch.py; the
-losses compared are the ones Megatron-LM prints. Each training runs once per module. This file is the one
+`megatron.training.pretrain`, and the CPU patches of cpu_shims.py), launched as torchrun does by the suite's
+fork server (tests/zygote.py; MEGATRON_UCP_TEST_TORCHRUN=1: torchrun itself); the losses compared are the ones
+Megatron-LM prints, and --log-jsonl's where runs are compared bit for bit. Each training runs once per module. This file is the one
 place the suite reproduces Megatron-LM 0.19's own logs to the last printed digit (other tests compare --log-jsonl).
 
 - reproduction: A19 (TP2 PP2 SP, llama-like) and E19 (MoE, 4 experts top-2, TP1 PP2 DP2 EP2) from scratch
@@ -17,7 +18,12 @@ place the suite reproduces Megatron-LM 0.19's own logs to the last printed digit
 - negative control: the same resume with --no-load-optim (fresh Adam moments and step) misses by > 1e-4;
 - the --universal-checkpoint plugin (megatron_lm/universal_plugin.py, through Megatron-LM's extra_args_provider
   and its own load_checkpoint call): E19's universal checkpoint loaded directly at EP1 (TP1 PP2 DP2), a move
-  megatron-core's own fully_reshardable load refuses, continues within 1e-6 (measured: every digit).
+  megatron-core's own fully_reshardable load refuses, continues within 1e-6 (measured: every digit);
+- journey 2 without a conversion (issue 35): `--load` at the fixture's own checkpoint with --universal-checkpoint
+  at OTHER_LAYOUT, for A19, B19 and C19 (dp_reshardable, fully_reshardable and legacy saves of one run) and
+  E19 (GPT-MoE): every --log-jsonl field of iterations 5-8 equals the resume of the fixture's to-universal
+  conversion bit for bit (A19's for A19-C19: the three convert equal, test_megatron_versions.py), and its lm
+  loss is within 1e-6 of train.log.
 
 Reading the logs: Megatron-LM 0.19's training_log does not reset its loss sum after a run's first logged
 iteration (`should_reset = not is_first_iteration`), so a run's second printed loss is the mean of its first
@@ -33,6 +39,8 @@ from typing import Dict, List
 
 import pytest
 
+from pretrain_runs import Layout, read_records, run_pretrain
+
 from megatron_ucp.megatron_lm import launch
 
 pytestmark = pytest.mark.torchrun
@@ -40,6 +48,8 @@ pytestmark = pytest.mark.torchrun
 F19 = Path(__file__).resolve().parent / "fixtures" / "megatron-core-0.19"
 USER_SCRIPT = Path(__file__).resolve().parent / "user_pretrain_script.py"  # a user's own script with the plugin
 A19 = "A19_llama_tp2pp2dp1_distopt_sp_torch_dist"
+B19 = "B19_llama_tp2pp2dp1_distopt_sp_torch_dist_fullyresh"
+C19 = "C19_llama_tp2pp2dp1_distopt_sp_torch"
 E19 = "E19_moe4top2_tp1pp2dp2ep2_distopt_torch_dist"
 RESUME_TOL = 1e-6  # fp32 relative; the printed losses have 7 significant digits (rounding ~1e-7)
 MISS = 1e-4
@@ -107,14 +117,16 @@ class Runs:
     def train(self, flags: List[str], label: str, script: Path = launch.ENTRY_POINT) -> Dict[int, str]:
         key = (str(script), *flags)
         if key not in self._done:
-            work = self.root / label
-            work.mkdir(parents=True, exist_ok=True)
-            proc = launch.torchrun(4, flags, cwd=work, timeout=TIMEOUT_S, script=script)
-            (work / "run.log").write_text(proc.stdout)
-            tail = "\n".join(proc.stdout.splitlines()[-40:])
-            assert proc.returncode == 0, f"{label}: Megatron-LM 0.19 run failed; log {work / 'run.log'}\n{tail}"
+            # 4 processes; the fixture's own layout flags (after Layout's) decide TP/PP/EP
+            proc = run_pretrain(Layout(dp=4), flags, self.root / label, "run", script=script)
             self._done[key] = launch.printed_losses(proc.stdout)
         return self._done[key]
+
+    def records(self, flags: List[str], label: str) -> Dict[int, dict]:
+        """Every --log-jsonl field by iteration of a run of the entry point (train() otherwise)."""
+        jsonl = self.root / label / "run.jsonl"
+        self.train([*flags, "--log-jsonl", str(jsonl)], label)
+        return read_records(jsonl)
 
     def universal(self, name: str) -> Path:
         """The fixture's iteration 4 as a universal checkpoint (converted once)."""
@@ -200,6 +212,23 @@ def test_universal_checkpoint_plugin_resumes_at_another_expert_parallel_size(run
     assert sorted(printed) == [5, 6, 7, 8], f"the resume should start at iteration 5: {printed}"
     diff = max_rel(true_resumed_losses(printed), fixture_losses(E19))
     assert diff <= RESUME_TOL, f"E19 loaded from the universal checkpoint at EP1: max relative diff {diff:.2e}"
+
+
+@pytest.mark.parametrize("name", [A19, B19, C19, E19])
+def test_direct_resume_at_another_layout_equals_the_to_universal_resume(runs019, name):
+    """`--load` at the fixture's own checkpoint root (--ckpt-step 4; C19 at its iteration folder) with
+    --universal-checkpoint, at OTHER_LAYOUT: iterations 5-8 equal the to-universal resume bit for bit (every
+    --log-jsonl field) and the fixture's train.log within RESUME_TOL."""
+    reference = A19 if name in (A19, B19, C19) else E19  # A19, B19, C19 convert equal (test_megatron_versions)
+    flags = [*with_layout(fixture_flags(reference), OTHER_LAYOUT[reference]), "--universal-checkpoint"]
+    through = runs019.records([*flags, "--load", str(runs019.universal(reference))], f"{reference}.ucp_other")
+    load = ["--load", str(F19 / name / "ckpt" / "iter_0000004")] if name == C19 else \
+        ["--load", str(F19 / name / "ckpt"), "--ckpt-step", "4"]
+    direct = runs019.records([*flags, *load], f"{name}.direct_other")
+    assert "is a Megatron-LM checkpoint" in (runs019.root / f"{name}.direct_other" / "run.log").read_text()
+    assert sorted(direct) == [5, 6, 7, 8] and direct == through, f"{name}: the direct resume differs"
+    losses = {i: r["lm_loss"] for i, r in direct.items()}
+    assert max_rel(losses, fixture_losses(name)) <= RESUME_TOL
 
 
 def test_cpu_shims_refuse_another_megatron_core(monkeypatch):
