@@ -361,8 +361,9 @@ def test_unknown_class_in_args_does_not_stop_a_conversion(tmp_path):
 @pytest.mark.parametrize("release", ["0.17", "0.18"])
 def test_intermediate_releases_round_trip(ucp19, tmp_path, release):
     """0.17 and 0.18 (no real checkpoint of theirs here; their rows come from their sources): written as that
-    release (common.pt and metadata.json with common_backend, one .distcp per rank, no rerun state items),
-    read back as that release's checkpoint, equal to the universal checkpoint it came from at atol 0."""
+    release (common.pt and metadata.json with common_backend, one .distcp per rank, rerun state items in 0.18
+    only), read back as that release's checkpoint (its args, core/versions.args_for_release), equal to the
+    universal checkpoint it came from at atol 0."""
     out = tmp_path / "out"
     fu.from_universal(ucp19[A19], out, ckpt_format="torch_dist", use_distributed_optimizer=True, rng_state="source",
                       progress=False, megatron_core_version=release, **WRITE_BACK[A19])
@@ -371,8 +372,10 @@ def test_intermediate_releases_round_trip(ucp19, tmp_path, release):
                      "metadata.json"]
     assert json.loads((out / ITER / "metadata.json").read_text()) == dict(
         versions.release(release).torch_dist_metadata_json)
-    assert not any(k.startswith(("rerun_state_machine", "common_state")) for k in structure(out / ITER))
+    keys = structure(out / ITER)
+    assert not any(k.startswith("common_state") for k in keys)
+    assert sum(k.startswith("rerun_state_machine_state/") for k in keys) == (4 if release == "0.18" else 0)
     back = to_universal(out, tmp_path / "back", progress=False)
     meta = json.loads((back / "metadata.json").read_text())
-    assert meta["source"]["megatron_core"] == "0.19"  # the args are the 0.19 source's: detection reads args
+    assert meta["source"]["megatron_core"] == release  # the args are that release's: detection reads args
     assert verify(back, ucp19[A19], progress=False).equal

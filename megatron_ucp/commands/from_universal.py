@@ -44,6 +44,7 @@ from megatron_ucp.commands.common import add_publication_flags, add_target_layou
 from megatron_ucp.core.layout import LayoutError, ParallelLayout
 from megatron_ucp.core.patterns import PatternError
 from megatron_ucp.core.placement import PlacementError, resolve_vpp, split_options
+from megatron_ucp.core import versions
 from megatron_ucp.core.versions import NEWEST as _NEWEST
 from megatron_ucp.core.versions import SUPPORTED as SUPPORTED_RELEASES
 from megatron_ucp.formats.common import TRACKER_FILENAME
@@ -76,6 +77,7 @@ class TargetPlan:
     warnings: tuple[str, ...]
     files: tuple[tuple[str, int], ...]  # (path relative to DST, tensor bytes); torch_dist via Megatron-LM: estimate
     details: tuple[str, ...] = ()  # the writer's own description (shown by --dry-run)
+    release_reason: str = ""  # why the write is for target.release (versions.write_choice)
 
     @property
     def layout(self) -> ParallelLayout:
@@ -115,8 +117,22 @@ def target_layout(ucp: UniversalCheckpoint, tp: int, pp: int, dp: int, vpp_layer
         raise FromUniversalError(f"{ucp.path}: {e}") from e
 
 
+def choose_release(ucp: UniversalCheckpoint, megatron_core_version: Optional[str], via_megatron_lm: bool = False
+                   ) -> tuple[versions.MegatronRelease, str]:
+    """The megatron-core release the write is for, and why (said to the user): --via-megatron-lm saves with the
+    installed Megatron-LM; else versions.write_choice (the one named, the source's, or the installed one)."""
+    if via_megatron_lm:
+        return _NEWEST, "--via-megatron-lm: the installed Megatron-LM saves it"
+    try:
+        return versions.write_choice(ucp.metadata.get("source"), megatron_core_version)
+    except ValueError as e:
+        raise FromUniversalError(f"--megatron-core-version: {e}") from None
+
+
 def plan_target(ucp: UniversalCheckpoint, layout: ParallelLayout, *, vpp_layers: Optional[int], ckpt_format: str,
-                use_distributed_optimizer: bool, rng_state: str = "cuda", writer=None) -> TargetPlan:
+                use_distributed_optimizer: bool, rng_state: str = "cuda", writer=None,
+                megatron_core_version: Optional[str] = None, via_megatron_lm: bool = False,
+                allow_non_finite: bool = False) -> TargetPlan:
     """Validate the target against the model and decide every file; no I/O besides reading metadata."""
     if ckpt_format not in CKPT_FORMATS:
         raise FromUniversalError(f"--ckpt-format {ckpt_format!r}: choose one of {', '.join(CKPT_FORMATS)}")
@@ -161,10 +177,13 @@ def plan_target(ucp: UniversalCheckpoint, layout: ParallelLayout, *, vpp_layers:
     if not has_moments:
         warnings.append("the universal checkpoint holds no optimizer state: only model weights are written; resume "
                         "with --no-load-optim (or --finetune)")
+    release, why = choose_release(ucp, megatron_core_version, via_megatron_lm)
     target = WriteTarget(layout, vpp_layers if layout.vpp else None, use_distributed_optimizer, padded,
                          target_args(ucp.metadata, layout, use_distributed_optimizer=use_distributed_optimizer,
                                      padded_vocab_size=padded, ckpt_format=ckpt_format, vpp_layers=vpp_layers),
-                         rng_state)
+                         rng_state, release=release,
+                         source_release=versions.source_release(ucp.metadata.get("source"), ucp.args),
+                         allow_non_finite=allow_non_finite)
     writer = writer or make_writer(ckpt_format)
     notes: list[str] = []
     try:
@@ -172,7 +191,7 @@ def plan_target(ucp: UniversalCheckpoint, layout: ParallelLayout, *, vpp_layers:
     except WriteError as e:
         raise FromUniversalError(f"{where}: {e}") from e
     return TargetPlan(target, ckpt_format, tuple(warnings + notes), tuple((f.path, f.nbytes) for f in files),
-                      tuple(writer.describe(ucp, target)))
+                      tuple(writer.describe(ucp, target)), why)
 
 
 def _numel(shape) -> int:
@@ -214,6 +233,7 @@ class FromUniversalSummary:
 
     def to_dict(self) -> dict:
         return {"path": str(self.path), "ckpt_format": self.plan.ckpt_format, "layout": self.plan.layout.to_dict(),
+                "megatron_core": self.plan.target.release.name, "megatron_core_reason": self.plan.release_reason,
                 "use_distributed_optimizer": self.plan.use_distributed_optimizer, "iteration": self.iteration,
                 "padded_vocab_size": self.plan.padded_vocab_size, "warnings": list(self.plan.warnings),
                 "details": list(self.plan.details),
@@ -241,7 +261,7 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
                    progress: bool = True, warn=None, clean_stale: bool = False,
                    optimizer_format: Optional[str] = None, workers: Optional[int] = None, via_megatron_lm: bool = False,
                    pipeline_split: Optional[dict] = None,
-                   megatron_core_version: Optional[str] = None) -> FromUniversalSummary:
+                   megatron_core_version: Optional[str] = None, allow_non_finite: bool = False) -> FromUniversalSummary:
     """Write the universal checkpoint at `ucp_path` as a Megatron checkpoint root `dst` at the given layout.
 
     Validation (layout, vocabulary, batch, destination) happens before any file is created; on any error
@@ -250,8 +270,11 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
     (`warn`) and removed with `clean_stale`. `optimizer_format` and `workers` go to the writers that take
     them (torch_dist); `via_megatron_lm` chooses the writer that runs Megatron-LM's training loop. `pipeline_split`: an
     uneven target split, target_layout's keywords (first_stage_layers, last_stage_layers, embedding_in_split,
-    loss_in_split, virtual_stages). Under torchrun (more than one process) call it on every process: they
-    split the files (writers that can)."""
+    loss_in_split, virtual_stages). `megatron_core_version`: the release to write for (default: the source's, or
+    the installed one without a Megatron source); an optimizer format that release cannot load is refused
+    before anything is opened when the release is known from the flags alone, else before any file is
+    written. `allow_non_finite`: write tensors holding NaN/Inf (otherwise refused, nothing left at `dst`).
+    Under torchrun (more than one process) call it on every process: they split the files (writers that can)."""
     start = time.perf_counter()
     ucp_path, dst = Path(ucp_path), Path(dst).absolute()
     if rng_state not in RNG_STATE_KINDS:
@@ -263,6 +286,7 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
                    "--expert-model-parallel-size": expert_model_parallel_size,
                    "--expert-tensor-parallel-size": expert_tensor_parallel_size, "--workers": workers,
                    "--timeout": timeout_s if via_megatron_lm else None})
+    _refuse_unloadable(optimizer_format, megatron_core_version, use_distributed_optimizer)
     check_destination(dst, ucp_path, overwrite)  # fails fast; checked again under the lock
     distributed = in_torchrun() and not dry_run
     emit = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
@@ -280,7 +304,9 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
                                num_layers_per_virtual_pipeline_stage, sequence_parallel, **(pipeline_split or {}),
                                ep=expert_model_parallel_size, etp=expert_tensor_parallel_size)
         plan = plan_target(ucp, layout, vpp_layers=num_layers_per_virtual_pipeline_stage, ckpt_format=ckpt_format,
-                           use_distributed_optimizer=use_distributed_optimizer, rng_state=rng_state, writer=writer)
+                           use_distributed_optimizer=use_distributed_optimizer, rng_state=rng_state, writer=writer,
+                           megatron_core_version=megatron_core_version, via_megatron_lm=via_megatron_lm,
+                           allow_non_finite=allow_non_finite)
         for message in plan.warnings:
             emit(message)
         return plan
@@ -329,6 +355,23 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
     except StagingError as e:
         raise FromUniversalError(str(e)) from e
     return FromUniversalSummary(dst, plan, ucp.iteration, written, time.perf_counter() - start, False)
+
+
+def _refuse_unloadable(optimizer_format: Optional[str], megatron_core_version: Optional[str],
+                       use_distributed_optimizer: bool) -> None:
+    """An --optimizer-format the release named by --megatron-core-version cannot load, refused before anything
+    is opened (versions.load_refusal: one line naming the releases that load it). A release that depends on the
+    universal checkpoint's source is checked by the writer's plan, before any file is written (--via-megatron-lm
+    refuses what the installed Megatron-LM cannot save when it is made)."""
+    if not (optimizer_format and use_distributed_optimizer and megatron_core_version):
+        return
+    try:
+        release = versions.release(megatron_core_version)
+    except ValueError as e:
+        raise FromUniversalError(f"--megatron-core-version: {e}") from None
+    refusal = versions.load_refusal(release, optimizer_format)
+    if refusal:
+        raise FromUniversalError(refusal)
 
 
 def _make_writer(ckpt_format: str, via_megatron_lm: bool, **options):
@@ -418,6 +461,9 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
                         f"default: the release that wrote the universal checkpoint's source, {NEWEST_RELEASE} for "
                         f"one without a Megatron source). 0.19 keeps the common state inside the .distcp files "
                         f"(0.19 still reads the older common.pt form; 0.16-0.18 read only that)")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="write tensors holding NaN or Inf as they are (default: refused, naming the parameter and "
+                        "state; `megatron-ucp check UCP` lists them all)")
     p.add_argument("--workers", type=int, default=None,
                    help="threads writing the output files (default: min(4, CPUs); legacy torch: one rank's "
                         "files per thread); torch_dist under torchrun: the processes also split the files (a "
@@ -448,7 +494,8 @@ def run_cli(args: argparse.Namespace) -> dict:
         ckpt_format=args.ckpt_format, dry_run=args.dry_run, overwrite=args.overwrite, rng_state=args.rng_state,
         timeout_s=args.timeout, progress=not args.quiet, clean_stale=args.clean_stale,
         optimizer_format=args.optimizer_format, workers=args.workers, via_megatron_lm=args.via_megatron_lm,
-        pipeline_split=split_options(args), megatron_core_version=args.megatron_core_version)
+        pipeline_split=split_options(args), megatron_core_version=args.megatron_core_version,
+        allow_non_finite=args.allow_non_finite)
     result = summary.to_dict()
     if not summary.dry_run and not reports():
         return result  # rank 0 reports
@@ -456,6 +503,7 @@ def run_cli(args: argparse.Namespace) -> dict:
     what = f"{plan.ckpt_format} at {plan.layout.describe()}" + (" with the distributed optimizer"
                                                                 if plan.use_distributed_optimizer else "")
     what += "".join(f", {line}" for line in plan.details if line.startswith("optimizer state"))
+    what += f", for megatron-core {plan.target.release.name} ({plan.release_reason})"
     if summary.dry_run:
         lines = [f"dry run: would write {summary.path} ({what}, iteration {summary.iteration}):"]
         lines += [f"  {p}  {b / 2 ** 20:.2f} MiB" for p, b in plan.files]

@@ -18,12 +18,23 @@ The distributed optimizer's torch_dist layout is recorded in each checkpoint (co
 release row which of them that release writes by default and which it can load (what `from-universal` may
 write for it).
 
+Writes: what each release's own code parses, sets and can unpickle is data extracted from its wheel's sources by
+tools/extract_release_facts.py into release_facts.json (package data beside this module, read once on first
+use): per release its SAFE_GLOBALS (what its legacy `torch.load(weights_only)` accepts), its enums' members, the
+distributed optimizer's sharding types, when its rerun state machine saves, and (0.17 on, whose wheels carry
+megatron/training) every argument `parse_args` defines with its default and the names set at run time.
+`args_for_release` turns a universal checkpoint's JSON args into what that release's save pickles; the rows'
+`distrib_optim_loads` and `rerun_state_always` are checked against the same facts by the tests.
+
 A leaf module: imports nothing of megatron-ucp.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 
@@ -47,16 +58,18 @@ class MegatronRelease:
     # where Megatron-LM sets them from --dist-ckpt-workers (default 1)
     torch_dist_files_per_rank: Optional[int]
     # torch_dist: every save holds the rerun state machine ('rerun_state_machine' in the common state and
-    # one ShardedObject 'rerun_state_machine_state' per rank); 0.16.1 saves it only while a rerun is pending
+    # one ShardedObject 'rerun_state_machine_state' per rank) unless --rerun-mode disabled (0.18 on:
+    # RerunStateMachine.state_dict skips only a disabled machine); up to 0.17 only while a rerun is pending
     rerun_state_always: bool
     # torch_dist with expert parallelism: RNG states sharded per (pp, tp, dp) rank (each DP rank's own
     # expert-parallel stream; Megatron-LM 0.16) or per (pp, tp) as without experts (0.17 on: get_rng_state)
     rng_per_dp_with_experts: bool
     # torch_dist with --use-distributed-optimizer: the sharding type Megatron-LM of this release saves by
     # default, and those its DistributedOptimizer.load_state_dict accepts (names of OPTIMIZER_SHARDINGS)
+    # (fully_sharded_model_space: up to 0.15; from 0.16 ShardedTensor.validate_metadata_integrity refuses its
+    # flattened ranges, "ShardedTensor.flattened_range is not supported.", on load as on save)
     distrib_optim_default: str = "dp_reshardable"
-    distrib_optim_loads: tuple[str, ...] = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space",
-                                            "dp_zero_gather_scatter")
+    distrib_optim_loads: tuple[str, ...] = ("dp_reshardable", "fully_reshardable", "dp_zero_gather_scatter")
 
 
 @dataclass(frozen=True)
@@ -125,9 +138,12 @@ RELEASES: tuple[MegatronRelease, ...] = (
     # (fully_sharded_model_space with --dist-ckpt-save-pre-mcore-014), otherwise as 0.16.1 but for RNG states
     # with experts, per (pp, tp) as in 0.14 (core_v0.15.3 get_rng_state). Markers: the
     # arguments of that choice (in the args of 0.15.3, 0.16.1 and 0.19.2 checkpoints, not in 0.14.0's)
+    # 0.15.3's ShardedTensor still takes flattened ranges: it loads fully_sharded_model_space (release_facts)
     MegatronRelease("0.15", "0.15", ("dist_ckpt_save_pre_mcore_014", "dist_ckpt_optim_fully_reshardable"),
                     "common.pt", _METADATA_JSON_COMMON_PT, null_tokenizer_eod_in_vocab=False,
-                    torch_dist_files_per_rank=2, rerun_state_always=False, rng_per_dp_with_experts=False),
+                    torch_dist_files_per_rank=2, rerun_state_always=False, rng_per_dp_with_experts=False,
+                    distrib_optim_loads=("dp_reshardable", "fully_reshardable", "fully_sharded_model_space",
+                                         "dp_zero_gather_scatter")),
     # 0.16.1: tests/fixtures/megatron-lm (common.pt; Megatron-LM's legacy NullTokenizer appends EOD). Markers: in
     # the args of 0.16.1 and 0.19.2 checkpoints (and 0.17.0/0.18.0's megatron/training), not in 0.15.3's
     MegatronRelease("0.16", "0.16", ("apply_wd_to_qk_layernorm", "dump_param_to_param_group_map"),
@@ -138,10 +154,12 @@ RELEASES: tuple[MegatronRelease, ...] = (
     MegatronRelease("0.17", "0.17", ("dist_ckpt_workers", "lion_beta1"), "common.pt",
                     _METADATA_JSON_COMMON_PT, null_tokenizer_eod_in_vocab=False, torch_dist_files_per_rank=None,
                     rerun_state_always=False, rng_per_dp_with_experts=False),
-    # 0.18.0 wheel: NullTokenizer(vocab_size, eod_id=None) has vocab N, EOD N - 1 (--null-tokenizer-eod-id)
+    # 0.18.0 wheel: NullTokenizer(vocab_size, eod_id=None) has vocab N, EOD N - 1 (--null-tokenizer-eod-id);
+    # the rerun state in every save (rerun_state_machine_state/shard_<rank>_<world> and common
+    # 'rerun_state_machine'; real 0.18.0 CPU saves hold them), as 0.19
     MegatronRelease("0.18", "0.18", ("fp4_param_gather", "use_layer_wise_param_layout"), "common.pt",
                     _METADATA_JSON_COMMON_PT, null_tokenizer_eod_in_vocab=True, torch_dist_files_per_rank=None,
-                    rerun_state_always=False, rng_per_dp_with_experts=False),
+                    rerun_state_always=True, rng_per_dp_with_experts=False),
     # 0.19.x: tests/fixtures/megatron-core-0.19 (no common.pt: ShardedObject common_state; metadata.json
     # without common_backend; one .distcp per rank; rerun_state_machine_state/shard_<rank>_<world> always)
     MegatronRelease("0.19", "0.19", ("override_ckpt_iteration", "freeze_all_layers"), "sharded",
@@ -169,15 +187,54 @@ def write_default(source: Optional[Mapping[str, Any]]) -> MegatronRelease:
     """The release `from-universal` writes for when the user names none: the one that wrote the universal
     checkpoint's source (the stack the user trains with); a source converted before megatron-ucp recorded it
     was a 0.16 checkpoint (all it read then); a checkpoint with no Megatron source: the newest."""
+    return write_choice(source, None)[0]
+
+
+def write_choice(source: Optional[Mapping[str, Any]], named: Optional[str]) -> tuple[MegatronRelease, str]:
+    """The release a write is for and why, in words for the user: the one named (--megatron-core-version),
+    else write_default's. ValueError for a name no row has."""
+    if named:
+        return release(named), "--megatron-core-version"
     if not source or source.get("format") not in MEGATRON_FORMATS:  # e.g. import-hf: no Megatron source
-        return NEWEST
+        return NEWEST, "no Megatron source: the release megatron-ucp installs"
     recorded = source.get("megatron_core")
-    return release(recorded) if recorded else FALLBACK
+    if recorded:
+        return release(recorded), "the release that wrote the source checkpoint"
+    return FALLBACK, "a source converted before megatron-ucp recorded its release (0.16's then)"
 
 
-def oldest_loading(sharding: str) -> Optional[MegatronRelease]:
-    """The oldest release whose distributed optimizer loads this torch_dist sharding type."""
-    return next((row for row in RELEASES if sharding in row.distrib_optim_loads), None)
+def source_release(source: Optional[Mapping[str, Any]], args: Mapping[str, Any]) -> Optional[MegatronRelease]:
+    """The release whose run the universal checkpoint's args come from (its enums' numbering): the recorded
+    one, else the one its args show; None without a Megatron source."""
+    if not source or source.get("format") not in MEGATRON_FORMATS:
+        return None
+    recorded = source.get("megatron_core")
+    try:
+        return release(recorded) if recorded else detect(args)
+    except ValueError:
+        return detect(args)
+
+
+def loading(sharding: str) -> tuple[MegatronRelease, ...]:
+    """The releases whose distributed optimizer loads this torch_dist sharding type."""
+    return tuple(row for row in RELEASES if sharding in row.distrib_optim_loads)
+
+
+def load_refusal(row: MegatronRelease, sharding: str) -> Optional[str]:
+    """Why megatron-core `row` cannot load the distributed optimizer's torch_dist `sharding` (one line naming
+    the releases that can and its own default), or None when it can."""
+    if sharding in row.distrib_optim_loads:
+        return None
+    others = [r.name for r in loading(sharding)]
+    names = f"{', '.join(others[:-1])} or {others[-1]}" if len(others) > 1 else "".join(others)
+    where = f"target a release that loads it, --megatron-core-version {names}" if others else "no release loads it"
+    return (f"megatron-core {row.name} cannot load the distributed optimizer's {sharding} torch_dist state: "
+            f"write --optimizer-format {row.distrib_optim_default} (its default) for {row.name}, or {where}")
+
+
+def saves_rerun_state(row: MegatronRelease, args: Mapping[str, Any]) -> bool:
+    """Whether a torch_dist save of this release with these args holds the rerun state machine."""
+    return row.rerun_state_always and args.get("rerun_mode", "validate_results") != "disabled"
 
 
 def torch_dist_files_per_rank(row: MegatronRelease, args: Mapping[str, Any]) -> int:
@@ -204,3 +261,81 @@ def true_vocab_size(args: Mapping[str, Any], row: Optional[MegatronRelease] = No
     if args.get("tokenizer_type") == "NullTokenizer" and vocab is not None:
         return vocab if row.null_tokenizer_eod_in_vocab else vocab + 1
     return vocab
+
+
+# --------------------------------------------------------------------------------------------------
+# Args and classes as each release's save holds them (release_facts.json)
+
+FACTS_FILE = Path(__file__).with_name("release_facts.json")
+
+
+@functools.lru_cache(maxsize=None)
+def _all_facts() -> Mapping[str, Any]:
+    return json.loads(FACTS_FILE.read_text())["releases"]
+
+
+def facts(row: Optional[MegatronRelease]) -> Mapping[str, Any]:
+    """What tools/extract_release_facts.py read from this release's wheel ({} for None)."""
+    return _all_facts().get(row.name, {}) if row is not None else {}
+
+
+def known_args(row: MegatronRelease) -> Optional[frozenset]:
+    """Every argument name a save of this release can hold (parse_args' and those set at run time), or None
+    where its wheel carries no megatron/training (0.14-0.16: args are written as the source has them)."""
+    found = facts(row)
+    return frozenset(found["args"]) | frozenset(found["runtime_args"]) if "args" in found else None
+
+
+_UNSAVABLE = object()
+_SIGNALS = "signal.Signals."
+
+
+def _value_for(value: Any, target: Mapping[str, Any], source: Mapping[str, Any]) -> Any:
+    """A JSON arg value as `target` can unpickle it: an enum member renumbered by its name from the source
+    release's numbering (or the same numbering when the source's is unknown), a signal only where the target
+    allows signal.Signals; _UNSAVABLE where the target lacks the class or the member."""
+    if isinstance(value, dict) and set(value) == {"enum", "value"}:
+        qualname, number = value["enum"], value["value"]
+        members = target.get("enums", {}).get(qualname)
+        if members is None or qualname not in target.get("safe_globals", ()):
+            return _UNSAVABLE
+        names = {v: k for k, v in (source.get("enums", {}).get(qualname) or members).items()}
+        name = names.get(number)
+        return {"enum": qualname, "value": members[name]} if name in members else _UNSAVABLE
+    if isinstance(value, list):
+        items = [_value_for(v, target, source) for v in value]
+        return _UNSAVABLE if any(v is _UNSAVABLE for v in items) else items
+    if isinstance(value, str) and value.startswith(_SIGNALS) and target:
+        return value if "signal.Signals" in target.get("safe_globals", ()) else _UNSAVABLE
+    return value
+
+
+def args_for_release(args: Mapping[str, Any], row: MegatronRelease,
+                     source: Optional[MegatronRelease] = None) -> dict:
+    """The JSON args `row`'s own save would hold for a run with these args (a universal checkpoint's, from a run
+    of `source`): arguments `row` neither parses nor sets are dropped; those it parses and the args lack get its
+    parse_args default (a release's markers included, so `detect` names it); enum members are renumbered by name
+    into its classes, and a value of a class (or member) it lacks becomes its default, or is dropped without
+    one; a NullTokenizer's --vocab-size says the same vocabulary in `row`'s meaning (true_vocab_size). Values
+    keep their JSON form (megatron_state.args_values makes the pickled ones)."""
+    target, origin = facts(row), facts(source)
+    known = known_args(row)
+    defaults = target.get("args", {})
+    out = {}
+    for key, value in args.items():
+        if known is not None and key not in known:
+            continue
+        value = _value_for(value, target, origin)
+        if value is _UNSAVABLE and key in defaults:
+            value = _value_for(defaults[key], target, target)
+        if value is not _UNSAVABLE:
+            out[key] = value
+    for key, value in defaults.items():
+        if key not in out and key not in args:
+            value = _value_for(value, target, target)
+            if value is not _UNSAVABLE:
+                out[key] = value
+    vocab = true_vocab_size(args, source) if source is not None else None
+    if args.get("tokenizer_type") == "NullTokenizer" and isinstance(vocab, int):
+        out["vocab_size"] = vocab if row.null_tokenizer_eod_in_vocab else vocab - 1
+    return out

@@ -23,6 +23,7 @@ import struct
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional
 
+from megatron_ucp.core import versions
 from megatron_ucp.core.dtypes import PARAM_DTYPES
 from megatron_ucp.adapters.gpt import (experts_in_own_optimizer, group_identity, group_overrides,
                                       in_expert_optimizer, is_buffer, megatron_param_groups, parameters_for_rank)
@@ -70,14 +71,22 @@ _DROP = object()
 _SIGNAL_PREFIX = "signal.Signals."
 
 
-def args_values(args: Mapping[str, Any], *, dtype: Callable[[str], Any], enum_member: Callable[[str, Any], Any] = import_enum
-                ) -> dict:
-    """The values of Megatron-LM's args Namespace: JSON-safe values (convert.json_safe) restored where Megatron
-    needs the real type: dtype names ("torch.bfloat16") through `dtype(name)`, Megatron enums ({"enum", "value"};
-    only those a checkpoint may hold, so metadata.json never makes us import a module) through
-    `enum_member(class, value)`, non-finite floats; values that cannot be restored are dropped."""
+def _is_enum(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == {"enum", "value"}
+
+
+def args_values(args: Mapping[str, Any], *, release: versions.MegatronRelease,
+                source: Optional[versions.MegatronRelease] = None, dtype: Callable[[str], Any],
+                enum_member: Callable[[str, Any], Any] = import_enum) -> dict:
+    """The values of the args Namespace megatron-core `release` pickles, for a run of `source` with these
+    JSON-safe args (convert.json_safe): first as that release's own save holds them (versions.args_for_release:
+    arguments it does not know dropped, its defaults for those missing, enums renumbered into its classes and
+    none it lacks), then restored where Megatron needs the real type: dtype names ("torch.bfloat16") through
+    `dtype(name)`, Megatron enums ({"enum", "value"}; only those a checkpoint may hold, so metadata.json never
+    makes us import a module) through `enum_member(class, value)` (in lists too), non-finite floats; values that
+    cannot be restored are dropped."""
     plain = {}
-    for key, value in args.items():
+    for key, value in versions.args_for_release(args, release, source).items():
         if isinstance(value, str):
             if value.startswith("torch.") and value[len("torch."):] in ITEMSIZE:  # dtype names only
                 value = dtype(value[len("torch."):])
@@ -86,8 +95,10 @@ def args_values(args: Mapping[str, Any], *, dtype: Callable[[str], Any], enum_me
             elif value.startswith(_SIGNAL_PREFIX) and value[len(_SIGNAL_PREFIX):] in signal.Signals.__members__:
                 # --exit-signal: json_safe spells the member "signal.Signals.SIGTERM"; pickled as the enum
                 value = enum_member("signal.Signals", signal.Signals[value[len(_SIGNAL_PREFIX):]].value)
-        elif isinstance(value, dict) and set(value) == {"enum", "value"}:
-            value = enum_member(value["enum"], value["value"]) if value["enum"] in MEGATRON_ENUMS else _DROP
+        elif _is_enum(value) or (isinstance(value, list) and value and all(_is_enum(v) for v in value)):
+            members = [enum_member(v["enum"], v["value"]) if v["enum"] in MEGATRON_ENUMS else _DROP
+                       for v in (value if isinstance(value, list) else [value])]
+            value = _DROP if any(m is _DROP for m in members) else members if isinstance(value, list) else members[0]
         if value is not _DROP:
             plain[key] = value
     return plain

@@ -697,10 +697,12 @@ MEGATRON_ENUMS = (
     "megatron.core.enums.ModelType",
     "megatron.core.transformer.enums.AttnBackend",
     "megatron.core.transformer.enums.CudaGraphScope",
+    "megatron.core.transformer.enums.CudaGraphModule",  # megatron-core >= 0.18 (cuda_graph_modules)
     "megatron.core.rerun_state_machine.RerunMode",
     "megatron.core.rerun_state_machine.RerunState",
     "megatron.core.rerun_state_machine.RerunDiagnostic",
-    "megatron.core.transformer.enums.InferenceCudaGraphScope",  # in args since megatron-core 0.17-0.19
+    # megatron-core >= 0.18 (inference_cuda_graph_scope); 0.17 has no such class: writes for it never pickle one
+    "megatron.core.transformer.enums.InferenceCudaGraphScope",
 )
 _DCP_ENUMS = ("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
               "torch.distributed.checkpoint.planner.WriteItemType")

@@ -8,6 +8,11 @@ universal checkpoint: byte regions to copy file to file, and rows read through `
 can); `piece_bands` yields it as bytes band by band (the legacy writer, which frames each storage record
 itself and needs its CRC-32). Memory: one band (io/byteio.BAND_BYTES) at a time, whatever the tensor size.
 No torch.
+
+Non-finite values: every float32 value a writer takes from the universal checkpoint is searched for NaN/Inf
+where it already passes (the checked mapping a cast reads, each step of a stored run right after its
+checksums are checked); one is refused (`NonFiniteError`, naming the parameter and the state) unless
+`allow_non_finite`. No extra read of the data.
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ _F32 = TorchDType("float32")
 
 class PieceLayoutError(WriteError):
     """A tensor cannot be laid out as pieces of the universal tensors (cause + fix)."""
+
+
+class NonFiniteError(WriteError):
+    """A universal tensor holds NaN or Inf and the write does not allow them (cause + fix)."""
 
 
 @dataclass(frozen=True)
@@ -94,14 +103,27 @@ class Sources:
     (checked). Rows past the stored vocabulary (a target with more padding rows) are filled as
     patterns.resize_vocab re-pads: the mean padding row for weights, zeros for moments."""
 
-    def __init__(self, ucp, config: GPTModelConfig):
+    def __init__(self, ucp, config: GPTModelConfig, *, allow_non_finite: bool = False):
         self.ucp, self.config = ucp, config
+        self.allow_non_finite = allow_non_finite
         self.files = FileHandles()
         self._located: dict = {}
         self._fill: dict = {}
 
     def close(self) -> None:
         self.files.close()
+
+    def finite(self, values, name: str, state: str) -> None:
+        """Refuse NaN/Inf among float32 `values` of the tensor (an array or bytes-like, in cache) unless allowed."""
+        if self.allow_non_finite:
+            return
+        count, _ = integrity.non_finite(values)
+        if count:
+            path = self.ucp.path
+            raise NonFiniteError(
+                f"{path}: {name} {integrity.state_word(state)} holds non-finite values (NaN/Inf), refused; "
+                f"`megatron-ucp check {path}` lists every one; {integrity.NON_FINITE_REMEDY}, or pass "
+                f"--allow-non-finite to write them as they are")
 
     def shape2d(self, name: str) -> tuple[int, int]:
         shape = self.ucp.parameters[name].shape
@@ -128,6 +150,7 @@ class Sources:
                 parts.append(self.ucp.read(name, state, (slice(c0, c1),), array=True).reshape(1, c1 - c0))
             else:
                 parts.append(self.ucp.read(name, state, (slice(r0, top), slice(c0, c1)), array=True))
+            self.finite(parts[-1], name, state)
         if r1 > rows:
             parts.append(np.broadcast_to(self.fill_row(name, state)[:, c0:c1], (r1 - max(r0, rows), c1 - c0)))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -142,6 +165,7 @@ class Sources:
         one_d = len(self.ucp.parameters[name].shape) == 1
         index = (slice(c0, c1),) if one_d else (slice(r0, r1), slice(c0, c1))
         with self.ucp.read_view(name, state, index) as block:
+            self.finite(block.reshape(-1)[lo:hi] if block.flags.c_contiguous else block, name, state)
             out = cast_out_of(block, lo, hi, dtype)
             del block  # nothing may keep the mapping past the with-block
         return out
@@ -205,6 +229,7 @@ class StoredRun:
     sources: Sources
     name: str
     region: FileRegion
+    state: str = "fp32"
 
     @property
     def nbytes(self) -> int:
@@ -216,11 +241,13 @@ class StoredRun:
         copy_region(self.sources.files, self.region, fd, pos)
         running = crc
 
-        def on_view(view) -> None:
+        def on_view(view) -> None:  # each checked step of the run, in the page cache
             nonlocal running
-            running = zlib.crc32(view, running)
+            self.sources.finite(view, self.name, self.state)
+            if crc is not None:
+                running = zlib.crc32(view, running)
 
-        self.sources.ucp.verify_copied(self.name, self.region, on_view=None if crc is None else on_view)
+        self.sources.ucp.verify_copied(self.name, self.region, on_view=on_view)
         return running
 
 
@@ -245,7 +272,7 @@ def stored_run(sources: Sources, piece: Piece, dtype: TorchDType) -> Optional[St
         start = (r0 + piece.start // width) * cols + c0 + piece.start % width
         region = sources.region(piece.name, piece.state, start, start + piece.numel)
         if region is not None:
-            return StoredRun(sources, piece.name, region)
+            return StoredRun(sources, piece.name, region, piece.state)
     return None
 
 
@@ -278,6 +305,7 @@ def write_sharing_rows(sources: Sources, writes: list) -> None:
     _, _, first, _ = writes[0]
     for r0, r1, lo, hi, e in row_bands(sources, first):
         with sources.ucp.read_view(first.name, first.state, (slice(r0, r1),)) as band:
+            sources.finite(band, first.name, first.state)
             for fd, pos, piece, dtype in writes:
                 a, b = piece.box[1]
                 out = cast_out_of(band[:, a:b], lo, hi, dtype)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Optional
 
+from megatron_ucp.core import versions
 from megatron_ucp.core.layout import ParallelLayout
 
 
@@ -40,6 +41,12 @@ class WriteTarget:
     args: Mapping[str, Any]  # Megatron-LM args (JSON values) with the target layout's values filled in
     # 'cuda' | 'cpu' | 'none': the fresh RNG state written for Megatron-LM to load; 'source': the stored ones
     rng_state: str = "cuda"
+    # the megatron-core release whose save this is (versions.write_choice), and the one whose run the universal
+    # checkpoint's args come from (None: no Megatron source); the pickled args are translated between them
+    release: versions.MegatronRelease = versions.NEWEST
+    source_release: Optional[versions.MegatronRelease] = None
+    # write tensors holding NaN/Inf (--allow-non-finite); otherwise the writers refuse them
+    allow_non_finite: bool = False
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
+import numpy as np
 import xxhash
 
 PathLike = Union[str, os.PathLike]
@@ -87,6 +88,28 @@ _HEX = frozenset("0123456789abcdef")
 FILE_REMEDY = "the file was damaged after it was written; restore it from a copy or reconvert"
 SOURCE_REMEDY = ("the source checkpoint was damaged after the lazy conversion; restore it from a copy, or "
                  "convert a good copy again")
+
+
+NON_FINITE_REMEDY = ("the run diverged before it was saved, or its bytes were damaged before they were "
+                     "checksummed; resume from an earlier checkpoint")
+_STATE_WORDS = {"fp32": "weight"}  # universal tensor keys as the user says them (exp_avg, exp_avg_sq as they are)
+
+
+def state_word(key: str) -> str:
+    """A universal tensor key as messages name it: 'fp32' is the weight."""
+    return _STATE_WORDS.get(key, key)
+
+
+def non_finite(values) -> tuple[int, int]:
+    """(how many, flat index of the first) NaN or +-Inf values among float32 `values` (a float32 array, or
+    bytes-like of whole float32 elements); (0, -1) when every value is finite. One vectorised pass, meant for
+    bytes a caller has just hashed, copied or mapped (still in cache): no extra read of the data."""
+    a = values if isinstance(values, np.ndarray) else np.frombuffer(values, dtype=np.float32)
+    finite = np.isfinite(a)
+    if finite.all():
+        return 0, -1
+    bad = np.flatnonzero(~finite)
+    return int(bad.size), int(bad[0])
 
 
 def block_digest(data) -> str:
@@ -642,11 +665,15 @@ class FileCheck:
     label: str
     exact_size: bool = True
     remedy: str = FILE_REMEDY
+    # float32 data to find NaN/Inf in while its blocks are hashed: (what, start, stop) file byte ranges,
+    # `what` naming the tensor ("PARAM exp_avg_sq")
+    floats: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
 class Failure:
-    """One problem found: problem is "missing", "size", "checksum", "unreadable", "header" or "coverage"."""
+    """One problem found: problem is "missing", "size", "checksum", "unreadable", "header", "coverage" or
+    "non-finite"."""
 
     path: str
     problem: str
@@ -692,8 +719,10 @@ class CheckReport:
 _READ_BUFFER = threading.local()
 
 
-def _check_blocks(fd: int, entry: FileCheck, blocks: range) -> list[Failure]:
-    """Check blocks (consecutive) of one file with large preads into a per-thread buffer."""
+def _check_blocks(fd: int, entry: FileCheck, blocks: range, found: list) -> list[Failure]:
+    """Check blocks (consecutive) of one file with large preads into a per-thread buffer; each block's part
+    of entry.floats is searched for NaN/Inf right after it is hashed (still in cache), findings appended to
+    `found` as (what, block, count, first element)."""
     record, failures = entry.record, []
     buf = getattr(_READ_BUFFER, "buf", None)
     step = max(1, CHECK_READ // record.block_size)
@@ -716,7 +745,27 @@ def _check_blocks(fd: int, entry: FileCheck, blocks: range) -> list[Failure]:
             if block_digest(view[ka - a:kb - a]) != record.blocks[k]:
                 failures.append(Failure(entry.path, "checksum", str(_block_error(entry.path, k, ka, kb, entry.label,
                                                                                  entry.remedy)), k, ka, kb))
+            for what, start, stop in entry.floats:
+                _find_non_finite(fd, view, a, ka, kb, what, start, stop, k, found)
     return failures
+
+
+def _find_non_finite(fd: int, view: memoryview, a: int, ka: int, kb: int, what: str, start: int, stop: int,
+                     k: int, found: list) -> None:
+    """NaN/Inf among the float32 elements of [start, stop) that end inside block [ka, kb) (`view` holds the
+    file from byte `a`); an element a block boundary cuts (data not 4-byte aligned) is read whole by pread."""
+    lo, hi = max(ka, start), min(kb, stop)
+    if lo >= hi:
+        return
+    e0, e1 = -(-(lo - start) // 4), (hi - start) // 4  # the elements wholly inside the block
+    count, first = non_finite(view[start + 4 * e0 - a:start + 4 * e1 - a]) if e1 > e0 else (0, -1)
+    first += e0 if count else 0
+    if (lo - start) % 4 and lo > start:  # the element starting before the block and ending in it
+        cut = non_finite(os.pread(fd, 4, start + 4 * (e0 - 1)))[0]
+        if cut:
+            count, first = count + 1, e0 - 1
+    if count:
+        found.append((what, k, count, first))
 
 
 def check_files(entries: Iterable[FileCheck], workers: int = 4, *, raise_on_failure: bool = False,
@@ -729,6 +778,7 @@ def check_files(entries: Iterable[FileCheck], workers: int = 4, *, raise_on_fail
     failures: list[Failure] = []
     jobs: list[tuple[int, FileCheck, range]] = []
     fds: list[int] = []
+    found: list = []  # (what, block, count, first element) of non-finite values, from every thread
     try:
         for entry in entries:
             try:
@@ -751,11 +801,12 @@ def check_files(entries: Iterable[FileCheck], workers: int = 4, *, raise_on_fail
             n = len(entry.record.blocks)
             jobs.extend((fd, entry, range(i, min(n, i + split_blocks))) for i in range(0, n, split_blocks))
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            for result in pool.map(lambda job: _safe_check(*job), jobs):
+            for result in pool.map(lambda job: _safe_check(*job, found), jobs):
                 failures.extend(result)
     finally:
         for fd in fds:
             os.close(fd)
+    failures.extend(_non_finite_failures(entries, found))
     order = {e.path: i for i, e in enumerate(entries)}
     failures.sort(key=lambda f: (order.get(f.path, 0), f.block if f.block is not None else -1))
     report = CheckReport(files=len(entries), blocks=sum(len(e.record.blocks) for e in entries),
@@ -766,9 +817,25 @@ def check_files(entries: Iterable[FileCheck], workers: int = 4, *, raise_on_fail
     return report
 
 
-def _safe_check(fd: int, entry: FileCheck, blocks: range) -> list[Failure]:
+def _non_finite_failures(entries: Sequence[FileCheck], found: list) -> list[Failure]:
+    """One failure per tensor holding NaN/Inf: how many, and the first element (C order)."""
+    by_what: dict[str, list] = {}
+    for what, k, count, first in found:
+        by_what.setdefault(what, []).append((k, count, first))
+    paths = {what: e.path for e in entries for what, _, _ in e.floats}
+    out = []
+    for what, hits in by_what.items():
+        hits.sort()
+        total = sum(count for _, count, _ in hits)
+        out.append(Failure(paths[what], "non-finite", f"{paths[what]}: {what} holds {total} non-finite value(s) "
+                                                      f"(NaN/Inf), the first at element {hits[0][2]}; "
+                                                      f"{NON_FINITE_REMEDY}", hits[0][0]))
+    return out
+
+
+def _safe_check(fd: int, entry: FileCheck, blocks: range, found: list) -> list[Failure]:
     try:
-        return _check_blocks(fd, entry, blocks)
+        return _check_blocks(fd, entry, blocks, found)
     except OSError as e:  # an I/O error is damage too (bad sectors)
         return [Failure(entry.path, "unreadable", f"{entry.path}: reading {entry.label} failed ({e.strerror}); "
                                                   f"{entry.remedy}")]

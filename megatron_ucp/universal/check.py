@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional
 
 from megatron_ucp.io.integrity import (
     FILE_REMEDY, SOURCE_REMEDY, CheckReport, ChecksumError, DigestRecord, Failure, FileCheck, SourceDigests,
-    check_files, pread_exact, remedy_clause, tensor_file_label, verified_pread)
+    check_files, pread_exact, remedy_clause, state_word, tensor_file_label, verified_pread)
 from megatron_ucp.universal.format import PathLike
 from megatron_ucp.universal.tensorfile import HeaderError, parse_header
 
@@ -23,12 +23,15 @@ UNIVERSAL_CHECKS = (
     "each F32 with the parameter's shape, their data tiling the file after the header without gap or overlap",
     "lazy checkpoints: every source file exists with at least the checksummed size, every checksummed "
     "region's blocks match, and every byte region the index reads lies in a checksummed region",
+    "every value of every tensor file (weight, exp_avg, exp_avg_sq) is finite: no NaN or Inf (searched in each "
+    "block right after it is hashed)",
 )
 
 
 def _safetensors_problems(fd: int, path: str, entry: Mapping[str, Any], record: Optional[DigestRecord],
-                          label: str) -> Optional[str]:
-    """Why the file's safetensors header disagrees with the metadata entry (None when it agrees)."""
+                          label: str, name: str, floats: list) -> Optional[str]:
+    """Why the file's safetensors header disagrees with the metadata entry (None when it agrees); when it
+    agrees, `floats` gets each tensor's ("PARAM state", start, stop) bytes, to search for NaN/Inf."""
     size = os.fstat(fd).st_size
 
     def read(offset: int, n: int):
@@ -49,6 +52,7 @@ def _safetensors_problems(fd: int, path: str, entry: Mapping[str, Any], record: 
         code, got, _, _ = header[key]
         if code != "F32" or got != shape:
             return f"{path}: '{key}' is {code} {list(got)}, metadata.json says F32 {list(shape)}; {FILE_REMEDY}"
+    floats.extend((f"{name} {state_word(key)}", a, b) for key, (_, _, a, b) in header.items())
     return None
 
 
@@ -81,9 +85,10 @@ def check_universal(path: PathLike, metadata: Mapping[str, Any], workers: int = 
         except FileNotFoundError:
             failures.append(Failure(file, "missing", f"{file}: missing ({label}); {remedy_clause(FILE_REMEDY)}"))
             continue
+        floats: list = []
         try:  # a file of the wrong size is reported once, by the size check below
             resized = record is not None and os.fstat(fd).st_size != record.stop
-            problem = None if resized else _safetensors_problems(fd, file, entry, record, label)
+            problem = None if resized else _safetensors_problems(fd, file, entry, record, label, name, floats)
         except ChecksumError:
             problem = None  # the block check below reports it with the others
         except OSError as e:
@@ -93,7 +98,7 @@ def check_universal(path: PathLike, metadata: Mapping[str, Any], workers: int = 
         if problem:
             failures.append(Failure(file, "header", problem))
         if record is not None:
-            checks.append(FileCheck(file, record, label))
+            checks.append(FileCheck(file, record, label, floats=tuple(floats)))
     if unchecked:
         notes.append(f"{len(unchecked)} tensor file(s) have no checksums (written by a megatron-ucp without them, "
                      f"metadata version {metadata.get('version')}): their blocks were not checked, only sizes and "

@@ -94,12 +94,14 @@ class LegacyWriteError(WriteError):
 # Args
 
 
-def args_namespace(args: Mapping[str, Any]) -> Obj:
-    """args as Megatron-LM's argparse.Namespace for model_optim_rng.pt: plain values, dtypes as torch's, megatron
-    enums as references to their classes (one stand-in per member, so that pickle refers back to it as it does
-    to the real member); a Megatron-LM without megatron-ucp unpickles it."""
+def args_namespace(args: Mapping[str, Any], target: WriteTarget) -> Obj:
+    """args as the target release's Megatron-LM pickles its argparse.Namespace into model_optim_rng.pt
+    (args_values): plain values, dtypes as torch's, megatron enums as references to their classes (one stand-in
+    per member, so that pickle refers back to it as it does to the real member); that Megatron-LM, without
+    megatron-ucp, unpickles it (its weights_only load allows its SAFE_GLOBALS, and only those are pickled)."""
     member = functools.lru_cache(maxsize=None)(lambda cls, value: EnumMember(GlobalRef(cls), value))
-    values = args_values(args, dtype=torch_dtype, enum_member=member)
+    values = args_values(args, release=target.release, source=target.source_release, dtype=torch_dtype,
+                         enum_member=member)
     # setattr interns a Namespace's attribute names: never the objects metadata.json's other keys (param groups)
     # share, so pickle writes those keys again rather than referring back to the args' (as torch.save does)
     return Obj(_NAMESPACE, {sys.intern(key[:1] + key[1:]): value for key, value in values.items()})
@@ -117,7 +119,7 @@ def plan(ucp, config: GPTModelConfig, target: WriteTarget) -> list[PlannedFile]:
     """Every file the writer will produce, with the tensor bytes in it (no I/O)."""
     layout = target.layout
     config = replace(config, padded_vocab_size=target.padded_vocab_size)
-    has_moments = _has_moments(ucp)
+    has_moments = ucp.has_optimizer_state
     check_layout(config, layout)
     files = []
     it = iteration_dir_name(ucp.iteration)
@@ -145,9 +147,6 @@ def plan(ucp, config: GPTModelConfig, target: WriteTarget) -> list[PlannedFile]:
     files.append(PlannedFile(TRACKER_FILENAME, 0, -1, -1))
     return files
 
-
-def _has_moments(ucp) -> bool:
-    return all("exp_avg" in info.tensors for name, info in ucp.parameters.items() if not is_buffer(name))
 
 
 def check_layout(config: GPTModelConfig, layout: ParallelLayout) -> None:
@@ -256,7 +255,7 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
     would be given, every tensor a StreamedTensor of its slices (read when written)."""
     layout = target.layout
     chunks = rank_chunks(config, layout, pp_rank, ep_rank)
-    with_optim = _has_moments(ucp)
+    with_optim = ucp.has_optimizer_state
     where = f"rank tp={tp_rank} pp={pp_rank}" + (f" ep={ep_rank}" if ep_rank else "")
     tensors = _RankTensors(sources, config, layout, tp_rank, where)
 
@@ -281,7 +280,7 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
     args = dict(target.args)
     # the writer of the folder: expert-DP rank 0 of (tp, ep, pp) (with ETP = TP, as the legacy format has it)
     args["rank"] = args["local_rank"] = layout.expert_global_rank(tp_rank, ep_rank, 0, pp_rank)
-    sd: dict = {"args": args_namespace(args), "checkpoint_version": CHECKPOINT_VERSION, "iteration": ucp.iteration}
+    sd: dict = {"args": args_namespace(args, target), "checkpoint_version": CHECKPOINT_VERSION, "iteration": ucp.iteration}
     if len(model_chunks) == 1:
         sd["model"] = model_chunks[0]
     else:
@@ -399,7 +398,7 @@ def write(ucp, config: GPTModelConfig, target: WriteTarget, root: Path,
     layout = target.layout
     config = replace(config, padded_vocab_size=target.padded_vocab_size)
     check_layout(config, layout)
-    groups = param_groups_by_rank(ucp, config, target) if _has_moments(ucp) else None
+    groups = param_groups_by_rank(ucp, config, target) if ucp.has_optimizer_state else None
     iter_dir = Path(root) / iteration_dir_name(ucp.iteration)
     local = threading.local()
     opened: list[Sources] = []
@@ -407,8 +406,8 @@ def write(ucp, config: GPTModelConfig, target: WriteTarget, root: Path,
 
     def write_rank(pp_rank: int, tp_rank: int, ep_rank: int) -> list[Path]:
         sources = getattr(local, "sources", None)
-        if sources is None:  # one per thread: its open files are its own
-            sources = local.sources = Sources(ucp, config)
+        if sources is None:  # one per thread: its open files are its own (NaN/Inf refused unless allowed)
+            sources = local.sources = Sources(ucp, config, allow_non_finite=target.allow_non_finite)
             with lock:
                 opened.append(sources)
         rank_dir = iter_dir / rank_dir_name(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep)
@@ -458,9 +457,9 @@ def write(ucp, config: GPTModelConfig, target: WriteTarget, root: Path,
 
 class LegacyWriter(CheckpointWriter):
     """`--ckpt-format torch`: offline, one rank's files streamed at a time (see the module docstring).
-    megatron-core 0.16 through 0.19 save the same legacy files (the same entries and layout; only the args they
-    pickle differ, and those are the universal checkpoint's), so `megatron_core_version` is checked, not
-    branched on."""
+    megatron-core 0.14 through 0.19 save the same legacy files (the same entries and layout); only the args they
+    pickle differ: those of `target.release` (args_namespace), which from_universal chose
+    (`megatron_core_version` is checked here)."""
 
     ckpt_format = "torch"
     OPTIONS = ("megatron_core_version", "workers")

@@ -90,8 +90,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 from megatron_ucp.adapters.gpt import (
-    LAYER, expected_parameters, expert_location, experts_in_own_optimizer, is_buffer, is_expert, local_name,
-    parameters_for_rank, pattern_for, rule_for, torch_dist_key, torch_dist_stacked, tp_size_of)
+    POST, PRE, expected_parameters, expert_location, experts_in_own_optimizer, is_buffer, is_expert, local_name,
+    parameters_for_rank, pattern_for, rule_for, torch_dist_key, torch_dist_lead_shape, tp_size_of)
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.core import versions
@@ -201,6 +201,7 @@ class DirectPlan:
     padded_vocab_size: int = 0
     optimizer: Optional[str] = None  # 'dp_reshardable' | 'fully_reshardable' | 'adam' | None (weights only)
     release: versions.MegatronRelease = versions.NEWEST  # the megatron-core release whose save this is
+    source_release: Optional[versions.MegatronRelease] = None  # whose run the args come from (WriteTarget)
 
     @property
     def nbytes(self) -> int:
@@ -220,14 +221,6 @@ class WrittenItem:
 
 def _model_dtype(ucp, name: str) -> TorchDType:
     return MODEL_DTYPES[ucp.parameters[name].model_dtype]
-
-
-def _lead_sizes(config: GPTModelConfig, lead: tuple) -> tuple:
-    """Sizes of the leading axes a torch_dist key puts before the parameter's own: the layer axis of stacked
-    layers, then the expert axis (rulebook: torch_dist_keys)."""
-    axes = ((config.num_layers,) if torch_dist_stacked(config) else ()) + (
-        (config.num_experts,) if config.num_experts else ())
-    return axes[:len(lead)]
 
 
 class _Owners:
@@ -284,7 +277,7 @@ def optimizer_kind(ucp, target: WriteTarget, optimizer_format: Optional[str],
     if optimizer_format is not None and not target.use_distributed_optimizer:
         raise TorchDistWriteError(f"--optimizer-format {optimizer_format} describes the distributed optimizer's "
                                   f"state: add --use-distributed-optimizer, or drop --optimizer-format")
-    if not all("exp_avg" in info.tensors for info in ucp.parameters.values()):
+    if not ucp.has_optimizer_state:
         if optimizer_format is not None:
             raise TorchDistWriteError(f"{ucp.path}: holds no optimizer state, so there is no {optimizer_format} "
                                       f"state to write; drop --optimizer-format")
@@ -294,29 +287,16 @@ def optimizer_kind(ucp, target: WriteTarget, optimizer_format: Optional[str],
     return "adam"
 
 
-def target_release(ucp, megatron_core_version: Optional[str]) -> versions.MegatronRelease:
-    """The release to write for: the one named, else the one that wrote the universal checkpoint's source."""
-    try:
-        if megatron_core_version:
-            return versions.release(megatron_core_version)
-        return versions.write_default(ucp.metadata.get("source"))
-    except ValueError as e:
-        raise TorchDistWriteError(f"--megatron-core-version: {e}") from None
-
-
-def plan_checkpoint(ucp, target: WriteTarget, optimizer_format: Optional[str] = None,
-                    release: Optional[versions.MegatronRelease] = None) -> DirectPlan:
-    """Every item of the checkpoint, which file holds it, and the common state. Raises TorchDistWriteError."""
-    release = release or target_release(ucp, None)
+def plan_checkpoint(ucp, target: WriteTarget, optimizer_format: Optional[str] = None) -> DirectPlan:
+    """Every item of the checkpoint, which file holds it, and the common state, as megatron-core
+    `target.release` saves them. Raises TorchDistWriteError."""
+    release = target.release
     layout = target.layout
     config = replace(ucp.config, padded_vocab_size=target.padded_vocab_size)
     opt = optimizer_kind(ucp, target, optimizer_format, release.distrib_optim_default)
-    if opt in OPTIMIZER_FORMATS and opt not in release.distrib_optim_loads:
-        oldest = versions.oldest_loading(opt)
-        raise TorchDistWriteError(
-            f"megatron-core {release.name} cannot load the distributed optimizer's {opt} torch_dist state: write "
-            f"--optimizer-format {release.distrib_optim_default} (its default) for it, or target "
-            f"--megatron-core-version {oldest.name if oldest else versions.NEWEST.name} or newer")
+    refusal = versions.load_refusal(release, opt) if opt in OPTIMIZER_FORMATS else None
+    if refusal:
+        raise TorchDistWriteError(refusal)
     shapes = dict(expected_parameters(config, layout))
     step = _single_step(ucp) if opt is not None else None
     groups = _rank_param_groups(ucp, config, target) if opt is not None else None
@@ -328,15 +308,16 @@ def plan_checkpoint(ucp, target: WriteTarget, optimizer_format: Optional[str] = 
     if target.rng_state != "none":
         _plan_rng(ucp, config, target, owners, release)
     common = _common_state(ucp, target, opt, step, groups, release)
-    if release.rerun_state_always:
+    if versions.saves_rerun_state(release, target.args):
         world = layout.world_size
         for rank in range(world):
             owners.add_any(ObjectItem(sharded_object_key(RERUN_STATE_KEY, (rank,), (world,)),
                                       _rerun_sharded_state(target.args)), [rank])
     if release.torch_dist_common == "sharded":  # megatron-core >= 0.19: rank 0 saves it as a ShardedObject
-        owners.add_any(ObjectItem(COMMON_STATE_ITEM, _common_for_pickle(common)), [0])
+        owners.add_any(ObjectItem(COMMON_STATE_ITEM, _common_for_pickle(common, release, target.source_release)), [0])
         common = None
-    return DirectPlan(owners.files(), common, ucp.iteration, target.padded_vocab_size, opt, release)
+    return DirectPlan(owners.files(), common, ucp.iteration, target.padded_vocab_size, opt, release,
+                      target.source_release)
 
 
 _RERUN = "megatron.core.rerun_state_machine."
@@ -382,7 +363,7 @@ def _plan_rng(ucp, config: GPTModelConfig, target: WriteTarget, owners: _Owners,
 
 
 def _single_step(ucp) -> Optional[int]:
-    steps = {info.step for info in ucp.parameters.values()}
+    steps = {info.step for name, info in ucp.parameters.items() if not is_buffer(name)}  # buffers: no Adam state
     if len(steps) > 1:
         raise TorchDistWriteError(
             f"{ucp.path}: parameters have different Adam steps {sorted(s for s in steps if s is not None)}; "
@@ -406,7 +387,7 @@ def _plan_model(ucp, config: GPTModelConfig, layout: ParallelLayout, opt: Option
         key, lead = torch_dist_key(name, config)
         pp_rank = local_name(name, layout, config.num_layers, tied=config.tied, config=config)[0][0]
         dtype = _model_dtype(ucp, name)
-        global_shape = _lead_sizes(config, lead) + tuple(shape)
+        global_shape = torch_dist_lead_shape(name, config) + tuple(shape)
         states = []  # (saved key, universal tensor); persistent buffers (MoE's expert_bias) have no optimizer state
         if opt in ("fully_reshardable", "fully_sharded_model_space", "adam") and not is_buffer(name):
             if opt in OPTIMIZER_FORMATS:
@@ -445,10 +426,10 @@ def _plan_extra_states(config: GPTModelConfig, layout: ParallelLayout, shapes: d
     seen = set()
     for name in shapes:
         rule = rule_for(name)
-        if not rule.linear or rule.scope != LAYER:
+        if not rule.linear or rule.scope in (PRE, POST):  # the embedding has none, GPTModel drops the output layer's
             continue
         key, lead = torch_dist_key(name, config)
-        offset, sizes = (lead, _lead_sizes(config, lead)) if lead else ((0,), (1,))  # per-layer keys: one object
+        offset, sizes = (lead, torch_dist_lead_shape(name, config)) if lead else ((0,), (1,))  # per-layer keys: one object
         object_key = sharded_object_key(extra_state_key(key), offset, sizes)
         if object_key in seen:
             continue
@@ -609,7 +590,7 @@ def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: Op
                   for index in ((0, 1) if chained else (0,))]
         common["optimizer"] = dict(enumerate(states)) if chained else states[0]  # ChainedOptimizer: {0: .., 1: ..}
         common["opt_param_scheduler"] = dict(ucp.scheduler_state)
-    if release.rerun_state_always:  # mode from --rerun-mode; state NOT_RUNNING_YET (0) between iterations
+    if versions.saves_rerun_state(release, args):  # mode from --rerun-mode; NOT_RUNNING_YET (0) between iterations
         common["rerun_state_machine"] = {
             "mode": EnumMember(GlobalRef(_RERUN + "RerunMode"), args.get("rerun_mode") or "validate_results"),
             "state": EnumMember(GlobalRef(_RERUN + "RerunState"), 0), "current_iteration": ucp.iteration}
@@ -619,9 +600,10 @@ def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: Op
     return common
 
 
-def _common_for_pickle(common: dict) -> dict:
-    """The common state as it is pickled: args as Megatron-LM's Namespace."""
-    return {**common, "args": _args_for_pickle(common["args"])}
+def _common_for_pickle(common: dict, release: versions.MegatronRelease,
+                       source: Optional[versions.MegatronRelease]) -> dict:
+    """The common state as it is pickled: args as the Namespace megatron-core `release` pickles."""
+    return {**common, "args": _args_for_pickle(common["args"], release, source)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -742,9 +724,11 @@ def share_units(ucp, files: Sequence[OutputFile]) -> list[list[OutputFile]]:
 
 
 def write_files(ucp, plan: DirectPlan, root: Path, files: Sequence[OutputFile], workers: int, *,
-                fsync: bool = False, on_file: Optional[Callable[[Path, int], None]] = None) -> list[WrittenItem]:
+                fsync: bool = False, on_file: Optional[Callable[[Path, int], None]] = None,
+                allow_non_finite: bool = False) -> list[WrittenItem]:
     """Write `files` (some or all of the plan's) under `root` with `workers` threads, a unit of files
-    (share_units) per task, largest first; returns where every item went."""
+    (share_units) per task, largest first; returns where every item went. A tensor holding NaN/Inf stops it
+    (universal_pieces.NonFiniteError) unless `allow_non_finite`."""
     config = replace(ucp.config, padded_vocab_size=plan.padded_vocab_size)
     iter_dir = Path(root) / iteration_dir_name(plan.iteration)
     iter_dir.mkdir(parents=True, exist_ok=True)
@@ -756,7 +740,7 @@ def write_files(ucp, plan: DirectPlan, root: Path, files: Sequence[OutputFile], 
     def run(unit: list[OutputFile]) -> list[WrittenItem]:
         sources = getattr(local, "sources", None)
         if sources is None:
-            sources = local.sources = Sources(ucp, config)
+            sources = local.sources = Sources(ucp, config, allow_non_finite=allow_non_finite)
             with lock:
                 opened.append(sources)
         return write_unit(sources, iter_dir, unit, fsync=fsync, on_done=done.append)
@@ -846,10 +830,11 @@ _STRIDED = GlobalRef("torch.strided")
 _NAMESPACE = GlobalRef("argparse.Namespace")
 
 
-def _args_for_pickle(args: dict) -> Obj:
-    """The args as Megatron-LM's Namespace: dtypes as torch's, megatron enums as references to megatron-core's
-    classes (megatron-core is not imported; enums it does not list are dropped, as args_values does)."""
-    return Obj(_NAMESPACE, args_values(args, dtype=torch_dtype,
+def _args_for_pickle(args: dict, release: versions.MegatronRelease,
+                     source: Optional[versions.MegatronRelease]) -> Obj:
+    """The args as `release`'s Megatron-LM pickles its Namespace (args_values): dtypes as torch's, megatron enums
+    as references to megatron-core's classes (megatron-core is not imported)."""
+    return Obj(_NAMESPACE, args_values(args, release=release, source=source, dtype=torch_dtype,
                                        enum_member=lambda cls, value: EnumMember(GlobalRef(cls), value)))
 
 
@@ -881,7 +866,7 @@ def finish(root: Path, plan: DirectPlan, written: Sequence[WrittenItem],
     metadata = dcp_metadata(plan.files, written, iter_name, _flattened_shapes(plan))
     outputs = [(DCP_METADATA_FILENAME, lambda f: f.write(pickle_bytes(metadata)))]
     if plan.common is not None:  # megatron-core <= 0.18 (0.19: an item of rank 0's .distcp file)
-        common = _common_for_pickle(plan.common)
+        common = _common_for_pickle(plan.common, plan.release, plan.source_release)
         # common.pt's archive is named after the file, as torch.save(obj, path) names it in megatron-core's save
         outputs.append((COMMON_FILENAME, lambda f: f.write(save_bytes(common, prefix="common"))))
     metadata_json = json.dumps(dict(plan.release.torch_dist_metadata_json)).encode()
@@ -924,7 +909,7 @@ class DirectTorchDistWriter(CheckpointWriter):
         """The plan of every item (computed once per universal checkpoint and target)."""
         if self._cached is not None and self._cached[0] is ucp and self._cached[1] == target:
             return self._cached[2]
-        plan = plan_checkpoint(ucp, target, self.optimizer_format, target_release(ucp, self.megatron_core_version))
+        plan = plan_checkpoint(ucp, target, self.optimizer_format)
         self._cached = (ucp, target, plan)
         return plan
 
@@ -949,7 +934,8 @@ class DirectTorchDistWriter(CheckpointWriter):
 
     def write(self, ucp, target: WriteTarget, root: Path, on_file=None) -> None:
         plan = self.checkpoint_plan(ucp, target)
-        written = write_files(ucp, plan, root, plan.files, self.workers, on_file=on_file)
+        written = write_files(ucp, plan, root, plan.files, self.workers, on_file=on_file,
+                              allow_non_finite=target.allow_non_finite)
         finish(root, plan, written, on_file)
 
     def write_share(self, ucp, target: WriteTarget, root: Path, rank: int, world: int, on_file=None) -> list:
@@ -959,7 +945,8 @@ class DirectTorchDistWriter(CheckpointWriter):
             mine = [f for unit in units[rank::world] for f in unit]
         else:  # fewer units than processes: every process gets files
             mine = sorted(plan.files, key=lambda f: (-f.nbytes, f.name))[rank::world]
-        return write_files(ucp, plan, root, mine, self.workers, fsync=True, on_file=on_file)
+        return write_files(ucp, plan, root, mine, self.workers, fsync=True, on_file=on_file,
+                           allow_non_finite=target.allow_non_finite)
 
     def finish_shares(self, ucp, target: WriteTarget, root: Path, shares: list) -> None:
         plan = self.checkpoint_plan(ucp, target)
