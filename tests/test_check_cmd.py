@@ -211,7 +211,7 @@ def test_a_resume_from_a_damaged_checkpoint_stops_with_one_line(fixture_ucp, tmp
     ucp = copy_of(fixture_ucp, tmp_path)
     victim = ucp / "tensors" / f"{PARAM}.safetensors"
     flip_bit(victim, victim.stat().st_size - 5)
-    proc = run_pretrain(Layout(), [*FAMILIES["gpt2"], *MOCK_DATA_016, "--train-iters", "5", "--use-distributed-optimizer",
+    proc = run_pretrain(Layout(), [*FAMILIES["gpt2"], *MOCK_DATA_016, "--train-iters", "8", "--use-distributed-optimizer",
                                    "--load", str(ucp), "--universal-checkpoint"], tmp_path, "resume",
                         expect_failure=True)
     errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]

@@ -16,7 +16,8 @@ from megatron_ucp.universal import UniversalCheckpoint
 
 LLAMA = ["--num-layers", "4", "--hidden-size", "48", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--train-iters", "8", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+         "--train-iters", "8", "--lr", "1e-3", "--min-lr", "1e-3", "--lr-decay-style", "constant",  # fixture A's
+         "--mock-data", "--tokenizer-type", "NullTokenizer",
          "--vocab-size", "1001", "--group-query-attention", "--num-query-groups", "2", "--swiglu",
          "--normalization", "RMSNorm", "--position-embedding-type", "rope",
          "--untie-embeddings-and-output-weights", "--disable-bias-linear"]

@@ -68,7 +68,7 @@ def test_llama_tp4_is_refused_with_a_clear_error(source, runs, tmp_path):
     from pretrain_runs import FAMILIES, run_pretrain
 
     ucp = runs.universal(source("llama-pp2vpp-adam").save)
-    proc = run_pretrain(Layout(tp=4), [*FAMILIES["llama"], "--train-iters", "12", "--load", str(ucp),
+    proc = run_pretrain(Layout(tp=4), [*FAMILIES["llama"], *SCHEDULE, "--train-iters", "12", "--load", str(ucp),
                                       "--universal-checkpoint"], tmp_path, "tp4", expect_failure=True)
     assert "linear_qkv.weight: num_query_groups=2 not divisible by TP=4; choose TP in [1, 2]" in proc.stdout
 

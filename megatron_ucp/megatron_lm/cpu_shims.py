@@ -38,6 +38,10 @@ class UntestedMegatronCoreError(RuntimeError):
     pass
 
 
+class CheckpointRNGStateError(RuntimeError):
+    """A checkpoint's RNG state this CPU run cannot restore: a CUDA generator's (the user's error: see its text)."""
+
+
 # --- before `import megatron` -------------------------------------------------------------------
 
 def install_import_patches() -> None:
@@ -303,8 +307,24 @@ def _cuda_rng_on_cpu_generator() -> None:
     mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    torch.cuda.set_rng_state = _restore_checkpoint_cuda_rng_state
     torch.cuda.manual_seed = lambda seed: None  # the tracker seeds its own CPU generators
+
+
+def _restore_checkpoint_cuda_rng_state(state, *args, **kwargs) -> None:
+    # torch.cuda.set_rng_state on CPU, which Megatron-LM's load calls with the checkpoint's "cuda_rng_state": a CPU
+    # run saved the CPU generator's state there (above), but a GPU run's checkpoint, or one from-universal wrote
+    # with its default --rng-state cuda, holds a CUDA generator's, of another size, which the CPU generator
+    # refuses with a bare size error deep in the load.
+    expected = torch.get_rng_state().numel()
+    if state.numel() != expected:
+        from megatron.training import get_args
+
+        raise CheckpointRNGStateError(
+            f"--load {get_args().load}: its RNG state is a CUDA generator's ({state.numel()} bytes; this CPU run's "
+            f"generator takes {expected}): write the checkpoint for CPU with `megatron-ucp from-universal "
+            "--rng-state cpu`, or resume with --no-load-rng")
+    torch.set_rng_state(state)
 
 
 def _data_loader_seed_off_the_default_generator() -> None:

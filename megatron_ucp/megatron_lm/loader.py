@@ -100,17 +100,36 @@ def checkpoint_config(args) -> GPTModelConfig:
     """The model config of the checkpoint at --load (universal, or a Megatron-LM checkpoint's args), at argument
     time: every rank opens it itself (as Megatron-LM's --use-checkpoint-args reads the args), so a checkpoint
     that cannot be opened is refused by every rank before the model is built."""
+    return _at_argument_time(args, lambda ucp: ucp.config, lambda source: source.config)
+
+
+def checkpoint_schedule(args) -> dict:
+    """The learning-rate scheduler state of the checkpoint at --load (Megatron-LM's `opt_param_scheduler`; {}
+    where none was saved), at argument time as checkpoint_config."""
+    return _at_argument_time(args, lambda ucp: ucp.scheduler_state,
+                             lambda source: source.common_state().get("opt_param_scheduler") or {})
+
+
+def _at_argument_time(args, of_universal, of_source):
+    """`of_universal(UniversalCheckpoint)` or `of_source(CheckpointReader)` of the checkpoint at --load; a Megatron-LM
+    checkpoint the readers refuse is the user's error (_source_error)."""
     from megatron_ucp.formats import open_checkpoint
     from megatron_ucp.universal import UniversalCheckpoint, UniversalFormatError
 
     if not is_direct(args):
-        return UniversalCheckpoint.open(args.load).config
+        return of_universal(UniversalCheckpoint.open(args.load))
     try:
-        return open_checkpoint(args.load, getattr(args, "ckpt_step", None) or None).config
+        return of_source(open_checkpoint(args.load, getattr(args, "ckpt_step", None) or None))
     except UniversalFormatError:
         raise
     except _SOURCE_ERRORS as e:
         raise _source_error(e) from None
+
+
+def loads_optimizer_state(args) -> bool:
+    """Whether this run takes the checkpoint's optimizer state and learning-rate schedule (not with Megatron-LM's
+    --no-load-optim or --finetune)."""
+    return not args.no_load_optim and not args.finetune
 
 
 def open_for_load(args):
@@ -348,7 +367,7 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
     ep_rank = parallel_state.get_expert_model_parallel_rank() if config.num_experts else 0
     target_padded = args.padded_vocab_size
 
-    load_optim = not args.no_load_optim and not args.finetune
+    load_optim = loads_optimizer_state(args)
     has_moments = all("exp_avg" in info.tensors for name, info in ucp.parameters.items()
                       if not rulebook.is_buffer(name))
     if load_optim and not has_moments:

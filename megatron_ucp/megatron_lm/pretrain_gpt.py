@@ -5,8 +5,8 @@ spec: dense GPT, or GPT-MoE through the decoder block spec), a forward step with
 the datasets provider (three sources, all through megatron-core's BlendedMegatronDatasetBuilder):
 - `--mock-data`: megatron-core's MockGPTDataset;
 - `--data-path PREFIX ...`: Megatron indexed datasets (`PREFIX.bin/.idx`, tools/preprocess_data.py);
-- neither: the embedded corpus (corpus.py), bytes as tokens, with `--tokenizer-type NullTokenizer
-  --vocab-size 257` (ids 0..255 and EOD 256).
+- neither: the embedded corpus (corpus.py), bytes as tokens: `--tokenizer-type NullTokenizer --vocab-size 257`
+  (ids 0..255 and EOD 256), the entry point's defaults then (args_defaults).
 Megatron-LM does everything else: arguments, initialization, the schedule, the optimizer, logging,
 `--save` / `--load`. Added through its extra-args mechanism: `--universal-checkpoint` (universal_plugin)
 and `--log-jsonl` (run_log). On CPU, cpu_shims' patches are installed first and its CPU flags are added
@@ -140,15 +140,15 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     args = get_args()
     tokenizer = get_tokenizer()  # the one Megatron-LM built from --tokenizer-type at initialization
     blend, split, dataset_type = None, args.split, MockGPTDataset
-    if not args.mock_data:
+    if reads_embedded_corpus(args.mock_data, args.data_path):
         dataset_type = GPTDataset
-        if args.data_path:
-            blend = get_blend_from_list(args.data_path)
-        else:
-            blend = ([corpus.indexed_dataset_prefix(corpus.cache_dir(args.data_cache_path), tokenizer)], None)
-            # all train: the corpus' ~140 documents leave a 1% test split empty, and megatron-core's
-            # GPTDataset never ends on an empty split
-            split = "100,0,0"
+        blend = ([corpus.indexed_dataset_prefix(corpus.cache_dir(args.data_cache_path), tokenizer)], None)
+        # all train: the corpus' ~140 documents leave a 1% test split empty, and megatron-core's
+        # GPTDataset never ends on an empty split
+        split = "100,0,0"
+    elif not args.mock_data:
+        dataset_type = GPTDataset
+        blend = get_blend_from_list(args.data_path)
     config = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=None,
         split=split, path_to_cache=args.data_cache_path, tokenizer=tokenizer,
@@ -165,6 +165,34 @@ def extra_args_provider(parser):
     return run_log.add_arguments(universal_plugin.add_arguments(parser))
 
 
+def reads_embedded_corpus(mock_data: bool, data_path) -> bool:
+    """Whether the run trains on the embedded corpus: neither --mock-data nor --data-path."""
+    return not mock_data and not data_path
+
+
+# No evaluation during training: what Megatron-LM 0.19 means by an unset --eval-interval (its training loop asks
+# `if args.eval_interval`), which its count of validation samples cannot take (it divides by it).
+NO_EVALUATION_DURING_TRAINING = 2**31 - 1
+
+
+def args_defaults(argv) -> dict:
+    """Values for what Megatron-LM 0.19 leaves unset and cannot run without, passed as Megatron-LM's own
+    `args_defaults`, which sets each only where the command line leaves it unset (a flag given always wins):
+    --eval-interval (see NO_EVALUATION_DURING_TRAINING), and the tokenizer: on the embedded corpus the one it
+    stores (NullTokenizer, --vocab-size 257: bytes 0..255, EOD 256), else Megatron-LM's pretrain_gpt.py's
+    (GPT2BPETokenizer, which needs --vocab-file and --merge-file)."""
+    import argparse
+
+    data = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # Megatron-LM's spelling of both flags
+    data.add_argument("--mock-data", action="store_true")
+    data.add_argument("--data-path", nargs="*")
+    given, _ = data.parse_known_args(argv)
+    defaults = {"eval_interval": NO_EVALUATION_DURING_TRAINING, "tokenizer_type": "GPT2BPETokenizer"}
+    if reads_embedded_corpus(given.mock_data, given.data_path):
+        defaults.update(tokenizer_type="NullTokenizer", vocab_size=corpus.BYTE_VOCAB + 1)
+    return defaults
+
+
 def main():
     on_cpu = cpu_shims.install()  # before the arguments: validate_args asks for the GPU architecture
     if on_cpu:
@@ -172,8 +200,7 @@ def main():
     universal_plugin.install()  # --universal-checkpoint: --load reads a universal checkpoint
     run_log.install()  # --log-jsonl
     train_valid_test_datasets_provider.is_distributed = True
-    args = parse_and_validate_args(extra_args_provider=extra_args_provider,
-                                   args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=args_defaults(sys.argv[1:]))
     pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
              forward_step, model_provider=model_provider)
 

@@ -1,14 +1,17 @@
 """`--universal-checkpoint` for Megatron-LM 0.19: a plugin through its extra-args mechanism.
 
 `add_arguments` is an `extra_args_provider` (pass it to `parse_and_validate_args` / `pretrain`); `install()`
-hooks two places of Megatron-LM when the flag is given, and leaves both unchanged without it:
+hooks two places of Megatron-LM when the flag is given, and leaves both unchanged without it (but for one line
+instead of a traceback where Megatron-LM's own load meets a checkpoint the run cannot take: cpu_shims' CPU RNG
+check):
 - after `validate_args` (inside `parse_and_validate_args`; `--universal-checkpoint` without `--load` is
   refused there, before `set_global_variables` builds the
   tokenizer and long before the model is built): `args.padded_vocab_size` is set from the universal
   checkpoint, as Megatron-LM's own `--use-checkpoint-args` (load_args_from_checkpoint) sets it from a
   Megatron checkpoint at the same point; the tokenizer build then keeps it ("if not already set from a
   checkpoint"). It is the stored padded vocabulary when this run's TP divides it, else that vocabulary
-  re-padded by Megatron-LM's rule (adapters.gpt.padded_vocab_at); the loader fills the re-padded rows;
+  re-padded by Megatron-LM's rule (adapters.gpt.padded_vocab_at); the loader fills the re-padded rows. There
+  too the run's learning-rate schedule is checked against the checkpoint's (check_schedule), as the load would;
 - Megatron-LM's own `load_checkpoint` call (in setup_model_and_optimizer) is routed to
   megatron_ucp.megatron_lm.loader: every rank reads its slices of the universal checkpoint at `--load`
   into the model and the (distributed) optimizer Megatron-LM built, then the scheduler, iteration,
@@ -24,7 +27,9 @@ Megatron-LM's own --save.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
 
 
 def add_arguments(parser):
@@ -51,7 +56,8 @@ def install() -> None:
 
         run_args = get_args()
         if load_arg != "load" or not getattr(run_args, "universal_checkpoint", False):
-            return original(ddp_model, optimizer, opt_param_scheduler, load_arg, *args, **kwargs)
+            return _stop_on_user_error(functools.partial(original, ddp_model, optimizer, opt_param_scheduler,
+                                                         load_arg, *args, **kwargs))
         return load_universal(run_args, ddp_model, optimizer, opt_param_scheduler)
 
     load_checkpoint.__wrapped_by_megatron_ucp__ = True
@@ -65,6 +71,7 @@ def install() -> None:
         result = validate(args, *rest, **kwargs)
         if getattr(args, "universal_checkpoint", False):
             _stop_on_user_error(set_padded_vocab_size, args)
+            _stop_on_user_error(check_schedule, args)
         return result
 
     arguments.validate_args = validate_args  # parse_and_validate_args looks it up in its module
@@ -88,6 +95,58 @@ def set_padded_vocab_size(args) -> None:
     args.padded_vocab_size = target
 
 
+def check_schedule(args) -> None:
+    """The learning-rate schedule this run's flags make against the checkpoint's, before the model is built: the
+    check the load makes (Megatron-LM's OptimizerParamScheduler.load_state_dict asserts each value equal unless
+    told which to keep), on the scheduler Megatron-LM's own get_optimizer_param_scheduler builds from these args.
+    A difference stops the run naming it and Megatron-LM's two flags, instead of its AssertionError after the load."""
+    from megatron_ucp.megatron_lm import loader
+
+    if not loader.loads_optimizer_state(args) or args.override_opt_param_scheduler \
+            or args.use_checkpoint_opt_param_scheduler:
+        return
+    if args.train_iters is None and args.step_batch_size_schedule is not None:
+        return  # the iterations of a batch-size schedule need Megatron-LM's batch calculator: the load checks it
+    stored = loader.checkpoint_schedule(args)
+    if not stored:
+        return  # no optimizer state saved (an import-hf checkpoint): the run starts its schedule
+    with _scheduler_of_this_run(args) as scheduler:
+        try:
+            scheduler.load_state_dict(dict(stored))
+        except AssertionError as e:
+            found = re.search(r"class input value (.+) and checkpoint ?value (.+) for (.+) do not match", str(e))
+            what = f"{found[3]}: checkpoint {found[2]}, this run {found[1]}" if found else " ".join(str(e).split())
+            if "iterations" in what:  # Megatron-LM's name for the counts its scheduler keeps in samples
+                what += ", in samples: iterations x --global-batch-size"
+            raise loader.UniversalLoadError(
+                f"{args.load}: this run's learning-rate schedule differs from the checkpoint's ({what}): give the "
+                "schedule flags it was trained with, or pass --use-checkpoint-opt-param-scheduler (keep the "
+                "checkpoint's schedule) or --override-opt-param-scheduler (this run's, from the checkpoint's "
+                "step)") from None
+
+
+@contextlib.contextmanager
+def _scheduler_of_this_run(args):
+    """The OptimizerParamScheduler Megatron-LM will build for `args` (its get_optimizer_param_scheduler on a copy of
+    them, for an optimizer without parameter groups), its log lines silenced while in use."""
+    import copy
+    import logging
+    import types
+
+    from megatron.training import training
+
+    probe = copy.copy(args)  # get_optimizer_param_scheduler fills lr_decay_iters / train_iters in
+    log = logging.getLogger("megatron.core.optimizer_param_scheduler")
+    get_args, level = training.get_args, log.level
+    training.get_args = lambda: probe
+    log.setLevel(logging.WARNING)
+    try:
+        yield training.get_optimizer_param_scheduler(types.SimpleNamespace(param_groups=[]))
+    finally:
+        training.get_args = get_args
+        log.setLevel(level)
+
+
 def _stop_on_user_error(step, *args):
     """`step(*args)`; a checkpoint or flag the user has to fix (damaged, not universal, of another model, a layout
     it cannot take, no --load) stops the run with one line, `error: <cause and fix>`, from each rank that found
@@ -95,12 +154,12 @@ def _stop_on_user_error(step, *args):
     import sys
 
     from megatron_ucp.core.layout import LayoutError
-    from megatron_ucp.megatron_lm import loader
+    from megatron_ucp.megatron_lm import cpu_shims, loader
     from megatron_ucp.universal import UniversalFormatError
 
     try:
         return step(*args)
-    except (loader.UniversalLoadError, UniversalFormatError, LayoutError) as e:
+    except (loader.UniversalLoadError, UniversalFormatError, LayoutError, cpu_shims.CheckpointRNGStateError) as e:
         sys.stderr.write(f"error: {e}\n")  # one write: ranks sharing a log do not interleave their lines
         sys.stderr.flush()
         _wait_for_every_rank(e)
