@@ -183,16 +183,11 @@ def release(name: str) -> MegatronRelease:
                      f"{', '.join(SUPPORTED)} (the newest supported is {NEWEST.name})")
 
 
-def write_default(source: Optional[Mapping[str, Any]]) -> MegatronRelease:
-    """The release `from-universal` writes for when the user names none: the one that wrote the universal
-    checkpoint's source (the stack the user trains with); a source converted before megatron-ucp recorded it
-    was a 0.16 checkpoint (all it read then); a checkpoint with no Megatron source: the newest."""
-    return write_choice(source, None)[0]
-
-
 def write_choice(source: Optional[Mapping[str, Any]], named: Optional[str]) -> tuple[MegatronRelease, str]:
-    """The release a write is for and why, in words for the user: the one named (--megatron-core-version),
-    else write_default's. ValueError for a name no row has."""
+    """The release a write is for and why, in words for the user: the one named (--megatron-core-version); else
+    the one that wrote the universal checkpoint's source (the stack the user trains with); a source converted
+    before megatron-ucp recorded it was a 0.16 checkpoint (all it read then); a checkpoint with no Megatron
+    source (import-hf): the newest, the one megatron-ucp installs. ValueError for a name no row has."""
     if named:
         return release(named), "--megatron-core-version"
     if not source or source.get("format") not in MEGATRON_FORMATS:  # e.g. import-hf: no Megatron source

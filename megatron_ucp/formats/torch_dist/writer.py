@@ -482,6 +482,13 @@ def _plan_rank_buckets(ucp, config, layout, shapes, step, identities, buffers, c
     numel, unpadded, gbuf = [], [], 0
     for chunk_index, chunk_buffers_ in enumerate(buffers):
         for buf in chunk_buffers_:
+            overrun = buf.dp_reshardable_overrun(len(ranks))
+            if overrun is not None:
+                raise TorchDistWriteError(
+                    f"bucket {overrun} of buffer {gbuf} of {prefix}dp_group_idx_{mp} (pp={pp_rank}): megatron-core "
+                    f"0.15-0.19 can neither save nor load it as dp_reshardable (the shared-embedding bucket split "
+                    f"leaves numel_unpadded {buf.buckets[overrun].numel_unpadded} past the bucket's last parameter; "
+                    f"docs/VERSIONS.md); write --optimizer-format fully_reshardable or --ckpt-format torch")
             dtypes = (buf.param_dtype, buf.grad_dtype)
             numel.append({dtypes: [b.numel for b in buf.buckets]})
             unpadded.append({dtypes: [b.numel_unpadded for b in buf.buckets]})
@@ -897,8 +904,7 @@ class DirectTorchDistWriter(CheckpointWriter):
                                       f"{', '.join(OPTIMIZER_FORMATS)}")
         self.workers = writer_threads(workers, TorchDistWriteError)
         self.optimizer_format = optimizer_format
-        self.megatron_core_version = megatron_core_version
-        if megatron_core_version is not None:
+        if megatron_core_version is not None:  # the release itself is from_universal's choice (WriteTarget.release)
             try:
                 versions.release(megatron_core_version)
             except ValueError as e:
