@@ -1,8 +1,9 @@
 """A megatron-core 0.19 GPT model in one process (TP1 PP1 EP1, gloo, CPU), built from Megatron-LM flags as
 Megatron-LM builds it: its parser and validate_args (tests/megatron_lm_args.py), its
 core_transformer_config_from_args, and the GPTModel of the entry point's model provider (local spec: dense
-layers, or the decoder block spec with experts). For the HF export tests' reference logits, and as the model
-provider of tests/ddp_bucket_probe.py.
+layers, or the decoder block spec with experts). For the HF tests' reference logits (`fill_from_universal` and
+`causal_logits`; `universal_logits` for several checkpoints in one child process: `python tests/mcore_gpt.py
+JOBS.pt OUT.pt`), and as the model provider of tests/ddp_bucket_probe.py.
 
 `single_process()` installs cpu_shims' patches (process-wide: call it in a child process, not in pytest's).
 """
@@ -68,3 +69,54 @@ def build_gpt(args, pre_process=True, post_process=True, vp_stage=None, config=N
                     parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                     rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling)
+
+
+def fill_from_universal(model, ucp) -> None:
+    """A TP1 PP1 model's parameters from a universal checkpoint (its tensors are the TP1 tensors)."""
+    from megatron_ucp.adapters.gpt import canonical_name
+    from megatron_ucp.core.layout import ParallelLayout
+
+    with torch.no_grad():
+        for local, param in model.named_parameters():
+            name = canonical_name(local, ParallelLayout(), 0, None, ucp.config.num_layers, tied=ucp.config.tied,
+                                  config=ucp.config)
+            param.copy_(ucp.read(name))
+
+
+def causal_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The model's logits [b, s, padded vocabulary] for token ids [b, s]: positions from 0, causal mask."""
+    batch, seq = tokens.shape
+    positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+    causal_mask = torch.ones(seq, seq, dtype=torch.bool).triu(1).view(1, 1, seq, seq)  # True = masked
+    model.eval()
+    with torch.no_grad():
+        return model(tokens, positions, causal_mask)
+
+
+def universal_logits(jobs: Sequence[dict]) -> list:
+    """Each job {"ucp": dir, "flags": Megatron-LM flags, "tokens": [b, s]}: the GPTModel Megatron-LM builds from the
+    flags (the run's check_compatible accepting the checkpoint), filled from the universal checkpoint, and its
+    logits on the tokens. Call it in a child process (single_process patches the process)."""
+    from megatron_ucp.megatron_lm.loader import check_compatible
+    from megatron_ucp.universal import UniversalCheckpoint
+
+    results = []
+    with single_process():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        for job in jobs:
+            ucp = UniversalCheckpoint.open(job["ucp"])
+            model_parallel_cuda_manual_seed(1)
+            args = gpt_args([*job["flags"], "--seq-length", str(job["tokens"].shape[1]), "--micro-batch-size", "1",
+                             "--train-iters", "1", "--lr", "1e-4", "--mock-data"], ucp.config.padded_vocab_size)
+            check_compatible(ucp, args)
+            model = build_gpt(args)
+            fill_from_universal(model, ucp)
+            results.append(causal_logits(model, job["tokens"]))
+    return results
+
+
+if __name__ == "__main__":  # python tests/mcore_gpt.py JOBS.pt OUT.pt: universal_logits in a child process
+    import sys
+
+    torch.save(universal_logits(torch.load(sys.argv[1])), sys.argv[2])

@@ -70,10 +70,8 @@ def megatron_flags(ucp) -> list[str]:
 
 def megatron_logits(ucp_paths: list[str]) -> list[torch.Tensor]:
     """Child process: megatron-core forwards of universal checkpoints at TP1 PP1, logits [b, s, padded]."""
-    from mcore_gpt import build_gpt, gpt_args, single_process
+    from mcore_gpt import build_gpt, causal_logits, fill_from_universal, gpt_args, single_process
 
-    from megatron_ucp.adapters.gpt import canonical_name
-    from megatron_ucp.core.layout import ParallelLayout
     from megatron_ucp.universal import UniversalCheckpoint
 
     results = []
@@ -84,17 +82,8 @@ def megatron_logits(ucp_paths: list[str]) -> list[torch.Tensor]:
             ucp = UniversalCheckpoint.open(path)
             model_parallel_cuda_manual_seed(1)
             model = build_gpt(gpt_args(megatron_flags(ucp), ucp.config.padded_vocab_size))
-            with torch.no_grad():
-                for local, param in model.named_parameters():
-                    name = canonical_name(local, ParallelLayout(), 0, None, ucp.config.num_layers,
-                                          tied=ucp.config.tied)
-                    param.copy_(ucp.read(name))  # universal tensors are the TP1 tensors
-            model.eval()
-            tokens = tokens_for(ucp.config.vocab_size)
-            positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
-            causal_mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).view(1, 1, SEQ, SEQ)  # True = masked
-            with torch.no_grad():
-                results.append(model(tokens, positions, causal_mask))
+            fill_from_universal(model, ucp)
+            results.append(causal_logits(model, tokens_for(ucp.config.vocab_size)))
     return results
 
 

@@ -52,7 +52,7 @@ def tokens_for(vocab_size: int) -> torch.Tensor:
 
 def build_checkpoints(out_dir: Path) -> None:
     """Child process: per model, a universal checkpoint of a megatron-core GPT-MoE and its logits."""
-    from mcore_gpt import build_gpt, gpt_args, single_process
+    from mcore_gpt import build_gpt, causal_logits, gpt_args, single_process
 
     from megatron_ucp.adapters.gpt import canonical_name, expected_parameters, pad_vocab_size, pattern_for
     from megatron_ucp.core.layout import ParallelLayout
@@ -88,11 +88,7 @@ def build_checkpoints(out_dir: Path) -> None:
                                           "layout": ParallelLayout().to_dict(), "optimizer_kind": "none"},
                                "optimizer": {"type": None, "param_groups": []}, "scheduler": {}},
                               expected_parameters(config))
-            tokens = tokens_for(config.vocab_size)
-            positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
-            causal_mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).view(1, 1, SEQ, SEQ)  # True = masked
-            with torch.no_grad():
-                torch.save(model(tokens, positions, causal_mask), out_dir / f"{model_type}.logits.pt")
+            torch.save(causal_logits(model, tokens_for(config.vocab_size)), out_dir / f"{model_type}.logits.pt")
 
 
 def _user_cli(*argv):

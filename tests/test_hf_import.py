@@ -1,15 +1,29 @@
-"""import-hf: a Hugging Face model becomes a universal checkpoint that trains at any layout from the same loss.
+"""import-hf: a Hugging Face model becomes a universal checkpoint that megatron-core computes exactly as transformers
+does, and that trains at any layout from the same loss.
 
-Models (no hub access): transformers' own classes built from their config classes, seeded, every parameter
-then perturbed (N(0, 0.02) added, so norms are not 1 and biases not 0 and a wrong norm or bias mapping shows):
-- llama: 2 layers, hidden 48, 4 heads in 2 query groups, SwiGLU 64, untied, saved SHARDED (index + 4 files);
-- gpt2: 2 layers, hidden 48, 4 heads, exact GELU (`activation_function="gelu"`), tied, biases;
-- qwen2_moe: 2 layers (layer 0 dense: mlp_only_layers=[0]), 4 experts top-2 of 32, a gated shared expert of
-  32, QKV biases, norm_topk_prob=false (Megatron's --moe-router-pre-softmax).
-Vocabulary 1024 (Megatron-LM 0.19's NullTokenizer --vocab-size 1024, EOD included: no padding rows, so Megatron's
-softmax is HF's).
+Models (no hub access): transformers' own classes built from their config classes (fp32), seeded, every parameter
+then perturbed (N(0, 0.02) added, so norms are not 1 and biases not 0 and a wrong norm or bias mapping shows), all
+2 layers, hidden 48, 4 heads in 2 query groups, initializer_range 0.1 (sharp enough attention that a swapped head
+shows), vocabulary 1024 (NullTokenizer --vocab-size 1024 with Megatron-LM 0.19: no padding rows):
+- llama: SwiGLU 64, untied, Llama 3.1's RoPE scaling (rope_type llama3, factor 8), saved SHARDED (index + files);
+- mistral: vocabulary 1000 (padded to 1024: 24 padding rows, which only add logits columns);
+- qwen2: QKV biases, and a tokenizer in the folder (tokenizer.json: the printed flags use HuggingFaceTokenizer);
+- qwen3: per-head QK RMSNorm (head_dim 16 != hidden / heads);
+- gpt2: exact GELU (`activation_function="gelu"`), tied, biases;
+- mixtral: 4 experts top-2 of 32, every layer MoE;
+- qwen2_moe: layer 0 dense (mlp_only_layers=[0]), 4 experts top-2 of 32, a gated shared expert of 32, QKV biases,
+  norm_topk_prob=false (Megatron's --moe-router-pre-softmax);
+- qwen3_moe: QK norm, layer 0 dense, 4 experts top-2 of 32, norm_topk_prob=true (Megatron's default router).
 
-End to end (tests/pretrain_runs, torchrun, gloo, CPU): each imported checkpoint is loaded with
+Logits (every family): megatron-core 0.19's GPTModel built from the flags import-hf prints (Megatron-LM's parser,
+validate_args and model provider, the universal loader's check_compatible; tests/mcore_gpt.py, all families in one
+child process), filled from the import, on the same token ids as transformers: max |difference| / max |logit|
+<= 1e-5 over the true vocabulary (measured <= 3.7e-7). Negative controls: the HF model with K heads 0 and 1
+swapped in every layer misses by > 1e-5 (measured >= 1.3e-2), and llama's HF model with unscaled RoPE misses
+Megatron's llama3 scaling (measured 1.4e-3). Export back: `export-hf` (fp32) of each import writes the original
+tensors bit for bit, and transformers loads it as the same class computing the same logits bitwise.
+
+End to end (tests/pretrain_runs, torchrun, gloo, CPU): the llama, gpt2 and qwen2_moe imports are loaded with
 `--universal-checkpoint` at TP2 PP2 (qwen2_moe: EP2 ETP1, sequence parallel) and trained 8 iterations with
 --mock-data; the first iteration's lm loss (before any update) is compared with transformers' loss on exactly
 that global batch (megatron-core's MockGPTDataset samples 0..7, built here with the run's own flags).
@@ -21,12 +35,20 @@ torch_dist at EP2 ETP1) at TP2 PP2: `verify` finds every tensor equal (atol 0).
 
 Round trip: `export-hf` (fp32) of Megatron-LM's trained fixtures A (llama) and C (gpt2) and `import-hf` of the
 export give back every true-vocabulary row of every fp32 master bit for bit.
+
+Checked inputs (each a small crafted folder): one error line naming the cause and the fix, the input unchanged,
+nothing at the destination.
 """
 
+import hashlib
 import json
 import math
+import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,35 +58,56 @@ from pretrain_runs import FIXTURE_CKPTS, Layout, read_losses, run_pretrain  # no
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-5
+SEQ, BATCH = 32, 2
 # --eval-*: Megatron-LM 0.19 sizes its splits from them (no default interval); no evaluation runs
 TRAIN = ("--seq-length 32 --micro-batch-size 2 --global-batch-size 8 --lr 1e-4 --train-iters 8 --mock-data "
          "--attention-dropout 0 --hidden-dropout 0 --log-interval 1 --seed 1234 --eval-iters 0 --eval-interval 1000").split()
 LAYOUTS = {"llama": Layout(tp=2, pp=2), "gpt2": Layout(tp=2, pp=2),
            "qwen2_moe": Layout(tp=2, pp=2, ep=2, etp=1, sp=True)}  # MoE layers with TP need SP
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def hf_model(model_type: str):
+def hf_model(model_type: str, **overrides):
     """A seeded transformers model of the family, every parameter perturbed."""
     import transformers as tf
 
     torch.manual_seed(0)
-    common = dict(vocab_size=1024, max_position_embeddings=32)
-    if model_type == "llama":
-        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                                                   num_attention_heads=4, num_key_value_heads=2,
-                                                   initializer_range=0.1))
-    elif model_type == "gpt2":
-        model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=1024, n_positions=32, n_embd=48, n_layer=2, n_head=4,
-                                                 activation_function="gelu", initializer_range=0.1))
-    else:
-        model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
-            **common, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-            shared_expert_intermediate_size=32, mlp_only_layers=[0], norm_topk_prob=False, initializer_range=0.1))
+    llama_like = dict(vocab_size=1024, max_position_embeddings=32, hidden_size=48, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0])
+    config = {
+        "llama": lambda: tf.LlamaConfig(**llama_like, rope_parameters=dict(LLAMA3)),
+        "mistral": lambda: tf.MistralConfig(**{**llama_like, "vocab_size": 1000}),
+        "qwen2": lambda: tf.Qwen2Config(**llama_like),
+        "qwen3": lambda: tf.Qwen3Config(**llama_like, head_dim=16),
+        "gpt2": lambda: tf.GPT2Config(vocab_size=1024, n_positions=32, n_embd=48, n_layer=2, n_head=4,
+                                      activation_function="gelu", initializer_range=0.1),
+        "mixtral": lambda: tf.MixtralConfig(**{**llama_like, "intermediate_size": 32}, num_local_experts=4,
+                                            num_experts_per_tok=2),
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(**llama_like, **moe, shared_expert_intermediate_size=32,
+                                               norm_topk_prob=False),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**llama_like, **moe, head_dim=16, norm_topk_prob=True),
+    }[model_type]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = tf.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     return model.eval()
+
+
+def save_word_tokenizer(folder: Path, size: int) -> None:
+    """A word-level tokenizer of `size` tokens as transformers saves one (tokenizer.json + tokenizer_config.json)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(size - 1)} | {"<unk>": size - 1}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")),
+                            unk_token="<unk>").save_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +117,120 @@ def imported(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf_import")
     out = {}
-    for model_type in LAYOUTS:
+    for model_type in FAMILIES:
         hf = root / f"hf_{model_type}"
         # llama sharded: the index path (shards named by model.safetensors.index.json)
         hf_model(model_type).save_pretrained(hf, max_shard_size="100KB" if model_type == "llama" else "1GB")
+        if model_type == "qwen2":
+            save_word_tokenizer(hf, 1000)
         out[model_type] = (hf, root / f"ucp_{model_type}", import_hf(hf, root / f"ucp_{model_type}", progress=False))
     assert len(list(out["llama"][0].glob("model-*.safetensors"))) > 1
     return out
+
+
+def tokens_for(vocab_size: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def megatron_logits(imported, tmp_path_factory):
+    """{model_type: megatron-core's logits [b, s, padded vocabulary]} from one child process (tests/mcore_gpt.py)."""
+    work = tmp_path_factory.mktemp("mcore_logits")
+    jobs = [{"ucp": str(imported[t][1]), "flags": imported[t][2]["megatron_flags"],
+             "tokens": tokens_for(imported[t][2]["vocab_size"])} for t in FAMILIES]
+    torch.save(jobs, work / "jobs.pt")
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "mcore_gpt.py"), str(work / "jobs.pt"),
+                           str(work / "logits.pt")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(zip(FAMILIES, torch.load(work / "logits.pt")))
+
+
+def hf_logits(model, vocab: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens_for(vocab)).logits
+
+
+def rel_diff(logits: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |difference| / max |reference| over the true vocabulary (reference's own columns)."""
+    vocab = logits.shape[-1]
+    return ((logits - reference[..., :vocab]).abs().max() / reference[..., :vocab].abs().max()).item()
+
+
+def swap_k_heads(model) -> None:
+    """K heads 0 and 1 (query groups 0 and 1's keys) exchanged in every layer (weights and biases)."""
+    layers = model.transformer.h if hasattr(model, "transformer") else model.model.layers
+    with torch.no_grad():
+        for layer in layers:
+            if hasattr(layer, "attn"):  # GPT-2: c_attn is [in, 3h] (Conv1D), keys in columns [h, 2h)
+                hidden, d = layer.attn.embed_dim, layer.attn.head_dim
+                for p in (layer.attn.c_attn.weight, layer.attn.c_attn.bias):
+                    p[..., hidden: hidden + 2 * d] = torch.cat([p[..., hidden + d: hidden + 2 * d],
+                                                                p[..., hidden: hidden + d]], dim=-1).clone()
+                continue
+            k, d = layer.self_attn.k_proj, layer.self_attn.head_dim
+            for p in (k.weight, k.bias):
+                if p is not None:
+                    p[: 2 * d] = torch.cat([p[d: 2 * d], p[:d]]).clone()
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_imported_logits_equal_transformers(imported, megatron_logits, model_type):
+    """megatron-core's GPTModel from the printed flags computes transformers' logits; swapped K heads do not."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, _, summary = imported[model_type]
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    reference = megatron_logits[model_type]
+    vocab = summary["vocab_size"]
+    assert reference.shape == (BATCH, SEQ, summary["padded_vocab_size"]) and reference.std() > 0.1
+    diff = rel_diff(hf_logits(model, vocab), reference)
+    assert diff <= TOL, f"{model_type}: logits differ by {diff:.2e} relative"
+    swap_k_heads(model)
+    broken = rel_diff(hf_logits(model, vocab), reference)
+    assert broken > TOL, f"{model_type}: swapped K heads only move the logits by {broken:.2e}"
+    print(f"{model_type}: logits {diff:.2e} relative, swapped K heads {broken:.2e}")
+
+
+def test_llama3_rope_scaling_is_what_megatron_computes(imported, megatron_logits):
+    """The llama import prints --use-rope-scaling; the same weights with unscaled RoPE in transformers miss
+    megatron-core's logits (so the comparison above sees the scaling)."""
+    import transformers as tf
+
+    hf_dir, _, summary = imported["llama"]
+    flags = summary["megatron_flags"]
+    assert "--use-rope-scaling" in flags and flags[flags.index("--rope-scaling-factor") + 1] == "8.0"
+    model = tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    unscaled = hf_model("llama", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    unscaled.load_state_dict(model.state_dict())
+    broken = rel_diff(hf_logits(unscaled, summary["vocab_size"]), megatron_logits["llama"])
+    assert broken > TOL, f"unscaled RoPE only moves the logits by {broken:.2e}"
+    print(f"llama: unscaled RoPE {broken:.2e}")
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_export_gives_back_the_hf_model(imported, model_type, tmp_path):
+    """export-hf (fp32) of the import: the original tensors bit for bit, loaded by transformers as the same class
+    computing the same logits bitwise."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ucp.commands.export_hf import export_hf
+
+    hf_dir, ucp, summary = imported[model_type]
+    export_hf(ucp, tmp_path / "hf", model_type, dtype="float32", progress=False)
+    original = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        original.update(load_file(f))
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    if model_type == "gpt2":  # the tied lm_head is not saved by transformers
+        exported.pop("lm_head.weight", None)
+    assert exported.keys() == original.keys(), set(exported) ^ set(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name].view(torch.int32), tensor.view(torch.int32)), name
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(back) is type(model)
+    assert torch.equal(hf_logits(back, summary["vocab_size"]), hf_logits(model, summary["vocab_size"]))
 
 
 def first_batch(flags):
@@ -233,20 +383,6 @@ def test_export_then_import_gives_back_the_fp32_masters(fixture, model_type, tmp
         assert not back.parameters[name].tensors[1:], "an import holds no optimizer state"
 
 
-def test_moe_import_export_import_is_identity(imported, tmp_path):
-    from megatron_ucp.commands.export_hf import export_hf
-    from megatron_ucp.commands.import_hf import import_hf
-    from megatron_ucp.universal import UniversalCheckpoint
-
-    _, ucp, _ = imported["qwen2_moe"]
-    export_hf(ucp, tmp_path / "hf", "qwen2_moe", dtype="float32", progress=False)
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["norm_topk_prob"] is False
-    a = UniversalCheckpoint.open(ucp)
-    b = UniversalCheckpoint.open(import_hf(tmp_path / "hf", tmp_path / "back", progress=False)["path"])
-    assert a.config == b.config and a.parameters.keys() == b.parameters.keys()
-    assert all(torch.equal(a.read(n), b.read(n)) for n in a.parameters)
-
-
 def test_bf16_weights_are_widened_exactly_and_vocabulary_padded(tmp_path):
     from safetensors.torch import load_file
 
@@ -269,72 +405,113 @@ def test_bf16_weights_are_widened_exactly_and_vocabulary_padded(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# Checked inputs: one line naming the cause and the fix, exit 1, nothing left behind
+# Checked inputs: one line naming the cause and the fix, exit 1, input unchanged, nothing left behind
 
 
-def _corrupt(hf: Path, case: str) -> str:
-    """Damage a copy of an HF directory as `case` says; returns the text the error line must contain."""
+def _set_config(hf: Path, **changes) -> None:
+    config = json.loads((hf / "config.json").read_text())
+    config.update(changes)
+    (hf / "config.json").write_text(json.dumps(config))
+
+
+def _corrupt(hf: Path, case: str) -> tuple[str, dict]:
+    """Damage a copy of an HF directory as `case` says; returns the text the error line must contain and the
+    import's keyword arguments."""
     from safetensors.torch import load_file, save_file
 
-    config = json.loads((hf / "config.json").read_text())
     weights = hf / "model.safetensors"
     if case == "missing tensor":
         tensors = load_file(weights)
         del tensors["model.layers.1.mlp.up_proj.weight"]
         save_file(tensors, weights)
-        return "tensor(s) missing, e.g. model.layers.1.mlp.up_proj.weight"
+        return "tensor(s) missing, e.g. model.layers.1.mlp.up_proj.weight", {}
     if case == "shape mismatch":
-        config["intermediate_size"] = 80
-        (hf / "config.json").write_text(json.dumps(config))
-        return "model.layers.0.mlp.gate_proj.weight has shape [64, 48], config.json implies [80, 48]"
+        _set_config(hf, intermediate_size=80)
+        return "model.layers.0.mlp.gate_proj.weight has shape [64, 48], config.json implies [80, 48]", {}
     if case == "untied without lm_head":
         tensors = load_file(weights)
         del tensors["lm_head.weight"]
         save_file(tensors, weights)
-        return "set tie_word_embeddings to true"
+        return "set tie_word_embeddings to true", {}
     if case == "tied but lm_head differs":
-        config["tie_word_embeddings"] = True
-        (hf / "config.json").write_text(json.dumps(config))
-        return "tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight"
+        _set_config(hf, tie_word_embeddings=True)
+        return "tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight", {}
     if case == "integer dtype":
         tensors = load_file(weights)
         tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
         save_file(tensors, weights)
-        return "tensor model.norm.weight is I32; a model's weights must be F32, BF16 or F16"
+        return "tensor model.norm.weight is I32; a model's weights must be F32, BF16 or F16", {}
     if case == "index outside the folder":
         outside = hf.parent / "elsewhere.safetensors"
         weights.rename(outside)
         names = list(load_file(outside))
         (hf / "model.safetensors.index.json").write_text(json.dumps(
             {"weight_map": {n: "../elsewhere.safetensors" for n in names}}))
-        return "outside"
+        return "outside", {}
     if case == "symlink outside the folder":
         outside = hf.parent / "elsewhere.safetensors"
         weights.rename(outside)
         weights.symlink_to(outside)
-        return "resolves to"
+        return "resolves to", {}
     if case == "truncated file":
         data = weights.read_bytes()
         weights.write_bytes(data[: len(data) - 100])
-        return "the file is truncated, re-download it"
+        return "the file is truncated, re-download it", {}
     if case == "pickle only":
         weights.rename(hf / "pytorch_model.bin")
-        return "has only pickled weights (pytorch_model.bin); they are never loaded"
-    if case == "rope scaling":
-        config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
-        (hf / "config.json").write_text(json.dumps(config))
-        return "RoPE scaling 'llama3': Megatron's GPT cannot express it as llama"
+        return "has only pickled weights (pytorch_model.bin); they are never loaded", {}
+    if case == "llama3 factor 32":  # Llama 3.2's: megatron-core's GPT computes factor 8 only
+        _set_config(hf, rope_parameters={**LLAMA3, "factor": 32.0})
+        return "RoPE scaling 'llama3' with factor=32.0 (from rope_parameters): Megatron's GPT cannot express it", {}
+    if case == "legacy rope_scaling":  # transformers 5 reads rope_scaling before rope_parameters: linear
+        _set_config(hf, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                    rope_scaling={"type": "linear", "factor": 2.0})
+        return "RoPE scaling 'linear' (from rope_scaling)", {}
+    if case == "layers beyond the weights":
+        _set_config(hf, num_hidden_layers=1000000)
+        return "says 1000000 layers but the weights hold layers 0-1 (2 layers)", {}
+    if case == "fractional hidden size":
+        _set_config(hf, hidden_size=32.5)
+        return "hidden_size 32.5 is not a positive integer", {}
+    if case == "hidden size as text":
+        _set_config(hf, hidden_size="32")
+        return "hidden_size '32' is not a positive integer", {}
+    if case == "nested config":
+        (hf / "config.json").write_text("[" * 100000 + "]" * 100000)
+        return "config.json: config.json is nested too deeply", {}
+    if case == "nested header":
+        header = b"[" * 100000 + b"]" * 100000
+        weights.write_bytes(len(header).to_bytes(8, "little") + header)
+        return "model.safetensors: safetensors header is nested too deeply", {}
+    if case == "huge header length":
+        data = weights.read_bytes()
+        weights.write_bytes(b"\xff" * 8 + data[8:])
+        return "declares a 18446744073709551615-byte header", {}
+    if case == "vocabulary multiple":
+        return "--make-vocab-size-divisible-by 100000000: must be 1-65536", {"make_vocab_size_divisible_by": 10 ** 8}
+    if case == "unsupported family":
+        _set_config(hf, model_type="olmoe")
+        return "cannot be a Megatron GPT: OLMoE's q_norm and k_norm normalize", {}
+    if case == "tokenizer beyond the vocabulary":
+        save_word_tokenizer(hf, 2000)
+        return "tokenizer.json: has token id 1999, config.json's vocab_size is 1024", {}
     raise AssertionError(case)
 
 
 CASES = ["missing tensor", "shape mismatch", "untied without lm_head", "tied but lm_head differs", "integer dtype",
-         "index outside the folder", "symlink outside the folder", "truncated file", "pickle only", "rope scaling"]
+         "index outside the folder", "symlink outside the folder", "truncated file", "pickle only", "llama3 factor 32",
+         "legacy rope_scaling", "layers beyond the weights", "fractional hidden size", "hidden size as text",
+         "nested config", "nested header", "huge header length", "vocabulary multiple", "unsupported family",
+         "tokenizer beyond the vocabulary"]
+
+
+def _tree_digest(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else
+                                         str(p.readlink()))
+            for p in sorted(folder.rglob("*")) if p.is_file() or p.is_symlink()}
 
 
 def test_bad_inputs_fail_in_one_line_leaving_nothing(tmp_path):
-    import shutil
-    import subprocess
-
     from megatron_ucp.commands.import_hf import HFImportError, import_hf
 
     good = tmp_path / "good"
@@ -342,11 +519,16 @@ def test_bad_inputs_fail_in_one_line_leaving_nothing(tmp_path):
     for i, case in enumerate(CASES):
         hf = tmp_path / f"case{i}" / "hf"
         shutil.copytree(good, hf)
-        expected = _corrupt(hf, case)
+        expected, kwargs = _corrupt(hf, case)
+        before = _tree_digest(hf.parent)
         dst = tmp_path / f"case{i}" / "ucp"
+        start = time.perf_counter()
         with pytest.raises(HFImportError) as error:
-            import_hf(hf, dst, progress=False)
+            import_hf(hf, dst, progress=False, **kwargs)
+        assert time.perf_counter() - start < 10, f"{case}: the refusal took {time.perf_counter() - start:.1f} s"
         assert expected in str(error.value) and "\n" not in str(error.value), (case, str(error.value))
+        assert "not valid JSON" not in str(error.value), (case, str(error.value))
+        assert _tree_digest(hf.parent) == before, f"{case}: the input changed"
         left = sorted(p.name for p in dst.parent.iterdir() if p.name != "elsewhere.safetensors")
         assert left == ["hf"], f"{case}: something was left behind: {left}"
     # as a user runs it: exit 1, one line, no traceback
@@ -356,7 +538,68 @@ def test_bad_inputs_fail_in_one_line_leaving_nothing(tmp_path):
     assert proc.stderr.startswith("error: ") and "tensor(s) missing" in proc.stderr
 
 
+def test_experts_beyond_the_weights_and_no_space_are_refused_before_writing(imported, tmp_path, monkeypatch):
+    from megatron_ucp.commands import import_hf as module
+
+    hf = tmp_path / "hf"
+    shutil.copytree(imported["qwen3_moe"][0], hf)
+    _set_config(hf, num_local_experts=1000000)  # transformers 5 spells num_experts so
+    with pytest.raises(module.HFImportError, match="says num_experts=1000000 but the weights hold experts 0-3"):
+        module.import_hf(hf, tmp_path / "ucp", progress=False)
+    shutil.copytree(imported["qwen3_moe"][0], hf, dirs_exist_ok=True)
+    monkeypatch.setattr(module.shutil, "disk_usage", lambda path: SimpleNamespace(total=1 << 30, free=1 << 16))
+    with pytest.raises(module.HFImportError, match=r"needs [\d.]+ MiB \(fp32 masters.*\), 0\.1 MiB are free there"):
+        module.import_hf(hf, tmp_path / "ucp", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_hub_cache_snapshot_is_read_through_its_links(imported, tmp_path):
+    """A hub cache snapshot (files linked to ../../blobs) imports as the folder it mirrors; a link leaving the
+    repository's cache is refused, naming `cp -rL`."""
+    from megatron_ucp.commands.import_hf import HFImportError, import_hf
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    source = imported["qwen2"][0]
+    for i, f in enumerate(sorted(source.iterdir())):
+        shutil.copy(f, repo / "blobs" / f"blob{i}")
+        (snapshot / f.name).symlink_to(Path("..") / ".." / "blobs" / f"blob{i}")
+    summary = import_hf(snapshot, tmp_path / "ucp", progress=False)
+    assert summary["megatron_flags"] == [f.replace(str(source), str(snapshot))
+                                         for f in imported["qwen2"][2]["megatron_flags"]]
+    (snapshot / "config.json").unlink()
+    (snapshot / "config.json").symlink_to(source / "config.json")
+    with pytest.raises(HFImportError, match="outside .*cp -rL"):
+        import_hf(snapshot, tmp_path / "ucp2", progress=False)
+    assert not (tmp_path / "ucp2").exists()
+
+
+def test_printed_tokenizer_flags_give_the_checkpoint_vocabulary(imported):
+    """qwen2's folder holds a tokenizer: the printed flags load it with Megatron-LM's HuggingFaceTokenizer, the
+    vocabulary Megatron-LM builds from them is the checkpoint's, and the universal loader accepts the run."""
+    from megatron_lm_args import megatron_lm_args
+
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron_ucp.megatron_lm.loader import check_compatible
+    from megatron_ucp.universal import UniversalCheckpoint
+
+    hf_dir, ucp_dir, summary = imported["qwen2"]
+    flags = summary["megatron_flags"]
+    assert flags[flags.index("--tokenizer-type") + 1] == "HuggingFaceTokenizer"
+    assert flags[flags.index("--tokenizer-model") + 1] == str(hf_dir)
+    args = megatron_lm_args([*flags, *TRAIN])
+    tokenizer = build_tokenizer(args)  # sets args.padded_vocab_size as a run does
+    ucp = UniversalCheckpoint.open(ucp_dir)
+    assert 1000 <= tokenizer.vocab_size <= 1024 and args.padded_vocab_size == ucp.config.padded_vocab_size == 1024
+    check_compatible(ucp, args)
+    assert "--tokenizer-type NullTokenizer" in " ".join(imported["llama"][2]["megatron_flags"])
+
+
 def test_refuses_configs_megatron_cannot_express(tmp_path):
+    import transformers as tf
+
     from megatron_ucp.commands.import_hf import HFImportError, megatron_model
 
     gpt2 = hf_model("gpt2").config.to_dict()
@@ -367,14 +610,34 @@ def test_refuses_configs_megatron_cannot_express(tmp_path):
         megatron_model({**llama, "mlp_bias": True}, "llama")
     with pytest.raises(HFImportError, match="hidden_act='gelu'"):
         megatron_model({**llama, "hidden_act": "gelu"}, "llama")
-    with pytest.raises(HFImportError, match="sliding_window"):
-        megatron_model({**llama, "use_sliding_window": True, "sliding_window": 16}, "llama")
+    mistral = hf_model("mistral").config.to_dict()
+    with pytest.raises(HFImportError, match="sliding_window=16 < max_position_embeddings=32"):
+        megatron_model({**mistral, "sliding_window": 16}, "mistral")
+    qwen2 = hf_model("qwen2").config.to_dict()
+    with pytest.raises(HFImportError, match="sliding_window=16 < max_position_embeddings=32"):
+        megatron_model({**qwen2, "use_sliding_window": True, "sliding_window": 16}, "qwen2")
+    megatron_model({**qwen2, "use_sliding_window": False, "sliding_window": 16}, "qwen2")  # transformers drops it
+    # RoPE read as transformers 5 reads it: rope_scaling wins over rope_parameters
+    legacy = {**llama, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+              "rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert tf.LlamaConfig.from_dict(legacy).rope_parameters["rope_type"] == "linear"
+    with pytest.raises(HFImportError, match="RoPE scaling 'linear' .*rotary-seq-len-interpolation-factor"):
+        megatron_model(legacy, "llama")
+    for field, value in (("low_freq_factor", 2.0), ("original_max_position_embeddings", 4096)):
+        with pytest.raises(HFImportError, match=f"{field}={value!r}"):
+            megatron_model({**llama, "rope_parameters": {**LLAMA3, field: value}}, "llama")
+    _, args = megatron_model({**llama, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 8192},
+                              "rope_theta": 500000.0, "rope_parameters": None}, "llama")
+    assert args["use_rope_scaling"] and args["rotary_base"] == 500000  # Llama 3.1's config.json (transformers 4)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "llama_biases", "gpt2", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["llama", "llama_biases", "gpt2", "mistral", "qwen2", "qwen3", "mixtral",
+                                        "qwen2_moe", "qwen3_moe"])
 def test_name_table_directions_are_inverses(model_type):
-    """hf_names: to_hf then from_hf (and from_hf_bands in small bands) gives every Megatron tensor back bit for bit
-    (true vocabulary rows), for every row of every family; ZERO rows export zeros."""
+    """adapters/hf: to_hf then from_hf (and from_hf_bands in small bands) gives every Megatron tensor back bit for
+    bit (true vocabulary rows), for every row of every family; ZERO rows export zeros."""
     from megatron_ucp.adapters.gpt import expected_parameters
     from megatron_ucp.adapters.hf import VOCAB, ZERO, from_hf, from_hf_bands, hf_rows, hf_shapes, to_hf
     from megatron_ucp.core.model_config import GPTModelConfig
@@ -388,20 +651,25 @@ def test_name_table_directions_are_inverses(model_type):
         "llama": GPTModelConfig(**base, **rope),
         "llama_biases": GPTModelConfig(**base, **{**rope, "add_bias_linear": True}),
         "gpt2": GPTModelConfig(**{**base, "num_query_groups": 4}, max_position_embeddings=32),
+        "mistral": GPTModelConfig(**base, **rope),
+        "qwen2": GPTModelConfig(**base, **rope, add_qkv_bias=True),
+        "qwen3": GPTModelConfig(**{**base, "kv_channels": 16}, **rope, add_qkv_bias=True, qk_layernorm=True),
         "mixtral": GPTModelConfig(**base, **rope, **moe),
         "qwen2_moe": GPTModelConfig(**base, **rope, **moe, add_qkv_bias=True, moe_layer_freq=(0, 1),
                                     moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True),
+        "qwen3_moe": GPTModelConfig(**base, **rope, **moe, qk_layernorm=True, moe_layer_freq=(0, 1)),
     }[model_type]
     family = model_type.split("_biases")[0]
     shapes = dict(expected_parameters(config))
     g = torch.Generator().manual_seed(0)
-    covered = set()
+    covered, zeros = set(), 0
     for row in hf_rows(config, family):
         original = torch.randn(shapes[row.megatron], generator=g) if row.megatron else None
         parts = to_hf(row, original, config)
         assert [tuple(p.shape) for p in parts] == hf_shapes(row, config, original.shape if row.megatron else None)
         if row.join == ZERO:
             assert all(not p.any() for p in parts)
+            zeros += 1
             continue
         covered.add(row.megatron)
         want = original[: config.vocab_size] if row.join == VOCAB else original
@@ -410,3 +678,4 @@ def test_name_table_directions_are_inverses(model_type):
                                lambda n: 5)
         assert torch.equal(torch.cat(list(banded)), want), row
     assert covered == set(shapes), set(shapes) ^ covered  # the table names every Megatron parameter once
+    assert zeros == {"qwen3": 2}.get(model_type, 0)  # qwen3's attention_bias: o_proj's, one per layer

@@ -1,19 +1,22 @@
 """`megatron-ucp export-hf`: a Hugging Face transformers model directory from a universal checkpoint.
 
-Writes `config.json` and `model.safetensors` (HF parameter names, from `hf_names`' table, which `import-hf`
-reads the other way) for four families:
-- llama: SwiGLU, RMSNorm, RoPE; Megatron's per-query-group fused QKV is split into q/k/v_proj
-  (GroupedQKV.split_qkv gives HF's head order), fc1 `[gate; up]` into gate_proj / up_proj;
+Writes `config.json` and `model.safetensors` (HF parameter names from `adapters/hf.py`'s family table, which
+`import-hf` reads the other way) for the families of that table:
+- llama, mistral, qwen2, qwen3: SwiGLU, RMSNorm, RoPE (llama3 scaling with --use-rope-scaling); Megatron's
+  per-query-group fused QKV is split into q/k/v_proj (GroupedQKV.split_qkv gives HF's head order), fc1
+  `[gate; up]` into gate_proj / up_proj; QKV biases (qwen2 always, llama and qwen3 with attention_bias, whose
+  o_proj bias is exported as zeros), per-head QK norm (qwen3: --qk-layernorm);
 - gpt2: LayerNorm, learned positions, GELU, tied embeddings, biases; HF's Conv1D stores weights
   transposed ([in, out]) and c_attn is [q; k; v] concatenated on the output axis;
 - mixtral (MoE): Llama's attention, every layer MoE, routed experts only: router -> block_sparse_moe.gate,
   expert j's fc1 `[gate; up]` -> w1 / w3, fc2 -> w2 (the Hub's layout; transformers 5 fuses it on load);
-- qwen2_moe (MoE with a gated shared expert): routed experts -> mlp.experts.j.{gate,up,down}_proj, the
-  shared expert -> mlp.shared_expert, its gate -> mlp.shared_expert_gate, dense layers (moe_layer_freq)
-  -> mlp_only_layers.
-Megatron's router (softmax score, top-k of the logits, then softmax over the k: the same as Mixtral's /
-Qwen2-MoE's normalized top-k of the full softmax) is checked to be the default one; with
---moe-router-pre-softmax (top-k of the full softmax, not renormalized) it is Qwen2-MoE's norm_topk_prob=false.
+- qwen2_moe (MoE with a gated shared expert) and qwen3_moe (QK norm, routed experts only): routed experts ->
+  mlp.experts.j.{gate,up,down}_proj, the shared expert -> mlp.shared_expert, its gate -> mlp.shared_expert_gate,
+  dense layers (moe_layer_freq) -> mlp_only_layers.
+Megatron's router (softmax score, top-k of the logits, then softmax over the k: the same as the families'
+normalized top-k of the full softmax) is checked to be the default one; with --moe-router-pre-softmax (top-k of
+the full softmax, not renormalized) it is Qwen-MoE's norm_topk_prob=false. What a family cannot express (biases
+it lacks, a QK norm it lacks or needs, other routing) is refused with the reason and the families that fit.
 Vocabulary padding rows are dropped (HF vocab_size = the true vocabulary). Only weights are exported
 (the fp32 master weights, cast to --dtype, every block read checked against its checksums); the
 universal checkpoint itself is never modified. The output goes through `staging.Staging` (kind "hf":
@@ -33,7 +36,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from megatron_ucp.adapters.hf import MODEL_TYPES, MOE_MODEL_TYPES, hf_rows, to_hf
+from megatron_ucp.adapters.hf import FAMILIES, MEGATRON_LLAMA3_ROPE, MODEL_TYPES, HFFamily, hf_rows, to_hf
 from megatron_ucp.commands.common import add_publication_flags
 from megatron_ucp.core.dtypes import PARAM_DTYPES, torch_dtype
 from megatron_ucp.core.model_config import GPTModelConfig
@@ -54,27 +57,28 @@ def _need(condition: bool, model_type: str, what: str, fix: str) -> None:
         raise ExportError(f"cannot export as --model-type {model_type}: {what}; {fix}")
 
 
+def _families_with(test: Callable[[HFFamily], bool]) -> str:
+    return " or ".join(t for t in MODEL_TYPES if test(FAMILIES[t])) or "none"
+
+
+def _like(config: GPTModelConfig, test: Callable[[HFFamily], bool] = lambda f: True) -> str:
+    """The Llama-like families whose MLP kind (dense or MoE) and QK norm are the model's and that pass `test`."""
+    return _families_with(lambda f: f.model_type != "gpt2" and bool(f.facts.moe) == bool(config.num_experts)
+                          and f.facts.qk_norm == config.qk_layernorm and test(f))
+
+
 def check_exportable(config: GPTModelConfig, args: dict, model_type: str) -> None:
     """Raise ExportError unless the HF architecture computes exactly what the Megatron model computes."""
     if model_type not in MODEL_TYPES:
         raise ExportError(f"--model-type {model_type!r} is not supported; choose one of {', '.join(MODEL_TYPES)}")
-    if model_type in MOE_MODEL_TYPES:
+    facts = FAMILIES[model_type].facts
+    if facts.moe:
         _check_moe(config, args, model_type)
     else:
         _need(not config.num_experts, model_type, f"num_experts={config.num_experts} (MoE)",
-              "use --model-type mixtral (routed experts only) or qwen2_moe (with a gated shared expert)")
-    other = "gpt2" if model_type == "llama" else "llama"
-    if model_type != "gpt2":  # Llama's attention, norms and MLP activation
-        _need(config.swiglu, model_type, "the MLP is GELU, Llama's is SwiGLU", f"use --model-type {other}")
-        _need(config.normalization == "RMSNorm", model_type, f"normalization is {config.normalization}, Llama's is "
-              f"RMSNorm", f"use --model-type {other}")
-        _need(config.position_embedding_type == "rope", model_type, f"position embeddings are "
-              f"{config.position_embedding_type}, Llama uses RoPE", f"use --model-type {other}")
-        _need(float(args.get("rotary_percent", 1.0) or 1.0) == 1.0, model_type,
-              f"rotary_percent={args.get('rotary_percent')} (partial rotary)", "HF Llama rotates the whole head")
-        _need(not args.get("rotary_interleaved"), model_type, "rotary_interleaved=True",
-              "HF Llama uses the rotate-half convention")
-    else:
+              f"use --model-type {_families_with(lambda f: bool(f.facts.moe))}")
+    other = "gpt2" if model_type != "gpt2" else "llama"
+    if model_type == "gpt2":
         _need(not config.swiglu, model_type, "the MLP is SwiGLU, GPT-2's is GELU", f"use --model-type {other}")
         _need(config.normalization == "LayerNorm", model_type, f"normalization is {config.normalization}, GPT-2's is "
               f"LayerNorm", f"use --model-type {other}")
@@ -90,83 +94,130 @@ def check_exportable(config: GPTModelConfig, args: dict, model_type: str) -> Non
               "GPT-2's head dim is hidden / heads")
         _need(not config.add_qkv_bias or config.add_bias_linear, model_type, "QKV bias without other biases",
               "GPT-2 has all biases or none")
+        _need(not config.qk_layernorm, model_type, "the attention normalizes q and k (--qk-layernorm)",
+              "GPT-2 has no QK norm")
+        return
+    # Llama's attention, norms and MLP activation, and the family's biases and QK norm
+    _need(config.swiglu, model_type, "the MLP is GELU, Llama's is SwiGLU", f"use --model-type {other}")
+    _need(config.normalization == "RMSNorm", model_type, f"normalization is {config.normalization}, Llama's is "
+          f"RMSNorm", f"use --model-type {other}")
+    _need(config.position_embedding_type == "rope", model_type, f"position embeddings are "
+          f"{config.position_embedding_type}, Llama uses RoPE", f"use --model-type {other}")
+    _need(float(args.get("rotary_percent", 1.0) or 1.0) == 1.0, model_type,
+          f"rotary_percent={args.get('rotary_percent')} (partial rotary)", "HF Llama rotates the whole head")
+    _need(not args.get("rotary_interleaved"), model_type, "rotary_interleaved=True",
+          "HF Llama uses the rotate-half convention")
+    _need(not args.get("rotary_seq_len_interpolation_factor"), model_type, "the run set "
+          "--rotary-seq-len-interpolation-factor", "Megatron-LM's GPT builder does not pass it to the model, so "
+          "what the model computed is unclear; export from a run without it")
+    factor = args.get("rope_scaling_factor")
+    _need(not args.get("use_rope_scaling") or factor in (None, MEGATRON_LLAMA3_ROPE["factor"]), model_type,
+          f"--use-rope-scaling with --rope-scaling-factor {factor}", "Megatron-LM's GPT builder does not pass the "
+          f"factor to the model, which computed llama3 scaling with factor {MEGATRON_LLAMA3_ROPE['factor']:g}; "
+          "export from a run without --rope-scaling-factor")
+    _need(config.qk_layernorm == facts.qk_norm, model_type,
+          "the attention normalizes q and k per head (--qk-layernorm)" if config.qk_layernorm else
+          f"{FAMILIES[model_type].architecture} normalizes q and k per head, this model does not",
+          f"use --model-type {_like(config)}")
+    _need(not config.add_qkv_bias or facts.qkv_bias != "none", model_type, "QKV has a bias, "
+          f"{FAMILIES[model_type].architecture}'s attention has none",
+          f"use --model-type {_like(config, lambda f: f.facts.qkv_bias != 'none')}")
+    _need(config.add_qkv_bias or facts.qkv_bias != "always", model_type, "QKV has no bias, "
+          f"{FAMILIES[model_type].architecture}'s always has one",
+          f"use --model-type {_like(config, lambda f: f.facts.qkv_bias != 'always')}")
+    _need(not config.add_bias_linear or facts.mlp_bias, model_type, "the linear layers have biases "
+          "(--add-bias-linear)", f"use --model-type {_like(config, lambda f: bool(f.facts.mlp_bias))}")
 
 
 def _check_moe(config: GPTModelConfig, args: dict, model_type: str) -> None:
     """The MoE families: Megatron's default router and the expert structure each HF class has."""
+    keys = FAMILIES[model_type].facts.moe
     _need(bool(config.num_experts), model_type, "the model has no experts (num_experts is not set)",
-          "use --model-type llama or gpt2")
+          f"use --model-type {_families_with(lambda f: not f.facts.moe)}")
     _need(not config.add_bias_linear, model_type, "the linear layers have biases", "train with --disable-bias-linear")
     _need(not config.moe_router_enable_expert_bias, model_type, "the router has an expert bias "
           "(--moe-router-enable-expert-bias)", "the HF class routes without one")
     score = args.get("moe_router_score_function") or "softmax"
     _need(score == "softmax", model_type, f"moe_router_score_function={score}", "the HF class routes by softmax")
-    _need(not args.get("moe_router_pre_softmax") or model_type == "qwen2_moe", model_type, "moe_router_pre_softmax"
+    _need(not args.get("moe_router_pre_softmax") or keys.norm_topk, model_type, "moe_router_pre_softmax"
           "=True (top-k weights not renormalized)", "Mixtral renormalizes the top-k weights; use --model-type "
-          "qwen2_moe (norm_topk_prob=false) if the model fits it")
+          "qwen2_moe or qwen3_moe (norm_topk_prob=false) if the model fits it")
     for name in ("moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_input_jitter_eps"):
         _need(not args.get(name), model_type, f"{name}={args.get(name)}", "the HF class has no such routing option")
     _need(bool(args.get("moe_router_topk")), model_type, "the checkpoint's args lack moe_router_topk",
           "convert a checkpoint saved with its Megatron args")
     shared = config.moe_shared_expert_intermediate_size
-    if model_type == "mixtral":
-        _need(all(config.moe_layers), model_type, f"dense and MoE layers are mixed (moe_layer_freq="
-              f"{config.moe_layer_freq})", "use --model-type qwen2_moe (mlp_only_layers)")
-        _need(not shared, model_type, "the model has shared experts", "use --model-type qwen2_moe")
-        _need(not config.add_qkv_bias, model_type, "QKV has a bias, Mixtral's attention has none",
-              "use --model-type qwen2_moe")
-    else:
+    _need(keys.sparse_step or all(config.moe_layers), model_type, f"dense and MoE layers are mixed (moe_layer_freq="
+          f"{config.moe_layer_freq})", "use --model-type qwen2_moe or qwen3_moe (mlp_only_layers)")
+    if keys.shared_ffn:
         _need(bool(shared) and config.moe_shared_expert_gate, model_type, "Qwen2-MoE has a shared expert with a "
               "sigmoid gate in every MoE layer; this model has " + ("an ungated shared expert" if shared else
                                                                       "no shared expert"),
-              "use --model-type mixtral" if not shared else "train with --moe-shared-expert-gate")
+              "use --model-type mixtral or qwen3_moe" if not shared else "train with --moe-shared-expert-gate")
+    else:
+        _need(not shared, model_type, "the model has shared experts", "use --model-type qwen2_moe")
+
+
+def _rope_config(args: dict) -> dict:
+    """transformers' RoPE fields of what megatron-core computed (MEGATRON_LLAMA3_ROPE with --use-rope-scaling)."""
+    theta = float(args.get("rotary_base", 10000) or 10000)
+    params = {"rope_type": "default", "rope_theta": theta}
+    if args.get("use_rope_scaling"):
+        params = {"rope_type": "llama3", "rope_theta": theta, **MEGATRON_LLAMA3_ROPE}
+    return {"rope_theta": theta,  # transformers 4.x
+            "rope_parameters": params,  # transformers 5.x
+            "rope_scaling": None if params["rope_type"] == "default" else {"rope_type": "llama3", **MEGATRON_LLAMA3_ROPE}}
 
 
 def _hf_config(config: GPTModelConfig, args: dict, model_type: str, dtype: str) -> dict:
     eps = float(args.get("norm_epsilon", 1e-5) or 1e-5)
     # NullTokenizer and the byte-level tokenizer append EOD as the last token of the true vocabulary.
     eod = config.vocab_size - 1 if args.get("tokenizer_type") in ("NullTokenizer", "ByteLevelTokenizer") else None
-    common = {"vocab_size": config.vocab_size, "torch_dtype": dtype, "dtype": dtype,
-              "bos_token_id": eod, "eos_token_id": eod, "tie_word_embeddings": config.tied}
-    if model_type != "gpt2":
-        theta = float(args.get("rotary_base", 10000) or 10000)
-        llama = {
-            "hidden_size": config.hidden_size, "intermediate_size": config.ffn_hidden_size,
-            "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_attention_heads,
-            "num_key_value_heads": config.num_query_groups, "head_dim": config.kv_channels,
-            "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings or
-            int(args.get("seq_length") or 2048),
-            "rms_norm_eps": eps,
-            "rope_theta": theta,  # transformers 4.x
-            "rope_parameters": {"rope_type": "default", "rope_theta": theta},  # transformers 5.x
-            "rope_scaling": None, "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+    fam = FAMILIES[model_type]
+    common = {"architectures": [fam.architecture], "model_type": model_type, "vocab_size": config.vocab_size,
+              "torch_dtype": dtype, "dtype": dtype, "bos_token_id": eod, "eos_token_id": eod,
+              "tie_word_embeddings": config.tied}
+    if model_type == "gpt2":
+        return {
+            **common, "n_positions": config.max_position_embeddings, "n_embd": config.hidden_size,
+            "n_layer": config.num_layers, "n_head": config.num_attention_heads, "n_inner": config.ffn_hidden_size,
+            "activation_function": "gelu",  # Megatron uses exact GELU (F.gelu); HF's default gelu_new is the tanh form
+            "layer_norm_epsilon": eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+            "initializer_range": 0.02, "use_cache": True,
         }
-        if model_type == "llama":
-            return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **llama,
-                    "attention_bias": bool(config.add_qkv_bias or config.add_bias_linear),
-                    "mlp_bias": bool(config.add_bias_linear), "pretraining_tp": 1}
-        moe = {"num_experts_per_tok": int(args["moe_router_topk"]), "output_router_logits": False,
-               "router_aux_loss_coef": float(args.get("moe_aux_loss_coeff") or 0.0)}
-        if model_type == "mixtral":
-            return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common, **llama, **moe,
-                    "intermediate_size": config.moe_ffn_hidden_size, "num_local_experts": config.num_experts,
-                    "router_jitter_noise": 0.0, "sliding_window": None}
-        return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", **common, **llama, **moe,
-                "num_experts": config.num_experts, "moe_intermediate_size": config.moe_ffn_hidden_size,
-                "shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
-                "norm_topk_prob": not args.get("moe_router_pre_softmax"), "decoder_sparse_step": 1,
-                "mlp_only_layers": [i for i, moe_layer in enumerate(config.moe_layers) if not moe_layer],
-                "qkv_bias": bool(config.add_qkv_bias), "use_sliding_window": False, "sliding_window": None,
-                "max_window_layers": config.num_layers}
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
-        "n_positions": config.max_position_embeddings, "n_embd": config.hidden_size, "n_layer": config.num_layers,
-        "n_head": config.num_attention_heads, "n_inner": config.ffn_hidden_size,
-        "activation_function": "gelu",  # Megatron uses exact GELU (F.gelu); HF's default gelu_new is the tanh form
-        "layer_norm_epsilon": eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-        "initializer_range": 0.02, "use_cache": True,
+    facts = fam.facts
+    out = {
+        **common, "hidden_size": config.hidden_size, "intermediate_size": config.ffn_hidden_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_query_groups, "head_dim": config.kv_channels,
+        "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings or
+        int(args.get("seq_length") or 2048), "rms_norm_eps": eps, **_rope_config(args),
+        "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+        "sliding_window": None,  # Megatron attends over the whole sequence
     }
+    if facts.sliding_switch:
+        out[facts.sliding_switch] = False
+    if facts.qkv_bias not in ("none", "always"):
+        out[facts.qkv_bias] = bool(config.add_qkv_bias or config.add_bias_linear)
+    if facts.mlp_bias:
+        out.update({facts.mlp_bias: bool(config.add_bias_linear), "pretraining_tp": 1})
+    if not facts.moe:
+        return out
+    keys = facts.moe
+    out.update({"num_experts_per_tok": int(args["moe_router_topk"]), "output_router_logits": False,
+                "router_aux_loss_coef": float(args.get("moe_aux_loss_coeff") or 0.0),
+                keys.num_experts: config.num_experts, keys.expert_ffn: config.moe_ffn_hidden_size})
+    if keys.expert_ffn == "intermediate_size":  # Mixtral: every layer MoE
+        out["router_jitter_noise"] = 0.0
+    if keys.shared_ffn:
+        out[keys.shared_ffn] = config.moe_shared_expert_intermediate_size
+    if keys.norm_topk:
+        out[keys.norm_topk] = not args.get("moe_router_pre_softmax")
+    if keys.sparse_step:
+        out.update({"decoder_sparse_step": 1, "max_window_layers": config.num_layers,
+                    "mlp_only_layers": [i for i, moe_layer in enumerate(config.moe_layers) if not moe_layer]})
+    return out
 
 
 def hf_state_dict(read: Callable[[str], torch.Tensor], config: GPTModelConfig, model_type: str
@@ -249,9 +300,10 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p = subparsers.add_parser(
         "export-hf", parents=[common], help="write a Hugging Face transformers model from a universal checkpoint",
         description="Export the weights of a universal checkpoint as a Hugging Face transformers model directory "
-                    "(config.json + model.safetensors): --model-type llama (SwiGLU, RMSNorm, RoPE), gpt2 "
-                    "(GELU, LayerNorm, learned positions, tied), mixtral (MoE, routed experts only) or qwen2_moe "
-                    "(MoE with a gated shared expert, dense layers allowed). Vocabulary padding rows are dropped.")
+                    "(config.json + model.safetensors): --model-type llama, mistral (SwiGLU, RMSNorm, RoPE), qwen2 "
+                    "(+ QKV bias), qwen3 (+ QK norm), gpt2 (GELU, LayerNorm, learned positions, tied), mixtral (MoE, "
+                    "routed experts only), qwen2_moe (MoE with a gated shared expert, dense layers allowed) or "
+                    "qwen3_moe (MoE, QK norm). Vocabulary padding rows are dropped.")
     p.add_argument("src", help="universal checkpoint directory (megatron-ucp to-universal's DST)")
     p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
     p.add_argument("--model-type", required=True, choices=MODEL_TYPES)

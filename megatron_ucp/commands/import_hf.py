@@ -1,18 +1,23 @@
 """`megatron-ucp import-hf`: a universal checkpoint (weights only, iteration 0) from a Hugging Face model directory.
 
-The input is untrusted and only read as data: `config.json` (and `model.safetensors.index.json`) as JSON, the
-weights as safetensors parsed here (header JSON, then raw bytes read with pread); no pickle, no remote code.
-Every shard named by the index must resolve inside HF_DIR, every header's declared dtype, shape and byte range
-is checked against the file's size before anything is allocated, and one band of rows (16 MiB in fp32; GPT-2's
-transposed Conv1D weights whole) is in memory at a time, so memory stays bounded whatever the model size.
+The input is untrusted and only read as data: `config.json` (and `model.safetensors.index.json`,
+`tokenizer.json`) as JSON, the weights as safetensors parsed here (header JSON, then raw bytes read with pread);
+no pickle, no remote code. Every file must resolve inside HF_DIR (or, for a Hugging Face hub cache snapshot, inside
+that repository's `blobs/`), every header's declared dtype, shape and byte range is checked against the file's
+size before anything is allocated, config.json's layer and expert counts are checked against the tensors the
+headers hold before any per-layer work, and one band of rows (16 MiB in fp32; GPT-2's transposed Conv1D weights
+whole) is in memory at a time, so memory stays bounded whatever the model size.
 
-`hf_names` is the mapping (the same table `export-hf` uses): Megatron's fused QKV per query group, SwiGLU
-`[gate; up]`, routed experts by global index. Weights are widened to fp32 exactly (bf16 and fp16 are subsets
-of fp32); the vocabulary is padded to Megatron-LM's rule at TP1 (`--make-vocab-size-divisible-by`, the padding
-rows filled as `patterns.resize_vocab` fills them: the mean row). The HF config becomes the universal
-checkpoint's model config and Megatron-LM args, and the flags that build the model are returned (and printed).
-Configurations Megatron's GPT cannot compute exactly are refused in one line naming the field and why.
-Output: through UniversalWriter (locked, staged, checksummed, published only when complete).
+`adapters/hf.py` is the mapping (the same table `export-hf` uses) and the per-family facts of config.json:
+Megatron's fused QKV per query group, SwiGLU `[gate; up]`, routed experts by global index. config.json is read
+as transformers 5 reads it (its config classes' defaults, its RoPE parameters: `rope_scaling` before
+`rope_parameters`), every value type-checked. Weights are widened to fp32 exactly (bf16 and fp16 are subsets of
+fp32); the vocabulary is padded to Megatron-LM's rule at TP1 (`--make-vocab-size-divisible-by`, the padding rows
+filled as `patterns.resize_vocab` fills them: the mean row). The HF config becomes the universal checkpoint's
+model config and Megatron-LM args, and the flags that build the model (tokenizer included) are returned and
+printed. Configurations Megatron's GPT cannot compute exactly are refused in one line naming the field and why.
+Output: through UniversalWriter (locked, staged, checksummed, published only when complete), after checking that
+it fits the free space at DST.
 """
 
 from __future__ import annotations
@@ -21,23 +26,35 @@ import argparse
 import json
 import math
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from megatron_ucp.adapters.hf import MODEL_TYPES, VOCAB, ZERO, HFRow, from_hf_bands, hf_rows, hf_shapes
+from megatron_ucp.adapters.hf import (MEGATRON_LLAMA3_ROPE, MODEL_TYPES, VOCAB, ZERO, HFConfigFacts, HFFamily, HFRow,
+                                      family, from_hf_bands, hf_rows, hf_shapes, stored_layers_and_experts)
 from megatron_ucp.commands.common import add_publication_flags
 from megatron_ucp.core.dtypes import SAFETENSORS, itemsize
 from megatron_ucp.core.model_config import GPTModelConfig, pad_vocab_size
 from megatron_ucp.core.versions import NEWEST, MegatronRelease
 
 PathLike = Union[str, os.PathLike]
-MAX_JSON = 64 << 20  # bytes a config.json, index or safetensors header may take
+MAX_JSON = 64 << 20  # bytes a config.json, index, tokenizer.json or safetensors header may take
 _DTYPES = {code: SAFETENSORS[code] for code in ("F32", "BF16", "F16")}  # what a checkpoint may hold
 BAND_BYTES = 16 << 20  # fp32 bytes of a parameter widened at a time (one band of rows)
 # HF tensors that are derived buffers, never weights (older Llama checkpoints store RoPE's inv_freq).
 _DERIVED = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+# Megatron-LM pads to a multiple of this times TP (default 128); larger only adds rows no token uses
+MAX_VOCAB_MULTIPLE = 1 << 16
+# RoPE types transformers computes and megatron-core's GPT does not, and why
+_ROPE_REFUSALS = {
+    "linear": "Megatron-LM's GPT builder does not pass --rotary-seq-len-interpolation-factor to the model",
+    "dynamic": "dynamic NTK rescales RoPE with the sequence length at run time; megatron-core has no such mode",
+    "yarn": "megatron-core's YaRN embedding belongs to multi-latent attention (--position-embedding-type yarn)",
+}
+# A tokenizer Megatron-LM's HuggingFaceTokenizer loads from the folder (transformers' AutoTokenizer files)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 class HFImportError(ValueError):
@@ -52,6 +69,15 @@ def _fail(message: str) -> None:
 # Reading the HF directory (JSON and safetensors only)
 
 
+def _parse_json(data: bytes, path: Path, what: str) -> Any:
+    try:
+        return json.loads(data)
+    except RecursionError:
+        _fail(f"{path}: {what} is nested too deeply to be a Hugging Face {what}; re-download or re-save the model")
+    except (ValueError, UnicodeDecodeError) as e:
+        _fail(f"{path}: {what} is not valid JSON ({e}); re-download or re-save the model")
+
+
 def _read_json(path: Path, what: str) -> Any:
     try:
         size = path.stat().st_size
@@ -60,20 +86,31 @@ def _read_json(path: Path, what: str) -> Any:
     if size > MAX_JSON:
         _fail(f"{path}: {size} bytes is too large for {what}; the file is not a Hugging Face {what}")
     try:
-        return json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
-        _fail(f"{path}: not valid JSON ({e}); re-download or re-save the model")
+        data = path.read_bytes()
+    except OSError as e:
+        _fail(f"{path}: cannot read {what} ({e.strerror})")
+    return _parse_json(data, path, what)
+
+
+def _allowed_roots(root: Path) -> list[Path]:
+    """Where HF_DIR's files may resolve: HF_DIR, and for a snapshot of the Hugging Face hub cache
+    (.../models--ORG--NAME/snapshots/REV, whose files link to ../../blobs/HASH) that repository's blobs."""
+    roots = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        roots.append(root.parent.parent / "blobs")
+    return roots
 
 
 def _inside(root: Path, rel: Any, source: Path) -> Path:
-    """`rel` resolved inside root (no absolute paths, no '..', no symlink out)."""
+    """`rel` resolved inside root (no absolute paths, no '..', no symlink out but a hub snapshot's into its
+    repository's blobs)."""
     if not isinstance(rel, str) or not rel or os.path.isabs(rel) or "\0" in rel:
         _fail(f"{source}: shard file name {rel!r} is not a relative file name; the index must name files in "
               f"{root}")
     path = (root / rel).resolve()
-    if root not in path.parents:
-        _fail(f"{source}: shard {rel!r} resolves to {path}, outside {root}; refusing to read it (fix the index "
-              f"or move the shard into the model directory)")
+    if not any(allowed in path.parents for allowed in _allowed_roots(root)):
+        _fail(f"{source}: {rel!r} resolves to {path}, outside {root}; refusing to read it (fix the index, or copy "
+              f"the model with its links followed: cp -rL {root} NEW_DIR)")
     return path
 
 
@@ -91,6 +128,10 @@ class StoredTensor:
         return math.prod(self.shape) * (4 if self.dtype == "float32" else 2)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def parse_safetensors_header(path: Path) -> dict[str, StoredTensor]:
     """The tensors of one safetensors file, every declared range checked against the file before reading."""
     try:
@@ -103,27 +144,27 @@ def parse_safetensors_header(path: Path) -> dict[str, StoredTensor]:
             if hlen > min(MAX_JSON, size - 8):
                 _fail(f"{path}: declares a {hlen}-byte header in a {size}-byte file; the file is truncated or "
                       f"not safetensors, re-download it")
-            header = json.loads(f.read(hlen))
+            raw = f.read(hlen)
     except OSError as e:
         _fail(f"{path}: cannot read ({e.strerror})")
-    except (ValueError, UnicodeDecodeError) as e:
-        _fail(f"{path}: safetensors header is not valid JSON ({e}); re-download it")
+    header = _parse_json(raw, path, "safetensors header")
     if not isinstance(header, dict):
         _fail(f"{path}: safetensors header is not an object; re-download it")
     data_start, out, ranges = 8 + hlen, {}, []
     for name, d in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (start, end) = d["dtype"], tuple(int(n) for n in d["shape"]), d["data_offsets"]
-            start, end = int(start), int(end)
-        except (KeyError, TypeError, ValueError):
-            _fail(f"{path}: tensor {name!r} has a malformed header entry {d!r}; re-download the file")
+        dtype, shape, offsets = (d.get(k) for k in ("dtype", "shape", "data_offsets")) if isinstance(d, dict) else \
+            (None, None, None)
+        if not (isinstance(shape, list) and all(_is_int(n) and n >= 0 for n in shape) and isinstance(offsets, list)
+                and len(offsets) == 2 and all(_is_int(n) for n in offsets)):
+            _fail(f"{path}: tensor {name!r} has a malformed header entry {str(d)[:200]}; re-download the file")
         if dtype not in _DTYPES:
             _fail(f"{path}: tensor {name} is {dtype}; a model's weights must be F32, BF16 or F16 (quantized or "
                   f"integer checkpoints are not imported: dequantize to a float dtype first)")
+        (start, end), shape = offsets, tuple(shape)
         torch_dtype, width = _DTYPES[dtype], itemsize(_DTYPES[dtype])
-        if any(n < 0 for n in shape) or end - start != math.prod(shape) * width or start < 0:
+        if start < 0 or end - start != math.prod(shape) * width:
             _fail(f"{path}: tensor {name} declares shape {list(shape)} {dtype} but bytes [{start}, {end}); the "
                   f"header is inconsistent, re-download the file")
         if data_start + end > size:
@@ -142,7 +183,7 @@ def weight_files(root: Path) -> list[Path]:
     """The safetensors files of HF_DIR: the index's shards (each inside root) or model.safetensors."""
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        doc = _read_json(index, "safetensors index")
+        doc = _read_json(_inside(root, index.name, root), "safetensors index")
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             _fail(f"{index}: has no 'weight_map'; re-download the index")
@@ -182,159 +223,292 @@ def read_tensor(t: StoredTensor, rows: Optional[tuple[int, int]] = None) -> "tor
     return torch.frombuffer(buffer, dtype=getattr(torch, t.dtype)).reshape(shape)
 
 
+def tokenizer_vocabulary(root: Path) -> tuple[Optional[str], Optional[int]]:
+    """(the tokenizer file Megatron-LM's HuggingFaceTokenizer would load from HF_DIR or None, the largest token
+    id of tokenizer.json when it has one)."""
+    present = next((n for n in _TOKENIZER_FILES if (root / n).is_file()), None)
+    if present != "tokenizer.json":
+        return present, None
+    path = _inside(root, present, root)
+    doc = _read_json(path, "tokenizer.json")
+    model = doc.get("model") if isinstance(doc, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab))) if isinstance(vocab, list) \
+        else []
+    added = doc.get("added_tokens") if isinstance(doc, dict) else None
+    ids += [t.get("id") for t in added if isinstance(t, dict)] if isinstance(added, list) else []
+    ids = [i for i in ids if _is_int(i)]
+    return present, max(ids) if ids else None
+
+
 # --------------------------------------------------------------------------------------------------
 # config.json -> Megatron model config and args
 
+_ABSENT = object()
 
-def _get(cfg: dict, *names, default=None):
-    for n in names:
-        if cfg.get(n) is not None:
-            return cfg[n]
-    return default
+
+class _Config:
+    """config.json's values, each type-checked when read; a key config.json omits takes the family's transformers
+    default (`HFConfigFacts.defaults`), then the reader's."""
+
+    def __init__(self, doc: dict, facts: HFConfigFacts, path: str = "config.json"):
+        self.doc, self.defaults, self.aliases, self.path = doc, facts.defaults, facts.aliases, path
+
+    def raw(self, key: str, default: Any = None) -> Any:
+        spelled = [k for k in (key, *self.aliases.get(key, ())) if k in self.doc]
+        if len({json.dumps(self.doc[k]) for k in spelled}) > 1:
+            _fail(f"{self.path}: {' and '.join(f'{k}={self.doc[k]!r}' for k in spelled)} disagree (transformers "
+                  f"reads them as one field); keep one of them")
+        if spelled:
+            return self.doc[spelled[0]]
+        return self.defaults.get(key, default)
+
+    def _bad(self, key: str, value: Any, want: str) -> None:
+        _fail(f"{self.path}: {key} {value!r} is not {want}; fix config.json")
+
+    def int(self, key: str, default: Any = _ABSENT, minimum: int = 1) -> int:
+        value = self.raw(key)
+        if value is None:
+            value = default
+        if value is _ABSENT:
+            _fail(f"{self.path}: {key} is missing; the config is incomplete (re-download config.json)")
+        if not _is_int(value) or value < minimum:
+            self._bad(key, value, "a positive integer" if minimum == 1 else f"an integer >= {minimum}")
+        return value
+
+    def number(self, key: str, default: float, *, positive: bool = True) -> float:
+        value = self.raw(key)
+        value = default if value is None else value
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and (value > 0 if positive else value >= 0)):
+            self._bad(key, value, "a positive number" if positive else "a number >= 0")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.raw(key)
+        value = default if value is None else value
+        if not isinstance(value, bool):
+            self._bad(key, value, "true or false")
+        return value
+
+    def text(self, key: str, default: str) -> str:
+        value = self.raw(key)
+        value = default if value is None else value
+        if not isinstance(value, str):
+            self._bad(key, value, "a string")
+        return value
 
 
 def _refuse(model_type: str, what: str, why: str) -> None:
     _fail(f"config.json: {what}: Megatron's GPT cannot express it as {model_type} ({why})")
 
 
-def _rope_theta(cfg: dict, model_type: str) -> int:
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        _refuse(model_type, f"RoPE scaling {rope_type!r}", "only unscaled RoPE is imported; --rotary-base alone "
-                                                           "cannot reproduce it")
-    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+def _rope(cfg: _Config, model_type: str, max_positions: int) -> dict:
+    """Megatron's RoPE args from config.json, read as transformers 5 reads it (PreTrainedConfig.
+    convert_rope_params_to_dict / standardize_rope_params): `rope_scaling` if set, else `rope_parameters`; their
+    rope_theta, else the top-level one, else the class default; rope_type, else type, else default."""
+    legacy, params = cfg.raw("rope_scaling"), cfg.raw("rope_parameters")
+    source = "rope_scaling" if legacy else "rope_parameters"
+    chosen = legacy or params or {}
+    if not isinstance(chosen, dict):
+        _fail(f"config.json: {source} {chosen!r} is not an object; fix config.json")
+    layer_types = cfg.raw("layer_types")
+    if isinstance(layer_types, list) and any(k in layer_types for k in chosen):
+        _refuse(model_type, f"{source} per layer type", "Megatron's GPT uses one RoPE in every layer")
+    rope_type = chosen["rope_type"] if "rope_type" in chosen else chosen.get("type", "default")
+    theta = chosen["rope_theta"] if "rope_theta" in chosen else cfg.raw("rope_theta", 10000.0)
+    if not (isinstance(theta, (int, float)) and not isinstance(theta, bool) and math.isfinite(theta) and theta > 0):
+        _fail(f"config.json: rope_theta {theta!r} is not a positive number; fix config.json")
     if theta != int(theta):
         _refuse(model_type, f"rope_theta={theta}", "Megatron's --rotary-base is an integer")
-    if float(params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0) != 1.0:
-        _refuse(model_type, "partial_rotary_factor != 1", "use a full-rotary model")
-    return int(theta)
+    partial = chosen.get("partial_rotary_factor", cfg.raw("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0) or isinstance(partial, bool):
+        _refuse(model_type, f"partial_rotary_factor={partial}", "use a full-rotary model")
+    out = {"rotary_base": int(theta), "rotary_percent": 1.0, "rotary_interleaved": False, "use_rope_scaling": False}
+    if rope_type == "default":
+        return out
+    if rope_type != "llama3":
+        _refuse(model_type, f"RoPE scaling {rope_type!r} (from {source})",
+                _ROPE_REFUSALS.get(rope_type, f"megatron-core's RotaryEmbedding has no {rope_type!r} scaling"))
+    values = dict(chosen)
+    if "original_max_position_embeddings" in cfg.doc:  # transformers: the top-level key wins (Phi-3's spelling)
+        values["original_max_position_embeddings"] = cfg.doc["original_max_position_embeddings"]
+    values.setdefault("original_max_position_embeddings", max_positions)
+    for key, want in MEGATRON_LLAMA3_ROPE.items():
+        value = values.get(key)
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) == want):
+            given = f"{key}={value!r}" if key in values else f"no {key}"
+            _refuse(model_type, f"RoPE scaling 'llama3' with {given} (from {source})",
+                    "megatron-core 0.19 computes llama3 scaling only with " + ", ".join(
+                        f"{k}={v:g}" for k, v in MEGATRON_LLAMA3_ROPE.items()) +
+                    ": the factor is GPTModel's default, which Megatron-LM's GPT builder does not override from "
+                    "--rope-scaling-factor")
+    return {**out, "use_rope_scaling": True, "rope_scaling_factor": MEGATRON_LLAMA3_ROPE["factor"]}
+
+
+def _gpt2_model(cfg: _Config, vocab: int, divisible: int, args: dict) -> GPTModelConfig:
+    model_type = "gpt2"
+    act = cfg.text("activation_function", "gelu_new")
+    if act != "gelu":
+        _refuse(model_type, f"activation_function={act!r}", "megatron-core's GPT MLP computes exact GELU; "
+                "HF's gelu_new is its tanh approximation")
+    for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                      ("add_cross_attention", False)):
+        if cfg.flag(key, want) != want:
+            _refuse(model_type, f"{key}={cfg.raw(key)}", f"Megatron's attention needs {key}={want}")
+    if not cfg.flag("tie_word_embeddings", True):
+        _refuse(model_type, "tie_word_embeddings=false", "GPT2LMHeadModel ties its output layer to wte")
+    hidden, heads = cfg.int("n_embd"), cfg.int("n_head")
+    if hidden % heads:
+        _refuse(model_type, f"n_embd={hidden} not divisible by n_head={heads}", "heads must split the hidden size")
+    args.update(norm_epsilon=cfg.number("layer_norm_epsilon", 1e-5),
+                attention_dropout=cfg.number("attn_pdrop", 0.1, positive=False),
+                hidden_dropout=cfg.number("resid_pdrop", 0.1, positive=False))
+    return GPTModelConfig(
+        num_layers=cfg.int("n_layer"), hidden_size=hidden, ffn_hidden_size=cfg.int("n_inner", 4 * hidden),
+        num_attention_heads=heads, num_query_groups=heads, kv_channels=hidden // heads, vocab_size=vocab,
+        padded_vocab_size=pad_vocab_size(vocab, divisible, 1), make_vocab_size_divisible_by=divisible,
+        max_position_embeddings=cfg.int("n_positions"), swiglu=False, normalization="LayerNorm",
+        position_embedding_type="learned_absolute", untie_embeddings_and_output_weights=False,
+        add_bias_linear=True, add_qkv_bias=True)
+
+
+def _moe_config(cfg: _Config, fam: HFFamily, num_layers: int, args: dict) -> dict:
+    keys, model_type = fam.facts.moe, fam.model_type
+    jitter = cfg.number("router_jitter_noise", 0.0, positive=False)
+    if jitter:
+        _refuse(model_type, f"router_jitter_noise={jitter}", "Megatron's router has no such noise")
+    experts = cfg.int(keys.num_experts)
+    topk = cfg.int("num_experts_per_tok")
+    if topk > experts:
+        _fail(f"config.json: num_experts_per_tok={topk} exceeds {keys.num_experts}={experts}; fix config.json")
+    # Megatron's default router (top-k of the logits, softmax over the k) is the renormalized top-k of the softmax;
+    # --moe-router-pre-softmax (top-k of the full softmax) the top-k not renormalized (norm_topk_prob=false)
+    normalized = cfg.flag(keys.norm_topk, False) if keys.norm_topk else True
+    args.update(moe_router_topk=topk, moe_aux_loss_coeff=cfg.number("router_aux_loss_coef", 0.0, positive=False),
+                moe_router_score_function="softmax", moe_router_load_balancing_type="aux_loss",
+                moe_router_pre_softmax=not normalized)
+    out = {"num_experts": experts, "moe_ffn_hidden_size": cfg.int(keys.expert_ffn), "moe_layer_freq": 1}
+    if keys.shared_ffn:
+        shared = cfg.int(keys.shared_ffn, 0, minimum=0)
+        if not shared:
+            _refuse(model_type, f"{keys.shared_ffn}=0", f"{fam.architecture}'s shared expert is always there; use "
+                    "--model-type qwen3_moe or mixtral for routed experts only")
+        out.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+    if keys.sparse_step:
+        step = cfg.int("decoder_sparse_step", 1)
+        dense = cfg.raw("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(_is_int(i) and 0 <= i < num_layers for i in dense):
+            _fail(f"config.json: mlp_only_layers {str(dense)[:100]} is not a list of layer indices below "
+                  f"num_hidden_layers={num_layers}; fix config.json")
+        freq = tuple(int(i not in set(dense) and (i + 1) % step == 0) for i in range(num_layers))
+        out["moe_layer_freq"] = 1 if all(freq) else freq
+    return out
+
+
+def _llama_like_model(cfg: _Config, fam: HFFamily, vocab: int, divisible: int, args: dict) -> GPTModelConfig:
+    model_type, facts = fam.model_type, fam.facts
+    act = cfg.text("hidden_act", "silu")
+    if act != "silu":
+        _refuse(model_type, f"hidden_act={act!r}", "Megatron's --swiglu gates with SiLU")
+    if cfg.int("pretraining_tp", 1) != 1:
+        _refuse(model_type, f"pretraining_tp={cfg.raw('pretraining_tp')}", "set it to 1 (it only changes how HF "
+                "splits matmuls)")
+    layers, hidden, heads = cfg.int("num_hidden_layers"), cfg.int("hidden_size"), cfg.int("num_attention_heads")
+    max_positions = cfg.int("max_position_embeddings", 2048)
+    window = cfg.raw("sliding_window")
+    if facts.sliding_switch and not cfg.flag(facts.sliding_switch, False):
+        window = None  # transformers' Qwen configs drop the window unless use_sliding_window
+    if window is not None and cfg.int("sliding_window") < max_positions:
+        _refuse(model_type, f"sliding_window={window} < max_position_embeddings={max_positions}",
+                "Megatron's GPT attends causally over the whole sequence; for sequences of at most "
+                f"{window} tokens the window changes nothing: set sliding_window to null")
+    groups = cfg.int("num_key_value_heads", heads)
+    if heads % groups:
+        _refuse(model_type, f"num_attention_heads={heads} not divisible by num_key_value_heads={groups}",
+                "query groups must split the heads evenly")
+    if "head_dim" not in cfg.doc and "head_dim" not in facts.defaults and hidden % heads:
+        _fail(f"config.json: hidden_size={hidden} is not divisible by num_attention_heads={heads} and there is no "
+              f"head_dim; fix config.json")
+    head_dim = cfg.int("head_dim", hidden // heads)
+    qkv_bias = {"none": False, "always": True}.get(facts.qkv_bias)
+    if qkv_bias is None:
+        qkv_bias = cfg.flag(facts.qkv_bias, False)
+    bias_linear = cfg.flag(facts.mlp_bias, False) if facts.mlp_bias else False
+    if bias_linear and not (qkv_bias and facts.qkv_bias_with_o_proj):
+        _refuse(model_type, f"{facts.mlp_bias} without {facts.qkv_bias}", "Megatron's --add-bias-linear gives every "
+                "linear layer a bias")
+    ffn, moe = cfg.int("intermediate_size"), {}
+    if facts.moe:
+        moe = _moe_config(cfg, fam, layers, args)
+    args.update(norm_epsilon=cfg.number("rms_norm_eps", 1e-6),
+                attention_dropout=cfg.number("attention_dropout", 0.0, positive=False), hidden_dropout=0.0,
+                **_rope(cfg, model_type, max_positions))
+    return GPTModelConfig(
+        num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
+        num_query_groups=groups, kv_channels=head_dim, vocab_size=vocab,
+        padded_vocab_size=pad_vocab_size(vocab, divisible, 1), make_vocab_size_divisible_by=divisible,
+        max_position_embeddings=max_positions, swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
+        untie_embeddings_and_output_weights=not cfg.flag("tie_word_embeddings", False),
+        add_bias_linear=bias_linear, add_qkv_bias=qkv_bias, qk_layernorm=facts.qk_norm, **moe)
+
+
+def _family(model_type: Any, path: Union[str, Path] = "config.json") -> HFFamily:
+    try:
+        return family(str(model_type))
+    except ValueError as e:
+        _fail(f"{path}: {e}")
 
 
 def megatron_model(cfg: dict, model_type: str, make_vocab_size_divisible_by: int = 128
                    ) -> tuple[GPTModelConfig, dict]:
     """The Megatron model config and Megatron-LM args (names and values as Megatron-LM's argparse keeps them) of
     an HF config; refuses what the GPT model cannot compute exactly."""
-    vocab = cfg.get("vocab_size")
-    if not isinstance(vocab, int) or vocab < 1:
-        _fail(f"config.json: vocab_size {vocab!r} is not a positive integer; fix config.json")
-    tied = bool(cfg.get("tie_word_embeddings", model_type == "gpt2"))
+    fam = _family(model_type)
+    reader = _Config(cfg, fam.facts)
+    vocab = reader.int("vocab_size")
     args: dict[str, Any] = {"tokenizer_type": "NullTokenizer", "vocab_size": vocab - 1,
                             "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
                             "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
                             "data_parallel_size": 1, "world_size": 1}
     if model_type == "gpt2":
-        act = cfg.get("activation_function", "gelu_new")
-        if act != "gelu":
-            _refuse(model_type, f"activation_function={act!r}", "megatron-core's GPT MLP computes exact GELU; "
-                    "HF's gelu_new is its tanh approximation")
-        for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                          ("add_cross_attention", False)):
-            if bool(cfg.get(key, want)) != want:
-                _refuse(model_type, f"{key}={cfg.get(key)}", f"Megatron's attention needs {key}={want}")
-        if not tied:
-            _refuse(model_type, "tie_word_embeddings=false", "GPT2LMHeadModel ties its output layer to wte")
-        hidden, heads = int(cfg["n_embd"]), int(cfg["n_head"])
-        if hidden % heads:
-            _refuse(model_type, f"n_embd={hidden} not divisible by n_head={heads}", "heads must split the hidden size")
-        config = GPTModelConfig(
-            num_layers=int(cfg["n_layer"]), hidden_size=hidden, ffn_hidden_size=int(cfg.get("n_inner") or 4 * hidden),
-            num_attention_heads=heads, num_query_groups=heads, kv_channels=hidden // heads, vocab_size=vocab,
-            padded_vocab_size=pad_vocab_size(vocab, make_vocab_size_divisible_by, 1),
-            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-            max_position_embeddings=int(cfg["n_positions"]), swiglu=False, normalization="LayerNorm",
-            position_embedding_type="learned_absolute", untie_embeddings_and_output_weights=False,
-            add_bias_linear=True, add_qkv_bias=True)
-        args["norm_epsilon"] = float(cfg.get("layer_norm_epsilon", 1e-5))
+        config = _gpt2_model(reader, vocab, make_vocab_size_divisible_by, args)
     else:
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            _refuse(model_type, f"hidden_act={act!r}", "Megatron's --swiglu gates with SiLU")
-        if int(cfg.get("pretraining_tp", 1) or 1) != 1:
-            _refuse(model_type, f"pretraining_tp={cfg['pretraining_tp']}", "set it to 1 (it only changes how HF "
-                    "splits matmuls)")
-        if cfg.get("use_sliding_window") or (model_type == "mixtral" and cfg.get("sliding_window")):
-            _refuse(model_type, f"sliding_window={cfg.get('sliding_window')}", "Megatron's GPT attends causally "
-                    "over the whole sequence")
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        groups = int(cfg.get("num_key_value_heads") or heads)
-        if heads % groups:
-            _refuse(model_type, f"num_attention_heads={heads} not divisible by num_key_value_heads={groups}",
-                    "query groups must split the heads evenly")
-        if model_type == "llama":
-            attention_bias, mlp_bias = bool(cfg.get("attention_bias")), bool(cfg.get("mlp_bias"))
-            if mlp_bias and not attention_bias:
-                _refuse(model_type, "mlp_bias without attention_bias", "Megatron's --add-bias-linear gives every "
-                        "linear layer a bias")
-            qkv_bias, bias_linear = attention_bias, mlp_bias
-        elif model_type == "qwen2_moe":
-            qkv_bias, bias_linear = bool(cfg.get("qkv_bias", True)), False
-        else:
-            qkv_bias, bias_linear = False, False
-        moe: dict[str, Any] = {}
-        ffn = int(cfg["intermediate_size"])
-        if model_type in ("mixtral", "qwen2_moe"):
-            moe, ffn = _moe_config(cfg, model_type, args)
-        config = GPTModelConfig(
-            num_layers=int(cfg["num_hidden_layers"]), hidden_size=hidden, ffn_hidden_size=ffn,
-            num_attention_heads=heads, num_query_groups=groups, kv_channels=int(cfg.get("head_dim") or hidden // heads),
-            vocab_size=vocab, padded_vocab_size=pad_vocab_size(vocab, make_vocab_size_divisible_by, 1),
-            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 0), swiglu=True,
-            normalization="RMSNorm", position_embedding_type="rope", untie_embeddings_and_output_weights=not tied,
-            add_bias_linear=bias_linear, add_qkv_bias=qkv_bias, **moe)
-        args.update(norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)), rotary_base=_rope_theta(cfg, model_type),
-                    rotary_percent=1.0, rotary_interleaved=False)
+        config = _llama_like_model(reader, fam, vocab, make_vocab_size_divisible_by, args)
     args.update({k: v for k, v in config.to_dict().items() if k not in ("vocab_size",)})
     args["group_query_attention"] = config.num_query_groups != config.num_attention_heads
     args["seq_length"] = config.max_position_embeddings
     return config, args
 
 
-def _moe_config(cfg: dict, model_type: str, args: dict) -> tuple[dict, int]:
-    if float(cfg.get("router_jitter_noise") or 0.0):
-        _refuse(model_type, f"router_jitter_noise={cfg['router_jitter_noise']}", "Megatron's router has no such "
-                "noise")
-    topk = int(cfg["num_experts_per_tok"])
-    args.update(moe_router_topk=topk, moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef") or 0.0),
-                moe_router_score_function="softmax", moe_router_load_balancing_type="aux_loss")
-    if model_type == "mixtral":
-        n = int(cfg["num_local_experts"])
-        return {"num_experts": n, "moe_ffn_hidden_size": int(cfg["intermediate_size"]), "moe_layer_freq": 1}, \
-            int(cfg["intermediate_size"])
-    # Qwen2-MoE: normalized top-k is Megatron's default router, plain top-k of the softmax its pre-softmax one
-    args["moe_router_pre_softmax"] = not bool(cfg.get("norm_topk_prob", False))
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
-    if not shared:
-        _refuse(model_type, "shared_expert_intermediate_size=0", "Qwen2-MoE's shared expert is always there; use "
-                "--model-type mixtral for routed experts only")
-    layers, step = int(cfg["num_hidden_layers"]), int(cfg.get("decoder_sparse_step") or 1)
-    dense = set(cfg.get("mlp_only_layers") or [])
-    freq = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(layers))
-    return {"num_experts": int(cfg["num_experts"]), "moe_ffn_hidden_size": int(cfg["moe_intermediate_size"]),
-            "moe_shared_expert_intermediate_size": shared, "moe_shared_expert_gate": True,
-            "moe_layer_freq": freq}, int(cfg["intermediate_size"])
-
-
 def megatron_flags(config: GPTModelConfig, args: dict, release: MegatronRelease = NEWEST) -> list[str]:
     """The Megatron-LM flags (of `release`, by default the newest: the training entry point's) that build this
-    model, the vocabulary as NullTokenizer ids: --vocab-size counts EOD from 0.18 on, not before."""
+    model and its vocabulary: the HF tokenizer of the folder (args' tokenizer_model) with --vocab-size the model's
+    vocabulary, else NullTokenizer ids (--vocab-size counts EOD from 0.18 on, not before)."""
     c = config
-    vocab_flag = c.vocab_size if release.null_tokenizer_eod_in_vocab else c.vocab_size - 1
+    if args.get("tokenizer_type") == "HuggingFaceTokenizer":
+        tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", args["tokenizer_model"],
+                     "--vocab-size", c.vocab_size]
+    else:
+        tokenizer = ["--tokenizer-type", "NullTokenizer", "--vocab-size",
+                     c.vocab_size if release.null_tokenizer_eod_in_vocab else c.vocab_size - 1]
     flags = ["--num-layers", c.num_layers, "--hidden-size", c.hidden_size, "--ffn-hidden-size", c.ffn_hidden_size,
              "--num-attention-heads", c.num_attention_heads, "--kv-channels", c.kv_channels,
              "--max-position-embeddings", c.max_position_embeddings, "--normalization", c.normalization,
              "--norm-epsilon", args["norm_epsilon"], "--position-embedding-type", c.position_embedding_type,
-             "--tokenizer-type", "NullTokenizer", "--vocab-size", vocab_flag,
-             "--make-vocab-size-divisible-by", c.make_vocab_size_divisible_by]
+             *tokenizer, "--make-vocab-size-divisible-by", c.make_vocab_size_divisible_by,
+             "--attention-dropout", args.get("attention_dropout", 0.0), "--hidden-dropout",
+             args.get("hidden_dropout", 0.0)]
     if c.num_query_groups != c.num_attention_heads:
         flags += ["--group-query-attention", "--num-query-groups", c.num_query_groups]
     if c.position_embedding_type == "rope":
         flags += ["--rotary-base", args["rotary_base"]]
+        if args.get("use_rope_scaling"):
+            flags += ["--use-rope-scaling", "--rope-scaling-factor", args["rope_scaling_factor"]]
     flags += ["--swiglu"] * c.swiglu + ["--untie-embeddings-and-output-weights"] * (not c.tied)
     flags += ["--disable-bias-linear"] * (not c.add_bias_linear) + ["--add-qkv-bias"] * (c.add_qkv_bias
                                                                                           and not c.add_bias_linear)
+    flags += ["--qk-layernorm"] * c.qk_layernorm
     if c.num_experts:
         freq = c.moe_layer_freq
         flags += ["--num-experts", c.num_experts, "--moe-ffn-hidden-size", c.moe_ffn_hidden_size,
@@ -349,14 +523,34 @@ def megatron_flags(config: GPTModelConfig, args: dict, release: MegatronRelease 
 
 def detect_model_type(cfg: dict, path: Path) -> str:
     model_type = cfg.get("model_type")
-    if model_type not in MODEL_TYPES:
-        _fail(f"{path}: model_type {model_type!r} is not importable; supported: {', '.join(MODEL_TYPES)} (pass "
-              f"--model-type only for a config of one of these architectures)")
+    try:
+        family(str(model_type))
+    except ValueError as e:
+        _fail(f"{path}: {e} (pass --model-type only for a config of one of the supported architectures)")
     return model_type
 
 
 # --------------------------------------------------------------------------------------------------
 # The import
+
+
+def _check_counts(cfg: dict, model_type: str, stored: dict[str, StoredTensor], root: Path) -> None:
+    """config.json's layer and expert counts against the layers and experts the tensors hold, before any work
+    that grows with them."""
+    fam = _family(model_type, root / "config.json")
+    reader = _Config(cfg, fam.facts)
+    layers = reader.int(fam.facts.num_layers)
+    held, experts = stored_layers_and_experts(model_type, list(stored))
+    if held != set(range(layers)):
+        have = f"layers {min(held)}-{max(held)} ({len(held)} layers)" if held else "no layers"
+        _fail(f"{root / 'config.json'}: says {layers} layers but the weights hold {have}; config.json does not "
+              f"match the weights")
+    if fam.facts.moe:
+        count = reader.int(fam.facts.moe.num_experts)
+        if experts != set(range(count)):
+            have = f"experts 0-{max(experts)}" if experts else "no routed experts"
+            _fail(f"{root / 'config.json'}: says {fam.facts.moe.num_experts}={count} but the weights hold {have}; "
+                  f"config.json does not match the weights")
 
 
 def _check_tensors(rows: list[HFRow], stored: dict[str, StoredTensor], config: GPTModelConfig,
@@ -408,9 +602,9 @@ def _band_rows(elements_per_row: int) -> int:
 
 def _param_bands(row: HFRow, parts: list[StoredTensor], config: GPTModelConfig, padded_rows: int
                  ) -> Iterator["torch.Tensor"]:
-    """The parameter's fp32 bands (hf_names.from_hf_bands over pread row ranges); a vocabulary's padding rows
-    after its true rows, filled with their mean row (as patterns.resize_vocab fills rows appended to a
-    vocabulary without padding rows)."""
+    """The parameter's fp32 bands (hf.from_hf_bands over pread row ranges); a vocabulary's padding rows after its
+    true rows, filled with their mean row (as patterns.resize_vocab fills rows appended to a vocabulary without
+    padding rows)."""
     import torch
 
     def read_rows(part: int, r0: int, r1: int) -> torch.Tensor:
@@ -432,6 +626,23 @@ def _param_bands(row: HFRow, parts: list[StoredTensor], config: GPTModelConfig, 
             yield mean.expand(min(padded_rows, r0 + step) - r0, *width).contiguous()
 
 
+def _check_free_space(dst: Path, nbytes: int, config: GPTModelConfig) -> None:
+    """The output (fp32 masters plus headers and checksums, a few per mille) must fit where it is staged (beside
+    DST, on its file system)."""
+    existing = dst.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    need = int(nbytes * 1.01) + (1 << 20)
+    if need > free:
+        def size(n: int) -> str:
+            return f"{n / 2 ** 30:.2f} GiB" if n >= 1 << 30 else f"{n / 2 ** 20:.1f} MiB"
+
+        _fail(f"{dst}: the universal checkpoint needs {size(need)} (fp32 masters; vocabulary {config.vocab_size} "
+              f"padded to {config.padded_vocab_size} rows), {size(free)} are free there; free space or write it "
+              f"elsewhere")
+
+
 def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None, overwrite: bool = False,
               clean_stale: bool = False, make_vocab_size_divisible_by: int = 128, progress: bool = True) -> dict:
     """Write the universal checkpoint `dst` from the HF model directory `src`; returns a summary."""
@@ -446,8 +657,9 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
     root = Path(src).resolve()
     if not root.is_dir():
         _fail(f"{src}: no such directory; pass a Hugging Face model directory (config.json + safetensors)")
-    if make_vocab_size_divisible_by < 1:
-        _fail(f"--make-vocab-size-divisible-by {make_vocab_size_divisible_by}: must be >= 1")
+    if not 1 <= make_vocab_size_divisible_by <= MAX_VOCAB_MULTIPLE:
+        _fail(f"--make-vocab-size-divisible-by {make_vocab_size_divisible_by}: must be 1-{MAX_VOCAB_MULTIPLE} "
+              f"(Megatron-LM's default is 128; a run multiplies it by its TP when it loads the checkpoint)")
     cfg = _read_json(_inside(root, "config.json", root), "config.json")
     if not isinstance(cfg, dict):
         _fail(f"{root / 'config.json'}: not a JSON object; pass a Hugging Face model directory")
@@ -455,6 +667,13 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
     if model_type is not None and cfg.get("model_type") not in (None, model_type):
         _fail(f"{root / 'config.json'}: model_type is {cfg.get('model_type')!r} but --model-type {model_type}; "
               f"drop --model-type to use the config's")
+    stored: dict[str, StoredTensor] = {}
+    for f in weight_files(root):
+        for name, t in parse_safetensors_header(f).items():
+            if name in stored:
+                _fail(f"{f}: tensor {name} is also in {stored[name].file.name}; keep one copy of each tensor")
+            stored[name] = t
+    _check_counts(cfg, detected, stored, root)
     try:
         config, args = megatron_model(cfg, detected, make_vocab_size_divisible_by)
         expected = dict(expected_parameters(config))
@@ -463,18 +682,20 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
             raise
         _fail(f"{root / 'config.json'}: {type(e).__name__} {e} reading it as {detected}; the config is incomplete "
               f"or not a {detected} config")
-    stored: dict[str, StoredTensor] = {}
-    for f in weight_files(root):
-        for name, t in parse_safetensors_header(f).items():
-            if name in stored:
-                _fail(f"{f}: tensor {name} is also in {stored[name].file.name}; keep one copy of each tensor")
-            stored[name] = t
     rows = hf_rows(config, detected)
     _check_tensors(rows, stored, config, expected, root)
+    tokenizer, largest_id = tokenizer_vocabulary(root)
+    if largest_id is not None and largest_id >= config.vocab_size:
+        _fail(f"{root / tokenizer}: has token id {largest_id}, config.json's vocab_size is {config.vocab_size} (no "
+              f"embedding row for it); the tokenizer does not belong to this model")
+    if tokenizer:  # Megatron-LM's HuggingFaceTokenizer reads the folder; --vocab-size is the model's rows
+        args.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(root), vocab_size=config.vocab_size)
     float_dtypes = sorted({stored[n].dtype for r in rows for n in r.hf})
     flags = megatron_flags(config, args)
-    bar = tqdm(total=sum(math.prod(s) * 4 for s in expected.values()), unit="B", unit_scale=True,
-               unit_divisor=1024, desc="import-hf", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    total = sum(math.prod(s) * 4 for s in expected.values())
+    _check_free_space(Path(dst), total, config)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="import-hf", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
     try:
         with UniversalWriter(dst, overwrite=overwrite, clean_stale=clean_stale, command="import-hf") as writer:
             for row in rows:
@@ -508,24 +729,25 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
         bar.close()
     return {"path": str(Path(dst).absolute()), "source": str(root), "model_type": detected,
             "num_parameters": len(expected), "elements": sum(math.prod(s) for s in expected.values()),
-            "hf_dtypes": float_dtypes, "vocab_size": config.vocab_size,
+            "hf_dtypes": float_dtypes, "vocab_size": config.vocab_size, "tokenizer": tokenizer,
             "padded_vocab_size": config.padded_vocab_size, "megatron_flags": flags}
 
 
 def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p = subparsers.add_parser(
         "import-hf", parents=[common], help="write a universal checkpoint from a Hugging Face model (weights only)",
-        description="Import a Hugging Face transformers model directory (config.json + safetensors, sharded or not) "
-                    "as a universal checkpoint at iteration 0 without optimizer state: QKV fused per query group, "
-                    "SwiGLU [gate; up], experts by global index, vocabulary padded, fp32 masters. Start training "
-                    "from it at any layout with --load UCP --universal-checkpoint (fresh optimizer and scheduler), "
-                    "or write it as a Megatron checkpoint with from-universal. Nothing in HF_DIR is executed.")
-    p.add_argument("src", help="Hugging Face model directory")
+        description="Import a Hugging Face transformers model directory (config.json + safetensors, sharded or not; "
+                    f"{', '.join(MODEL_TYPES)}) as a universal checkpoint at iteration 0 without optimizer state: "
+                    "QKV fused per query group, SwiGLU [gate; up], experts by global index, vocabulary padded, fp32 "
+                    "masters. Start training from it at any layout with --load UCP --universal-checkpoint and the "
+                    "printed flags (fresh optimizer and scheduler), or write it as a Megatron checkpoint with "
+                    "from-universal. Nothing in HF_DIR is executed.")
+    p.add_argument("src", help="Hugging Face model directory (a hub cache snapshot folder works too)")
     p.add_argument("dst", help="universal checkpoint directory to write (must not exist unless --overwrite)")
     p.add_argument("--model-type", choices=MODEL_TYPES, default=None,
                    help="the architecture (default: config.json's model_type)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="Megatron-LM's vocabulary padding multiple (default 128)")
+                   help=f"Megatron-LM's vocabulary padding multiple (default 128, at most {MAX_VOCAB_MULTIPLE})")
     add_publication_flags(p, "universal checkpoint", "COMPLETE")
     p.set_defaults(handler=run_cli)
 
@@ -534,10 +756,12 @@ def run_cli(args: argparse.Namespace) -> dict:
     result = import_hf(args.src, args.dst, model_type=args.model_type, overwrite=args.overwrite,
                        clean_stale=args.clean_stale, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                        progress=not args.quiet)
+    tokenizer = (f"the folder's tokenizer ({result['tokenizer']})" if result["tokenizer"] else
+                 "NullTokenizer ids (no tokenizer in the folder: bring one for real data)")
     result["message"] = (f"wrote {result['path']}: {result['model_type']} ({result['num_parameters']} parameters, "
                          f"{result['elements'] / 1e6:.1f} M elements from {'/'.join(result['hf_dtypes'])}, fp32 "
                          f"masters), iteration 0, no optimizer state, vocab {result['vocab_size']} padded to "
-                         f"{result['padded_vocab_size']}.\nTrain from it with: pretrain_gpt.py "
+                         f"{result['padded_vocab_size']}, {tokenizer}.\nTrain from it with: pretrain_gpt.py "
                          + " ".join(result["megatron_flags"])
                          + " --load " + result["path"] + " --universal-checkpoint")
     return result

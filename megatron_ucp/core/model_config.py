@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional, Tuple, Union
@@ -49,7 +50,7 @@ class GPTModelConfig:
         if self.num_experts and self.moe_ffn_hidden_size is None:
             object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
 
-    @property
+    @functools.cached_property  # asked per layer and per parameter name: built once per config
     def moe_layers(self) -> Tuple[bool, ...]:
         """Per global layer: is it an MoE layer (megatron-core's moe_layer_freq rule)."""
         if not self.num_experts:
