@@ -194,15 +194,9 @@ def _from_rank0(build) -> bytes:
             failure, payload = e, b"ex" + f"{type(e).__name__}: {e}".encode()
     else:
         payload = b""
-    size = torch.tensor([len(payload)], dtype=torch.int64, device=device())
-    torch.distributed.broadcast(size, src=0)
-    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device())
-    if rank == 0:
-        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    torch.distributed.broadcast(data, src=0)
+    raw = _broadcast_bytes(payload, 0)
     if failure is not None:
         raise failure
-    raw = bytes(data.cpu().numpy())
     if raw[:2] == b"ue":
         raise JobLoadError(raw[2:].decode())
     if raw[:2] == b"ex":
@@ -219,14 +213,18 @@ def _agree(problem: Optional[str]) -> None:
     src = int(first.item())
     if src == world:
         return
-    text = (problem or "").encode()
-    size = torch.tensor([len(text)], dtype=torch.int64, device=device())
+    raise JobLoadError(_broadcast_bytes((problem or "").encode(), src).decode())
+
+
+def _broadcast_bytes(payload: bytes, src: int) -> bytes:
+    """Rank `src`'s `payload` on every rank (its length first; a uint8 tensor on the process group's device)."""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device())
     torch.distributed.broadcast(size, src=src)
     data = torch.empty(int(size.item()), dtype=torch.uint8, device=device())
-    if problem:
-        data.copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
+    if torch.distributed.get_rank() == src and payload:
+        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     torch.distributed.broadcast(data, src=src)
-    raise JobLoadError(bytes(data.cpu().numpy()).decode())
+    return bytes(data.cpu().numpy())
 
 
 def _check_values(ucp, name: str, key: str, values: torch.Tensor) -> None:
