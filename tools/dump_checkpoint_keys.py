@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Print what a `torch_dist` checkpoint stores, so docs/MOE_CHECKPOINTS.md's claims can be re-checked.
 
-Checkpoint listing (one process, reads only .metadata, common.pt and the small pickled objects):
+Checkpoint listing (one process, reads only .metadata, the common state and the small pickled objects):
 
     python tools/dump_checkpoint_keys.py CKPT [--iteration N] [--grep REGEX] [--chunks] [--objects]
 
   every key of .metadata with its global shape and dtype, the number of saved chunks (--chunks: each
   chunk's offsets and sizes, i.e. where each rank's shard sits in the global tensor), the pickled
   byte entries collapsed per key family (--objects: decoded, e.g. the distributed optimizer's param
-  groups and per-bucket sizes), then the structure of common.pt (args summarised, optimizer state).
+  groups and per-bucket sizes), then the structure of the common state (common.pt up to megatron-core
+  0.18, a ShardedObject from 0.19; args summarised, optimizer state).
 
 The live parameter and DDP-buffer order of a model Megatron-LM 0.19 builds (per rank, beside what a converter
 predicts from args): tests/ddp_bucket_probe.py, under torchrun with Megatron-LM's flags.
@@ -119,8 +120,14 @@ def list_checkpoint(iter_dir: Path, pattern, show_chunks: bool, show_objects: bo
                 if "_extra_state" not in k and not k.startswith("rng_state")]
         for key, value in sorted(read_objects(iter_dir, keys).items()):
             print(f"## {key}: {_summary(value, 1)}")
-    common = load_pickled(iter_dir / "common.pt", what="common state")
-    print(f"# {iter_dir}/common.pt")
+    from megatron_ucp.formats.torch_dist import names
+
+    if (iter_dir / names.COMMON_FILENAME).exists():  # megatron-core <= 0.18
+        common = load_pickled(iter_dir / names.COMMON_FILENAME, what="common state")
+        print(f"# {iter_dir}/{names.COMMON_FILENAME}")
+    else:  # megatron-core 0.19 keeps it as a ShardedObject in the .distcp files
+        [common] = read_objects(iter_dir, [names.COMMON_STATE_ITEM])[names.COMMON_STATE_ITEM]  # saved as [object]
+        print(f"# {iter_dir}: {names.COMMON_STATE_ITEM}")
     for key, value in common.items():
         if key == "args":
             names = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
