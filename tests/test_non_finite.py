@@ -32,11 +32,11 @@ from writer_cli import assert_one_line_error, cli
 CONFIG = GPTModelConfig(num_layers=1, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2, num_query_groups=2,
                         kv_channels=8, vocab_size=64, padded_vocab_size=64, swiglu=True, normalization="RMSNorm",
                         position_embedding_type="rope", untie_embeddings_and_output_weights=True,
-                        add_bias_linear=False, transformer_impl="local")
+                        add_bias_linear=False)
 ARGS = {"num_layers": 1, "hidden_size": 16, "ffn_hidden_size": 32, "num_attention_heads": 2, "kv_channels": 8,
         "vocab_size": 64, "padded_vocab_size": 64, "seq_length": 32, "normalization": "RMSNorm", "swiglu": True,
         "position_embedding_type": "rope", "untie_embeddings_and_output_weights": True, "add_bias_linear": False,
-        "transformer_impl": "local", "micro_batch_size": 1, "global_batch_size": 2}
+        "micro_batch_size": 1, "global_batch_size": 2}
 FC1 = "decoder.layers.0.mlp.linear_fc1.weight"
 PROJ = "decoder.layers.0.self_attention.linear_proj.weight"  # row-parallel: TP slices share rows
 

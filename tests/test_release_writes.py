@@ -61,7 +61,6 @@ def source_args() -> dict:
                 micro_batch_size=1, global_batch_size=2, params_dtype="torch.float32", normalization="RMSNorm",
                 swiglu=True, position_embedding_type="rope", untie_embeddings_and_output_weights=True,
                 add_bias_linear=False, add_qkv_bias=False, group_query_attention=False,
-                transformer_impl=CONFIG.transformer_impl,
                 inference_cuda_graph_scope={"enum": SCOPE, "value": 3},  # block
                 attention_backend={"enum": "megatron.core.transformer.enums.AttnBackend", "value": 5},
                 exit_signal="signal.Signals.SIGTERM", iteration=3)
@@ -243,7 +242,7 @@ def test_a_checkpoint_without_megatron_source_is_written_for_the_installed_relea
     and recognised as 0.19's (its markers come with its defaults)."""
     model = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
              "vocab_size", "padded_vocab_size", "seq_length", "normalization", "swiglu", "position_embedding_type",
-             "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "transformer_impl")
+             "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias")
     args = {k: v for k, v in source_args().items() if k in model}  # what import-hf records
     ucp = write_universal(tmp_path / "ucp", source={"format": "huggingface", "path": "/hf",
                                                     "layout": ParallelLayout().to_dict()}, args=args)

@@ -5,7 +5,9 @@ reads) and checks it against the XXH3-128 digests recorded while writing (docs/F
 with `--workers` threads (hashing and pread release the GIL, so this runs at disk speed). Also checks
 what metadata alone can tell (file sizes, parameters of the model missing, extra or of another shape)
 and each tensor file's safetensors header against metadata.json (tensors, dtypes, shapes, data tiling
-the file). Every problem is one line naming the file, the parameter and, for damaged bytes, the block;
+the file), and finds every NaN or Inf value (each tensor holding one is reported with its parameter, state
+weight/exp_avg/exp_avg_sq, count and first element), searching each block right after it is hashed.
+Every problem is one line naming the file, the parameter and, for damaged bytes, the block;
 the command exits 1 when there is any.
 
 A version-1 checkpoint (no checksums) gets everything but the block comparison, and says so.
@@ -63,8 +65,8 @@ def format_report(result: dict) -> str:
     lines = [head] + [f"note: {n}" for n in result["notes"]]
     problems = result["problems"]
     if not problems:
-        return "\n".join(lines + ["ok: every block matches its checksum; sizes, headers and parameters agree with "
-                                  "metadata.json"])
+        return "\n".join(lines + ["ok: every block matches its checksum, every value is finite; sizes, headers and "
+                                  "parameters agree with metadata.json"])
     lines += [f"{len(problems)} problem(s):"] + [f"  {p}" for p in problems[:SHOWN]]
     if len(problems) > SHOWN:
         lines.append(f"  ... {len(problems) - SHOWN} more (--json lists all)")

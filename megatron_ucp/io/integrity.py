@@ -72,7 +72,6 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
-import numpy as np
 import xxhash
 
 PathLike = Union[str, os.PathLike]
@@ -103,7 +102,10 @@ def state_word(key: str) -> str:
 def non_finite(values) -> tuple[int, int]:
     """(how many, flat index of the first) NaN or +-Inf values among float32 `values` (a float32 array, or
     bytes-like of whole float32 elements); (0, -1) when every value is finite. One vectorised pass, meant for
-    bytes a caller has just hashed, copied or mapped (still in cache): no extra read of the data."""
+    bytes a caller has just hashed, copied or mapped (still in cache): no extra read of the data. numpy is
+    imported here, on first use: checking bytes and metadata imports neither it nor torch."""
+    import numpy as np
+
     a = values if isinstance(values, np.ndarray) else np.frombuffer(values, dtype=np.float32)
     finite = np.isfinite(a)
     if finite.all():

@@ -119,7 +119,7 @@ def plan(ucp, config: GPTModelConfig, target: WriteTarget) -> list[PlannedFile]:
     """Every file the writer will produce, with the tensor bytes in it (no I/O)."""
     layout = target.layout
     config = replace(config, padded_vocab_size=target.padded_vocab_size)
-    has_moments = ucp.has_optimizer_state
+    has_moments = _has_moments(ucp)
     check_layout(config, layout)
     files = []
     it = iteration_dir_name(ucp.iteration)
@@ -147,6 +147,9 @@ def plan(ucp, config: GPTModelConfig, target: WriteTarget) -> list[PlannedFile]:
     files.append(PlannedFile(TRACKER_FILENAME, 0, -1, -1))
     return files
 
+
+def _has_moments(ucp) -> bool:
+    return all("exp_avg" in info.tensors for name, info in ucp.parameters.items() if not is_buffer(name))
 
 
 def check_layout(config: GPTModelConfig, layout: ParallelLayout) -> None:
@@ -255,7 +258,7 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
     would be given, every tensor a StreamedTensor of its slices (read when written)."""
     layout = target.layout
     chunks = rank_chunks(config, layout, pp_rank, ep_rank)
-    with_optim = ucp.has_optimizer_state
+    with_optim = _has_moments(ucp)
     where = f"rank tp={tp_rank} pp={pp_rank}" + (f" ep={ep_rank}" if ep_rank else "")
     tensors = _RankTensors(sources, config, layout, tp_rank, where)
 
@@ -398,7 +401,7 @@ def write(ucp, config: GPTModelConfig, target: WriteTarget, root: Path,
     layout = target.layout
     config = replace(config, padded_vocab_size=target.padded_vocab_size)
     check_layout(config, layout)
-    groups = param_groups_by_rank(ucp, config, target) if ucp.has_optimizer_state else None
+    groups = param_groups_by_rank(ucp, config, target) if _has_moments(ucp) else None
     iter_dir = Path(root) / iteration_dir_name(ucp.iteration)
     local = threading.local()
     opened: list[Sources] = []
