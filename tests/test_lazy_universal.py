@@ -115,3 +115,35 @@ def test_from_universal_of_a_lazy_checkpoint_is_bitwise_the_copys(tmp_path):
         if rel.name == "megatron-ucp.json":  # the tool's completion marker names its source and time
             continue
         assert (tmp_path / "from_lazy" / rel).read_bytes() == (tmp_path / "from_copy" / rel).read_bytes(), rel
+
+
+def test_direct_resume_index_is_the_lazy_index_in_memory(tmp_path):
+    """source_index (what rank 0 of a `--load CKPT --universal-checkpoint` resume makes): the entries of
+    `to-universal --lazy`'s index, without checksums (none read: no second pass), nothing written into the source
+    (hashes); opened by from_source_index its reads are the lazy checkpoint's, bitwise; a source file that is not
+    what rank 0 indexed (another copy on another node, a change while the job started) is refused naming it."""
+    import hashlib
+
+    from megatron_ucp.convert import source_index
+
+    src = tmp_path / "src"
+    shutil.copytree(SOURCES["B"], src)
+    hashes = lambda: {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(src.rglob("*")) if p.is_file()}
+    before = hashes()
+    index = source_index(src / "iter_0000004")
+    lazy_path = to_universal(src, tmp_path / "lazy", iteration=4, lazy=True, progress=False)
+    on_disk = json.loads((lazy_path / "metadata.json").read_text())
+    assert index.document["parameters"] == on_disk["parameters"]
+    assert index.document["lazy"]["source"] == on_disk["lazy"]["source"]
+    files = index.document["lazy"]["files"]
+    assert files and all(set(f) == {"size", "mtime_ns"} for f in files.values())
+    direct, lazy = UniversalCheckpoint.from_source_index(index.document, index.rng), UniversalCheckpoint.open(lazy_path)
+    assert direct.direct and direct.source_digests is None and direct.rng_states() == lazy.rng_states()
+    for name, info in lazy.parameters.items():
+        for key in info.tensors:
+            assert torch.equal(direct.read_for_rank(name, 0, 1, key), lazy.read_for_rank(name, 0, 1, key)), name
+    assert hashes() == before and sorted(p.name for p in src.iterdir()) == sorted(p.name for p in SOURCES["B"].iterdir())
+    victim = src / "iter_0000004" / sorted(files)[0]
+    os.utime(victim, ns=(0, 0))
+    with pytest.raises(UniversalFormatError, match=f"{victim}: size .* rank 0 indexed .*changed while the run started"):
+        UniversalCheckpoint.from_source_index(index.document, index.rng)
