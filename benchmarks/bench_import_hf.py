@@ -1,10 +1,13 @@
-"""Memory and time of `megatron-ucp import-hf` on a ~1 GB Hugging Face model (bf16, sharded safetensors + index).
+"""Memory and time of `megatron-ucp import-hf` on a ~1B-parameter Llama-3-shaped model (bf16, sharded safetensors +
+index), against `cp -r` of the same folder.
 
-Writes a Llama-shaped model (hidden 2048, 10 layers, 16 heads in 4 query groups, SwiGLU 5632, vocabulary 32000,
-untied: 580 M parameters, 1.16 GB in bf16) as three safetensors shards and an index, one tensor at a time
-(random values; no transformers needed) in a child process, then runs the CLI as a user does and reports its wall
-time and peak RSS (that child's own ru_maxrss from wait4: resident memory at its peak; this parent imports no torch
-and holds no tensors, so the fork before exec adds nothing).
+Writes a model in Llama 3.2 1B's shape (hidden 2048, 16 layers, 32 heads in 8 query groups, SwiGLU 8192,
+vocabulary 128256, tied embeddings, Llama 3.1's RoPE scaling (llama3, factor 8: the one megatron-core computes):
+1.24 B parameters, 2.47 GB in bf16) as safetensors shards and an index, one tensor at a time (random values; no
+transformers needed) in a child process, then times `cp -r` of the folder and runs the CLI as a user does, reporting
+its wall time and peak RSS (that child's own ru_maxrss from wait4: resident memory at its peak; this parent imports
+no torch and holds no tensors, so the fork before exec adds nothing). Both read the folder just written (page cache
+warm for both); import-hf publishes its output fsynced, so `cp -r` is timed also with its copy fsynced.
 
     .venv/bin/python benchmarks/bench_import_hf.py [--workdir DIR] [--keep]
 """
@@ -21,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HIDDEN, LAYERS, HEADS, GROUPS, FFN, VOCAB = 2048, 10, 16, 4, 5632, 32000
+HIDDEN, LAYERS, HEADS, GROUPS, FFN, VOCAB = 2048, 16, 32, 8, 8192, 128256
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -40,8 +43,7 @@ def llama_tensors():
         yield p + "mlp.gate_proj.weight", (FFN, HIDDEN)
         yield p + "mlp.up_proj.weight", (FFN, HIDDEN)
         yield p + "mlp.down_proj.weight", (HIDDEN, FFN)
-    yield "model.norm.weight", (HIDDEN,)
-    yield "lm_head.weight", (VOCAB, HIDDEN)
+    yield "model.norm.weight", (HIDDEN,)  # tied: no lm_head.weight
 
 
 def write_model(hf: Path, shard_bytes: int = 450 << 20) -> int:
@@ -71,8 +73,10 @@ def write_model(hf: Path, shard_bytes: int = 450 << 20) -> int:
     (hf / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB, "hidden_size": HIDDEN,
         "intermediate_size": FFN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
-        "num_key_value_heads": GROUPS, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16"}))
+        "num_key_value_heads": GROUPS, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "bfloat16"}))
     return total
 
 
@@ -90,6 +94,14 @@ def main() -> None:
         total = int(subprocess.run([sys.executable, __file__, "--write-model", str(work / "hf")], check=True,
                                    capture_output=True, text=True).stdout)
         start = time.perf_counter()
+        subprocess.run(["cp", "-r", str(work / "hf"), str(work / "hf_copy")], check=True)
+        cp_wall = time.perf_counter() - start
+        for f in (work / "hf_copy").iterdir():  # import-hf publishes fsynced: the copy's bytes on disk too
+            with open(f, "rb") as handle:
+                os.fsync(handle.fileno())
+        cp_sync_wall = time.perf_counter() - start
+        shutil.rmtree(work / "hf_copy")
+        start = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "megatron_ucp.cli", "import-hf", str(work / "hf"),
                                  str(work / "ucp"), "--quiet", "--json"], cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
@@ -100,7 +112,9 @@ def main() -> None:
             sys.exit(stderr)
         peak = usage.ru_maxrss * 1024
         out = sum(f.stat().st_size for f in (work / "ucp").rglob("*") if f.is_file())
-        result = {"hf_bytes": total, "ucp_bytes": out, "wall_s": round(wall, 2), "peak_rss_bytes": peak,
+        result = {"hf_bytes": total, "ucp_bytes": out, "wall_s": round(wall, 2), "cp_r_wall_s": round(cp_wall, 2),
+                  "cp_r_fsync_wall_s": round(cp_sync_wall, 2), "wall_vs_cp_r_fsync": round(wall / cp_sync_wall, 2),
+                  "peak_rss_bytes": peak,
                   "peak_rss_gib": round(peak / 2 ** 30, 3), "elements": json.loads(stdout)["elements"]}
         print(json.dumps(result, indent=1))
     finally:

@@ -100,6 +100,7 @@ class HFConfigFacts:
     qkv_bias_with_o_proj: bool = False  # that key biases o_proj too (Llama's and Qwen3's attention_bias)
     mlp_bias: Optional[str] = None  # config key of MLP biases (Llama's mlp_bias)
     qk_norm: bool = False  # per-head RMSNorm of q and k (q_norm / k_norm of head_dim): Megatron's --qk-layernorm
+    sliding_window: bool = False  # attention reads sliding_window (Llama's ignores it)
     sliding_switch: Optional[str] = None  # key that turns sliding_window on (Qwen's use_sliding_window)
     moe: Optional[MoEKeys] = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
@@ -241,19 +242,20 @@ def _llama_like(model_type: str, architecture: str, facts: HFConfigFacts, *, moe
 # transformers' config-class defaults (transformers 5: configuration_<type>.py) of the keys import-hf reads
 _LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "num_key_value_heads": None, "max_position_embeddings": 2048}
 _QWEN_SLIDING = {"use_sliding_window": False, "sliding_window": 4096}
+_QWEN = {"sliding_window": True, "sliding_switch": "use_sliding_window"}
 
 FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
     _llama_like("llama", "LlamaForCausalLM", HFConfigFacts(
         qkv_bias="attention_bias", qkv_bias_with_o_proj=True, mlp_bias="mlp_bias", defaults=_LLAMA_DEFAULTS)),
-    _llama_like("mistral", "MistralForCausalLM", HFConfigFacts(defaults={
+    _llama_like("mistral", "MistralForCausalLM", HFConfigFacts(sliding_window=True, defaults={
         "rms_norm_eps": 1e-6, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
         "sliding_window": 4096})),
-    _llama_like("qwen2", "Qwen2ForCausalLM", HFConfigFacts(qkv_bias="always", sliding_switch="use_sliding_window",
+    _llama_like("qwen2", "Qwen2ForCausalLM", HFConfigFacts(qkv_bias="always", **_QWEN,
                                                            defaults={"rms_norm_eps": 1e-6, "num_key_value_heads": 32,
                                                                      "max_position_embeddings": 32768,
                                                                      **_QWEN_SLIDING})),
     _llama_like("qwen3", "Qwen3ForCausalLM", HFConfigFacts(
-        qkv_bias="attention_bias", qkv_bias_with_o_proj=True, qk_norm=True, sliding_switch="use_sliding_window",
+        qkv_bias="attention_bias", qkv_bias_with_o_proj=True, qk_norm=True, **_QWEN,
         defaults={"rms_norm_eps": 1e-6, "num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
                   **_QWEN_SLIDING})),
     HFFamily("gpt2", "GPT2LMHeadModel", G, GPT2_ATTENTION, GPT2_MLP, GPT2_MODEL,
@@ -261,18 +263,18 @@ FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
                  "n_embd": ("hidden_size",), "n_positions": ("max_position_embeddings",),
                  "n_head": ("num_attention_heads",), "n_layer": ("num_hidden_layers",)})),
     _llama_like("mixtral", "MixtralForCausalLM", HFConfigFacts(
-        moe=MoEKeys("num_local_experts", "intermediate_size"),
+        sliding_window=True, moe=MoEKeys("num_local_experts", "intermediate_size"),
         defaults={"rms_norm_eps": 1e-5, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
                   "rope_theta": 1e6, "sliding_window": None}, aliases={"num_local_experts": ("num_experts",)}),
         moe=MIXTRAL_ROUTER, expert=MIXTRAL_EXPERT, expert_prefix=H + "block_sparse_moe.experts.{j}."),
     _llama_like("qwen2_moe", "Qwen2MoeForCausalLM", HFConfigFacts(
-        qkv_bias="qkv_bias", sliding_switch="use_sliding_window",
+        qkv_bias="qkv_bias", **_QWEN,
         moe=MoEKeys("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size", True, "norm_topk_prob"),
         defaults={"rms_norm_eps": 1e-6, "num_key_value_heads": 16, "max_position_embeddings": 32768,
                   "qkv_bias": True, "norm_topk_prob": False, **_QWEN_SLIDING}),
         moe=QWEN_ROUTER + QWEN2_SHARED_EXPERT, expert=QWEN_EXPERT, expert_prefix=H + "mlp.experts.{j}."),
     _llama_like("qwen3_moe", "Qwen3MoeForCausalLM", HFConfigFacts(
-        qkv_bias="attention_bias", qkv_bias_with_o_proj=True, qk_norm=True, sliding_switch="use_sliding_window",
+        qkv_bias="attention_bias", qkv_bias_with_o_proj=True, qk_norm=True, **_QWEN,
         moe=MoEKeys("num_experts", "moe_intermediate_size", None, True, "norm_topk_prob"),
         defaults={"rms_norm_eps": 1e-6, "num_key_value_heads": 4, "max_position_embeddings": 32768,
                   "norm_topk_prob": False, **_QWEN_SLIDING}, aliases={"num_experts": ("num_local_experts",)}),

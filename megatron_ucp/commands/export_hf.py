@@ -161,12 +161,9 @@ def _check_moe(config: GPTModelConfig, args: dict, model_type: str) -> None:
 def _rope_config(args: dict) -> dict:
     """transformers' RoPE fields of what megatron-core computed (MEGATRON_LLAMA3_ROPE with --use-rope-scaling)."""
     theta = float(args.get("rotary_base", 10000) or 10000)
-    params = {"rope_type": "default", "rope_theta": theta}
-    if args.get("use_rope_scaling"):
-        params = {"rope_type": "llama3", "rope_theta": theta, **MEGATRON_LLAMA3_ROPE}
-    return {"rope_theta": theta,  # transformers 4.x
-            "rope_parameters": params,  # transformers 5.x
-            "rope_scaling": None if params["rope_type"] == "default" else {"rope_type": "llama3", **MEGATRON_LLAMA3_ROPE}}
+    scaling = {"rope_type": "llama3", **MEGATRON_LLAMA3_ROPE} if args.get("use_rope_scaling") else None
+    return {"rope_theta": theta, "rope_scaling": scaling,  # transformers 4.x
+            "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": theta}}  # transformers 5.x
 
 
 def _hf_config(config: GPTModelConfig, args: dict, model_type: str, dtype: str) -> dict:
@@ -194,8 +191,9 @@ def _hf_config(config: GPTModelConfig, args: dict, model_type: str, dtype: str) 
         "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings or
         int(args.get("seq_length") or 2048), "rms_norm_eps": eps, **_rope_config(args),
         "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
-        "sliding_window": None,  # Megatron attends over the whole sequence
     }
+    if facts.sliding_window:
+        out["sliding_window"] = None  # Megatron attends over the whole sequence
     if facts.sliding_switch:
         out[facts.sliding_switch] = False
     if facts.qkv_bias not in ("none", "always"):

@@ -132,6 +132,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def parse_safetensors_header(path: Path) -> dict[str, StoredTensor]:
     """The tensors of one safetensors file, every declared range checked against the file before reading."""
     try:
@@ -279,24 +283,22 @@ class _Config:
     def number(self, key: str, default: float, *, positive: bool = True) -> float:
         value = self.raw(key)
         value = default if value is None else value
-        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-                and (value > 0 if positive else value >= 0)):
+        if not (_is_number(value) and (value > 0 if positive else value >= 0)):
             self._bad(key, value, "a positive number" if positive else "a number >= 0")
         return float(value)
 
-    def flag(self, key: str, default: bool) -> bool:
+    def _typed(self, key: str, default: Any, kind: type, want: str) -> Any:
         value = self.raw(key)
         value = default if value is None else value
-        if not isinstance(value, bool):
-            self._bad(key, value, "true or false")
+        if not isinstance(value, kind):
+            self._bad(key, value, want)
         return value
 
+    def flag(self, key: str, default: bool) -> bool:
+        return self._typed(key, default, bool, "true or false")
+
     def text(self, key: str, default: str) -> str:
-        value = self.raw(key)
-        value = default if value is None else value
-        if not isinstance(value, str):
-            self._bad(key, value, "a string")
-        return value
+        return self._typed(key, default, str, "a string")
 
 
 def _refuse(model_type: str, what: str, why: str) -> None:
@@ -317,7 +319,7 @@ def _rope(cfg: _Config, model_type: str, max_positions: int) -> dict:
         _refuse(model_type, f"{source} per layer type", "Megatron's GPT uses one RoPE in every layer")
     rope_type = chosen["rope_type"] if "rope_type" in chosen else chosen.get("type", "default")
     theta = chosen["rope_theta"] if "rope_theta" in chosen else cfg.raw("rope_theta", 10000.0)
-    if not (isinstance(theta, (int, float)) and not isinstance(theta, bool) and math.isfinite(theta) and theta > 0):
+    if not (_is_number(theta) and theta > 0):
         _fail(f"config.json: rope_theta {theta!r} is not a positive number; fix config.json")
     if theta != int(theta):
         _refuse(model_type, f"rope_theta={theta}", "Megatron's --rotary-base is an integer")
@@ -336,7 +338,7 @@ def _rope(cfg: _Config, model_type: str, max_positions: int) -> dict:
     values.setdefault("original_max_position_embeddings", max_positions)
     for key, want in MEGATRON_LLAMA3_ROPE.items():
         value = values.get(key)
-        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) == want):
+        if not (_is_number(value) and float(value) == want):
             given = f"{key}={value!r}" if key in values else f"no {key}"
             _refuse(model_type, f"RoPE scaling 'llama3' with {given} (from {source})",
                     "megatron-core 0.19 computes llama3 scaling only with " + ", ".join(
@@ -416,7 +418,7 @@ def _llama_like_model(cfg: _Config, fam: HFFamily, vocab: int, divisible: int, a
                 "splits matmuls)")
     layers, hidden, heads = cfg.int("num_hidden_layers"), cfg.int("hidden_size"), cfg.int("num_attention_heads")
     max_positions = cfg.int("max_position_embeddings", 2048)
-    window = cfg.raw("sliding_window")
+    window = cfg.raw("sliding_window") if facts.sliding_window else None
     if facts.sliding_switch and not cfg.flag(facts.sliding_switch, False):
         window = None  # transformers' Qwen configs drop the window unless use_sliding_window
     if window is not None and cfg.int("sliding_window") < max_positions:
@@ -611,19 +613,18 @@ def _param_bands(row: HFRow, parts: list[StoredTensor], config: GPTModelConfig, 
         return read_tensor(parts[part], (r0, r1)).to(torch.float32)
 
     bands = from_hf_bands(row, config, [p.shape for p in parts], read_rows, _band_rows)
-    if row.join != VOCAB:
+    rows, width = parts[0].shape[0], parts[0].shape[1:]
+    if row.join != VOCAB or padded_rows == rows:
         yield from bands
         return
-    rows, width = parts[0].shape[0], parts[0].shape[1:]
     total = torch.zeros(width, dtype=torch.float64)
     for band in bands:
-        total += torch.sum(band, dim=0, dtype=torch.float64)
+        total += band.double().sum(0)
         yield band
-    if padded_rows > rows:
-        mean = (total / rows).to(torch.float32)
-        step = _band_rows(math.prod(width))
-        for r0 in range(rows, padded_rows, step):
-            yield mean.expand(min(padded_rows, r0 + step) - r0, *width).contiguous()
+    mean = (total / rows).to(torch.float32)
+    step = _band_rows(math.prod(width))
+    for r0 in range(rows, padded_rows, step):
+        yield mean.expand(min(padded_rows, r0 + step) - r0, *width).contiguous()
 
 
 def _check_free_space(dst: Path, nbytes: int, config: GPTModelConfig) -> None:
