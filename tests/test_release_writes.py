@@ -9,7 +9,8 @@ and whether its ShardedTensor refuses flattened ranges, and when its rerun state
   exactly parse_args' dests (less those validate_args always deletes) plus names set at run time;
 - the release rows (loadable optimizer shardings, rerun state) agree with those facts;
 - a crafted, payload-free universal checkpoint with a 0.19 run's args (InferenceCudaGraphScope, an argument
-  0.17 lacks) written for 0.17/0.18/0.19 in both formats: the pickled args are that release's argument set,
+  0.17 lacks, an entry point's own argument) written for 0.17/0.18/0.19 in both formats: the pickled args are
+  that release's argument set (and the entry point's),
   name it (`detect`), and load with `torch.load(weights_only=True)` allowing exactly that release's
   SAFE_GLOBALS (megatron's classes as stand-ins: nothing of megatron-core is imported); the 0.17 write holds
   no InferenceCudaGraphScope; negative control: the same args pickled without translation fail that load;
@@ -63,7 +64,8 @@ def source_args() -> dict:
                 add_bias_linear=False, add_qkv_bias=False, group_query_attention=False,
                 inference_cuda_graph_scope={"enum": SCOPE, "value": 3},  # block
                 attention_backend={"enum": "megatron.core.transformer.enums.AttnBackend", "value": 5},
-                exit_signal="signal.Signals.SIGTERM", iteration=3)
+                exit_signal="signal.Signals.SIGTERM", iteration=3,
+                log_jsonl="/runs/loss.jsonl")  # an entry point's own argument: no release defines it, kept
     assert "freeze_all_layers" in args and "freeze_all_layers" not in versions.known_args(versions.release("0.17"))
     return args
 
@@ -190,8 +192,8 @@ def test_args_written_for_a_release_are_its_own(ucp19, tmp_path, release, ckpt_f
     assert summary.to_dict()["megatron_core"] == release
     args = open_checkpoint(out).args
     facts = versions.facts(row)
-    assert set(facts["args"]) <= set(args) <= versions.known_args(row)
-    assert versions.detect(args).name == release
+    assert set(facts["args"]) <= set(args) - {"log_jsonl"} <= versions.known_args(row)
+    assert versions.detect(args).name == release and args["log_jsonl"] == "/runs/loss.jsonl"
     assert (SCOPE in repr(args.get("inference_cuda_graph_scope"))) == (release != "0.17")
     if ckpt_format == "torch" or release != "0.19":  # 0.19 keeps torch_dist's args inside a .distcp item
         state = load_as_release(args_pickle(out, ckpt_format), row)

@@ -281,6 +281,13 @@ def known_args(row: MegatronRelease) -> Optional[frozenset]:
     return frozenset(found["args"]) | frozenset(found["runtime_args"]) if "args" in found else None
 
 
+@functools.lru_cache(maxsize=None)
+def megatron_args() -> frozenset:
+    """The argument names some release's megatron/training defines; others in a checkpoint's args are an entry
+    point's own (megatron-ucp's --log-jsonl, --universal-checkpoint, ...), which the target run defines itself."""
+    return frozenset().union(*(known_args(row) or () for row in RELEASES))
+
+
 _UNSAVABLE = object()
 _SIGNALS = "signal.Signals."
 
@@ -308,7 +315,8 @@ def _value_for(value: Any, target: Mapping[str, Any], source: Mapping[str, Any])
 def args_for_release(args: Mapping[str, Any], row: MegatronRelease,
                      source: Optional[MegatronRelease] = None) -> dict:
     """The JSON args `row`'s own save would hold for a run with these args (a universal checkpoint's, from a run
-    of `source`): arguments `row` neither parses nor sets are dropped; those it parses and the args lack get its
+    of `source`): arguments of Megatron-LM that `row` neither parses nor sets are dropped (an entry point's own,
+    which no release defines, are kept as they are); those it parses and the args lack get its
     parse_args default (a release's markers included, so `detect` names it); enum members are renumbered by name
     into its classes, and a value of a class (or member) it lacks becomes its default, or is dropped without
     one; a NullTokenizer's --vocab-size says the same vocabulary in `row`'s meaning (true_vocab_size). Values
@@ -318,7 +326,7 @@ def args_for_release(args: Mapping[str, Any], row: MegatronRelease,
     defaults = target.get("args", {})
     out = {}
     for key, value in args.items():
-        if known is not None and key not in known:
+        if known is not None and key not in known and key in megatron_args():
             continue
         value = _value_for(value, target, origin)
         if value is _UNSAVABLE and key in defaults:
