@@ -7,7 +7,9 @@ vocabulary 128256, tied embeddings, Llama 3.1's RoPE scaling (llama3, factor 8: 
 transformers needed) in a child process, then times `cp -r` of the folder and runs the CLI as a user does, reporting
 its wall time and peak RSS (that child's own ru_maxrss from wait4: resident memory at its peak; this parent imports
 no torch and holds no tensors, so the fork before exec adds nothing). Both read the folder just written (page cache
-warm for both); import-hf publishes its output fsynced, so `cp -r` is timed also with its copy fsynced.
+warm for both); import-hf publishes its output fsynced, so `cp -r` is timed also with its copy fsynced. The
+output is fp32 (twice the bf16 input): writing and fsyncing that many random bytes on the same file system is
+timed too (`write_floor_s`, the disk's floor), and the import's CPU time (user + sys) reported.
 
     .venv/bin/python benchmarks/bench_import_hf.py [--workdir DIR] [--keep]
 """
@@ -80,6 +82,21 @@ def write_model(hf: Path, shard_bytes: int = 450 << 20) -> int:
     return total
 
 
+def write_floor(path: Path, nbytes: int) -> float:
+    """Seconds to write and fsync `nbytes` of random data to `path` (the output's size on the same file system:
+    the disk's share of the import's time), in 64 MiB writes."""
+    block = os.urandom(64 << 20)
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for done in range(0, nbytes, len(block)):
+            f.write(block[: min(len(block), nbytes - done)])
+        f.flush()
+        os.fsync(f.fileno())
+    elapsed = time.perf_counter() - start
+    path.unlink()
+    return elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default=None)
@@ -112,9 +129,11 @@ def main() -> None:
             sys.exit(stderr)
         peak = usage.ru_maxrss * 1024
         out = sum(f.stat().st_size for f in (work / "ucp").rglob("*") if f.is_file())
+        floor = write_floor(work / "floor.bin", out)
         result = {"hf_bytes": total, "ucp_bytes": out, "wall_s": round(wall, 2), "cp_r_wall_s": round(cp_wall, 2),
                   "cp_r_fsync_wall_s": round(cp_sync_wall, 2), "wall_vs_cp_r_fsync": round(wall / cp_sync_wall, 2),
-                  "peak_rss_bytes": peak,
+                  "write_floor_s": round(floor, 2), "wall_vs_write_floor": round(wall / floor, 2),
+                  "cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "peak_rss_bytes": peak,
                   "peak_rss_gib": round(peak / 2 ** 30, 3), "elements": json.loads(stdout)["elements"]}
         print(json.dumps(result, indent=1))
     finally:
