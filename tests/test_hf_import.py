@@ -571,6 +571,8 @@ def test_hub_cache_snapshot_is_read_through_its_links(imported, tmp_path):
     for i, f in enumerate(sorted(source.iterdir())):
         shutil.copy(f, repo / "blobs" / f"blob{i}")
         (snapshot / f.name).symlink_to(Path("..") / ".." / "blobs" / f"blob{i}")
+    with pytest.raises(HFImportError, match="hub cache repository, not a model folder; pass one of its snapshots"):
+        import_hf(repo, tmp_path / "ucp", progress=False)
     summary = import_hf(snapshot, tmp_path / "ucp", progress=False)
     assert summary["megatron_flags"] == [f.replace(str(source), str(snapshot))
                                          for f in imported["qwen2"][2]["megatron_flags"]]

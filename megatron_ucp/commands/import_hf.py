@@ -661,6 +661,9 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
     if not 1 <= make_vocab_size_divisible_by <= MAX_VOCAB_MULTIPLE:
         _fail(f"--make-vocab-size-divisible-by {make_vocab_size_divisible_by}: must be 1-{MAX_VOCAB_MULTIPLE} "
               f"(Megatron-LM's default is 128; a run multiplies it by its TP when it loads the checkpoint)")
+    if not (root / "config.json").exists() and (root / "snapshots").is_dir():
+        _fail(f"{root}: is a Hugging Face hub cache repository, not a model folder; pass one of its snapshots "
+              f"({root / 'snapshots'}/REVISION)")
     cfg = _read_json(_inside(root, "config.json", root), "config.json")
     if not isinstance(cfg, dict):
         _fail(f"{root / 'config.json'}: not a JSON object; pass a Hugging Face model directory")
