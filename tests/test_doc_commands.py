@@ -20,6 +20,7 @@ fork server (tests/zygote.py) with the environment torchrun gives, in the direct
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shlex
@@ -149,7 +150,7 @@ class Launcher(threading.Thread):
         return {"DOCS_TORCHRUN_REQUEST": str(self.request), "DOCS_TORCHRUN_REPLY": str(self.reply)}
 
     def run(self) -> None:
-        for n in range(1, 1000):
+        for n in itertools.count(1):
             with open(self.request, "rb") as f:
                 request = f.read()
             if not request:  # stop()
@@ -191,11 +192,11 @@ def session_script(blocks: Sequence[Block], work: Path) -> str:
     """The blocks in one bash script: each heading's blocks in a directory of their own (see the module doc),
     each block between markers naming it."""
     lines = ["set -euo pipefail", TORCHRUN_FUNCTION]
-    heading, first = None, None
+    heading, first, sections = None, None, 0
     for block in blocks:
         if (block.doc, block.heading) != heading:
-            heading = (block.doc, block.heading)
-            here = work / f"{len(lines):04d}-{re.sub(r'[^A-Za-z0-9]+', '-', block.heading)[:40].strip('-')}"
+            heading, sections = (block.doc, block.heading), sections + 1
+            here = work / f"{sections:02d}-{re.sub(r'[^A-Za-z0-9]+', '-', block.heading)[:40].strip('-')}"
             lines.append(f"mkdir {shlex.quote(str(here))}")
             lines += [f"ln -s {shlex.quote(str(REPO / name))} {shlex.quote(str(here / name))}" for name in LINKED]
             if first is not None:
@@ -222,31 +223,65 @@ def test_the_command_blocks_are_found_and_marked_ones_say_why():
         f"the first block run must be USAGE.md's walkthrough, which trains {SEED}/ for the others"
 
 
+@dataclass(frozen=True)
+class Session:
+    returncode: int
+    log: Path
+    text: str
+
+    def markers(self, prefix: str) -> List[str]:
+        return [line[len(prefix):] for line in self.text.splitlines() if line.startswith(prefix)]
+
+    def failure(self) -> str:
+        began = self.markers(BEGIN)
+        tail = "\n".join(self.text.splitlines()[-60:])
+        return f"the block at {began[-1] if began else '(none)'} failed (exit {self.returncode}); log {self.log}:\n{tail}"
+
+
+def run_session(blocks: Sequence[Block], work: Path) -> Session:
+    """The blocks in one bash session (session_script) with the session's torchrun (Launcher)."""
+    work.mkdir(parents=True, exist_ok=True)
+    launcher = Launcher(work)
+    launcher.start()
+    env = {**os.environ, **launcher.env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # the environment the suite's other runs fork with (zygote)
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",  # megatron-ucp, python
+           "MEGATRON_UCP_CACHE": str(work / "cache")}  # the embedded corpus' dataset: not the user's cache
+    script, log = work / "session.sh", work / "session.log"
+    script.write_text(session_script(blocks, work))
+    try:
+        with open(log, "w") as out:
+            proc = subprocess.run(["bash", str(script)], cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=SESSION_TIMEOUT_S)
+    finally:
+        launcher.stop()
+    return Session(proc.returncode, log, log.read_text(errors="replace"))
+
+
+def test_the_session_stops_at_the_first_failure(tmp_path):
+    """Negative controls of the session itself (no training): a failing command ends it inside its block (the
+    blocks after it never run), so do an unset variable and a torchrun the launcher cannot start; a variable a
+    block sets serves the next block."""
+    def block(line: int, text: str) -> Block:
+        return Block("control.md", line, "one heading", text)
+
+    failing = run_session([block(1, "X=set-here\n"), block(2, "test \"$X\" = set-here\nfalse\necho after\n"),
+                           block(3, "echo never\n")], tmp_path / "failing")
+    assert failing.returncode == 1 and failing.markers(END) == ["control.md:1"], failing.failure()
+    assert "after" not in failing.text and "never" not in failing.text
+    unset = run_session([block(1, "echo $NOT_SET_BY_ANY_BLOCK\n")], tmp_path / "unset")
+    assert unset.returncode != 0 and "NOT_SET_BY_ANY_BLOCK: unbound variable" in unset.text, unset.failure()
+    nodes = run_session([block(1, "torchrun --nnodes 2 --nproc-per-node 1 x.py\n")], tmp_path / "nodes")
+    assert nodes.returncode == 1 and "torchrun --nnodes: the docs test launches one-node runs" in nodes.text, \
+        nodes.failure()
+
+
 @pytest.mark.torchrun
 def test_every_documented_command_runs_as_written(tmp_path):
     """The runnable blocks in one session (see the module docstring); passes when every command exits 0 and
     exactly RUN blocks ran to their end."""
     blocks = [b for b in command_blocks() if b.skip_reason is None]
     assert len(blocks) == RUN
-    launcher = Launcher(tmp_path)
-    launcher.start()
-    env = {**os.environ, **launcher.env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # the environment the suite's other runs fork with (zygote)
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",  # megatron-ucp, python
-           "MEGATRON_UCP_CACHE": str(tmp_path / "cache")}  # the embedded corpus' dataset: not the user's cache
-    script = tmp_path / "session.sh"
-    script.write_text(session_script(blocks, tmp_path))
-    output = tmp_path / "session.log"
-    try:
-        with open(output, "w") as out:
-            proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=SESSION_TIMEOUT_S)
-    finally:
-        launcher.stop()
-    text = output.read_text(errors="replace")
-    began = [line[len(BEGIN):] for line in text.splitlines() if line.startswith(BEGIN)]
-    ended = [line[len(END):] for line in text.splitlines() if line.startswith(END)]
-    tail = "\n".join(text.splitlines()[-60:])
-    assert proc.returncode == 0, f"the block at {began[-1] if began else '(none)'} failed (exit {proc.returncode}); " \
-                                 f"session log {output}:\n{tail}"
-    assert ended == [b.where for b in blocks], (ended, tail)
+    session = run_session(blocks, tmp_path)
+    assert session.returncode == 0, session.failure()
+    assert session.markers(END) == [b.where for b in blocks], session.failure()
