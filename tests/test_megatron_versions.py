@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from pretrain_runs import REPO
-from torch_dist_checks import gap_chunks, load_item, structure
+from torch_dist_checks import dcp_metadata, gap_chunks, load_item, structure
 
 from megatron_ucp.commands import from_universal as fu
 from megatron_ucp.convert import to_universal
@@ -168,6 +168,7 @@ def differences_from_megatron(ours: Path, theirs: Path, skip: set = frozenset())
     if mine != megatron:
         return [("structure", sorted(set(mine) ^ set(megatron))[:5])]
     md_ours, md_theirs = sp.load_dcp_metadata(ours), sp.load_dcp_metadata(theirs)
+    md_ours_dcp, md_theirs_dcp = dcp_metadata(ours), dcp_metadata(theirs)  # read once, not per chunk
     for key, entry in megatron.items():
         if entry == ("bytes",):
             a, b = (_plain(sp.load_dcp_item(md, sp.DcpIndex(key))) for md in (md_ours, md_theirs))
@@ -177,7 +178,7 @@ def differences_from_megatron(ours: Path, theirs: Path, skip: set = frozenset())
         for offsets, _ in entry[2]:
             if (key, offsets) in skip:
                 continue
-            a, b = load_item(ours, key, offsets), load_item(theirs, key, offsets)
+            a, b = load_item(ours, key, offsets, md_ours_dcp), load_item(theirs, key, offsets, md_theirs_dcp)
             if a.dtype != b.dtype or not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
                 found.append((key, offsets))
     if (ours / "metadata.json").read_text() != (theirs / "metadata.json").read_text():

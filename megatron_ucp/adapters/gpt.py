@@ -58,6 +58,13 @@ OUTPUT_LAYER = "output_layer.weight"
 LAYER_PREFIX = "decoder.layers."
 
 PRE, LAYER, POST = "pre", "layer", "post"  # where a row lives: first chunk, every layer, last chunk
+# A multi-token prediction layer's own rows (before and after its inner transformer layer, whose rows are the
+# LAYER rows): on the last chunk, between the decoder's final norm and the output layer
+MTP_PRE, MTP_POST = "mtp_pre", "mtp_post"
+MTP_PREFIX = "mtp.layers."
+# The MTP layer's inner transformer layer: the module megatron-core >= 0.17 names it (the canonical spelling),
+# and what torch_dist (every release) and legacy files of releases <= 0.16 call it
+MTP_INNER, MTP_INNER_SAVED = "mtp_model_layer", "transformer_layer"
 
 
 class UnknownParameterError(ValueError):
@@ -88,6 +95,12 @@ class ParamRule:
     kind: str = ANY  # ANY | DENSE | MOE (LAYER rows)
     expert_tp: bool = False  # split over the expert-TP group (routed experts) instead of TP
     buffer: bool = False  # a persistent buffer (in state dicts, no gradient, no optimizer state)
+    # Other spellings megatron-core uses for this parameter (readers accept them), e.g. MLA's query norm fused
+    # into TransformerEngine's up projection
+    aliases: Tuple[str, ...] = ()
+    # The torch_dist spelling when it depends on the model's spec (transformer_impl, MLA) or on whether the
+    # layer is MoE: a function of (config, moe layer); default `dist`
+    dist_by: Optional[Callable[[GPTModelConfig, bool], str]] = None
 
     @property
     def te(self) -> str:
@@ -96,6 +109,10 @@ class ParamRule:
     @property
     def dist(self) -> str:
         return self.dist_name or self.te
+
+    def dist_for(self, config: Optional[GPTModelConfig], moe_layer: bool) -> str:
+        """The torch_dist spelling megatron-core writes for this row in a model of `config`."""
+        return self.dist_by(config, moe_layer) if self.dist_by is not None and config is not None else self.dist
 
     @property
     def expert(self) -> bool:
@@ -116,6 +133,45 @@ def _qkv_pattern(c: GPTModelConfig) -> GroupedQKV:
         raise ValueError(f"num_attention_heads={c.num_attention_heads} is not divisible by num_query_groups="
                          f"{c.num_query_groups}; the model config is invalid")
     return GroupedQKV(c.num_query_groups, c.num_attention_heads // c.num_query_groups, c.kv_channels)
+
+
+def _gpt_attention(c: GPTModelConfig) -> bool:
+    return not c.multi_latent_attention
+
+
+def _mla_with(*needs: Callable[[GPTModelConfig], bool]) -> Callable[[GPTModelConfig], bool]:
+    return lambda c: c.multi_latent_attention and all(need(c) for need in needs)
+
+
+def _q_lora(c: GPTModelConfig) -> bool:
+    return c.q_lora_rank is not None
+
+
+def _mla_down_proj_pattern(c: GPTModelConfig) -> Pattern:
+    """MLA's q/kv down projections: megatron-core's local spec builds them column-parallel (each TP rank computes
+    a slice of the compressed vector, then gathers it), TransformerEngine's spec as duplicated linears."""
+    return Sharded(0) if c.transformer_impl == "local" else Replicated()
+
+
+def _te_spec(c: GPTModelConfig) -> bool:
+    return c.transformer_impl != "local"
+
+
+def _norm_spelling(fused: str, separate: str, *, fused_when: Callable[[GPTModelConfig, bool], bool]
+                   ) -> Callable[[GPTModelConfig, bool], str]:
+    """A norm's torch_dist spelling: inside the next linear (TE's LayerNormLinear, or the local spec's key map
+    onto it) or as its own module."""
+    return lambda c, moe: fused if fused_when(c, moe) else separate
+
+
+def _pre_mlp_norm_fused(c: GPTModelConfig, moe: bool) -> bool:
+    # TE spec: fused into a dense layer's linear_fc1, its own module before MoE. Local spec: the key map spells it
+    # fused for GPT attention layers; MLA's local layer spec has no key map.
+    return not moe if _te_spec(c) else not c.multi_latent_attention
+
+
+def _mla_norm_fused(c: GPTModelConfig, moe: bool) -> bool:
+    return _te_spec(c)  # TE spec: MLA's q / kv norms are fused into the up projections
 
 
 def _fc1_rows(c: GPTModelConfig) -> int:
@@ -140,6 +196,14 @@ def _h(c: GPTModelConfig) -> Shape:
 
 def _head(c: GPTModelConfig) -> Shape:
     return (c.kv_channels,)
+
+
+def _q_norm_shape(c: GPTModelConfig) -> Shape:
+    return (c.q_lora_rank,) if c.multi_latent_attention else (c.kv_channels,)
+
+
+def _mtp(c: GPTModelConfig) -> bool:
+    return bool(c.mtp_num_layers)
 
 
 def _replicated(c: GPTModelConfig) -> Pattern:
@@ -167,33 +231,87 @@ _EXPERTS = "mlp.experts.local_experts." + EXPERT
 
 
 # Registration order: TransformerLayer.__init__ builds input_layernorm, self_attention (Attention.__init__
-# builds linear_proj, then SelfAttention adds linear_qkv, q_layernorm, k_layernorm), pre_mlp_layernorm,
-# mlp (linear_fc1, linear_fc2); checked against megatron-core and real checkpoints (tests/test_adapter_gpt.py).
+# builds linear_proj, then SelfAttention adds linear_qkv, q_layernorm, k_layernorm; MLASelfAttention adds
+# linear_q_proj or linear_q_down_proj + linear_q_up_proj, then linear_kv_down_proj, linear_kv_up_proj, q_layernorm,
+# kv_layernorm), pre_mlp_layernorm, mlp (linear_fc1, linear_fc2); a multi-token prediction layer builds enorm,
+# hnorm, eh_proj, its transformer layer, final_layernorm; checked against megatron-core and real checkpoints
+# (tests/test_adapter_gpt.py, tests/test_mla_mtp.py).
 RULES: Tuple[ParamRule, ...] = (
     ParamRule(WORD_EMBEDDINGS, PRE, lambda c: (c.padded_vocab_size, c.hidden_size), lambda c: VocabSharded(),
               decoupled_lr=True),
     ParamRule(POSITION_EMBEDDINGS, PRE, lambda c: (c.max_position_embeddings, c.hidden_size), _replicated,
               present=lambda c: c.position_embedding_type == "learned_absolute"),
+    # MLA layers keep the input norm as a module of its own in both specs
     ParamRule("input_layernorm.weight", LAYER, _h, _replicated,
-              te_name="self_attention.linear_qkv.layer_norm_weight"),
+              te_name="self_attention.linear_qkv.layer_norm_weight",
+              dist_by=_norm_spelling("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight",
+                                     fused_when=lambda c, moe: _gpt_attention(c))),
     ParamRule("input_layernorm.bias", LAYER, _h, _replicated, present=_layer_norm_bias,
-              te_name="self_attention.linear_qkv.layer_norm_bias"),
-    ParamRule("self_attention.linear_proj.weight", LAYER, lambda c: (c.hidden_size, c.query_projection_size),
+              te_name="self_attention.linear_qkv.layer_norm_bias",
+              dist_by=_norm_spelling("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias",
+                                     fused_when=lambda c, moe: _gpt_attention(c))),
+    ParamRule("self_attention.linear_proj.weight", LAYER, lambda c: (c.hidden_size, c.attention_output_size),
               lambda c: Sharded(1), linear=True),
     ParamRule("self_attention.linear_proj.bias", LAYER, _h, _replicated, present=_bias, linear=True),
     ParamRule("self_attention.linear_qkv.weight", LAYER, lambda c: (_qkv_rows(c), c.hidden_size), _qkv_pattern,
-              linear=True),
-    ParamRule("self_attention.linear_qkv.bias", LAYER, lambda c: (_qkv_rows(c),), _qkv_pattern, present=_qkv_bias,
-              linear=True),
-    ParamRule("self_attention.q_layernorm.weight", LAYER, _head, _replicated, present=lambda c: c.qk_layernorm),
-    ParamRule("self_attention.q_layernorm.bias", LAYER, _head, _replicated,
-              present=lambda c: c.qk_layernorm and _layer_norm_bias(c)),
-    ParamRule("self_attention.k_layernorm.weight", LAYER, _head, _replicated, present=lambda c: c.qk_layernorm),
+              present=_gpt_attention, linear=True),
+    ParamRule("self_attention.linear_qkv.bias", LAYER, lambda c: (_qkv_rows(c),), _qkv_pattern,
+              present=lambda c: _gpt_attention(c) and _qkv_bias(c), linear=True),
+    # Multi-latent attention: column-parallel up projections whose rows are whole heads ([q_nope; q_rope] per
+    # query head, [k_nope; v] per key/value head), so an even split over TP is a split of heads
+    # TransformerEngine's spec only (the local spec refuses --qk-layernorm without --q-lora-rank): a norm over the
+    # hidden state fused into the query projection
+    ParamRule("self_attention.linear_q_proj.layer_norm_weight", LAYER, _h, _replicated,
+              present=_mla_with(lambda c: not _q_lora(c), lambda c: c.qk_layernorm, _te_spec)),
+    ParamRule("self_attention.linear_q_proj.layer_norm_bias", LAYER, _h, _replicated,
+              present=_mla_with(lambda c: not _q_lora(c), lambda c: c.qk_layernorm, _te_spec, _layer_norm_bias)),
+    ParamRule("self_attention.linear_q_proj.weight", LAYER,
+              lambda c: (c.num_attention_heads * c.mla_q_head_dim, c.hidden_size), lambda c: Sharded(0),
+              present=_mla_with(lambda c: not _q_lora(c)), linear=True),
+    ParamRule("self_attention.linear_q_down_proj.weight", LAYER, lambda c: (c.q_lora_rank, c.hidden_size),
+              _mla_down_proj_pattern, present=_mla_with(_q_lora), linear=True),
+    ParamRule("self_attention.linear_q_up_proj.weight", LAYER,
+              lambda c: (c.num_attention_heads * c.mla_q_head_dim, c.q_lora_rank), lambda c: Sharded(0),
+              present=_mla_with(_q_lora), linear=True),
+    ParamRule("self_attention.linear_kv_down_proj.weight", LAYER,
+              lambda c: (c.kv_lora_rank + c.qk_pos_emb_head_dim, c.hidden_size), _mla_down_proj_pattern,
+              present=_mla_with(), linear=True),
+    ParamRule("self_attention.linear_kv_up_proj.weight", LAYER,
+              lambda c: (c.num_attention_heads * (c.qk_head_dim + c.v_head_dim), c.kv_lora_rank),
+              lambda c: Sharded(0), present=_mla_with(), linear=True),
+    # q_layernorm: per head (GPT attention) or over the compressed query (MLA, with --q-lora-rank)
+    ParamRule("self_attention.q_layernorm.weight", LAYER, _q_norm_shape, _replicated,
+              present=lambda c: c.qk_layernorm and (_gpt_attention(c) or _q_lora(c)),
+              aliases=("self_attention.linear_q_up_proj.layer_norm_weight",),
+              dist_by=lambda c, moe: ("self_attention.linear_q_up_proj.layer_norm_weight"
+                                      if c.multi_latent_attention and _mla_norm_fused(c, moe)
+                                      else "self_attention.q_layernorm.weight")),
+    ParamRule("self_attention.q_layernorm.bias", LAYER, _q_norm_shape, _replicated,
+              present=lambda c: c.qk_layernorm and (_gpt_attention(c) or _q_lora(c)) and _layer_norm_bias(c),
+              aliases=("self_attention.linear_q_up_proj.layer_norm_bias",),
+              dist_by=lambda c, moe: ("self_attention.linear_q_up_proj.layer_norm_bias"
+                                      if c.multi_latent_attention and _mla_norm_fused(c, moe)
+                                      else "self_attention.q_layernorm.bias")),
+    ParamRule("self_attention.k_layernorm.weight", LAYER, _head, _replicated,
+              present=lambda c: c.qk_layernorm and _gpt_attention(c)),
     ParamRule("self_attention.k_layernorm.bias", LAYER, _head, _replicated,
-              present=lambda c: c.qk_layernorm and _layer_norm_bias(c)),
-    ParamRule("pre_mlp_layernorm.weight", LAYER, _h, _replicated, te_name="mlp.linear_fc1.layer_norm_weight"),
+              present=lambda c: c.qk_layernorm and _gpt_attention(c) and _layer_norm_bias(c)),
+    ParamRule("self_attention.kv_layernorm.weight", LAYER, lambda c: (c.kv_lora_rank,), _replicated,
+              present=_mla_with(lambda c: c.qk_layernorm), aliases=("self_attention.linear_kv_up_proj.layer_norm_weight",),
+              dist_by=_norm_spelling("self_attention.linear_kv_up_proj.layer_norm_weight",
+                                     "self_attention.kv_layernorm.weight", fused_when=_mla_norm_fused)),
+    ParamRule("self_attention.kv_layernorm.bias", LAYER, lambda c: (c.kv_lora_rank,), _replicated,
+              present=_mla_with(lambda c: c.qk_layernorm, _layer_norm_bias),
+              aliases=("self_attention.linear_kv_up_proj.layer_norm_bias",),
+              dist_by=_norm_spelling("self_attention.linear_kv_up_proj.layer_norm_bias",
+                                     "self_attention.kv_layernorm.bias", fused_when=_mla_norm_fused)),
+    ParamRule("pre_mlp_layernorm.weight", LAYER, _h, _replicated, te_name="mlp.linear_fc1.layer_norm_weight",
+              dist_by=_norm_spelling("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight",
+                                     fused_when=_pre_mlp_norm_fused)),
     ParamRule("pre_mlp_layernorm.bias", LAYER, _h, _replicated, present=_layer_norm_bias,
-              te_name="mlp.linear_fc1.layer_norm_bias"),
+              te_name="mlp.linear_fc1.layer_norm_bias",
+              dist_by=_norm_spelling("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias",
+                                     fused_when=_pre_mlp_norm_fused)),
     ParamRule("mlp.linear_fc1.weight", LAYER, lambda c: (_fc1_rows(c), c.hidden_size), _fc1_pattern, linear=True,
               kind=DENSE),
     ParamRule("mlp.linear_fc1.bias", LAYER, lambda c: (_fc1_rows(c),), _fc1_pattern, present=_bias, linear=True,
@@ -230,20 +348,37 @@ RULES: Tuple[ParamRule, ...] = (
               present=_shared, linear=True, kind=MOE),
     ParamRule("mlp.shared_experts.linear_fc2.bias", LAYER, _h, _replicated,
               present=lambda c: _shared(c) and c.add_bias_linear, linear=True, kind=MOE),
+    # Multi-token prediction layer k: mtp.layers.<k>.<name> (MTP_PRE rows, then its transformer layer's LAYER
+    # rows under mtp.layers.<k>.mtp_model_layer., then MTP_POST rows)
+    ParamRule("enorm.weight", MTP_PRE, _h, _replicated, present=_mtp),
+    ParamRule("enorm.bias", MTP_PRE, _h, _replicated, present=lambda c: _mtp(c) and _layer_norm_bias(c)),
+    ParamRule("hnorm.weight", MTP_PRE, _h, _replicated, present=_mtp),
+    ParamRule("hnorm.bias", MTP_PRE, _h, _replicated, present=lambda c: _mtp(c) and _layer_norm_bias(c)),
+    ParamRule("eh_proj.weight", MTP_PRE, lambda c: (c.hidden_size, 2 * c.hidden_size), lambda c: Sharded(0),
+              present=_mtp, linear=True),  # column-parallel: [embedding; hidden state] -> hidden
+    ParamRule("final_layernorm.weight", MTP_POST, _h, _replicated, present=_mtp),
+    ParamRule("final_layernorm.bias", MTP_POST, _h, _replicated, present=lambda c: _mtp(c) and _layer_norm_bias(c)),
     ParamRule("decoder.final_layernorm.weight", POST, _h, _replicated),
     ParamRule("decoder.final_layernorm.bias", POST, _h, _replicated, present=_layer_norm_bias),
     ParamRule(OUTPUT_LAYER, POST, lambda c: (c.padded_vocab_size, c.hidden_size), lambda c: VocabSharded(),
               present=lambda c: not c.tied, linear=True, decoupled_lr=True),
 )
 
-_BY_NAME: Dict[Tuple[str, str], ParamRule] = {}  # (LAYER | "top", spelling) -> row, for rows without an index
+_MTP_SCOPES = (MTP_PRE, MTP_POST)
+
+
+def _site_of(rule: ParamRule) -> str:
+    return LAYER if rule.scope == LAYER else "mtp" if rule.scope in _MTP_SCOPES else "top"
+
+
+_BY_NAME: Dict[Tuple[str, str], ParamRule] = {}  # (LAYER | "mtp" | "top", spelling) -> row, rows without an index
 _EXPERT_SPELLINGS: List[Tuple["re.Pattern[str]", ParamRule]] = []  # routed expert rows, by regex
 for _rule in RULES:
-    for _spelling in {_rule.name, _rule.te}:
+    for _spelling in {_rule.name, _rule.te, *_rule.aliases}:
         if _rule.expert:
             _EXPERT_SPELLINGS.append((re.compile(re.escape(_spelling).replace(re.escape(EXPERT), r"(\d+)")), _rule))
         else:
-            _BY_NAME[(LAYER if _rule.scope == LAYER else "top", _spelling)] = _rule
+            assert _BY_NAME.setdefault((_site_of(_rule), _spelling), _rule) is _rule, f"two rows spell {_spelling}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -264,9 +399,18 @@ def _unknown(name: str, why: str = "") -> UnknownParameterError:
         "in megatron_ucp/adapters/gpt.py rather than guessing its layout")
 
 
-def _split_layer(name: str) -> Optional[Tuple[int, str]]:
-    m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
-    return (int(m.group(1)), m.group(2)) if m else None
+@dataclass(frozen=True)
+class _Name:
+    """A parameter name taken apart: its row, its decoder layer or MTP layer index, its expert index."""
+
+    rule: ParamRule
+    layer: Optional[int] = None  # decoder layer (LAYER rows)
+    mtp: Optional[int] = None  # multi-token prediction layer (MTP rows, and LAYER rows of its transformer layer)
+    expert: Optional[int] = None
+
+
+_DECODER_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.(?:(" + MTP_INNER + "|" + MTP_INNER_SAVED + r")\.)?(.+)")
 
 
 def _match_suffix(suffix: str) -> Optional[Tuple[ParamRule, Optional[int]]]:
@@ -281,41 +425,64 @@ def _match_suffix(suffix: str) -> Optional[Tuple[ParamRule, Optional[int]]]:
     return None
 
 
-def _resolve(name: str) -> Tuple[ParamRule, Optional[int], Optional[int]]:
-    """(row, layer index or None, expert index or None) of a name in any spelling."""
-    layer = _split_layer(name)
-    if layer is None:
-        rule = _BY_NAME.get(("top", name))
-        if rule is None:
+def _resolve(name: str) -> _Name:
+    """A name in any spelling (local, TE, torch_dist; decoder or MTP layer), taken apart."""
+    m = _DECODER_LAYER.fullmatch(name)
+    if m:
+        found = _match_suffix(m.group(2))
+        if found is None:
             raise _unknown(name)
-        return rule, None, None
-    found = _match_suffix(layer[1])
-    if found is None:
+        return _Name(found[0], layer=int(m.group(1)), expert=found[1])
+    m = _MTP_LAYER.fullmatch(name)
+    if m:
+        if m.group(2):  # the MTP layer's transformer layer
+            found = _match_suffix(m.group(3))
+        else:
+            rule = _BY_NAME.get(("mtp", m.group(3)))
+            found = (rule, None) if rule is not None else None
+        if found is None:
+            raise _unknown(name)
+        return _Name(found[0], mtp=int(m.group(1)), expert=found[1])
+    rule = _BY_NAME.get(("top", name))
+    if rule is None:
         raise _unknown(name)
-    return found[0], layer[0], found[1]
+    return _Name(rule)
 
 
 def rule_for(name: str) -> ParamRule:
     """The row of a parameter name in any spelling (local or TE, any layer or expert index)."""
-    return _resolve(name)[0]
+    return _resolve(name).rule
 
 
-def _spell(rule: ParamRule, spelling: str, layer: Optional[int], expert: Optional[int]) -> str:
+def _spell(rule: ParamRule, spelling: str, layer: Optional[int] = None, expert: Optional[int] = None, *,
+           mtp: Optional[int] = None, inner: str = MTP_INNER) -> str:
+    """A row's name with its indices: decoder layer `layer`, or MTP layer `mtp` (its transformer layer's rows under
+    `inner`), expert `expert`."""
     if expert is not None:
         spelling = spelling.replace(EXPERT, str(expert))
+    if mtp is not None:
+        return f"{MTP_PREFIX}{mtp}.{inner + '.' if rule.scope == LAYER else ''}{spelling}"
     return spelling if layer is None else f"{LAYER_PREFIX}{layer}.{spelling}"
 
 
-def _local_spelling(name: str) -> str:
-    """A name in the local-spec spelling (same indices)."""
-    rule, layer, expert = _resolve(name)
-    return _spell(rule, rule.name, layer, expert)
+def local_spelling(name: str) -> str:
+    """A name in the local-spec spelling of megatron-core 0.19 (same indices): TE-spec norms, older releases' MTP
+    module names, aliases."""
+    n = _resolve(name)
+    return _spell(n.rule, n.rule.name, n.layer, n.expert, mtp=n.mtp)
+
+
+def mtp_inner_spelling(name: str, inner: str) -> str:
+    """A local-spec name with an MTP layer's transformer layer spelled `inner` (MTP_INNER or MTP_INNER_SAVED:
+    what a release's legacy files call it); other names unchanged."""
+    n = _resolve(name)
+    return _spell(n.rule, n.rule.name, n.layer, n.expert, mtp=n.mtp, inner=inner)
 
 
 def te_name(canonical_or_local: str) -> str:
     """The TransformerEngine-spec spelling of a local-spec name (norms fused into linears, grouped experts)."""
-    rule, layer, expert = _resolve(canonical_or_local)
-    return _spell(rule, rule.te, layer, expert)
+    n = _resolve(canonical_or_local)
+    return _spell(n.rule, n.rule.te, n.layer, n.expert, mtp=n.mtp)
 
 
 def is_expert(name: str) -> bool:
@@ -451,14 +618,41 @@ def expert_location(expert: int, config: GPTModelConfig, layout: ParallelLayout)
 # Canonical names <-> where the model keeps them
 
 
-def _check_layer_kind(rule: ParamRule, global_layer: int, config: Optional[GPTModelConfig], name: str) -> None:
-    if config is None or rule.kind == ANY:
+def _layer_is_moe(config: GPTModelConfig, n: _Name) -> bool:
+    """Whether the layer a name lives in is an MoE layer: its decoder layer, or for an MTP layer the decoder's
+    last layer, whose spec megatron-core's MTP block reuses (get_gpt_mtp_block_spec)."""
+    return config.moe_layers[-1 if n.mtp is not None else n.layer]
+
+
+def _check_layer_kind(n: _Name, config: Optional[GPTModelConfig], name: str) -> None:
+    if config is None or n.rule.kind == ANY:
         return
-    moe = config.moe_layers[global_layer]
-    if moe != (rule.kind == MOE):
-        raise LayoutError(f"{name!r} belongs to {'a dense' if rule.kind == DENSE else 'an MoE'} layer but global "
-                          f"layer {global_layer} is {'MoE' if moe else 'dense'} (moe_layer_freq="
-                          f"{config.moe_layer_freq}); the checkpoint and its args disagree")
+    moe = _layer_is_moe(config, n)
+    if moe != (n.rule.kind == MOE):
+        which = f"MTP layer {n.mtp} (built like the last decoder layer)" if n.mtp is not None else \
+            f"global layer {n.layer}"
+        raise LayoutError(f"{name!r} belongs to {'a dense' if n.rule.kind == DENSE else 'an MoE'} layer but {which} is "
+                          f"{'MoE' if moe else 'dense'} (moe_layer_freq={config.moe_layer_freq}); the checkpoint and "
+                          f"its args disagree")
+
+
+def _global_expert(n: _Name, name: str, config: Optional[GPTModelConfig], layout: ParallelLayout,
+                   ep_rank: int) -> Optional[int]:
+    if n.expert is None:
+        return None
+    if config is None:
+        raise ValueError(f"{name!r} is a routed expert: pass the model config to name it")
+    per = experts_per_rank(config, layout)
+    if n.expert >= per:
+        raise LayoutError(f"{name!r} on EP rank {ep_rank}: local expert {n.expert} but each EP rank holds "
+                          f"{per} of num_experts={config.num_experts}; the checkpoint has another EP")
+    return n.expert + ep_rank * per
+
+
+def _mtp_copy_of_embedding(config: Optional[GPTModelConfig], layout: ParallelLayout) -> bool:
+    """Whether the last chunk keeps its own copy of the word embeddings for multi-token prediction (MTP layers
+    embed the shifted tokens; megatron-core all-reduces the copy's gradients with the first stage's)."""
+    return config is not None and _mtp(config) and layout.last_chunk != (0, 0)
 
 
 def canonical_name(local_name: str, layout: ParallelLayout, pp_rank: int, vpp_chunk: Optional[int],
@@ -469,63 +663,74 @@ def canonical_name(local_name: str, layout: ParallelLayout, pp_rank: int, vpp_ch
 
     Returns None only for `is_ignorable` entries; unknown names raise UnknownParameterError and names
     that cannot live on this chunk raise LayoutError. With `tied`, the last chunk's
-    `output_layer.weight` is the copy of `embedding.word_embeddings.weight`. Routed experts need `config`
-    (experts per EP rank)."""
+    `output_layer.weight` is the copy of `embedding.word_embeddings.weight`; with multi-token prediction so is
+    the last chunk's own `embedding.word_embeddings.weight`. Routed experts and MTP layers need `config`."""
     if is_ignorable(local_name):
         return None
     chunk = layout.check_chunk(pp_rank, vpp_chunk)
     where = f"pp_rank={pp_rank} vpp_chunk={chunk} of {layout.describe()}"
-    rule, local_layer, expert = _resolve(local_name)
-    if local_layer is not None:
+    n = _resolve(local_name)
+    if n.layer is not None:
         layers = chunk_layers(num_layers, layout, pp_rank, chunk)
-        if local_layer >= len(layers):
-            raise LayoutError(f"{local_name!r} on {where}: local layer {local_layer} but this chunk holds "
+        if n.layer >= len(layers):
+            raise LayoutError(f"{local_name!r} on {where}: local layer {n.layer} but this chunk holds "
                               f"{len(layers)} of num_layers={num_layers}; the checkpoint has another layout")
-        global_layer = layers[local_layer]
-        _check_layer_kind(rule, global_layer, config, local_name)
-        if expert is not None:
-            if config is None:
-                raise ValueError(f"{local_name!r} is a routed expert: pass the model config to name it")
-            per = experts_per_rank(config, layout)
-            if expert >= per:
-                raise LayoutError(f"{local_name!r} on EP rank {ep_rank}: local expert {expert} but each EP rank holds "
-                                  f"{per} of num_experts={config.num_experts}; the checkpoint has another EP")
-            expert += ep_rank * per
-        return _spell(rule, rule.name, global_layer, expert)
-    if rule.scope == PRE and not layout.is_first_chunk(pp_rank, chunk):
+        global_layer = layers[n.layer]
+        n = _Name(n.rule, layer=global_layer, expert=n.expert)
+        _check_layer_kind(n, config, local_name)
+        return _spell(n.rule, n.rule.name, global_layer, _global_expert(n, local_name, config, layout, ep_rank))
+    if n.mtp is not None:
+        if config is None or not n.mtp < (config.mtp_num_layers or 0):
+            raise LayoutError(f"{local_name!r}: MTP layer {n.mtp} but the model has mtp_num_layers="
+                              f"{config and config.mtp_num_layers}; the checkpoint and its args disagree")
+        if not layout.is_last_chunk(pp_rank, chunk):
+            raise LayoutError(f"{local_name!r} found on {where}, but megatron-core builds the MTP layers on the last "
+                              "chunk only; the checkpoint has another pipeline layout")
+        _check_layer_kind(n, config, local_name)
+        return _spell(n.rule, n.rule.name, expert=_global_expert(n, local_name, config, layout, ep_rank), mtp=n.mtp)
+    if (n.rule.name == WORD_EMBEDDINGS and _mtp_copy_of_embedding(config, layout)
+            and layout.is_last_chunk(pp_rank, chunk)):
+        return WORD_EMBEDDINGS
+    if n.rule.scope == PRE and not layout.is_first_chunk(pp_rank, chunk):
         raise LayoutError(f"{local_name!r} found on {where}, but only pp_rank=0 vpp_chunk=0 holds the "
                           "embedding; the checkpoint has another pipeline layout")
-    if rule.scope == POST and not layout.is_last_chunk(pp_rank, chunk):
+    if n.rule.scope == POST and not layout.is_last_chunk(pp_rank, chunk):
         raise LayoutError(f"{local_name!r} found on {where}, but only the last chunk holds it; "
                           "the checkpoint has another pipeline layout")
-    if rule.name == OUTPUT_LAYER and tied:
+    if n.rule.name == OUTPUT_LAYER and tied:
         return WORD_EMBEDDINGS
-    return rule.name
+    return n.rule.name
 
 
 def local_name(canonical: str, layout: ParallelLayout, num_layers: int, *, tied: bool = False,
                config: Optional[GPTModelConfig] = None) -> List[Tuple[int, int, str]]:
     """Where a canonical parameter lives: [(pp_rank, vpp_chunk, local-spec name)] (vpp_chunk is 0
-    without VPP). A tied word embedding has two places when the first and last chunks differ. A routed
-    expert's local name has its local index (its EP rank: `expert_location`; needs `config`)."""
-    rule, layer, expert = _resolve(canonical)
-    if layer is not None:
-        pp_rank, chunk, local = layer_location(layer, num_layers, layout)
-        if expert is not None:
-            if config is None:
-                raise ValueError(f"{canonical!r} is a routed expert: pass the model config to place it")
-            expert = expert_location(expert, config, layout)[1]
-        return [(pp_rank, chunk, _spell(rule, rule.name, local, expert))]
+    without VPP). A tied word embedding has two places when the first and last chunks differ, and so has the
+    word embedding of a model with multi-token prediction. A routed expert's local name has its local index (its
+    EP rank: `expert_location`; needs `config`)."""
+    n = _resolve(canonical)
+    expert = n.expert
+    if expert is not None:
+        if config is None:
+            raise ValueError(f"{canonical!r} is a routed expert: pass the model config to place it")
+        expert = expert_location(expert, config, layout)[1]
+    if n.layer is not None:
+        pp_rank, chunk, local = layer_location(n.layer, num_layers, layout)
+        return [(pp_rank, chunk, _spell(n.rule, n.rule.name, local, expert))]
     check_pipeline(num_layers, layout)
-    if rule.scope == PRE:
-        places = [(0, 0, rule.name)]
-        if rule.name == WORD_EMBEDDINGS and tied and layout.last_chunk != (0, 0):
+    if n.mtp is not None:
+        return [(*layout.last_chunk, _spell(n.rule, n.rule.name, expert=expert, mtp=n.mtp))]
+    if n.rule.scope == PRE:
+        places = [(0, 0, n.rule.name)]
+        if n.rule.name == WORD_EMBEDDINGS and _mtp_copy_of_embedding(config, layout):
+            places.append((*layout.last_chunk, WORD_EMBEDDINGS))
+        elif n.rule.name == WORD_EMBEDDINGS and tied and layout.last_chunk != (0, 0):
             places.append((*layout.last_chunk, OUTPUT_LAYER))
         return places
-    if rule.name == OUTPUT_LAYER and tied:
+    if n.rule.name == OUTPUT_LAYER and tied:
         raise UnknownParameterError(f"{OUTPUT_LAYER!r} is not canonical in a tied model; its canonical "
                                     f"tensor is {WORD_EMBEDDINGS!r}")
-    return [(*layout.last_chunk, rule.name)]
+    return [(*layout.last_chunk, n.rule.name)]
 
 
 def torch_dist_stacked(config: GPTModelConfig) -> bool:
@@ -536,18 +741,32 @@ def torch_dist_stacked(config: GPTModelConfig) -> bool:
 
 
 def torch_dist_keys(canonical: str, config: Optional[GPTModelConfig] = None) -> List[Tuple[str, Tuple[int, ...]]]:
-    """Where torch_dist saves a canonical parameter: [(key, indices on its leading axes)], the key megatron-core
-    0.16.1's local spec writes first, then other spellings a reader should accept (the TE spec saves an MoE
-    layer's unfused pre-MLP norm under its local name). Leading axes: the global layer when layers are
-    stacked, then the global expert for routed experts."""
-    rule, layer, expert = _resolve(canonical)
-    if layer is None:
+    """Where torch_dist saves a canonical parameter: [(key, indices on its leading axes)], the key megatron-core's
+    spec of the model (config.transformer_impl, MLA, the layer's kind) writes first, then other spellings a reader
+    should accept (the other spec's, the local name). Leading axes: the global layer when decoder layers are
+    stacked, then the global expert for routed experts. An MTP layer is never stacked: its transformer layer is
+    saved under mtp.layers.<k>.transformer_layer. in every release."""
+    n = _resolve(canonical)
+    rule = n.rule
+    if n.layer is None and n.mtp is None:
         return [(rule.name, ())]
-    experts = () if expert is None else (expert,)
-    spellings = [rule.dist] + ([rule.name] if rule.kind == ANY and rule.name != rule.dist else [])
+    experts = () if n.expert is None else (n.expert,)
+    first = rule.dist_for(config, config is not None and _layer_is_moe(config, n))
+    others = [rule.dist] + ([rule.name] if not rule.expert else []) + list(rule.aliases)
+    spellings = [first] + [s for i, s in enumerate(others) if s != first and s not in others[:i]]
+    if n.mtp is not None:
+        return [(_spell(rule, s, mtp=n.mtp, inner=MTP_INNER_SAVED), experts) for s in spellings]
     if config is None or torch_dist_stacked(config):
-        return [(LAYER_PREFIX + s, (layer,) + experts) for s in spellings]
-    return [(f"{LAYER_PREFIX}{layer}.{s}", experts) for s in spellings]
+        return [(LAYER_PREFIX + s, (n.layer,) + experts) for s in spellings]
+    return [(f"{LAYER_PREFIX}{n.layer}.{s}", experts) for s in spellings]
+
+
+def torch_dist_lead_shape(canonical: str, config: GPTModelConfig) -> Tuple[int, ...]:
+    """Sizes of the leading axes torch_dist puts before a canonical parameter's own (torch_dist_keys' indices):
+    the layer axis of stacked decoder layers, then the expert axis of routed experts."""
+    n = _resolve(canonical)
+    layers = (config.num_layers,) if n.layer is not None and torch_dist_stacked(config) else ()
+    return layers + ((config.num_experts,) if n.expert is not None else ())
 
 
 def torch_dist_key(canonical: str, config: Optional[GPTModelConfig] = None) -> Tuple[str, Tuple[int, ...]]:
@@ -564,6 +783,12 @@ def _check_supported(config: GPTModelConfig) -> None:
         raise ValueError(f"normalization={config.normalization!r} is not supported; use LayerNorm or RMSNorm")
     if config.position_embedding_type not in ("learned_absolute", "rope", "none"):
         raise ValueError(f"position_embedding_type={config.position_embedding_type!r} is not supported")
+    if config.mtp_num_layers and config.position_embedding_type == "learned_absolute":
+        # megatron-core builds a second position-embedding table on the MTP stage and never synchronises it with
+        # the first stage's: one model at PP1, two at PP > 1; no layout-independent form exists
+        raise ValueError("multi-token prediction with learned absolute position embeddings is not supported "
+                         "(megatron-core keeps an unsynchronised second table on the MTP stage at PP > 1); "
+                         "use --position-embedding-type rope or none")
     config.moe_layers  # a bad moe_layer_freq raises here with its fix
 
 
@@ -573,10 +798,9 @@ def _rows(config: GPTModelConfig) -> Tuple[ParamRule, ...]:
     return tuple(r for r in RULES if r.present(config))
 
 
-def _layer_entries(config: GPTModelConfig, layer: int, experts: Sequence[int]) -> List[Tuple[ParamRule, Optional[int]]]:
-    """(row, expert index) of one layer in registration order: routed experts one after the other, each
-    with all its rows (SequentialMLP's local_experts), for the expert indices given."""
-    moe = config.moe_layers[layer]
+def _layer_entries(config: GPTModelConfig, moe: bool, experts: Sequence[int]) -> List[Tuple[ParamRule, Optional[int]]]:
+    """(row, expert index) of one transformer layer (an MoE layer if `moe`) in registration order: routed experts
+    one after the other, each with all its rows (SequentialMLP's local_experts), for the expert indices given."""
     rows = [r for r in _rows(config) if r.scope == LAYER and (r.kind == ANY or (r.kind == MOE) == moe)]
     out: List[Tuple[ParamRule, Optional[int]]] = []
     i = 0
@@ -593,14 +817,38 @@ def _layer_entries(config: GPTModelConfig, layer: int, experts: Sequence[int]) -
     return out
 
 
+def _mtp_entries(config: GPTModelConfig, experts: Sequence[int]) -> List[Tuple[ParamRule, Optional[int], int]]:
+    """(row, expert index, MTP layer) of the multi-token prediction layers in registration order: each layer's
+    MTP_PRE rows, its transformer layer (built like the decoder's last layer), its MTP_POST rows."""
+    rows = _rows(config)
+    inner = _layer_entries(config, config.moe_layers[-1], experts)
+    out: List[Tuple[ParamRule, Optional[int], int]] = []
+    for k in range(config.mtp_num_layers or 0):
+        out += [(r, None, k) for r in rows if r.scope == MTP_PRE]
+        out += [(r, e, k) for r, e in inner]
+        out += [(r, None, k) for r in rows if r.scope == MTP_POST]
+    return out
+
+
+def _post_rows(rows: Sequence[ParamRule]) -> Tuple[List[ParamRule], List[ParamRule]]:
+    """The last chunk's rows around the MTP layers: the decoder's (its final norm), then the output layer."""
+    post = [r for r in rows if r.scope == POST]
+    return [r for r in post if r.name != OUTPUT_LAYER], [r for r in post if r.name == OUTPUT_LAYER]
+
+
 @functools.lru_cache(maxsize=32)
 def _expected(config: GPTModelConfig) -> Tuple[Tuple[str, Shape], ...]:
     rows = _rows(config)
     params: List[Tuple[str, Shape]] = [(r.name, r.shape(config)) for r in rows if r.scope == PRE]
     experts = range(config.num_experts or 0)
+    moe_layers = config.moe_layers
     for index in range(config.num_layers):
-        params += [(_spell(r, r.name, index, e), r.shape(config)) for r, e in _layer_entries(config, index, experts)]
-    params += [(r.name, r.shape(config)) for r in rows if r.scope == POST]
+        params += [(_spell(r, r.name, index, e), r.shape(config))
+                   for r, e in _layer_entries(config, moe_layers[index], experts)]
+    decoder_post, head = _post_rows(rows)
+    params += [(r.name, r.shape(config)) for r in decoder_post]
+    params += [(_spell(r, r.name, expert=e, mtp=k), r.shape(config)) for r, e, k in _mtp_entries(config, experts)]
+    params += [(r.name, r.shape(config)) for r in head]
     return tuple(params)
 
 
@@ -614,7 +862,7 @@ def pattern_for(canonical: str, config: GPTModelConfig) -> Pattern:
     Names that match no row, or that this config does not have, raise UnknownParameterError. Routed
     experts' patterns split over ETP (tp_size_of), the others over TP."""
     rule = rule_for(canonical)
-    if _local_spelling(canonical) not in _expected_shapes(config) and not (
+    if local_spelling(canonical) not in _expected_shapes(config) and not (
             rule.name == OUTPUT_LAYER and config.tied):
         raise _unknown(canonical, f": not a parameter of this model (num_layers={config.num_layers}, "
                                   f"normalization={config.normalization}, add_bias_linear={config.add_bias_linear}, "
@@ -631,6 +879,11 @@ def expected_parameters(config: GPTModelConfig, layout: Optional[ParallelLayout]
     params = list(_expected(config))
     if layout is not None:
         check_pipeline(config.num_layers, layout)
+        if config.mtp_num_layers and config.tied and layout.last_chunk != (0, 0):
+            raise LayoutError(
+                f"{layout.describe()}: multi-token prediction with tied embeddings at PP > 1 is not supported: "
+                "megatron-core 0.19 gives the MTP stage an output weight of its own that nothing trains, and cannot "
+                "save it in torch_dist; train tied MTP models at PP=1, or untie the embeddings")
         experts_per_rank(config, layout)
         for name, shape in params:
             pattern_for(name, config).validate(shape, tp_size_of(name, layout), name=name)
@@ -659,14 +912,24 @@ def parameters_for_rank(config: GPTModelConfig, layout: ParallelLayout, pp_rank:
     out = []
     if first:
         out += [entry(r.name, r.name) for r in rows if r.scope == PRE]
+    elif last and _mtp_copy_of_embedding(config, layout):  # built first, before the decoder
+        out.append(entry(WORD_EMBEDDINGS, WORD_EMBEDDINGS))
+    moe_layers = config.moe_layers
     for local_layer, global_layer in enumerate(chunk_layers(config.num_layers, layout, pp_rank, chunk)):
-        for r, j in _layer_entries(config, global_layer, range(per)):
+        for r, j in _layer_entries(config, moe_layers[global_layer], range(per)):
             if r.buffer and not buffers:
                 continue
             e = None if j is None else ep_rank * per + j
             out.append(entry(_spell(r, r.name, local_layer, j), _spell(r, r.name, global_layer, e)))
     if last:
-        out += [entry(r.name, r.name) for r in rows if r.scope == POST]
+        decoder_post, head = _post_rows(rows)
+        out += [entry(r.name, r.name) for r in decoder_post]
+        for r, j, k in _mtp_entries(config, range(per)):
+            if r.buffer and not buffers:
+                continue
+            e = None if j is None else ep_rank * per + j
+            out.append(entry(_spell(r, r.name, expert=j, mtp=k), _spell(r, r.name, expert=e, mtp=k)))
+        out += [entry(r.name, r.name) for r in head]
         # megatron-core allocates no output weight where it can share the embedding on the same chunk.
         if config.tied and not first:
             out.append(entry(OUTPUT_LAYER, WORD_EMBEDDINGS))
@@ -724,7 +987,9 @@ def group_override(local: str, shape: Sequence[int], args: Mapping[str, Any], *,
         no_wd = fnmatch.fnmatch(local, "*.bias") or len(shape) == 1
     if no_wd:
         override["wd_mult"] = 0.0
-    embedding_or_output = rule.decoupled_lr and (first_chunk if rule.scope == PRE else last_chunk)
+    # megatron-core marks the first chunk's embedding, the MTP stage's copy of it and the last chunk's output layer
+    embedding_or_output = rule.decoupled_lr and (
+        (first_chunk or (last_chunk and bool(args.get("mtp_num_layers")))) if rule.scope == PRE else last_chunk)
     if args.get("decoupled_lr") is not None and embedding_or_output:
         override["max_lr"] = args["decoupled_lr"]
         if args.get("decoupled_min_lr") is not None:

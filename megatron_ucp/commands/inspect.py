@@ -178,6 +178,16 @@ def _layout_text(layout: dict) -> str:
     return " ".join(parts)
 
 
+def _attention_text(c: dict) -> str:
+    if c.get("multi_latent_attention"):
+        q = f"q-LoRA {c['q_lora_rank']}" if c.get("q_lora_rank") else "no q-LoRA"
+        return (f"{c['num_attention_heads']} heads multi-latent attention ({q}, kv-LoRA {c['kv_lora_rank']}, "
+                f"qk head {c['qk_head_dim']} + rope {c['qk_pos_emb_head_dim']}, v head {c['v_head_dim']}, "
+                f"{c.get('transformer_impl', 'local')} spec)")
+    return (f"{c['num_attention_heads']} heads / {c['num_query_groups']} query groups (head dim "
+            f"{c['kv_channels']})")
+
+
 def format_report(info: dict) -> str:
     c = info["model_config"]
     lines = [
@@ -189,11 +199,12 @@ def format_report(info: dict) -> str:
         f"  iteration     {info['iteration']}   consumed samples {info['consumed_train_samples']}",
         f"  layout        {_layout_text(info['layout'])}" + ("   (as trained)" if info["format"] == UNIVERSAL else ""),
         f"  model         {c['num_layers']} layers, hidden {c['hidden_size']}, ffn {c['ffn_hidden_size']}, "
-        f"{c['num_attention_heads']} heads / {c['num_query_groups']} query groups (head dim {c['kv_channels']}), "
-        f"vocab {c['vocab_size']} padded to {c['padded_vocab_size']}",
+        f"{_attention_text(c)}, vocab {c['vocab_size']} padded to {c['padded_vocab_size']}",
         f"                {c['normalization']}, {'SwiGLU' if c['swiglu'] else 'GELU'}, {c['position_embedding_type']}, "
         f"{'untied' if c['untie_embeddings_and_output_weights'] else 'tied'} embeddings, "
-        f"{'biases' if c['add_bias_linear'] else 'no biases'}{', QKV bias' if c['add_qkv_bias'] else ''}",
+        f"{'biases' if c['add_bias_linear'] else 'no biases'}{', QKV bias' if c['add_qkv_bias'] else ''}"
+        + (f", {c['mtp_num_layers']} multi-token prediction layer{'s' if c['mtp_num_layers'] > 1 else ''} (MTP)"
+           if c.get("mtp_num_layers") else ""),
         f"  optimizer     {info['optimizer_kind']}" + ("" if info["has_optimizer_state"] else " (no Adam state)"),
     ]
     moe = info.get("moe")

@@ -16,7 +16,8 @@ from typing import Optional
 
 from megatron_ucp.adapters.gpt import (
     UnknownParameterError, canonical_name, expected_parameters, group_identity, group_overrides,
-    in_expert_optimizer, is_buffer, is_expert, local_name, megatron_param_groups, pattern_for, tp_size_of)
+    in_expert_optimizer, is_buffer, is_expert, local_name, local_spelling, megatron_param_groups, pattern_for,
+    tp_size_of)
 from megatron_ucp.formats import CheckpointReader, ShardRef
 from megatron_ucp.formats.bucket_layout import BufferParam
 from megatron_ucp.core.layout import LayoutError
@@ -135,7 +136,8 @@ def conversion_tasks(ckpt: CheckpointReader) -> list[ParamTask]:
                                   f"{name!r}, which the model config ({config.num_layers} layers, "
                                   f"{config.normalization}, bias={config.add_bias_linear}, "
                                   f"num_experts={config.num_experts}) does not have")
-        by_tp = placed.setdefault(name, {}).setdefault((ref.pp_rank, ref.vpp_chunk, ref.local_name), {})
+        # keyed by the local spelling: files of the TE spec or of older releases spell some names otherwise
+        by_tp = placed.setdefault(name, {}).setdefault((ref.pp_rank, ref.vpp_chunk, local_spelling(ref.local_name)), {})
         if ref.tp_rank in by_tp:
             raise ConversionError(f"{ckpt.path}: {ref.local_name!r} appears twice on {where} chunk={ref.vpp_chunk}")
         by_tp[ref.tp_rank] = ref

@@ -35,6 +35,22 @@ class GPTModelConfig:
     moe_shared_expert_gate: bool = False
     moe_layer_freq: Union[int, Tuple[int, ...]] = 1  # int: every n-th layer is MoE; a tuple: per layer 0/1
     moe_router_enable_expert_bias: bool = False
+    # Multi-latent attention (--multi-latent-attention, DeepSeek-V2/V3): low-rank query (q_lora_rank; None: one
+    # query projection) and joint key/value (kv_lora_rank) compressions; per head qk_head_dim + a RoPE part of
+    # qk_pos_emb_head_dim for queries and keys, v_head_dim for values
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    # Multi-token prediction (--mtp-num-layers, DeepSeek-V3): that many MTP layers on the last pipeline stage
+    mtp_num_layers: Optional[int] = None
+    # Megatron-LM's --transformer-impl of the run ("local" or "transformer_engine"): the spec's torch_dist spellings
+    # of some norms (adapters/gpt.py) and, under MLA, how the down projections are split (local: column-parallel;
+    # TransformerEngine: duplicated on every TP rank). A config without it (an older universal checkpoint, an HF
+    # import) means megatron-core's local spec, the spelling megatron-ucp always wrote before.
+    transformer_impl: str = "local"
 
     def __post_init__(self):
         if self.add_bias_linear and not self.add_qkv_bias:
@@ -49,6 +65,8 @@ class GPTModelConfig:
                            else int(freq))
         if self.num_experts and self.moe_ffn_hidden_size is None:
             object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+        if not self.mtp_num_layers:
+            object.__setattr__(self, "mtp_num_layers", None)
 
     @functools.cached_property  # asked per layer and per parameter name: built once per config
     def moe_layers(self) -> Tuple[bool, ...]:
@@ -72,6 +90,18 @@ class GPTModelConfig:
     @property
     def query_projection_size(self) -> int:
         return self.kv_channels * self.num_attention_heads
+
+    @property
+    def attention_output_size(self) -> int:
+        """Input features of the attention's output projection (linear_proj): all heads' values."""
+        if self.multi_latent_attention:
+            return self.v_head_dim * self.num_attention_heads
+        return self.query_projection_size
+
+    @property
+    def mla_q_head_dim(self) -> int:
+        """Under MLA, one query (and key) head: its no-position part and its RoPE part."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
 
     @property
     def kv_projection_size(self) -> int:
@@ -138,6 +168,14 @@ class GPTModelConfig:
             moe_shared_expert_gate=bool(get("moe_shared_expert_gate", False)),
             moe_layer_freq=get("moe_layer_freq", 1) if get("moe_layer_freq") is not None else 1,
             moe_router_enable_expert_bias=bool(get("moe_router_enable_expert_bias", False)),
+            multi_latent_attention=bool(get("multi_latent_attention", False)),
+            q_lora_rank=get("q_lora_rank"),
+            kv_lora_rank=get("kv_lora_rank", 32) or 32,
+            qk_head_dim=get("qk_head_dim", 128) or 128,
+            qk_pos_emb_head_dim=get("qk_pos_emb_head_dim", 64) or 64,
+            v_head_dim=get("v_head_dim", 128) or 128,
+            mtp_num_layers=get("mtp_num_layers"),
+            transformer_impl=get("transformer_impl", "transformer_engine") or "transformer_engine",
         )
 
 

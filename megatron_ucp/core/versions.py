@@ -70,6 +70,10 @@ class MegatronRelease:
     # flattened ranges, "ShardedTensor.flattened_range is not supported.", on load as on save)
     distrib_optim_default: str = "dp_reshardable"
     distrib_optim_loads: tuple[str, ...] = ("dp_reshardable", "fully_reshardable", "dp_zero_gather_scatter")
+    # the module name of a multi-token prediction layer's transformer layer in state dicts (legacy files):
+    # "transformer_layer" up to 0.16, "mtp_model_layer" from 0.17 (torch_dist keys say transformer_layer in every
+    # release: MultiTokenPredictionLayer.sharded_state_dict maps it back); MultiTokenPredictionLayer.__init__
+    mtp_inner_module: str = "mtp_model_layer"
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,8 @@ RELEASES: tuple[MegatronRelease, ...] = (
                     _METADATA_JSON_COMMON_PT, null_tokenizer_eod_in_vocab=False, torch_dist_files_per_rank=2,
                     rerun_state_always=False, rng_per_dp_with_experts=False,
                     distrib_optim_default="fully_sharded_model_space",
-                    distrib_optim_loads=("fully_sharded_model_space", "dp_zero_gather_scatter")),
+                    distrib_optim_loads=("fully_sharded_model_space", "dp_zero_gather_scatter"),
+                    mtp_inner_module="transformer_layer"),
     # 0.15.3: tests/fixtures/megatron-core-0.14/E15* (Megatron-LM core_v0.15.3): dp_reshardable by default
     # (fully_sharded_model_space with --dist-ckpt-save-pre-mcore-014), otherwise as 0.16.1 but for RNG states
     # with experts, per (pp, tp) as in 0.14 (core_v0.15.3 get_rng_state). Markers: the
@@ -143,12 +148,14 @@ RELEASES: tuple[MegatronRelease, ...] = (
                     "common.pt", _METADATA_JSON_COMMON_PT, null_tokenizer_eod_in_vocab=False,
                     torch_dist_files_per_rank=2, rerun_state_always=False, rng_per_dp_with_experts=False,
                     distrib_optim_loads=("dp_reshardable", "fully_reshardable", "fully_sharded_model_space",
-                                         "dp_zero_gather_scatter")),
+                                         "dp_zero_gather_scatter"),
+                    mtp_inner_module="transformer_layer"),
     # 0.16.1: tests/fixtures/megatron-lm (common.pt; Megatron-LM's legacy NullTokenizer appends EOD). Markers: in
     # the args of 0.16.1 and 0.19.2 checkpoints (and 0.17.0/0.18.0's megatron/training), not in 0.15.3's
     MegatronRelease("0.16", "0.16", ("apply_wd_to_qk_layernorm", "dump_param_to_param_group_map"),
                     "common.pt", _METADATA_JSON_COMMON_PT, null_tokenizer_eod_in_vocab=False,
-                    torch_dist_files_per_rank=2, rerun_state_always=False, rng_per_dp_with_experts=True),
+                    torch_dist_files_per_rank=2, rerun_state_always=False, rng_per_dp_with_experts=True,
+                    mtp_inner_module="transformer_layer"),
     # 0.17.0 wheel: dist_checkpointing.core still writes common_backend; core NullTokenizer has vocab N + 1
     # (files per rank: TorchDistSaveShardedStrategy thread_count = args.dist_ckpt_workers; rerun state as 0.16)
     MegatronRelease("0.17", "0.17", ("dist_ckpt_workers", "lion_beta1"), "common.pt",

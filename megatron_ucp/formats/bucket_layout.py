@@ -15,8 +15,10 @@ core_v0.16.1), all checked against the fixtures:
 - A bucket closes once it holds >= bucket_size elements. bucket_size = --ddp-bucket-size or
   (--ddp-num-buckets: rank's total parameter count // num buckets) or max(4e7, 1e6 * dp); it is
   None (one bucket) without --overlap-grad-reduce, on pipeline stages > 0 and for VPP chunks > 0.
-- A `shared_embedding` parameter (tied word embedding / output layer with PP > 1, see
-  LanguageModule.setup_embeddings_and_output_layer) always gets a bucket of its own.
+- A `shared_embedding` parameter (with PP > 1, the word embedding and its last-stage copy: the tied output layer
+  or the multi-token prediction stage's embedding; LanguageModule.setup_embeddings_and_output_layer) always gets a
+  bucket of its own. The bucket before it is closed at the embedding's 64-aligned start, so its numel_unpadded
+  counts that alignment padding (megatron-core 0.19.2's dp_reshardable save then fails: `dp_reshardable_saveable`).
 - `numel_unpadded` of a bucket = end of its last parameter - bucket start (inner alignment padding
   counts, the bucket-end padding does not).
 """
@@ -145,6 +147,21 @@ class BufferLayout:
         """Offset of `span` in its bucket's flat tensor (torch_dist dp_reshardable)."""
         return span.start - self.buckets[span.bucket].start
 
+    def dp_reshardable_overrun(self, dp_size: int) -> Optional[int]:
+        """The first bucket megatron-core (0.15-0.19) cannot save or load in torch_dist dp_reshardable form, or None.
+        DistributedOptimizer.sharded_param_state_dp_reshardable declares each bucket as a tensor of numel_unpadded
+        elements and pads the DP shard holding the bucket's last parameter up to the shard's end whenever that
+        parameter ends before numel_unpadded; after a shared-embedding bucket split numel_unpadded counts the next
+        parameter's alignment padding, and the pad then runs past the declared tensor (torch's planner refuses)."""
+        for index, bucket in enumerate(self.buckets):
+            ends = [s.end for s in self.params if s.bucket == index]
+            last = max(ends) - bucket.start if ends else bucket.numel_unpadded
+            local = bucket.numel // dp_size
+            shard_end = -(-last // local) * local  # end of the DP shard holding the last parameter's last element
+            if last < bucket.numel_unpadded < shard_end:
+                return index
+        return None
+
 
 def _round_up(n: int, divisor: int) -> int:
     return -(-n // divisor) * divisor
@@ -228,14 +245,19 @@ def build_chunk_buffers(params: Sequence[BufferParam], config: DDPBucketConfig, 
 
 def shared_embedding_names(args: Mapping[str, Any], layout: ParallelLayout, *, pp_rank: int, vpp_chunk: int,
                            names: Sequence[str]) -> set[str]:
-    """Parameters that megatron-core marks `shared_embedding` (tied embeddings, PP > 1)."""
+    """Parameters that megatron-core marks `shared_embedding` (LanguageModule.setup_embeddings_and_output_layer):
+    with PP > 1 and tied embeddings or multi-token prediction, the first chunk's word embedding and the last
+    chunk's copy of it (the MTP stage's own embedding, else the tied output layer)."""
     tied = not args.get("untie_embeddings_and_output_weights", False)
-    if not tied or layout.pp == 1:
+    mtp = bool(args.get("mtp_num_layers"))
+    if not (tied or mtp) or layout.pp == 1:
         return set()
     pre, post = layout.is_first_chunk(pp_rank, vpp_chunk), layout.is_last_chunk(pp_rank, vpp_chunk)
     out = set()
     if pre and not post and "embedding.word_embeddings.weight" in names:
         out.add("embedding.word_embeddings.weight")
-    if post and not pre and "output_layer.weight" in names:
-        out.add("output_layer.weight")
+    if post and not pre:
+        copy = "embedding.word_embeddings.weight" if mtp else "output_layer.weight"
+        if copy in names:
+            out.add(copy)
     return out

@@ -128,6 +128,7 @@ def install() -> bool:
         _moe_alltoall_splits_as_numpy()
         _dataset_helpers_prebuilt()
         _torch_norm_under_sequence_parallel()
+        _local_core_attention_with_mla_head_dims()
     _installed = True
     return on_cpu
 
@@ -427,6 +428,33 @@ def _torch_norm_under_sequence_parallel() -> None:
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = __new__
+
+
+def _local_core_attention_with_mla_head_dims() -> None:
+    # Multi-latent attention (MLASelfAttention) builds its core attention with separate query/key and value
+    # head sizes (k_channels = qk_head_dim + qk_pos_emb_head_dim, v_channels = v_head_dim) and its own softmax
+    # scale; only TransformerEngine's DotProductAttention takes them, and megatron-core's local one raises
+    # TypeError. The local class's math (baddbmm with the scale, FusedScaleMaskSoftmax, dropout in the
+    # tracker's fork, bmm with the values) never assumes equal head sizes except in the output's width; this
+    # subclass takes both sizes and sets that width to heads x v_channels. Without k/v channels (every other
+    # attention) it is the local class unchanged.
+    from megatron.core.models import backends
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.utils import divide
+
+    class DotProductAttentionWithHeadDims(DotProductAttention):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
+            super().__init__(config, layer_number, attn_mask_type, attention_type,
+                             attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+                             cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+            if k_channels is not None:
+                self.hidden_size_per_attention_head = k_channels
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * divide(config.num_attention_heads,
+                                                                     self.pg_collection.tp.size())
+
+    backends.LocalSpecProvider.core_attention = lambda self: DotProductAttentionWithHeadDims
 
 
 # --- torch Adam without TE/Apex (any device) -------------------------------------------------------

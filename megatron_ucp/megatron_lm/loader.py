@@ -51,7 +51,8 @@ MUST_MATCH = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "kv_channels", "vocab_size", "swiglu", "normalization", "position_embedding_type",
               "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
               "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-              "moe_layers", "moe_router_enable_expert_bias")
+              "moe_layers", "moe_router_enable_expert_bias", "multi_latent_attention", "q_lora_rank", "kv_lora_rank",
+              "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers")
 FLAGS = {
     "num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
     "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
@@ -63,6 +64,9 @@ FLAGS = {
     "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
     "moe_shared_expert_gate": "--moe-shared-expert-gate", "moe_layers": "--moe-layer-freq",
     "moe_router_enable_expert_bias": "--moe-router-enable-expert-bias",
+    "multi_latent_attention": "--multi-latent-attention", "q_lora_rank": "--q-lora-rank",
+    "kv_lora_rank": "--kv-lora-rank", "qk_head_dim": "--qk-head-dim", "qk_pos_emb_head_dim": "--qk-pos-emb-head-dim",
+    "v_head_dim": "--v-head-dim", "mtp_num_layers": "--mtp-num-layers",
 }
 
 
@@ -366,9 +370,7 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
     target_padded = args.padded_vocab_size
 
     load_optim = loads_optimizer_state(args)
-    has_moments = all("exp_avg" in info.tensors for name, info in ucp.parameters.items()
-                      if not rulebook.is_buffer(name))
-    if load_optim and not has_moments:
+    if load_optim and not ucp.has_optimizer_state:
         if torch.distributed.get_rank() == 0:
             print("WARNING: the universal checkpoint holds no optimizer state; starting Adam from zero", flush=True)
         load_optim = False

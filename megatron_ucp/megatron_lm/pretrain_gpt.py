@@ -34,10 +34,13 @@ from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
     get_gpt_decoder_block_spec,
+    get_gpt_decoder_layer_specs,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
+    get_gpt_mtp_block_spec,
 )
 from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
+from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank  # noqa: E402
 from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank, get_batch_on_this_tp_rank  # noqa: E402
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0  # noqa: E402
 from megatron.training.argument_utils import pretrain_cfg_container_from_args  # noqa: E402
@@ -66,6 +69,14 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     else:
         layer_spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
                                               args.multi_latent_attention, normalization=args.normalization)
+    mtp_block_spec = None
+    if args.mtp_num_layers is not None:
+        # As Megatron-LM's gpt_builders: the MTP layers are built like the decoder's last layer
+        last_layer_spec = get_gpt_decoder_layer_specs(config, use_transformer_engine=use_te,
+                                                      normalization=args.normalization, qk_l2_norm=args.qk_l2_norm,
+                                                      vp_stage=vp_stage)[-1]
+        mtp_block_spec = get_gpt_mtp_block_spec(config, last_layer_spec, use_transformer_engine=use_te,
+                                                vp_stage=vp_stage)
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -80,15 +91,18 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling,
+        mtp_block_spec=mtp_block_spec,
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
 
 
 def get_batch(data_iterator, vp_stage=None):
-    """This rank's micro-batch: TP rank 0 reads it, the TP group receives it; middle stages need none."""
+    """This rank's micro-batch: TP rank 0 reads it, the TP group receives it; middle stages need none. A stage
+    with multi-token prediction layers needs the tokens and positions too (they embed the shifted tokens)."""
     args = get_args()
-    if not is_first_or_last_pipeline_stage(vp_stage):
+    mtp_here = mtp_on_this_rank(mtp_num_layers=args.mtp_num_layers, ignore_virtual=False, vp_stage=vp_stage)
+    if not is_first_or_last_pipeline_stage(vp_stage) and not mtp_here:
         return None, None, None, None, None
     tp_rank = mpu.get_tensor_model_parallel_rank()
     batch = {}
@@ -103,7 +117,7 @@ def get_batch(data_iterator, vp_stage=None):
         broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
         broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
         tp_rank=tp_rank, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-        mtp_on_this_rank=False, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        mtp_on_this_rank=mtp_here, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage())
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
     return tuple(batch[key] for key in BATCH_KEYS)

@@ -5,7 +5,8 @@ Megatron-LM prints its losses with 7 significant digits and averages them over e
 wrapping megatron.training.training.training_log, which Megatron-LM calls once per iteration on every
 rank: the last rank (Megatron-LM's logging rank, on the last pipeline stage) appends
 {"iteration", "lm_loss", "grad_norm", "lr", "loss_scale", "skipped", "consumed_samples"} plus, for MoE,
-each tracked auxiliary loss ("load_balancing_loss", "z_loss", ...) as Megatron-LM reports it.
+each tracked auxiliary loss ("load_balancing_loss", "z_loss", ...) and, with multi-token prediction, each MTP
+layer's loss ("mtp_1_loss", ...) as Megatron-LM reports them.
 Nothing else changes: the wrapped function runs as before.
 """
 
@@ -15,7 +16,7 @@ import functools
 import json
 import math
 
-_moe_this_iteration: dict = {}
+_this_iteration: dict = {}  # auxiliary losses (MoE, MTP) Megatron-LM reported for the iteration being logged
 
 
 def add_arguments(parser):
@@ -33,8 +34,33 @@ def _number(value):
     return value if math.isfinite(value) else str(value)
 
 
+_NOT_AUXILIARY = ("advanced iterations", "skipped iterations", "nan iterations", "lm loss")
+
+
+def _is_mtp_loss(key: str) -> bool:
+    return key.startswith("mtp_") and key.endswith(" loss")  # MTPLossLoggingHelper: "mtp_<k> loss"
+
+
+def _keeping_this_iteration(report, owns):
+    """`report` (a Megatron-LM reporter adding to total_loss_dict: MoE's, MTP's) also keeping, in
+    _this_iteration, what it added for this iteration to the keys it `owns`."""
+    @functools.wraps(report)
+    def report_and_keep(*args, total_loss_dict=None, **kwargs):
+        before = {k: _number(v) for k, v in (total_loss_dict or {}).items()}
+        result = report(*args, total_loss_dict=total_loss_dict, **kwargs)
+        for key, value in (total_loss_dict or {}).items():
+            if key not in _NOT_AUXILIARY and owns(key):
+                now = _number(value)
+                if isinstance(now, float):
+                    _this_iteration[key.replace(" ", "_")] = now - (before.get(key) or 0.0)
+        return result
+
+    return report_and_keep
+
+
 def install() -> None:
     from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from megatron.training import training
 
     original = training.training_log
@@ -44,7 +70,7 @@ def install() -> None:
     @functools.wraps(original)
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
                      skipped_iter, grad_norm, *args, **kwargs):
-        _moe_this_iteration.clear()
+        _this_iteration.clear()
         result = original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
                           skipped_iter, grad_norm, *args, **kwargs)
         from megatron.training import get_args
@@ -57,7 +83,7 @@ def install() -> None:
                       "grad_norm": _number(grad_norm), "lr": _number(learning_rate),
                       "loss_scale": _number(loss_scale), "skipped": bool(skipped_iter),
                       "consumed_samples": int(run_args.consumed_train_samples)}
-            record.update(_moe_this_iteration)
+            record.update(_this_iteration)
             with open(run_args.log_jsonl, "a") as f:
                 f.write(json.dumps(record) + "\n")
         return result
@@ -65,17 +91,11 @@ def install() -> None:
     training_log.__wrapped_by_megatron_ucp__ = True
     training.training_log = training_log
 
-    report = MoEMetricsTracker.report
+    MoEMetricsTracker.report = _keeping_this_iteration(MoEMetricsTracker.report, lambda key: not _is_mtp_loss(key))
+    track_mtp = _keeping_this_iteration(MTPLossLoggingHelper.track_mtp_metrics, _is_mtp_loss)
 
-    @functools.wraps(report)
-    def report_and_keep(self, *args, total_loss_dict=None, **kwargs):
-        before = {k: _number(v) for k, v in (total_loss_dict or {}).items()}
-        result = report(self, *args, total_loss_dict=total_loss_dict, **kwargs)
-        for key, value in (total_loss_dict or {}).items():
-            if key not in ("advanced iterations", "skipped iterations", "nan iterations", "lm loss"):
-                now = _number(value)
-                if isinstance(now, float):
-                    _moe_this_iteration[key.replace(" ", "_")] = now - (before.get(key) or 0.0)
-        return result
+    def track_mtp_metrics(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None):
+        # training_log passes total_loss_dict by position
+        return track_mtp(loss_scale, iteration, writer, wandb_writer, total_loss_dict=total_loss_dict)
 
-    MoEMetricsTracker.report = report_and_keep
+    MTPLossLoggingHelper.track_mtp_metrics = staticmethod(track_mtp_metrics)

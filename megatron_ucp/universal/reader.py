@@ -756,6 +756,13 @@ class UniversalCheckpoint:
     # -- run state besides tensors (FORMAT.md "Loss scaler", "RNG states") -------------------------------
 
     @property
+    def has_optimizer_state(self) -> bool:
+        """Whether every parameter has its Adam moments (persistent buffers, e.g. MoE's expert_bias, have none)."""
+        from megatron_ucp.adapters.gpt import is_buffer
+
+        return all("exp_avg" in info.tensors for name, info in self.parameters.items() if not is_buffer(name))
+
+    @property
     def num_floating_point_operations_so_far(self) -> float:
         """Megatron's FLOP counter at this iteration (0 when the source did not record it)."""
         value = self.metadata.get("num_floating_point_operations_so_far")

@@ -65,7 +65,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import numpy as np
 
-from megatron_ucp.adapters.gpt import expected_parameters, is_buffer, rule_for
+from megatron_ucp.adapters.gpt import (MTP_INNER, MTP_PREFIX, expected_parameters, is_buffer, mtp_inner_spelling,
+                                       rule_for)
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.core import versions
@@ -119,7 +120,7 @@ def plan(ucp, config: GPTModelConfig, target: WriteTarget) -> list[PlannedFile]:
     """Every file the writer will produce, with the tensor bytes in it (no I/O)."""
     layout = target.layout
     config = replace(config, padded_vocab_size=target.padded_vocab_size)
-    has_moments = _has_moments(ucp)
+    has_moments = ucp.has_optimizer_state
     check_layout(config, layout)
     files = []
     it = iteration_dir_name(ucp.iteration)
@@ -147,9 +148,6 @@ def plan(ucp, config: GPTModelConfig, target: WriteTarget) -> list[PlannedFile]:
     files.append(PlannedFile(TRACKER_FILENAME, 0, -1, -1))
     return files
 
-
-def _has_moments(ucp) -> bool:
-    return all("exp_avg" in info.tensors for name, info in ucp.parameters.items() if not is_buffer(name))
 
 
 def check_layout(config: GPTModelConfig, layout: ParallelLayout) -> None:
@@ -226,12 +224,15 @@ class _RankTensors:
 # Building one rank's state
 
 
-def _model_state(chunk: list[tuple[str, tuple, str]], tensors: dict, *, last: bool) -> "OrderedDict[str, Any]":
-    """Local-spec state dict: parameters in registration order, `_extra_state` after each linear."""
+def _model_state(chunk: list[tuple[str, tuple, str]], tensors: dict, *, last: bool,
+                 mtp_inner: str = MTP_INNER) -> "OrderedDict[str, Any]":
+    """Local-spec state dict: parameters in registration order, `_extra_state` after each linear; an MTP layer's
+    transformer layer named as the target release names it (`mtp_inner`)."""
     sd: "OrderedDict[str, Any]" = OrderedDict()
-    modules = [local.rsplit(".", 1)[0] for local, _, _ in chunk]
+    names = [mtp_inner_spelling(local, mtp_inner) if local.startswith(MTP_PREFIX) else local for local, _, _ in chunk]
+    modules = [name.rsplit(".", 1)[0] for name in names]
     for i, (local, _, _) in enumerate(chunk):
-        sd[local] = tensors[local]
+        sd[names[i]] = tensors[local]
         module = modules[i]
         # megatron-core's local-spec Column/RowParallelLinear save an `_extra_state` (None)
         is_linear = rule_for(local).linear
@@ -258,7 +259,7 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
     would be given, every tensor a StreamedTensor of its slices (read when written)."""
     layout = target.layout
     chunks = rank_chunks(config, layout, pp_rank, ep_rank)
-    with_optim = _has_moments(ucp)
+    with_optim = ucp.has_optimizer_state
     where = f"rank tp={tp_rank} pp={pp_rank}" + (f" ep={ep_rank}" if ep_rank else "")
     tensors = _RankTensors(sources, config, layout, tp_rank, where)
 
@@ -277,7 +278,7 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
                 entry["exp_avg_sq"] = tensors.shard(canonical, shape, "exp_avg_sq", _F32)
             state[local] = entry
         last = layout.is_last_chunk(pp_rank, chunk_index if layout.vpp else None)
-        model_chunks.append(_model_state(chunk, weights, last=last))
+        model_chunks.append(_model_state(chunk, weights, last=last, mtp_inner=target.release.mtp_inner_module))
         masters.append(state)
 
     args = dict(target.args)
@@ -401,7 +402,7 @@ def write(ucp, config: GPTModelConfig, target: WriteTarget, root: Path,
     layout = target.layout
     config = replace(config, padded_vocab_size=target.padded_vocab_size)
     check_layout(config, layout)
-    groups = param_groups_by_rank(ucp, config, target) if _has_moments(ucp) else None
+    groups = param_groups_by_rank(ucp, config, target) if ucp.has_optimizer_state else None
     iter_dir = Path(root) / iteration_dir_name(ucp.iteration)
     local = threading.local()
     opened: list[Sources] = []

@@ -68,6 +68,11 @@ _VALUE_FLAGS = (
     ("moe_router_score_function", "--moe-router-score-function"),
     ("moe_router_bias_update_rate", "--moe-router-bias-update-rate"),
     ("moe_token_dispatcher_type", "--moe-token-dispatcher-type"),
+    # multi-latent attention (shape from model_config, RoPE variant from the args) and multi-token prediction
+    ("q_lora_rank", "--q-lora-rank"), ("kv_lora_rank", "--kv-lora-rank"), ("qk_head_dim", "--qk-head-dim"),
+    ("qk_pos_emb_head_dim", "--qk-pos-emb-head-dim"), ("v_head_dim", "--v-head-dim"), ("rope_type", "--rope-type"),
+    ("rotary_scaling_factor", "--rotary-scaling-factor"), ("mscale", "--mscale"), ("mscale_all_dim", "--mscale-all-dim"),
+    ("mtp_num_layers", "--mtp-num-layers"), ("mtp_loss_scaling_factor", "--mtp-loss-scaling-factor"),
 )
 # Megatron arg -> Megatron-LM flag for booleans passed when true.
 _TRUE_FLAGS = (
@@ -78,6 +83,7 @@ _TRUE_FLAGS = (
     ("dist_ckpt_optim_fully_reshardable", "--dist-ckpt-optim-fully-reshardable"),
     ("moe_shared_expert_gate", "--moe-shared-expert-gate"), ("moe_router_pre_softmax", "--moe-router-pre-softmax"),
     ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias"),
+    ("multi_latent_attention", "--multi-latent-attention"), ("qk_layernorm", "--qk-layernorm"),
 )
 _MEGATRON_LM_CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
@@ -144,8 +150,10 @@ def megatron_lm_flags_from_universal(metadata: Mapping[str, Any], layout: Parall
     # Model shape from model_config, so args from any source (or none) give the same model.
     args.update({k: config[k] for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                                         "kv_channels", "swiglu", "normalization", "position_embedding_type",
-                                        "untie_embeddings_and_output_weights", "add_qkv_bias",
-                                        "make_vocab_size_divisible_by") if k in config})
+                                        "untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm",
+                                        "make_vocab_size_divisible_by", "multi_latent_attention", "q_lora_rank",
+                                        "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                                        "mtp_num_layers") if k in config})
     if config.get("max_position_embeddings"):
         args["max_position_embeddings"] = config["max_position_embeddings"]
     if config.get("num_experts"):

@@ -90,8 +90,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 from megatron_ucp.adapters.gpt import (
-    LAYER, expected_parameters, expert_location, experts_in_own_optimizer, is_buffer, is_expert, local_name,
-    parameters_for_rank, pattern_for, rule_for, torch_dist_key, torch_dist_stacked, tp_size_of)
+    POST, PRE, expected_parameters, expert_location, experts_in_own_optimizer, is_buffer, is_expert, local_name,
+    parameters_for_rank, pattern_for, rule_for, torch_dist_key, torch_dist_lead_shape, tp_size_of)
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.core import versions
@@ -223,14 +223,6 @@ def _model_dtype(ucp, name: str) -> TorchDType:
     return MODEL_DTYPES[ucp.parameters[name].model_dtype]
 
 
-def _lead_sizes(config: GPTModelConfig, lead: tuple) -> tuple:
-    """Sizes of the leading axes a torch_dist key puts before the parameter's own: the layer axis of stacked
-    layers, then the expert axis (rulebook: torch_dist_keys)."""
-    axes = ((config.num_layers,) if torch_dist_stacked(config) else ()) + (
-        (config.num_experts,) if config.num_experts else ())
-    return axes[:len(lead)]
-
-
 class _Owners:
     """Which rank writes each item: fixed for data that lives on one DP rank, else the least-loaded DP
     rank of its (tp, pp) group (what megatron-core's fully parallel save balances)."""
@@ -285,7 +277,7 @@ def optimizer_kind(ucp, target: WriteTarget, optimizer_format: Optional[str],
     if optimizer_format is not None and not target.use_distributed_optimizer:
         raise TorchDistWriteError(f"--optimizer-format {optimizer_format} describes the distributed optimizer's "
                                   f"state: add --use-distributed-optimizer, or drop --optimizer-format")
-    if not all("exp_avg" in info.tensors for info in ucp.parameters.values()):
+    if not ucp.has_optimizer_state:
         if optimizer_format is not None:
             raise TorchDistWriteError(f"{ucp.path}: holds no optimizer state, so there is no {optimizer_format} "
                                       f"state to write; drop --optimizer-format")
@@ -371,7 +363,7 @@ def _plan_rng(ucp, config: GPTModelConfig, target: WriteTarget, owners: _Owners,
 
 
 def _single_step(ucp) -> Optional[int]:
-    steps = {info.step for info in ucp.parameters.values()}
+    steps = {info.step for name, info in ucp.parameters.items() if not is_buffer(name)}  # buffers: no Adam state
     if len(steps) > 1:
         raise TorchDistWriteError(
             f"{ucp.path}: parameters have different Adam steps {sorted(s for s in steps if s is not None)}; "
@@ -395,7 +387,7 @@ def _plan_model(ucp, config: GPTModelConfig, layout: ParallelLayout, opt: Option
         key, lead = torch_dist_key(name, config)
         pp_rank = local_name(name, layout, config.num_layers, tied=config.tied, config=config)[0][0]
         dtype = _model_dtype(ucp, name)
-        global_shape = _lead_sizes(config, lead) + tuple(shape)
+        global_shape = torch_dist_lead_shape(name, config) + tuple(shape)
         states = []  # (saved key, universal tensor); persistent buffers (MoE's expert_bias) have no optimizer state
         if opt in ("fully_reshardable", "fully_sharded_model_space", "adam") and not is_buffer(name):
             if opt in OPTIMIZER_FORMATS:
@@ -434,10 +426,10 @@ def _plan_extra_states(config: GPTModelConfig, layout: ParallelLayout, shapes: d
     seen = set()
     for name in shapes:
         rule = rule_for(name)
-        if not rule.linear or rule.scope != LAYER:
+        if not rule.linear or rule.scope in (PRE, POST):  # the embedding has none, GPTModel drops the output layer's
             continue
         key, lead = torch_dist_key(name, config)
-        offset, sizes = (lead, _lead_sizes(config, lead)) if lead else ((0,), (1,))  # per-layer keys: one object
+        offset, sizes = (lead, torch_dist_lead_shape(name, config)) if lead else ((0,), (1,))  # per-layer keys: one object
         object_key = sharded_object_key(extra_state_key(key), offset, sizes)
         if object_key in seen:
             continue
@@ -490,6 +482,13 @@ def _plan_rank_buckets(ucp, config, layout, shapes, step, identities, buffers, c
     numel, unpadded, gbuf = [], [], 0
     for chunk_index, chunk_buffers_ in enumerate(buffers):
         for buf in chunk_buffers_:
+            overrun = buf.dp_reshardable_overrun(len(ranks))
+            if overrun is not None:
+                raise TorchDistWriteError(
+                    f"bucket {overrun} of buffer {gbuf} of {prefix}dp_group_idx_{mp} (pp={pp_rank}): megatron-core "
+                    f"0.15-0.19 can neither save nor load it as dp_reshardable (the shared-embedding bucket split "
+                    f"leaves numel_unpadded {buf.buckets[overrun].numel_unpadded} past the bucket's last parameter; "
+                    f"docs/VERSIONS.md); write --optimizer-format fully_reshardable or --ckpt-format torch")
             dtypes = (buf.param_dtype, buf.grad_dtype)
             numel.append({dtypes: [b.numel for b in buf.buckets]})
             unpadded.append({dtypes: [b.numel_unpadded for b in buf.buckets]})
