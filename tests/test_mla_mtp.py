@@ -142,6 +142,11 @@ def test_mtp_placement_and_refusals():
         gpt.expected_parameters(tied, ParallelLayout(pp=2))
     with pytest.raises(ValueError, match="learned absolute"):
         gpt.expected_parameters(GPTModelConfig(**{**base.to_dict(), "position_embedding_type": "learned_absolute"}))
+    # TransformerEngine's fused q/kv down projection: one parameter and Adam state for two canonical ones
+    fused = GPTModelConfig(**{**base.to_dict(), "multi_latent_attention": True, "q_lora_rank": 32,
+                              "mla_down_proj_fusion": True})
+    with pytest.raises(ValueError, match="--mla-down-proj-fusion .* not supported"):
+        gpt.expected_parameters(fused)
     # the optimizer groups megatron-core builds: the MTP stage's embedding copy takes the decoupled LR too
     args = {"decoupled_lr": 5e-4, "mtp_num_layers": 1}
     assert gpt.group_override(gpt.WORD_EMBEDDINGS, (1024, 64), args, first_chunk=False, last_chunk=True) == \
@@ -175,3 +180,30 @@ def test_shared_embedding_buckets_with_mtp_and_megatron_cores_unsaveable_bucket(
     assert unaligned.buckets[0].numel_unpadded == 1024 * 48 + 64  # the embedding's padded start, not 49200
     assert unaligned.dp_reshardable_overrun(1) == 0
     assert aligned.dp_reshardable_overrun(1) is None
+
+
+def test_a_run_of_the_other_spec_reads_mla_down_projections_as_it_splits_them(tmp_path):
+    """F19 was trained on megatron-core's local spec (down projections split over TP); a TransformerEngine run
+    (duplicated down projections) resuming it must read each whole on every TP rank, and a local run half each.
+    The loader reads every parameter with the rulebook's pattern for the run's own config (same global tensor)."""
+    import dataclasses
+
+    from megatron_ucp.convert import to_universal
+    from megatron_ucp.megatron_lm.loader import _split_as_this_run
+    from megatron_ucp.universal import UniversalCheckpoint
+
+    ucp_path = to_universal(REPO / "tests" / "fixtures" / "megatron-core-0.19" /
+                            "F19_mla_moe_mtp_tp2pp2ep2_distopt_sp_torch_dist" / "ckpt", tmp_path / "ucp",
+                            iteration=4, progress=False)
+    name = "decoder.layers.1.self_attention.linear_kv_down_proj.weight"
+    local, te = UniversalCheckpoint.open(ucp_path), UniversalCheckpoint.open(ucp_path)
+    assert local.parameters[name].pattern == Sharded(0)  # as trained
+    _split_as_this_run(local, local.config)
+    _split_as_this_run(te, dataclasses.replace(te.config, transformer_impl="transformer_engine"))
+    whole = local.read(name, "exp_avg")
+    assert torch.equal(local.read_local(name, "exp_avg", 1, 2), whole.chunk(2)[1])
+    assert torch.equal(te.read_local(name, "exp_avg", 1, 2), whole)
+    assert te.parameters[name].pattern == Replicated()
+    # nothing else changes between the two specs' patterns
+    changed = [n for n in local.parameters if local.parameters[n].pattern != te.parameters[n].pattern]
+    assert changed and all(n.endswith(("q_down_proj.weight", "kv_down_proj.weight")) for n in changed)

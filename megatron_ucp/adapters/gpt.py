@@ -783,6 +783,12 @@ def _check_supported(config: GPTModelConfig) -> None:
         raise ValueError(f"normalization={config.normalization!r} is not supported; use LayerNorm or RMSNorm")
     if config.position_embedding_type not in ("learned_absolute", "rope", "none"):
         raise ValueError(f"position_embedding_type={config.position_embedding_type!r} is not supported")
+    if config.mla_down_proj_fusion:
+        # one parameter (and one Adam state) for two canonical ones; megatron-core splits it only for torch_dist's
+        # model keys, not for its optimizer buffers or legacy files
+        raise ValueError("--mla-down-proj-fusion (TransformerEngine's fused MLA q/kv down projection) is not "
+                         "supported: its one fused parameter and optimizer state per layer have no universal form "
+                         "here; train without it (the unfused model's checkpoints convert at any layout)")
     if config.mtp_num_layers and config.position_embedding_type == "learned_absolute":
         # megatron-core builds a second position-embedding table on the MTP stage and never synchronises it with
         # the first stage's: one model at PP1, two at PP > 1; no layout-independent form exists

@@ -44,6 +44,7 @@ class GPTModelConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    mla_down_proj_fusion: bool = False  # TransformerEngine's fused q/kv down projection (not supported: adapters/gpt.py)
     # Multi-token prediction (--mtp-num-layers, DeepSeek-V3): that many MTP layers on the last pipeline stage
     mtp_num_layers: Optional[int] = None
     # Megatron-LM's --transformer-impl of the run ("local" or "transformer_engine"): the spec's torch_dist spellings
@@ -174,6 +175,7 @@ class GPTModelConfig:
             qk_head_dim=get("qk_head_dim", 128) or 128,
             qk_pos_emb_head_dim=get("qk_pos_emb_head_dim", 64) or 64,
             v_head_dim=get("v_head_dim", 128) or 128,
+            mla_down_proj_fusion=bool(get("mla_down_proj_fusion", False)),
             mtp_num_layers=get("mtp_num_layers"),
             transformer_impl=get("transformer_impl", "transformer_engine") or "transformer_engine",
         )

@@ -262,6 +262,10 @@ def open_for_run(args):
 
 def check_compatible(ucp, args) -> None:
     ours = GPTModelConfig.from_megatron_args(args)
+    try:
+        rulebook.expected_parameters(ours)  # a model the rulebook cannot hold (e.g. --mla-down-proj-fusion)
+    except (ValueError, NotImplementedError) as e:
+        raise UniversalLoadError(f"this run's model: {e}") from None
     theirs = ucp.config
     problems = []
     for name in MUST_MATCH:
@@ -349,6 +353,17 @@ def _main_params(optimizer) -> Dict[int, _MainParam]:
 # --- the load ---------------------------------------------------------------------------------
 
 @torch.no_grad()
+def _split_as_this_run(ucp, run_config: GPTModelConfig) -> None:
+    """Read every parameter split as this run's model splits it: the rulebook's pattern for this run's config. It
+    differs from the stored one only where megatron-core's specs differ (MLA's down projections: column-parallel in
+    the local spec, duplicated in TransformerEngine's, e.g. a GPU run's checkpoint resumed on CPU), over the same
+    global tensor."""
+    for name, info in list(ucp.parameters.items()):
+        pattern = rulebook.pattern_for(name, run_config)
+        if pattern != info.pattern:
+            ucp.parameters[name] = dataclasses.replace(info, pattern=pattern)
+
+
 def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> int:
     from megatron.core import parallel_state
 
@@ -363,6 +378,7 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
     except UniversalLoadError as e:
         problem = str(e)
     _agree(problem)
+    _split_as_this_run(ucp, GPTModelConfig.from_megatron_args(args))
     config = ucp.config
     layout = layout_from_args(vars(args))
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
