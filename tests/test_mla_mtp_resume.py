@@ -193,3 +193,21 @@ def test_mla_without_q_lora_and_tied_mtp_resumes_at_tp1(runs):
     at TP1 PP1 DP1."""
     got = rel_diffs(runs.resume("i19_tp1", I19, Layout(), runs.universal(I19), True), uninterrupted(I19))
     assert within_tolerance(got, ("lm_loss", "mtp_1_loss")), got
+
+
+def test_legacy_write_for_an_older_release_names_the_mtp_layer_as_it_does(runs, tmp_path):
+    """megatron-core <= 0.16 names an MTP layer's transformer layer `transformer_layer` in its state dicts (0.17 on:
+    `mtp_model_layer`): a legacy write for 0.16 spells it so, and reads back equal to its source."""
+    from megatron_ucp.convert import to_universal
+    from megatron_ucp.formats.common import load_archive_file
+
+    for release, inner in (("0.16", "transformer_layer"), ("0.19", "mtp_model_layer")):
+        out = tmp_path / release
+        fu.from_universal(runs.universal(H19), out, ckpt_format="torch", use_distributed_optimizer=True,
+                          megatron_core_version=release, rng_state="cpu", progress=False)
+        state = load_archive_file(out / ITER / "mp_rank_00" / "model_optim_rng.pt", what="model_optim_rng.pt")
+        mtp = [k for k in state["model"] if k.startswith("mtp.layers.0.") and ".self_attention." in k]
+        assert mtp and all(k.startswith(f"mtp.layers.0.{inner}.") for k in mtp), (release, mtp[:2])
+        back = to_universal(out, tmp_path / f"{release}.ucp", iteration=4, progress=False)
+        result = verify(back, runs.universal(H19), progress=False)
+        assert result.equal and result.compared_keys == ("fp32", "exp_avg", "exp_avg_sq", "step"), release

@@ -39,7 +39,7 @@ from typing import Any, Collection, Mapping, Optional
 
 from megatron_ucp.adapters.gpt import (
     UnknownParameterError, canonical_name, experts_in_own_optimizer, is_buffer, is_expert, is_ignorable,
-    megatron_param_groups, parameters_for_rank)
+    local_spelling, megatron_param_groups, parameters_for_rank)
 from megatron_ucp.core import versions
 from megatron_ucp.core.dtypes import PARAM_DTYPES
 from megatron_ucp.core.layout import LayoutError
@@ -334,7 +334,7 @@ class LegacyCheckpoint(CheckpointReader):
             return  # dense: the rows' presence is checked by the converter (its messages name the parameter)
         want = {local for local, _, _ in parameters_for_rank(self.config, self.layout, pp_rank, vpp, ep_rank=ep_rank,
                                                              buffers=True)}
-        have = {p.name for p in params}
+        have = {local_spelling(p.name) for p in params}  # older releases spell MTP layers otherwise
         if want != have:
             raise CheckpointFormatError(
                 f"{file}: holds {sorted(have - want)[:3]} and lacks {sorted(want - have)[:3]} of the model its args "
