@@ -352,7 +352,6 @@ def _main_params(optimizer) -> Dict[int, _MainParam]:
 
 # --- the load ---------------------------------------------------------------------------------
 
-@torch.no_grad()
 def _split_as_this_run(ucp, run_config: GPTModelConfig) -> None:
     """Read every parameter split as this run's model splits it: the rulebook's pattern for this run's config. It
     differs from the stored one only where megatron-core's specs differ (MLA's down projections: column-parallel in
@@ -364,6 +363,7 @@ def _split_as_this_run(ucp, run_config: GPTModelConfig) -> None:
             ucp.parameters[name] = dataclasses.replace(info, pattern=pattern)
 
 
+@torch.no_grad()
 def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> int:
     from megatron.core import parallel_state
 
