@@ -174,6 +174,10 @@ def _mla_norm_fused(c: GPTModelConfig, moe: bool) -> bool:
     return _te_spec(c)  # TE spec: MLA's q / kv norms are fused into the up projections
 
 
+def _mla_q_norm_fused(c: GPTModelConfig, moe: bool) -> bool:
+    return c.multi_latent_attention and _mla_norm_fused(c, moe)  # GPT attention's q_layernorm is its own module
+
+
 def _fc1_rows(c: GPTModelConfig) -> int:
     return 2 * c.ffn_hidden_size if c.swiglu else c.ffn_hidden_size
 
@@ -283,15 +287,13 @@ RULES: Tuple[ParamRule, ...] = (
     ParamRule("self_attention.q_layernorm.weight", LAYER, _q_norm_shape, _replicated,
               present=lambda c: c.qk_layernorm and (_gpt_attention(c) or _q_lora(c)),
               aliases=("self_attention.linear_q_up_proj.layer_norm_weight",),
-              dist_by=lambda c, moe: ("self_attention.linear_q_up_proj.layer_norm_weight"
-                                      if c.multi_latent_attention and _mla_norm_fused(c, moe)
-                                      else "self_attention.q_layernorm.weight")),
+              dist_by=_norm_spelling("self_attention.linear_q_up_proj.layer_norm_weight",
+                                     "self_attention.q_layernorm.weight", fused_when=_mla_q_norm_fused)),
     ParamRule("self_attention.q_layernorm.bias", LAYER, _q_norm_shape, _replicated,
               present=lambda c: c.qk_layernorm and (_gpt_attention(c) or _q_lora(c)) and _layer_norm_bias(c),
               aliases=("self_attention.linear_q_up_proj.layer_norm_bias",),
-              dist_by=lambda c, moe: ("self_attention.linear_q_up_proj.layer_norm_bias"
-                                      if c.multi_latent_attention and _mla_norm_fused(c, moe)
-                                      else "self_attention.q_layernorm.bias")),
+              dist_by=_norm_spelling("self_attention.linear_q_up_proj.layer_norm_bias",
+                                     "self_attention.q_layernorm.bias", fused_when=_mla_q_norm_fused)),
     ParamRule("self_attention.k_layernorm.weight", LAYER, _head, _replicated,
               present=lambda c: c.qk_layernorm and _gpt_attention(c)),
     ParamRule("self_attention.k_layernorm.bias", LAYER, _head, _replicated,
