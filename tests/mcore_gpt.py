@@ -1,7 +1,8 @@
 """A megatron-core 0.19 GPT model in one process (TP1 PP1 EP1, gloo, CPU), built from Megatron-LM flags as
 Megatron-LM builds it: its parser and validate_args (tests/megatron_lm_args.py), its
 core_transformer_config_from_args, and the GPTModel of the entry point's model provider (local spec: dense
-layers, or the decoder block spec with experts). For the HF tests' reference logits (`fill_from_universal` and
+layers, or the decoder block spec with experts; multi-latent attention; the MTP block spec with --mtp-num-layers).
+For the HF tests' reference logits (`fill_from_universal` and
 `causal_logits`; `universal_logits` for several checkpoints in one child process: `python tests/mcore_gpt.py
 JOBS.pt OUT.pt`), and as the model provider of tests/ddp_bucket_probe.py.
 
@@ -53,7 +54,8 @@ def gpt_args(flags: Sequence[str], padded_vocab_size: int):
 def build_gpt(args, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
     """The GPTModel Megatron-LM's model provider builds for `args` (by default the whole model)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs,
+                                                          get_gpt_layer_local_spec, get_gpt_mtp_block_spec)
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     config = config or core_transformer_config_from_args(args)
@@ -63,24 +65,36 @@ def build_gpt(args, pre_process=True, post_process=True, vp_stage=None, config=N
     else:
         spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
                                         args.multi_latent_attention, normalization=args.normalization)
+    mtp_spec = None
+    if args.mtp_num_layers is not None:  # as the entry point's provider: MTP layers built like the last layer
+        last = get_gpt_decoder_layer_specs(config, use_transformer_engine=False, normalization=args.normalization,
+                                           qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)[-1]
+        mtp_spec = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, vp_stage=vp_stage)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
                     post_process=post_process, vp_stage=vp_stage, pg_collection=pg_collection,
                     parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-                    rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling)
+                    rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, mtp_block_spec=mtp_spec)
 
 
 def fill_from_universal(model, ucp) -> None:
-    """A TP1 PP1 model's parameters from a universal checkpoint (its tensors are the TP1 tensors)."""
-    from megatron_ucp.adapters.gpt import canonical_name
+    """A TP1 PP1 model's parameters and persistent buffers (the router's expert bias) from a universal checkpoint
+    (its tensors are the TP1 tensors); every one the checkpoint holds must be filled."""
+    from megatron_ucp.adapters.gpt import canonical_name, parameters_for_rank
     from megatron_ucp.core.layout import ParallelLayout
 
+    layout = ParallelLayout()
+    buffers = {local for local, _, _ in parameters_for_rank(ucp.config, layout, 0, buffers=True)}
+    filled = set()
     with torch.no_grad():
-        for local, param in model.named_parameters():
-            name = canonical_name(local, ParallelLayout(), 0, None, ucp.config.num_layers, tied=ucp.config.tied,
+        state = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in buffers)]
+        for local, tensor in state:
+            name = canonical_name(local, layout, 0, None, ucp.config.num_layers, tied=ucp.config.tied,
                                   config=ucp.config)
-            param.copy_(ucp.read(name))
+            tensor.copy_(ucp.read(name))
+            filled.add(name)
+    assert filled == set(ucp.parameters), set(ucp.parameters) ^ filled
 
 
 def causal_logits(model, tokens: torch.Tensor) -> torch.Tensor:

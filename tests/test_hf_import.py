@@ -13,23 +13,35 @@ shows), vocabulary 1024 (NullTokenizer --vocab-size 1024 with Megatron-LM 0.19: 
 - mixtral: 4 experts top-2 of 32, every layer MoE;
 - qwen2_moe: layer 0 dense (mlp_only_layers=[0]), 4 experts top-2 of 32, a gated shared expert of 32, QKV biases,
   norm_topk_prob=false (Megatron's --moe-router-pre-softmax);
-- qwen3_moe: QK norm, layer 0 dense, 4 experts top-2 of 32, norm_topk_prob=true (Megatron's default router).
+- qwen3_moe: QK norm, layer 0 dense, 4 experts top-2 of 32, norm_topk_prob=true (Megatron's default router);
+- deepseek_v3: multi-latent attention (q_lora 24, kv_lora 16, qk_nope 16, qk_rope 8, v 12), YaRN (factor 40,
+  mscale 1, mscale_all_dim 0.8), layer 0 dense, 4 routed experts top-2 in 2 groups (one chosen) of 32 and a shared
+  expert, the sigmoid router with its correction bias N(0, 0.5) and routed_scaling_factor 2.5;
+- deepseek_v3_halves (a variant): rope_interleave=false (RoPE rows imported through a row permutation), plain
+  RoPE, 2 shared experts, no group limit.
 
 Logits (every family): megatron-core 0.19's GPTModel built from the flags import-hf prints (Megatron-LM's parser,
 validate_args and model provider, the universal loader's check_compatible; tests/mcore_gpt.py, all families in one
 child process), filled from the import, on the same token ids as transformers: max |difference| / max |logit|
-<= 1e-5 over the true vocabulary (measured 4.4e-7 - 7.1e-7). Negative controls: the HF model with K heads 0 and 1
-swapped in every layer misses by > 1e-5 (measured 0.33 - 1.2), and llama's HF model with unscaled RoPE misses
-Megatron's llama3 scaling (measured 4.6e-3); printed with -s. Export back: `export-hf` (fp32) of each import writes the original
-tensors bit for bit, and transformers loads it as the same class computing the same logits bitwise.
+<= 1e-5 over the true vocabulary (measured 4.4e-7 - 7.2e-7). Negative controls: the HF model with K heads 0 and 1
+swapped in every layer (MLA: kv_b_proj heads 0 and 1) misses by > 1e-5 (measured 0.33 - 1.4), llama's HF model
+with unscaled RoPE misses Megatron's llama3 scaling (measured 4.6e-3), and DeepSeek's with RoPE rows not permuted,
+plain RoPE for YaRN or the correction bias zeroed miss by 0.36, 0.84, 0.95; printed with -s. Export back:
+`export-hf` (fp32) of each import writes the original tensors bit for bit (deepseek_v3: the config transformers
+reads back too, but token ids and initializer_range; the halves variant in DeepSeek's interleaved layout, its
+RoPE rows permuted, logits equal), and transformers loads it as the same class computing the same logits bitwise.
+MTP layers (DeepSeek's, stored after the decoder's; a universal checkpoint's --mtp-num-layers) are refused both
+ways and left out with --drop-mtp.
 
-End to end (tests/pretrain_runs, torchrun, gloo, CPU): the llama, gpt2 and qwen2_moe imports are loaded with
-`--universal-checkpoint` at TP2 PP2 (qwen2_moe: EP2 ETP1, sequence parallel) and trained 8 iterations with
+End to end (tests/pretrain_runs, torchrun, gloo, CPU): the llama, gpt2, qwen2_moe and deepseek_v3 imports are loaded
+with `--universal-checkpoint` at TP2 PP2 (qwen2_moe: EP2 ETP1, sequence parallel; deepseek_v3: TP2 PP1 EP2 ETP1
+SP) and trained 8 iterations with
 --mock-data; the first iteration's lm loss (before any update) is compared with transformers' loss on exactly
 that global batch (megatron-core's MockGPTDataset samples 0..7, built here with the run's own flags).
-Tolerance: 1e-5 relative (fp32; measured 3.1e-8 llama (llama3 RoPE), 4.0e-9 gpt2, 3.8e-9 qwen2_moe). Negative control: the HF
-model with query groups 0 and 1 swapped in every layer's q/k/v_proj (what a QKV fusion that mixes up groups would
-load) must miss by > 1e-5 (measured 2.2e-2, 9.6e-4, 1.3e-3: margins 96x or more; printed with -s).
+Tolerance: 1e-5 relative (fp32; measured 3.1e-8 llama (llama3 RoPE), 4.0e-9 gpt2, 3.8e-9 qwen2_moe, 7.4e-8 deepseek_v3).
+Negative control: the HF model with query groups 0 and 1 swapped in every layer's q/k/v_proj (what a QKV fusion that
+mixes up groups would load; deepseek_v3: kv_b_proj heads 0 and 1) must miss by > 1e-5 (measured 2.2e-2, 9.6e-4,
+1.3e-3, 1.5e-2: margins 96x or more; printed with -s).
 `from-universal` writes the llama and qwen2_moe imports as Megatron-LM checkpoints (legacy torch at EP1,
 torch_dist at EP2 ETP1) at TP2 PP2: `verify` finds every tensor equal (atol 0).
 
@@ -43,6 +55,7 @@ nothing at the destination.
 import hashlib
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -63,20 +76,37 @@ SEQ, BATCH = 32, 2
 TRAIN = ("--seq-length 32 --micro-batch-size 2 --global-batch-size 8 --lr 1e-4 --train-iters 8 --mock-data "
          "--attention-dropout 0 --hidden-dropout 0 --log-interval 1 --seed 1234 --eval-iters 0 --eval-interval 1000").split()
 LAYOUTS = {"llama": Layout(tp=2, pp=2), "gpt2": Layout(tp=2, pp=2),
-           "qwen2_moe": Layout(tp=2, pp=2, ep=2, etp=1, sp=True)}  # MoE layers with TP need SP
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
+           "qwen2_moe": Layout(tp=2, pp=2, ep=2, etp=1, sp=True),  # MoE layers with TP need SP
+           "deepseek_v3": Layout(tp=2, ep=2, etp=1, sp=True)}
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+# models of another shape within a family: {name: model type}
+VARIANTS = {"deepseek_v3_halves": "deepseek_v3"}
+MODELS = FAMILIES + tuple(VARIANTS)
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
+# DeepSeek-V3's YaRN (factor 40 over 4096 positions, beta 32/1) with mscale_all_dim 0.8 (DeepSeek-V3: 1.0): the
+# factor on cos/sin (1.369 / 1.295) and the softmax's (1.295^2) both differ from 1
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}
+
+
 def hf_model(model_type: str, **overrides):
-    """A seeded transformers model of the family, every parameter perturbed."""
+    """A seeded transformers model of the family (or of a VARIANTS name), every parameter perturbed (and
+    DeepSeek's correction bias, a buffer, set to N(0, 0.5): large enough to change which experts are chosen)."""
     import transformers as tf
 
     torch.manual_seed(0)
     llama_like = dict(vocab_size=1024, max_position_embeddings=32, hidden_size=48, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0])
+    deepseek = dict(vocab_size=1024, max_position_embeddings=64, hidden_size=48, intermediate_size=64,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, initializer_range=0.1,
+                    q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                    first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                    num_nextn_predict_layers=0)
     config = {
         "llama": lambda: tf.LlamaConfig(**llama_like, rope_parameters=dict(LLAMA3)),
         "mistral": lambda: tf.MistralConfig(**{**llama_like, "vocab_size": 1000}),
@@ -89,6 +119,13 @@ def hf_model(model_type: str, **overrides):
         "qwen2_moe": lambda: tf.Qwen2MoeConfig(**llama_like, **moe, shared_expert_intermediate_size=32,
                                                norm_topk_prob=False),
         "qwen3_moe": lambda: tf.Qwen3MoeConfig(**llama_like, **moe, head_dim=16, norm_topk_prob=True),
+        # multi-latent attention with query compression, the first layer dense, 4 routed experts top-2 in 2 groups
+        # (one chosen per token) and a shared expert, YaRN, RoPE rows interleaved (DeepSeek's layout)
+        "deepseek_v3": lambda: tf.DeepseekV3Config(**deepseek, rope_parameters=dict(DEEPSEEK_YARN)),
+        # RoPE rows as [first half; second half] (imported through a row permutation), plain RoPE, 2 shared experts,
+        # no group limit
+        "deepseek_v3_halves": lambda: tf.DeepseekV3Config(**{**deepseek, "n_shared_experts": 2, "n_group": 1},
+                                                          rope_interleave=False),
     }[model_type]()
     for key, value in overrides.items():
         setattr(config, key, value)
@@ -96,6 +133,9 @@ def hf_model(model_type: str, **overrides):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.5)
     return model.eval()
 
 
@@ -117,7 +157,7 @@ def imported(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf_import")
     out = {}
-    for model_type in FAMILIES:
+    for model_type in MODELS:
         hf = root / f"hf_{model_type}"
         # llama sharded: the index path (shards named by model.safetensors.index.json)
         hf_model(model_type).save_pretrained(hf, max_shard_size="100KB" if model_type == "llama" else "1GB")
@@ -137,12 +177,12 @@ def megatron_logits(imported, tmp_path_factory):
     """{model_type: megatron-core's logits [b, s, padded vocabulary]} from one child process (tests/mcore_gpt.py)."""
     work = tmp_path_factory.mktemp("mcore_logits")
     jobs = [{"ucp": str(imported[t][1]), "flags": imported[t][2]["megatron_flags"],
-             "tokens": tokens_for(imported[t][2]["vocab_size"])} for t in FAMILIES]
+             "tokens": tokens_for(imported[t][2]["vocab_size"])} for t in MODELS]
     torch.save(jobs, work / "jobs.pt")
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "mcore_gpt.py"), str(work / "jobs.pt"),
                            str(work / "logits.pt")], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return dict(zip(FAMILIES, torch.load(work / "logits.pt")))
+    return dict(zip(MODELS, torch.load(work / "logits.pt")))
 
 
 def hf_logits(model, vocab: int) -> torch.Tensor:
@@ -157,10 +197,15 @@ def rel_diff(logits: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def swap_k_heads(model) -> None:
-    """K heads 0 and 1 (query groups 0 and 1's keys) exchanged in every layer (weights and biases)."""
+    """K heads 0 and 1 (query groups 0 and 1's keys) exchanged in every layer (weights and biases); under
+    multi-latent attention heads 0 and 1 of kv_b_proj (each head's k_nope and v rows)."""
     layers = model.transformer.h if hasattr(model, "transformer") else model.model.layers
     with torch.no_grad():
         for layer in layers:
+            if hasattr(getattr(layer, "self_attn", None), "kv_b_proj"):
+                w, d = layer.self_attn.kv_b_proj.weight, layer.self_attn.qk_nope_head_dim + layer.self_attn.v_head_dim
+                w[: 2 * d] = torch.cat([w[d: 2 * d], w[:d]]).clone()
+                continue
             if hasattr(layer, "attn"):  # GPT-2: c_attn is [in, 3h] (Conv1D), keys in columns [h, 2h)
                 hidden, d = layer.attn.embed_dim, layer.attn.head_dim
                 for p in (layer.attn.c_attn.weight, layer.attn.c_attn.bias):
@@ -173,7 +218,7 @@ def swap_k_heads(model) -> None:
                     p[: 2 * d] = torch.cat([p[d: 2 * d], p[:d]]).clone()
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("model_type", MODELS)
 def test_imported_logits_equal_transformers(imported, megatron_logits, model_type):
     """megatron-core's GPTModel from the printed flags computes transformers' logits; swapped K heads do not."""
     from transformers import AutoModelForCausalLM
@@ -231,6 +276,218 @@ def test_export_gives_back_the_hf_model(imported, model_type, tmp_path):
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     assert type(back) is type(model)
     assert torch.equal(hf_logits(back, summary["vocab_size"]), hf_logits(model, summary["vocab_size"]))
+
+
+# transformers config fields an export does not carry over: token ids (the export names the Megatron tokenizer's
+# EOD), the initializer's std (training from scratch only) and where the config was read from
+NOT_EXPORTED = ("bos_token_id", "eos_token_id", "initializer_range", "_name_or_path")
+
+
+def test_deepseek_rope_yarn_and_router_bias_are_what_megatron_computes(imported, megatron_logits):
+    """The DeepSeek imports' printed flags carry YaRN (factor, mscale, mscale_all_dim), the sigmoid router with its
+    expert bias, scaling and groups; the same weights in transformers with one thing changed miss megatron-core's
+    logits, so the comparison above sees each: the halves import read as interleaved (its RoPE rows not permuted),
+    plain RoPE instead of YaRN, the correction bias zeroed (other experts chosen)."""
+    import transformers as tf
+
+    for name, want in (("deepseek_v3", "--rope-type yarn --rotary-scaling-factor 40.0 --mscale 1.0 --mscale-all-dim "
+                                       "0.8"), ("deepseek_v3_halves", "--rope-type rope --swiglu")):
+        flags = " ".join(imported[name][2]["megatron_flags"])
+        assert want in flags and "--qk-layernorm" in flags and "--moe-layer-freq [0,1]" in flags, flags
+        assert ("--moe-router-score-function sigmoid --moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32 "
+                "--moe-router-enable-expert-bias") in flags, flags
+        assert ("--moe-router-num-groups 2 --moe-router-group-topk 1" in flags) == (name == "deepseek_v3"), flags
+
+    def miss(name: str, **config) -> float:
+        model = tf.AutoModelForCausalLM.from_pretrained(imported[name][0], dtype=torch.float32, **config).eval()
+        if not config:
+            with torch.no_grad():
+                for layer in model.model.layers[1:]:
+                    layer.mlp.gate.e_score_correction_bias.zero_()
+        broken = rel_diff(hf_logits(model, 1024), megatron_logits[name])
+        assert broken > TOL, f"{name} {config or 'without its correction bias'}: only {broken:.2e}"
+        return broken
+
+    margins = {"RoPE rows not permuted": miss("deepseek_v3_halves", rope_interleave=True),
+               "plain RoPE for YaRN": miss("deepseek_v3", rope_parameters={"rope_type": "default",
+                                                                          "rope_theta": 10000.0}),
+               "correction bias zeroed": miss("deepseek_v3")}
+    print("deepseek_v3 negative controls: " + ", ".join(f"{k} {v:.2e}" for k, v in margins.items()))
+
+
+def test_mla_constants_are_what_the_libraries_fix():
+    """adapters/hf's constants: MEGATRON_MLA_YARN are megatron-core 0.19.2's MLATransformerConfig defaults (and
+    YarnRotaryEmbedding's integer correction range, which MLA does not pass), none of them a destination of
+    Megatron-LM 0.19's parser; DEEPSEEK_LATENT_NORM_EPS is the eps transformers' DeepseekV3RMSNorm takes when
+    q_a_layernorm and kv_a_layernorm are built without one."""
+    import dataclasses
+    import inspect
+
+    from megatron_lm_args import megatron_lm_parser
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    from megatron.core.models.common.embeddings import YarnRotaryEmbedding
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    from megatron_ucp.adapters.hf import DEEPSEEK_LATENT_NORM_EPS, MEGATRON_MLA_YARN
+
+    fields = {f.name: f.default for f in dataclasses.fields(MLATransformerConfig)}
+    truncate = inspect.signature(YarnRotaryEmbedding).parameters["correction_range_round_to_int"].default
+    assert {**{k: fields[k] for k in MEGATRON_MLA_YARN if k != "truncate"}, "truncate": truncate} == MEGATRON_MLA_YARN
+    dests = {a.dest for a in megatron_lm_parser()._actions}
+    assert not dests & set(MEGATRON_MLA_YARN) and {"rotary_scaling_factor", "mscale", "mscale_all_dim"} <= dests
+    assert inspect.signature(ds.DeepseekV3RMSNorm).parameters["eps"].default == DEEPSEEK_LATENT_NORM_EPS
+    source = inspect.getsource(ds.DeepseekV3Attention)
+    assert "DeepseekV3RMSNorm(self.q_lora_rank)" in source and "DeepseekV3RMSNorm(config.kv_lora_rank)" in source
+
+
+def test_deepseek_export_config_and_rope_convention(imported, tmp_path):
+    """export-hf of the DeepSeek imports: the config transformers reads back is the original's (but NOT_EXPORTED),
+    the correction bias stays fp32 in a bf16 export; the halves import comes out in DeepSeek's interleaved layout (rope_interleave=true): q_b_proj and
+    kv_a_proj_with_mqa with their RoPE rows permuted, every other tensor bit for bit, transformers' logits those of
+    the original within TOL."""
+    import transformers as tf
+    from safetensors.torch import load_file
+
+    from megatron_ucp.commands.export_hf import export_hf
+
+    def config(folder):
+        return {k: v for k, v in tf.AutoConfig.from_pretrained(folder).to_dict().items() if k not in NOT_EXPORTED}
+
+    hf_dir, ucp, _ = imported["deepseek_v3"]
+    export_hf(ucp, tmp_path / "yarn", "deepseek_v3", dtype="float32", progress=False)
+    assert config(tmp_path / "yarn") == config(hf_dir)
+    export_hf(ucp, tmp_path / "bf16", "deepseek_v3", dtype="bfloat16", progress=False)
+    dtypes = {n: t.dtype for n, t in load_file(tmp_path / "bf16" / "model.safetensors").items()}
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"  # fp32 in megatron-core and transformers alike
+    assert dtypes.pop(bias) == torch.float32 and set(dtypes.values()) == {torch.bfloat16}
+
+    hf_dir, ucp, _ = imported["deepseek_v3_halves"]
+    export_hf(ucp, tmp_path / "halves", "deepseek_v3", dtype="float32", progress=False)
+    assert config(tmp_path / "halves") == {**config(hf_dir), "rope_interleave": True}
+    original, exported = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "halves" / "model.safetensors")
+    assert exported.keys() == original.keys()
+    pairs = [r // 2 + 4 * (r % 2) for r in range(8)]  # RoPE dim 8: interleaved row r is half-layout row pairs[r]
+    for name, tensor in original.items():
+        if name.endswith("q_b_proj.weight"):  # 4 heads of 16 qk_nope rows, then 8 RoPE rows
+            tensor = tensor.view(4, 24, -1)
+            tensor = torch.cat([tensor[:, :16], tensor[:, 16:][:, pairs]], dim=1).reshape(96, -1)
+        elif name.endswith("kv_a_proj_with_mqa.weight"):  # 16 kv_lora rows, then 8 RoPE rows
+            tensor = torch.cat([tensor[:16], tensor[16:][pairs]])
+        assert torch.equal(exported[name], tensor), name
+    model = tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    back = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "halves", dtype=torch.float32).eval()
+    diff = rel_diff(hf_logits(back, 1024), hf_logits(model, 1024))
+    assert diff <= TOL, f"the interleaved export computes other logits: {diff:.2e}"
+    print(f"deepseek_v3_halves exported interleaved: logits {diff:.2e} relative")
+
+
+def with_mtp_layer(ucp_dir: Path, dst: Path) -> Path:
+    """The universal checkpoint with one multi-token prediction layer added (random weights, --mtp-num-layers 1)."""
+    import dataclasses
+
+    from megatron_ucp.adapters.gpt import expected_parameters, pattern_for
+    from megatron_ucp.universal import UniversalCheckpoint, UniversalWriter
+
+    ucp = UniversalCheckpoint.open(ucp_dir)
+    config = dataclasses.replace(ucp.config, mtp_num_layers=1)
+    g = torch.Generator().manual_seed(0)
+    with UniversalWriter(dst) as writer:
+        for name, shape in expected_parameters(config):
+            tensor = ucp.read(name) if name in ucp.parameters else torch.randn(shape, generator=g)
+            writer.write_parameter(name, {"fp32": tensor}, {"pattern": pattern_for(name, config), "step": None,
+                                                            "model_dtype": "float32"})
+        metadata = {k: v for k, v in ucp.metadata.items() if k not in ("parameters", "format", "version")}
+        return writer.finish({**metadata, "model_config": config.to_dict(), "args": {**ucp.args, "mtp_num_layers": 1}},
+                             expected_parameters(config))
+
+
+def test_deepseek_mtp_layers_are_refused_or_dropped(imported, tmp_path):
+    """MTP layers have no transformers counterpart. import-hf: a DeepSeek folder with its MTP layer stored after the
+    decoder's (layer 2 of 2, num_nextn_predict_layers=1) is refused naming --drop-mtp, and with it imported as the
+    folder without that layer (every tensor equal). export-hf of a model with an MTP layer: exit 1 in one line
+    naming --drop-mtp, nothing written; with it the export of the model without MTP, bit for bit."""
+    from safetensors.torch import load_file, save_file
+
+    from megatron_ucp.commands.import_hf import HFImportError, import_hf
+    from megatron_ucp.universal import UniversalCheckpoint
+
+    hf_dir, ucp_dir, _ = imported["deepseek_v3"]
+    hf = tmp_path / "hf_mtp"
+    shutil.copytree(hf_dir, hf)
+    _set_config(hf, num_nextn_predict_layers=1)
+    tensors = load_file(hf / "model.safetensors")
+    g = torch.Generator().manual_seed(1)
+    for suffix, shape in (("enorm.weight", (48,)), ("hnorm.weight", (48,)), ("eh_proj.weight", (48, 96)),
+                          ("shared_head.norm.weight", (48,)), ("self_attn.kv_b_proj.weight", (112, 16)),
+                          ("mlp.experts.0.up_proj.weight", (32, 48))):
+        tensors[f"model.layers.2.{suffix}"] = torch.randn(shape, generator=g)
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(HFImportError, match=r"layers 2-2 are multi-token prediction layers \(num_nextn_predict_layers"
+                                            r"=1\).*pass --drop-mtp"):
+        import_hf(hf, tmp_path / "refused", progress=False)
+    assert not (tmp_path / "refused").exists()
+    summary = import_hf(hf, tmp_path / "dropped", progress=False, drop_mtp=True)
+    assert summary["dropped_mtp_tensors"] == 6
+    plain, dropped = UniversalCheckpoint.open(ucp_dir), UniversalCheckpoint.open(tmp_path / "dropped")
+    assert dropped.parameters.keys() == plain.parameters.keys()
+    assert all(torch.equal(plain.read(n), dropped.read(n)) for n in plain.parameters)
+
+    mtp = with_mtp_layer(ucp_dir, tmp_path / "ucp_mtp")
+    proc = subprocess.run([sys.executable, "-m", "megatron_ucp.cli", "export-hf", mtp, tmp_path / "x", "--model-type",
+                           "deepseek_v3"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "1 multi-token prediction layer(s)" in proc.stderr and "pass --drop-mtp" in proc.stderr
+    assert not (tmp_path / "x").exists()
+    proc = subprocess.run([sys.executable, "-m", "megatron_ucp.cli", "export-hf", mtp, tmp_path / "x", "--model-type",
+                           "deepseek_v3", "--drop-mtp", "--dtype", "float32", "--quiet"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    exported, original = load_file(tmp_path / "x" / "model.safetensors"), load_file(hf_dir / "model.safetensors")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[n], original[n]) for n in original)
+
+
+def test_deepseek_export_refuses_what_transformers_does_not_compute(imported):
+    """check_exportable on Megatron-LM 0.19's own args (its parser and validate_args) of the deepseek import's
+    printed flags, one change each: without --rope-type (MLA's default, YaRN) it exports; each other change is
+    refused naming the reason."""
+    from megatron_lm_args import megatron_lm_args
+
+    from megatron_ucp.commands.export_hf import ExportError, check_exportable
+    from megatron_ucp.core.model_config import GPTModelConfig
+
+    flags = imported["deepseek_v3"][2]["megatron_flags"]
+
+    def without(*names: str, values: int = 0) -> list:
+        out = list(flags)
+        for name in names:
+            i = out.index(name)
+            del out[i: i + 1 + values]
+        return out
+
+    def check(changed: list, **kwargs) -> None:
+        args = megatron_lm_args([*changed, *TRAIN])
+        check_exportable(GPTModelConfig.from_megatron_args(args), vars(args), "deepseek_v3", **kwargs)
+
+    check(flags)
+    check(without("--rope-type", values=1))
+    check([*flags, "--mtp-num-layers", "1"], drop_mtp=True)
+    no_sigmoid = without("--moe-router-score-function", "--moe-router-enable-expert-bias", values=0)
+    no_sigmoid.remove("sigmoid")
+    cases = {
+        "1 multi-token prediction layer(s)": [*flags, "--mtp-num-layers", "1"],
+        "norm_epsilon=1e-05; DeepseekV3ForCausalLM's q_a_layernorm": [*flags, "--norm-epsilon", "1e-5"],
+        "no low-rank compression (no --q-lora-rank)": without("--q-lora-rank", values=1),
+        "not normalized (no --qk-layernorm)": without("--qk-layernorm"),
+        "moe_router_score_function=softmax": no_sigmoid,
+        "moe_router_group_topk=1 and moe_router_topk=4": [*flags, "--moe-router-topk", "4"],
+        "the shared expert is gated": [*flags, "--moe-shared-expert-gate"],
+        "YaRN with --mscale 0.5 and --mscale-all-dim 0": [*flags, "--mscale", "0.5", "--mscale-all-dim", "0"],
+        "dense and MoE layers are mixed": [*flags, "--moe-layer-freq", "[1,0]"],
+    }
+    for expected, changed in cases.items():
+        with pytest.raises(ExportError, match=re.escape(expected)):
+            check(changed)
 
 
 def first_batch(flags):
@@ -313,7 +570,8 @@ def test_imported_model_trains_from_transformers_loss(imported, model_type, tmp_
     diff = abs(losses[1] - reference) / reference
     assert diff <= TOL, f"{model_type} at {layout}: lm loss {losses[1]!r} vs transformers {reference!r} ({diff:.2e})"
 
-    (swap_query_heads_gpt2 if model_type == "gpt2" else swap_query_groups)(model)
+    # multi-latent attention has no query groups: two heads' keys and values swapped in kv_b_proj
+    {"gpt2": swap_query_heads_gpt2, "deepseek_v3": swap_k_heads}.get(model_type, swap_query_groups)(model)
     broken = abs(losses[1] - hf_loss(model, batch)) / reference
     assert broken > TOL, f"{model_type}: swapped QKV groups only move the loss by {broken:.2e}"
     print(f"{model_type} at {layout}: loss diff {diff:.2e}, swapped QKV groups {broken:.2e}")
@@ -640,13 +898,54 @@ def test_refuses_configs_megatron_cannot_express(tmp_path):
     assert args["use_rope_scaling"] and args["rotary_base"] == 500000  # Llama 3.1's config.json (transformers 4)
 
 
+def test_refuses_deepseek_configs_megatron_cannot_express():
+    """DeepSeek-V3 configs whose function megatron-core 0.19's multi-latent attention and router cannot compute are
+    refused naming the field and why; DeepSeek-V3's own config.json spelling (transformers 4's rope_scaling with
+    "type": "yarn", mscale 1.0, mscale_all_dim 1.0) and DeepSeek-V2's (mscale 0.707 = mscale_all_dim) import."""
+    from megatron_ucp.commands.import_hf import HFImportError, megatron_model
+
+    base = hf_model("deepseek_v3").config.to_dict()
+    yarn = base["rope_parameters"]
+    cases = {
+        r"q_lora_rank=null \(a query projection without compression\)": {"q_lora_rank": None},
+        "rms_norm_eps=1e-05: .*q_a_layernorm and kv_a_layernorm use eps 1e-06": {"rms_norm_eps": 1e-5},
+        "norm_topk_prob=false with num_experts_per_tok=2": {"norm_topk_prob": False},
+        "n_group=2, topk_group=1 with num_experts_per_tok=4.*top 2": {"num_experts_per_tok": 4},
+        "attention_bias=true": {"attention_bias": True},
+        "n_shared_experts=0": {"n_shared_experts": 0},
+        r"first_k_dense_replace=2 with num_hidden_layers=2 \(no MoE layer\)": {"first_k_dense_replace": 2},
+        "YaRN original_max_position_embeddings=8192": {"rope_parameters": {**yarn,
+                                                                          "original_max_position_embeddings": 8192}},
+        "YaRN beta_fast=16": {"rope_parameters": {**yarn, "beta_fast": 16}},
+        "YaRN truncate=False": {"rope_parameters": {**yarn, "truncate": False}},
+        "YaRN attention_factor=1.2": {"rope_parameters": {**yarn, "attention_factor": 1.2}},
+        "YaRN mscale_all_dim=0.8 without mscale": {"rope_parameters": {**yarn, "mscale": 0}},
+        "RoPE scaling 'llama3'.*plain RoPE or YaRN only": {"rope_parameters": {**LLAMA3}},
+    }
+    for expected, change in cases.items():
+        with pytest.raises(HFImportError, match=expected):
+            megatron_model({**base, **change}, "deepseek_v3")
+    v3 = {**base, "rope_parameters": None, "rope_theta": 10000, "max_position_embeddings": 163840,
+          "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                           "original_max_position_embeddings": 4096, "type": "yarn"}}
+    _, args = megatron_model(v3, "deepseek_v3")
+    assert (args["rope_type"], args["rotary_scaling_factor"], args["mscale"], args["mscale_all_dim"]) == \
+        ("yarn", 40.0, 1.0, 1.0)
+    v2 = {**v3, "rope_scaling": {**v3["rope_scaling"], "mscale": 0.707, "mscale_all_dim": 0.707}}
+    assert megatron_model(v2, "deepseek_v3")[1]["mscale_all_dim"] == 0.707
+    # mscale without mscale_all_dim: transformers scales cos/sin by mscale(factor) alone, megatron-core's default
+    no_all_dim = {**v3, "rope_scaling": {**v3["rope_scaling"], "mscale": 0.707, "mscale_all_dim": None}}
+    assert [megatron_model(no_all_dim, "deepseek_v3")[1][k] for k in ("mscale", "mscale_all_dim")] == [1.0, 0.0]
+
+
 @pytest.mark.parametrize("model_type", ["llama", "llama_biases", "gpt2", "mistral", "qwen2", "qwen3", "mixtral",
-                                        "qwen2_moe", "qwen3_moe"])
+                                        "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_halves"])
 def test_name_table_directions_are_inverses(model_type):
     """adapters/hf: to_hf then from_hf (and from_hf_bands in small bands) gives every Megatron tensor back bit for
-    bit (true vocabulary rows), for every row of every family; ZERO rows export zeros."""
+    bit (true vocabulary rows), for every row of every family and convention; ZERO rows export zeros; PERMUTED
+    rows (DeepSeek's RoPE rows as halves) move rows within a head only."""
     from megatron_ucp.adapters.gpt import expected_parameters
-    from megatron_ucp.adapters.hf import VOCAB, ZERO, from_hf, from_hf_bands, hf_rows, hf_shapes, to_hf
+    from megatron_ucp.adapters.hf import PERMUTED, VOCAB, ZERO, from_hf, from_hf_bands, hf_rows, hf_shapes, to_hf
     from megatron_ucp.core.model_config import GPTModelConfig
 
     base = dict(num_layers=2, hidden_size=48, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
@@ -654,6 +953,9 @@ def test_name_table_directions_are_inverses(model_type):
     rope = dict(swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
                 untie_embeddings_and_output_weights=True, add_bias_linear=False)
     moe = dict(num_experts=4, moe_ffn_hidden_size=32)
+    mla = dict(**{**base, "num_query_groups": 4}, qk_layernorm=True, multi_latent_attention=True, q_lora_rank=24,
+               kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12, moe_layer_freq=(0, 1),
+               moe_shared_expert_intermediate_size=64)
     config = {
         "llama": GPTModelConfig(**base, **rope),
         "llama_biases": GPTModelConfig(**base, **{**rope, "add_bias_linear": True}),
@@ -665,13 +967,21 @@ def test_name_table_directions_are_inverses(model_type):
         "qwen2_moe": GPTModelConfig(**base, **rope, **moe, add_qkv_bias=True, moe_layer_freq=(0, 1),
                                     moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True),
         "qwen3_moe": GPTModelConfig(**base, **rope, **moe, qk_layernorm=True, moe_layer_freq=(0, 1)),
+        "deepseek_v3": GPTModelConfig(**mla, **rope, **moe, moe_router_enable_expert_bias=True),
+        "deepseek_v3_halves": GPTModelConfig(**mla, **rope, **moe),  # no expert bias: HF's correction bias is zero
     }[model_type]
-    family = model_type.split("_biases")[0]
+    family = model_type.split("_biases")[0].split("_halves")[0]
+    conventions = {"rope_interleave": False} if model_type.endswith("_halves") else None
     shapes = dict(expected_parameters(config))
     g = torch.Generator().manual_seed(0)
-    covered, zeros = set(), 0
-    for row in hf_rows(config, family):
+    covered, zeros, permuted = set(), 0, 0
+    for row in hf_rows(config, family, conventions):
         original = torch.randn(shapes[row.megatron], generator=g) if row.megatron else None
+        if row.join == PERMUTED:  # a permutation of the rows that keeps each head's (q_b_proj: 24 rows) in place
+            order = torch.tensor(row.permutation)
+            assert sorted(row.permutation) == list(range(len(order))) and not torch.equal(order, order.sort().values)
+            assert torch.equal(order // 24, torch.arange(len(order)) // 24)
+            permuted += 1
         parts = to_hf(row, original, config)
         assert [tuple(p.shape) for p in parts] == hf_shapes(row, config, original.shape if row.megatron else None)
         if row.join == ZERO:
@@ -685,4 +995,6 @@ def test_name_table_directions_are_inverses(model_type):
                                lambda n: 5)
         assert torch.equal(torch.cat(list(banded)), want), row
     assert covered == set(shapes), set(shapes) ^ covered  # the table names every Megatron parameter once
-    assert zeros == {"qwen3": 2}.get(model_type, 0)  # qwen3's attention_bias: o_proj's, one per layer
+    # qwen3's attention_bias: o_proj's, one per layer; DeepSeek's correction bias of a router without expert bias
+    assert zeros == {"qwen3": 2, "deepseek_v3_halves": 1}.get(model_type, 0)
+    assert permuted == (4 if model_type == "deepseek_v3_halves" else 0)  # q_b_proj, kv_a_proj_with_mqa per layer

@@ -1,19 +1,26 @@
 """The one table between Hugging Face and Megatron parameter names, used both ways (`export-hf`, `import-hf`).
 
 `FAMILIES` holds one `HFFamily` per transformers model type (llama, mistral, qwen2, qwen3, gpt2, mixtral,
-qwen2_moe, qwen3_moe; olmoe as a refusal with its reason): its tensors as rows of templates (`Row`: a Megatron
-canonical parameter, `{i}` the global layer and `{j}` the routed expert, the HF tensors it is made of, how
-(`Join`), and when the row exists for a model config), and the facts of its config.json that decide the
-Megatron model (`HFConfigFacts`: which biases, QK norm, MoE keys, sliding-window keys, transformers' defaults).
-A new family is a new entry of rows and facts; `hf_rows(config, model_type)` expands a family for a model.
+qwen2_moe, qwen3_moe, deepseek_v3; olmoe as a refusal with its reason): its tensors as rows of templates (`Row`: a
+Megatron canonical parameter, `{i}` the global layer and `{j}` the routed expert, the HF tensors it is made of, how
+(`Join`), when the row exists for a model config, and for which value of an HF tensor convention), and the facts of
+its config.json that decide the Megatron model (`HFConfigFacts`: which biases, QK norm, MoE keys, sliding-window
+keys, multi-latent attention, transformers' defaults). A new family is a new entry of rows and facts;
+`hf_rows(config, model_type, conventions)` expands a family for a model.
+
+Conventions are HF config keys that choose how the same function is stored, not what it computes (DeepSeek-V3's
+rope_interleave: its RoPE rows in interleaved pairs, as megatron-core's multi-latent attention reads them, or as
+[first half; second half], which megatron-core reads after a row permutation): import-hf takes config.json's value,
+export-hf writes the family's default.
 
 Joins: the same tensor, transposed (GPT-2's Conv1D stores [in, out]), QKV grouped per query group from
 q/k/v_proj (GroupedQKV.merge_qkv, the inverse of split_qkv) or from GPT-2's c_attn, SwiGLU `[gate; up]`
 concatenated, routed experts by their global index, the vocabulary padded (rows beyond the true vocabulary exist
-only on Megatron's side), and HF tensors Megatron does not have, which must be zero (HF's o_proj bias when only
-QKV has a bias). `to_hf` and `from_hf` apply a row in each direction and are exact inverses on the true vocabulary
-(`from_hf_bands` is `from_hf` a band of rows at a time, for bounded memory); nothing else in the project spells
-an HF name.
+only on Megatron's side), rows reordered by a permutation (RoPE rows of the other convention), and HF tensors
+Megatron does not have, which must be zero (HF's o_proj bias when only QKV has a bias, DeepSeek's correction bias
+of a router without an expert bias). `to_hf` and `from_hf` apply a row in each direction and are exact inverses on
+the true vocabulary (`from_hf_bands` is `from_hf` a band of rows at a time, for bounded memory); nothing else in
+the project spells an HF name.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ QKV_CONV1D = "qkv_conv1d"  # GPT-2 c_attn ([in, 3h] weight or [3h] bias, [q; k; 
 CONCAT = "concat"  # parts concatenated on dim 0 (SwiGLU [gate; up])
 VOCAB = "vocab"  # one HF tensor of the true vocabulary's rows; Megatron's has padding rows after them
 ZERO = "zero"  # an HF tensor Megatron does not have: zero (no Megatron parameter)
+PERMUTED = "permuted"  # one HF tensor, its rows reordered: Megatron's row r is the HF tensor's row permutation[r]
 
 Predicate = Callable[[GPTModelConfig], bool]
 
@@ -45,6 +53,20 @@ Predicate = Callable[[GPTModelConfig], bool]
 # --use-rope-scaling to the model, not --rope-scaling-factor)
 MEGATRON_LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 8192}
+# transformers' YaRN keys that megatron-core 0.19's multi-latent attention fixes: MLATransformerConfig's defaults,
+# which Megatron-LM's arguments never set for MLA (its --yarn-* flags only reach GPTModel's non-MLA YaRN), and the
+# correction range rounded to integers (transformers' truncate=true)
+MEGATRON_MLA_YARN = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": True}
+# the epsilon of transformers' DeepseekV3 q_a_layernorm and kv_a_layernorm (DeepseekV3RMSNorm's default: they are
+# built without rms_norm_eps); megatron-core's q/kv layernorms use --norm-epsilon like every other norm
+DEEPSEEK_LATENT_NORM_EPS = 1e-6
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1), as transformers (yarn_get_mscale) and megatron-core
+    (_yarn_get_mscale) compute it."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +78,8 @@ class HFRow:
     hf: tuple[str, ...]
     join: str
     zero_shape: Optional[tuple[int, ...]] = None
+    permutation: Optional[tuple[int, ...]] = None  # PERMUTED rows: Megatron's row r is HF's row permutation[r]
+    keep_fp32: bool = False  # transformers keeps the tensor in fp32 whatever the model's dtype
 
 
 def _always(config: GPTModelConfig) -> bool:
@@ -65,18 +89,23 @@ def _always(config: GPTModelConfig) -> bool:
 @dataclass(frozen=True)
 class Row:
     """A family's row: templates of the Megatron parameter and its HF tensors (`{i}`: global layer, `{j}`: routed
-    expert), the join, when the row exists, and for a ZERO row the shape of its HF tensor."""
+    expert), the join, when the row exists (for a model config, and for a value of one of the family's HF
+    conventions), for a ZERO row the shape of its HF tensor, for a PERMUTED row its permutation."""
 
     megatron: Optional[str]
     hf: tuple[str, ...]
     join: str = SAME
     when: Predicate = _always
     zero_shape: Optional[Callable[[GPTModelConfig], tuple[int, ...]]] = None
+    convention: Optional[tuple[str, Any]] = None  # (HF config key, value): the row exists only for that value
+    permutation: Optional[Callable[[GPTModelConfig], tuple[int, ...]]] = None
+    keep_fp32: bool = False
 
     def expand(self, config: GPTModelConfig, **index: int) -> HFRow:
         return HFRow(self.megatron.format(**index) if self.megatron else None,
                      tuple(n.format(**index) for n in self.hf), self.join,
-                     self.zero_shape(config) if self.zero_shape else None)
+                     self.zero_shape(config) if self.zero_shape else None,
+                     self.permutation(config) if self.permutation else None, self.keep_fp32)
 
 
 @dataclass(frozen=True)
@@ -88,6 +117,11 @@ class MoEKeys:
     shared_ffn: Optional[str] = None  # key of the (gated) shared expert's FFN size; None: the family has none
     sparse_step: bool = False  # decoder_sparse_step / mlp_only_layers choose the MoE layers (else every layer)
     norm_topk: Optional[str] = None  # key of "renormalize the top-k weights" (None: always renormalized)
+    shared_count: Optional[str] = None  # key of the count of ungated shared experts, each of expert_ffn (DeepSeek)
+    first_dense: Optional[str] = None  # key of the count of leading dense layers, the rest MoE (DeepSeek)
+    # DeepSeek-V3's router: sigmoid scores, top-k chosen with the correction bias (--moe-router-enable-expert-bias),
+    # group-limited (n_group / topk_group), weights scaled by routed_scaling_factor; else softmax top-k
+    sigmoid_router: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,6 +137,10 @@ class HFConfigFacts:
     sliding_window: bool = False  # attention reads sliding_window (Llama's ignores it)
     sliding_switch: Optional[str] = None  # key that turns sliding_window on (Qwen's use_sliding_window)
     moe: Optional[MoEKeys] = None
+    # DeepSeek's multi-latent attention (q_lora_rank, kv_lora_rank, qk_nope/rope_head_dim, v_head_dim) and its key
+    # of the MTP layers its checkpoints carry after the decoder's (transformers builds none and ignores them)
+    mla: bool = False
+    mtp_layers: Optional[str] = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
     aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # other spellings (attribute_map)
 
@@ -122,6 +160,8 @@ class HFFamily:
     expert_prefix: str = ""  # HF prefix of expert {j} of layer {i}
     facts: HFConfigFacts = HFConfigFacts()
     unsupported: Optional[str] = None  # why Megatron's GPT cannot compute the family
+    # HF config keys that choose how tensors are stored (not what the model computes), with the value export writes
+    conventions: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _qkv_bias(c: GPTModelConfig) -> bool:
@@ -233,6 +273,63 @@ GPT2_MODEL = (
 )
 
 
+def _expert_bias(c: GPTModelConfig) -> bool:
+    return c.moe_router_enable_expert_bias
+
+
+def _no_expert_bias(c: GPTModelConfig) -> bool:
+    return not c.moe_router_enable_expert_bias
+
+
+def _halves_to_pairs(rope_dim: int) -> list[int]:
+    """RoPE rows stored as [first half; second half] read as megatron-core's MLA reads them (pairs (x0, x1), (x2,
+    x3), ... it splits into evens and odds before rotating halves): its row 2k is the first half's k, 2k + 1 the
+    second half's k."""
+    half = rope_dim // 2
+    return [k // 2 + half * (k % 2) for k in range(rope_dim)]
+
+
+def _q_rope_pairs(c: GPTModelConfig) -> tuple[int, ...]:
+    """q_b_proj (per head: qk_nope rows, then RoPE rows) with each head's RoPE rows as pairs."""
+    head, pairs = c.mla_q_head_dim, _halves_to_pairs(c.qk_pos_emb_head_dim)
+    return tuple(h * head + r for h in range(c.num_attention_heads)
+                 for r in [*range(c.qk_head_dim), *(c.qk_head_dim + p for p in pairs)])
+
+
+def _kv_rope_pairs(c: GPTModelConfig) -> tuple[int, ...]:
+    """kv_a_proj_with_mqa ([kv_lora rows; the shared key's RoPE rows]) with the RoPE rows as pairs."""
+    return (*range(c.kv_lora_rank), *(c.kv_lora_rank + p for p in _halves_to_pairs(c.qk_pos_emb_head_dim)))
+
+
+# DeepSeek-V3 (multi-latent attention): rope_interleave=true stores RoPE rows as megatron-core reads them
+INTERLEAVED, HALVES = ("rope_interleave", True), ("rope_interleave", False)
+MLA_ATTENTION = (
+    Row(L + "input_layernorm.weight", (H + "input_layernorm.weight",)),
+    Row(L + "self_attention.linear_proj.weight", (A + "o_proj.weight",)),
+    Row(L + "self_attention.linear_q_down_proj.weight", (A + "q_a_proj.weight",)),
+    Row(L + "self_attention.linear_q_up_proj.weight", (A + "q_b_proj.weight",), convention=INTERLEAVED),
+    Row(L + "self_attention.linear_q_up_proj.weight", (A + "q_b_proj.weight",), PERMUTED, convention=HALVES,
+        permutation=_q_rope_pairs),
+    Row(L + "self_attention.linear_kv_down_proj.weight", (A + "kv_a_proj_with_mqa.weight",), convention=INTERLEAVED),
+    Row(L + "self_attention.linear_kv_down_proj.weight", (A + "kv_a_proj_with_mqa.weight",), PERMUTED,
+        convention=HALVES, permutation=_kv_rope_pairs),
+    Row(L + "self_attention.linear_kv_up_proj.weight", (A + "kv_b_proj.weight",)),  # per head [k_nope; v] both
+    Row(L + "self_attention.q_layernorm.weight", (A + "q_a_layernorm.weight",)),
+    Row(L + "self_attention.kv_layernorm.weight", (A + "kv_a_layernorm.weight",)),
+    Row(L + "pre_mlp_layernorm.weight", (H + "post_attention_layernorm.weight",)),
+)
+DEEPSEEK_MOE = (
+    Row(L + "mlp.router.weight", (H + "mlp.gate.weight",)),
+    # the correction bias stays fp32 (megatron-core's expert_bias buffer and transformers' both)
+    Row(L + "mlp.router.expert_bias", (H + "mlp.gate.e_score_correction_bias",), when=_expert_bias, keep_fp32=True),
+    Row(None, (H + "mlp.gate.e_score_correction_bias",), ZERO, _no_expert_bias, lambda c: (c.num_experts,),
+        keep_fp32=True),
+    Row(L + "mlp.shared_experts.linear_fc1.weight",
+        (H + "mlp.shared_experts.gate_proj.weight", H + "mlp.shared_experts.up_proj.weight"), CONCAT),
+    Row(L + "mlp.shared_experts.linear_fc2.weight", (H + "mlp.shared_experts.down_proj.weight",)),
+)
+
+
 def _llama_like(model_type: str, architecture: str, facts: HFConfigFacts, *, moe: tuple[Row, ...] = (),
                 expert: tuple[Row, ...] = (), expert_prefix: str = "") -> HFFamily:
     attention = LLAMA_ATTENTION + (ATTENTION_BIAS_O_PROJ if facts.qkv_bias_with_o_proj else ())
@@ -243,6 +340,14 @@ def _llama_like(model_type: str, architecture: str, facts: HFConfigFacts, *, moe
 _LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "num_key_value_heads": None, "max_position_embeddings": 2048}
 _QWEN_SLIDING = {"use_sliding_window": False, "sliding_window": 4096}
 _QWEN = {"sliding_window": True, "sliding_switch": "use_sliding_window"}
+# transformers 5's DeepseekV3Config field defaults of the keys import-hf reads
+_DEEPSEEK_V3_DEFAULTS = {
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+    "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6, "rope_interleave": True, "attention_bias": False, "num_nextn_predict_layers": 1}
 
 FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
     _llama_like("llama", "LlamaForCausalLM", HFConfigFacts(
@@ -279,6 +384,16 @@ FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
         defaults={"rms_norm_eps": 1e-6, "num_key_value_heads": 4, "max_position_embeddings": 32768,
                   "norm_topk_prob": False, **_QWEN_SLIDING}, aliases={"num_experts": ("num_local_experts",)}),
         moe=QWEN_ROUTER, expert=QWEN_EXPERT, expert_prefix=H + "mlp.experts.{j}."),
+    HFFamily("deepseek_v3", "DeepseekV3ForCausalLM", H, MLA_ATTENTION, LLAMA_MLP, LLAMA_MODEL, DEEPSEEK_MOE,
+             QWEN_EXPERT, H + "mlp.experts.{j}.", HFConfigFacts(
+                 mla=True, mtp_layers="num_nextn_predict_layers",
+                 moe=MoEKeys("n_routed_experts", "moe_intermediate_size", norm_topk="norm_topk_prob",
+                             shared_count="n_shared_experts", first_dense="first_k_dense_replace",
+                             sigmoid_router=True),
+                 defaults=_DEEPSEEK_V3_DEFAULTS,
+                 aliases={"n_routed_experts": ("num_local_experts",),
+                          "num_nextn_predict_layers": ("num_mtp_layers",)}),
+             conventions={"rope_interleave": True}),
     HFFamily("olmoe", "OlmoeForCausalLM", H, unsupported=(
         "OLMoE's q_norm and k_norm normalize each token's whole query and key projections (all heads together), "
         "megatron-core 0.19's --qk-layernorm normalizes each head separately, and its GPT has no whole-projection "
@@ -298,12 +413,18 @@ def family(model_type: str) -> HFFamily:
     return found
 
 
-def hf_rows(config: GPTModelConfig, model_type: str) -> list[HFRow]:
+def hf_rows(config: GPTModelConfig, model_type: str, conventions: Optional[Mapping[str, Any]] = None
+            ) -> list[HFRow]:
     """Every row of the model, layer by layer (routed experts by global index), then the embeddings, final norm
-    and output layer."""
+    and output layer; rows of a convention for its value in `conventions` (config.json's), else the family's."""
     fam = family(model_type)
+    chosen = {**fam.conventions, **{k: v for k, v in (conventions or {}).items() if k in fam.conventions}}
+
+    def exists(row: Row) -> bool:
+        return row.when(config) and (row.convention is None or chosen[row.convention[0]] == row.convention[1])
+
     moe_layers = config.moe_layers  # one tuple for all layers
-    per_layer = [[r for r in rows if r.when(config)] for rows in (fam.attention, fam.dense_mlp, fam.moe, fam.expert)]
+    per_layer = [[r for r in rows if exists(r)] for rows in (fam.attention, fam.dense_mlp, fam.moe, fam.expert)]
     attention, dense, moe, expert = per_layer
     rows: list[HFRow] = []
     for i in range(config.num_layers):
@@ -313,7 +434,7 @@ def hf_rows(config: GPTModelConfig, model_type: str) -> list[HFRow]:
             rows += [r.expand(config, i=i, j=j) for j in range(config.num_experts) for r in expert]
         else:
             rows += [r.expand(config, i=i) for r in dense]
-    rows += [r.expand(config) for r in fam.model if r.when(config)]
+    rows += [r.expand(config) for r in fam.model if exists(r)]
     return rows
 
 
@@ -322,16 +443,21 @@ def _index_pattern(template: str) -> "re.Pattern[str]":
     return re.compile(re.escape(template).replace(re.escape("{i}"), r"(\d+)").replace(re.escape("{j}"), r"(\d+)"))
 
 
+def layer_of(model_type: str, name: str) -> Optional[int]:
+    """The layer index of an HF tensor name (by the family's layer prefix), None outside layers."""
+    m = _index_pattern(family(model_type).layer).match(name)
+    return int(m.group(1)) if m else None
+
+
 def stored_layers_and_experts(model_type: str, names: Sequence[str]) -> tuple[set[int], set[int]]:
     """The layer indices and routed-expert indices that HF tensor names hold (by the family's prefixes)."""
     fam = family(model_type)
     layers, experts = set(), set()
-    layer_re = _index_pattern(fam.layer)
     expert_re = _index_pattern(fam.expert_prefix) if fam.expert_prefix else None
     for name in names:
-        m = layer_re.match(name)
-        if m:
-            layers.add(int(m.group(1)))
+        layer = layer_of(model_type, name)
+        if layer is not None:
+            layers.add(layer)
         m = expert_re.match(name) if expert_re else None
         if m:
             experts.add(int(m.group(2)))
@@ -343,7 +469,7 @@ def hf_shapes(row: HFRow, config: GPTModelConfig, megatron_shape: Optional[Seque
     if row.join == ZERO:
         return [row.zero_shape]
     shape = tuple(megatron_shape)
-    if row.join == SAME:
+    if row.join in (SAME, PERMUTED):
         return [shape]
     if row.join == TRANSPOSED:
         return [shape[::-1]]
@@ -371,6 +497,8 @@ def to_hf(row: HFRow, tensor: Optional["torch.Tensor"], config: GPTModelConfig) 
         return [torch.zeros(row.zero_shape)]
     if row.join == SAME:
         return [tensor]
+    if row.join == PERMUTED:  # HF's row permutation[r] is Megatron's row r
+        return [tensor[torch.argsort(torch.tensor(row.permutation))]]
     if row.join == TRANSPOSED:
         return [tensor.t()]
     if row.join == VOCAB:
@@ -389,7 +517,9 @@ def from_hf_bands(row: HFRow, config: GPTModelConfig, shapes: Sequence[Sequence[
     """The Megatron tensor of a row as consecutive dim-0 bands in fp32, reading its HF parts a few rows at a
     time: `read_rows(part, r0, r1)` gives rows [r0, r1) of part `part` (shapes[part]) in fp32, `band_rows(n)`
     how many rows of n elements make a band. A VOCAB row yields only the true vocabulary's rows (the caller
-    pads). GPT-2's Conv1D rows (transposed) are read whole. ZERO rows yield nothing."""
+    pads). A PERMUTED row reads, per band, the HF rows between the band's lowest and highest source row (its
+    permutations only move rows within a head). GPT-2's Conv1D rows (transposed) are read whole. ZERO rows yield
+    nothing."""
     import torch
 
     if row.join == ZERO:
@@ -399,6 +529,14 @@ def from_hf_bands(row: HFRow, config: GPTModelConfig, shapes: Sequence[Sequence[
             step = band_rows(math.prod(shape[1:]))
             for r0 in range(0, shape[0], step):
                 yield read_rows(part, r0, min(shape[0], r0 + step))
+        return
+    if row.join == PERMUTED:  # Megatron's rows a band at a time, from the HF rows they are (a local permutation)
+        order = torch.tensor(row.permutation)
+        step = band_rows(math.prod(shapes[0][1:]))
+        for r0 in range(0, shapes[0][0], step):
+            wanted = order[r0: r0 + step]
+            lo, hi = int(wanted.min()), int(wanted.max()) + 1
+            yield read_rows(0, lo, hi)[wanted - lo]
         return
     if row.join == QKV:  # per query group: its q heads, then its k and v
         pattern = _qkv_pattern(row, config)

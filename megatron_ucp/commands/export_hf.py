@@ -12,7 +12,18 @@ Writes `config.json` and `model.safetensors` (HF parameter names from `adapters/
   expert j's fc1 `[gate; up]` -> w1 / w3, fc2 -> w2 (the Hub's layout; transformers 5 fuses it on load);
 - qwen2_moe (MoE with a gated shared expert) and qwen3_moe (QK norm, routed experts only): routed experts ->
   mlp.experts.j.{gate,up,down}_proj, the shared expert -> mlp.shared_expert, its gate -> mlp.shared_expert_gate,
-  dense layers (moe_layer_freq) -> mlp_only_layers.
+  dense layers (moe_layer_freq) -> mlp_only_layers;
+- deepseek_v3: multi-latent attention (--q-lora-rank, --qk-layernorm: q_a_proj, q_a_layernorm, q_b_proj,
+  kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj; RoPE rows interleaved, rope_interleave=true, as megatron-core reads
+  them), megatron-core's MLA RoPE (plain, or YaRN with its factor, mscale and mscale_all_dim and the original
+  length and betas megatron-core fixes) as rope_parameters, the leading dense layers -> first_k_dense_replace, the
+  ungated shared experts -> n_shared_experts, the sigmoid router (--moe-router-score-function sigmoid, its expert
+  bias -> e_score_correction_bias (zeros without --moe-router-enable-expert-bias), --moe-router-topk-scaling-factor
+  -> routed_scaling_factor, --moe-router-num-groups / --moe-router-group-topk -> n_group / topk_group, renormalized
+  for top-k > 1 -> norm_topk_prob); --norm-epsilon must be 1e-6 (transformers' latent norms use it whatever
+  rms_norm_eps says).
+Multi-token prediction layers have no transformers counterpart: a model with them is refused, or exported without
+them with --drop-mtp.
 Megatron's router (softmax score, top-k of the logits, then softmax over the k: the same as the families'
 normalized top-k of the full softmax) is checked to be the default one; with --moe-router-pre-softmax (top-k of
 the full softmax, not renormalized) it is Qwen-MoE's norm_topk_prob=false. What a family cannot express (biases
@@ -36,7 +47,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from megatron_ucp.adapters.hf import FAMILIES, MEGATRON_LLAMA3_ROPE, MODEL_TYPES, HFFamily, hf_rows, to_hf
+from megatron_ucp.adapters.hf import (DEEPSEEK_LATENT_NORM_EPS, FAMILIES, MEGATRON_LLAMA3_ROPE, MEGATRON_MLA_YARN,
+                                      MODEL_TYPES, HFFamily, hf_rows, to_hf, yarn_mscale)
 from megatron_ucp.commands.common import add_publication_flags
 from megatron_ucp.core.dtypes import PARAM_DTYPES, torch_dtype
 from megatron_ucp.core.model_config import GPTModelConfig
@@ -63,20 +75,31 @@ def _families_with(test: Callable[[HFFamily], bool]) -> str:
 
 def _like(config: GPTModelConfig, test: Callable[[HFFamily], bool] = lambda f: True) -> str:
     """The Llama-like families whose MLP kind (dense or MoE) and QK norm are the model's and that pass `test`."""
-    return _families_with(lambda f: f.model_type != "gpt2" and bool(f.facts.moe) == bool(config.num_experts)
+    return _families_with(lambda f: f.model_type != "gpt2" and not f.facts.mla
+                          and bool(f.facts.moe) == bool(config.num_experts)
                           and f.facts.qk_norm == config.qk_layernorm and test(f))
 
 
-def check_exportable(config: GPTModelConfig, args: dict, model_type: str) -> None:
-    """Raise ExportError unless the HF architecture computes exactly what the Megatron model computes."""
+def check_exportable(config: GPTModelConfig, args: dict, model_type: str, *, drop_mtp: bool = False) -> None:
+    """Raise ExportError unless the HF architecture computes exactly what the Megatron model computes (its
+    multi-token prediction layers left out only with `drop_mtp`)."""
     if model_type not in MODEL_TYPES:
         raise ExportError(f"--model-type {model_type!r} is not supported; choose one of {', '.join(MODEL_TYPES)}")
     facts = FAMILIES[model_type].facts
+    _need(not config.mtp_num_layers or drop_mtp, model_type, f"the model has {config.mtp_num_layers} multi-token "
+          f"prediction layer(s) (--mtp-num-layers); {FAMILIES[model_type].architecture} has none (transformers "
+          "ignores the MTP layers DeepSeek's checkpoints carry)", "pass --drop-mtp to export the model without them")
+    mla = "the attention is multi-latent (--multi-latent-attention)"
+    if facts.mla:
+        _check_deepseek(config, args, model_type)
+        return
+    _need(not config.multi_latent_attention, model_type, mla,
+          f"use --model-type {_families_with(lambda f: f.facts.mla)}")
     if facts.moe:
         _check_moe(config, args, model_type)
     else:
         _need(not config.num_experts, model_type, f"num_experts={config.num_experts} (MoE)",
-              f"use --model-type {_families_with(lambda f: bool(f.facts.moe))}")
+              f"use --model-type {_families_with(lambda f: bool(f.facts.moe) and not f.facts.mla)}")
     other = "gpt2" if model_type != "gpt2" else "llama"
     if model_type == "gpt2":
         _need(not config.swiglu, model_type, "the MLP is SwiGLU, GPT-2's is GELU", f"use --model-type {other}")
@@ -158,6 +181,104 @@ def _check_moe(config: GPTModelConfig, args: dict, model_type: str) -> None:
         _need(not shared, model_type, "the model has shared experts", "use --model-type qwen2_moe")
 
 
+def _norm_epsilon(args: dict) -> float:
+    """The run's --norm-epsilon: Megatron-LM 0.17+ keeps it as layernorm_epsilon, older releases (and import-hf's
+    args) as norm_epsilon; Megatron-LM's default 1e-5."""
+    value = args.get("layernorm_epsilon", args.get("norm_epsilon"))
+    return 1e-5 if value is None else float(value)
+
+
+def _mla_rope(args: dict) -> tuple[str, float, float, float]:
+    """megatron-core's MLA RoPE of a run: (rope type, YaRN factor, mscale, mscale_all_dim); a run without
+    --rope-type computed MLATransformerConfig's default, YaRN."""
+    mscale = args.get("mscale")
+    return (args.get("rope_type") or "yarn", float(args.get("rotary_scaling_factor") or 1.0),
+            float(1.0 if mscale is None else mscale), float(args.get("mscale_all_dim") or 0.0))
+
+
+def _check_deepseek(config: GPTModelConfig, args: dict, model_type: str) -> None:
+    """DeepseekV3ForCausalLM: multi-latent attention with query compression and both latent norms, SwiGLU, RMSNorm,
+    leading dense layers then MoE layers with ungated shared experts and DeepSeek's sigmoid router."""
+    arch = FAMILIES[model_type].architecture
+    _need(config.multi_latent_attention, model_type, f"the attention is not multi-latent; {arch}'s is",
+          f"use --model-type {_like(config)}")
+    _need(config.q_lora_rank is not None, model_type, "the query has no low-rank compression (no --q-lora-rank)",
+          f"megatron-core 0.19 has DeepSeek's kv_a_layernorm only with --qk-layernorm, which without --q-lora-rank "
+          f"normalizes q_proj's input (TransformerEngine's spec), a norm {arch} does not have")
+    _need(config.qk_layernorm, model_type, "the latent query and key/value are not normalized (no --qk-layernorm)",
+          f"{arch} always applies q_a_layernorm and kv_a_layernorm")
+    _need(config.swiglu and config.normalization == "RMSNorm", model_type, "the MLP is not SwiGLU or the norms "
+          f"not RMSNorm", f"{arch} has SwiGLU and RMSNorm only")
+    _need(not config.add_bias_linear, model_type, "the linear layers have biases", "train with --disable-bias-linear")
+    eps = _norm_epsilon(args)
+    _need(eps == DEEPSEEK_LATENT_NORM_EPS, model_type, f"norm_epsilon={eps:g}", f"{arch}'s q_a_layernorm and "
+          f"kv_a_layernorm use eps {DEEPSEEK_LATENT_NORM_EPS:g} whatever rms_norm_eps says: train with "
+          f"--norm-epsilon {DEEPSEEK_LATENT_NORM_EPS:g}")
+    _need(not args.get("rotary_interleaved"), model_type, "rotary_interleaved=True",
+          "megatron-core's MLA then rotates pairs of its de-interleaved rows, which no HF convention does")
+    rope_type, factor, mscale, all_dim = _mla_rope(args)
+    if rope_type == "rope":
+        _need(float(args.get("rotary_percent", 1.0) or 1.0) == 1.0, model_type, f"rotary_percent="
+              f"{args.get('rotary_percent')}", f"{arch} rotates the whole qk_rope_head_dim")
+        _need(yarn_mscale(factor, all_dim) == 1.0, model_type, f"--rope-type rope with --rotary-scaling-factor "
+              f"{factor:g} and --mscale-all-dim {all_dim:g}", "megatron-core then scales the softmax, transformers' "
+              "default RoPE does not")
+    else:
+        _need(factor <= 1 or (mscale and all_dim) or (not all_dim and mscale == 1.0), model_type,
+              f"YaRN with --mscale {mscale:g} and --mscale-all-dim {all_dim:g}", "transformers scales cos/sin by "
+              "mscale(factor, mscale) / mscale(factor, mscale_all_dim) only when both are nonzero, else by "
+              "mscale(factor); megatron-core always by the ratio")
+    # DeepSeek's MoE: leading dense layers, then every layer MoE with its shared experts and the sigmoid router
+    _need(bool(config.num_experts), model_type, "the model has no experts", f"{arch} is a mixture of experts")
+    layers, dense = config.moe_layers, config.moe_layers.index(True) if any(config.moe_layers) else 0
+    _need(all(layers[dense:]) and not any(layers[:dense]), model_type, f"dense and MoE layers are mixed "
+          f"(moe_layer_freq={config.moe_layer_freq})", f"{arch}'s dense layers are the first "
+          "first_k_dense_replace ones, the rest MoE")
+    score = args.get("moe_router_score_function") or "softmax"
+    _need(score == "sigmoid", model_type, f"moe_router_score_function={score}", f"{arch} routes by sigmoid scores")
+    topk, groups, chosen = int(args.get("moe_router_topk") or 0), args.get("moe_router_num_groups"), \
+        args.get("moe_router_group_topk")
+    _need(topk > 0, model_type, "the checkpoint's args lack moe_router_topk", "convert a checkpoint saved with its "
+          "Megatron args")
+    _need(not chosen or chosen == groups or topk // chosen == 2, model_type, f"group-limited routing with "
+          f"moe_router_group_topk={chosen} and moe_router_topk={topk}", f"{arch} scores a group by its top 2 "
+          "experts, megatron-core by its top moe_router_topk // moe_router_group_topk")
+    _need(config.num_experts >= 2, model_type, f"num_experts={config.num_experts}", f"{arch} scores expert groups "
+          "by their top 2 experts")
+    _need(not args.get("moe_input_jitter_eps"), model_type, f"moe_input_jitter_eps={args.get('moe_input_jitter_eps')}",
+          f"{arch} has no router input jitter")
+    shared, ffn = config.moe_shared_expert_intermediate_size, config.moe_ffn_hidden_size
+    _need(bool(shared) and shared % ffn == 0 and not config.moe_shared_expert_gate, model_type,
+          f"the shared expert is {'gated' if config.moe_shared_expert_gate else f'of {shared}'}",
+          f"{arch} has n_shared_experts ungated shared experts of moe_intermediate_size={ffn} each")
+
+
+def _deepseek_config(config: GPTModelConfig, args: dict) -> dict:
+    """DeepseekV3Config's fields of what megatron-core computed (check_exportable's _check_deepseek passed)."""
+    rope_type, factor, mscale, all_dim = _mla_rope(args)
+    theta = float(args.get("rotary_base", 10000) or 10000)
+    scaling = {"rope_type": "yarn", "factor": factor, **{k: v for k, v in MEGATRON_MLA_YARN.items() if k != "truncate"},
+               "mscale": mscale, "mscale_all_dim": all_dim} if rope_type == "yarn" else None
+    topk, groups, chosen = int(args["moe_router_topk"]), args.get("moe_router_num_groups"), \
+        args.get("moe_router_group_topk")
+    limited = bool(chosen) and chosen != groups
+    return {
+        "intermediate_size": config.ffn_hidden_size, "moe_intermediate_size": config.moe_ffn_hidden_size,
+        "num_key_value_heads": config.num_attention_heads, "q_lora_rank": config.q_lora_rank,
+        "kv_lora_rank": config.kv_lora_rank, "qk_nope_head_dim": config.qk_head_dim,
+        "qk_rope_head_dim": config.qk_pos_emb_head_dim, "v_head_dim": config.v_head_dim,
+        "rope_theta": theta, "rope_scaling": scaling,  # transformers 4.x
+        "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": theta},  # transformers 5.x
+        "rope_interleave": FAMILIES["deepseek_v3"].conventions["rope_interleave"],
+        "n_routed_experts": config.num_experts, "num_experts_per_tok": topk,
+        "n_shared_experts": config.moe_shared_expert_intermediate_size // config.moe_ffn_hidden_size,
+        "first_k_dense_replace": config.moe_layers.index(True),
+        "routed_scaling_factor": float(args.get("moe_router_topk_scaling_factor") or 1.0),
+        "n_group": groups if limited else 1, "topk_group": chosen if limited else 1, "norm_topk_prob": topk > 1,
+        "attention_bias": False, "num_nextn_predict_layers": 0, "pretraining_tp": 1,
+    }
+
+
 def _rope_config(args: dict) -> dict:
     """transformers' RoPE fields of what megatron-core computed (MEGATRON_LLAMA3_ROPE with --use-rope-scaling)."""
     theta = float(args.get("rotary_base", 10000) or 10000)
@@ -167,7 +288,7 @@ def _rope_config(args: dict) -> dict:
 
 
 def _hf_config(config: GPTModelConfig, args: dict, model_type: str, dtype: str) -> dict:
-    eps = float(args.get("norm_epsilon", 1e-5) or 1e-5)
+    eps = _norm_epsilon(args)
     # NullTokenizer and the byte-level tokenizer append EOD as the last token of the true vocabulary.
     eod = config.vocab_size - 1 if args.get("tokenizer_type") in ("NullTokenizer", "ByteLevelTokenizer") else None
     fam = FAMILIES[model_type]
@@ -184,6 +305,12 @@ def _hf_config(config: GPTModelConfig, args: dict, model_type: str, dtype: str) 
             "initializer_range": 0.02, "use_cache": True,
         }
     facts = fam.facts
+    if facts.mla:
+        return {**common, "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,
+                "num_attention_heads": config.num_attention_heads, "hidden_act": "silu",
+                "max_position_embeddings": config.max_position_embeddings or int(args.get("seq_length") or 4096),
+                "rms_norm_eps": eps, "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+                **_deepseek_config(config, args)}
     out = {
         **common, "hidden_size": config.hidden_size, "intermediate_size": config.ffn_hidden_size,
         "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_attention_heads,
@@ -218,13 +345,15 @@ def _hf_config(config: GPTModelConfig, args: dict, model_type: str, dtype: str) 
     return out
 
 
-def hf_state_dict(read: Callable[[str], torch.Tensor], config: GPTModelConfig, model_type: str
-                  ) -> dict[str, torch.Tensor]:
-    """HF tensors from canonical fp32 tensors (`read(name)`), vocabulary padding dropped (hf_names' table)."""
+def hf_state_dict(read: Callable[[str], torch.Tensor], config: GPTModelConfig, model_type: str,
+                  dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """HF tensors from canonical fp32 tensors (`read(name)`), vocabulary padding dropped (hf_names' table), in
+    `dtype` but those transformers keeps in fp32."""
     out: dict[str, torch.Tensor] = {}
     for row in hf_rows(config, model_type):
         tensor = read(row.megatron) if row.megatron is not None else None
-        out.update(zip(row.hf, to_hf(row, tensor, config)))
+        out.update((name, part.to(torch.float32 if row.keep_fp32 else dtype).contiguous())
+                   for name, part in zip(row.hf, to_hf(row, tensor, config)))
     return out
 
 
@@ -240,9 +369,11 @@ def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
 
 
 def export_hf(src: PathLike, dst: PathLike, model_type: str, *, dtype: Optional[str] = None,
-              overwrite: bool = False, progress: bool = True, clean_stale: bool = False) -> dict:
+              overwrite: bool = False, progress: bool = True, clean_stale: bool = False, drop_mtp: bool = False
+              ) -> dict:
     """Write the HF model directory `dst` from the universal checkpoint `src`; returns a summary. DST's lock
-    is held from before `src` is opened until the export is published."""
+    is held from before `src` is opened until the export is published. `drop_mtp`: leave out the multi-token
+    prediction layers (refused otherwise)."""
     import sys
 
     from safetensors.torch import save_file
@@ -261,7 +392,7 @@ def export_hf(src: PathLike, dst: PathLike, model_type: str, *, dtype: Optional[
                 raise ExportError(f"{src}: is a Megatron-LM {ucp.format} checkpoint; convert it first "
                                   f"(megatron-ucp to-universal {src} UCP_DIR) and export UCP_DIR")
             config = ucp.config
-            check_exportable(config, ucp.args, model_type)
+            check_exportable(config, ucp.args, model_type, drop_mtp=drop_mtp)
             if dtype in (None, "auto"):
                 dtypes = {p.model_dtype for p in ucp.parameters.values()}
                 dtype = dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes), None) in DTYPES else "float32"
@@ -275,11 +406,9 @@ def export_hf(src: PathLike, dst: PathLike, model_type: str, *, dtype: Optional[
                 return tensor
 
             try:
-                tensors = hf_state_dict(read, config, model_type)
+                tensors = hf_state_dict(read, config, model_type, DTYPES[dtype])
             finally:
                 bar.close()
-            torch_dtype = DTYPES[dtype]
-            tensors = {k: v.to(torch_dtype).contiguous() for k, v in tensors.items()}
             hf_config = _hf_config(config, ucp.args, model_type, dtype)
             save_file(tensors, str(stage.path / "model.safetensors"), metadata={"format": "pt"})
             (stage.path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
@@ -291,7 +420,8 @@ def export_hf(src: PathLike, dst: PathLike, model_type: str, *, dtype: Optional[
     return {"path": str(dst), "source": str(src.resolve()), "model_type": model_type, "dtype": dtype,
             "iteration": ucp.iteration, "vocab_size": config.vocab_size,
             "dropped_padding_rows": config.padded_vocab_size - config.vocab_size,
-            "num_tensors": len(tensors), "bytes_written": nbytes}
+            "num_tensors": len(tensors), "bytes_written": nbytes,
+            "dropped_mtp_layers": config.mtp_num_layers or 0}
 
 
 def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
@@ -300,22 +430,29 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
         description="Export the weights of a universal checkpoint as a Hugging Face transformers model directory "
                     "(config.json + model.safetensors): --model-type llama, mistral (SwiGLU, RMSNorm, RoPE), qwen2 "
                     "(+ QKV bias), qwen3 (+ QK norm), gpt2 (GELU, LayerNorm, learned positions, tied), mixtral (MoE, "
-                    "routed experts only), qwen2_moe (MoE with a gated shared expert, dense layers allowed) or "
-                    "qwen3_moe (MoE, QK norm). Vocabulary padding rows are dropped.")
+                    "routed experts only), qwen2_moe (MoE with a gated shared expert, dense layers allowed), "
+                    "qwen3_moe (MoE, QK norm) or deepseek_v3 (multi-latent attention, leading dense layers, MoE with "
+                    "shared experts and the sigmoid router with its expert bias). Vocabulary padding rows are "
+                    "dropped; multi-token prediction layers only with --drop-mtp.")
     p.add_argument("src", help="universal checkpoint directory (megatron-ucp to-universal's DST)")
     p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
     p.add_argument("--model-type", required=True, choices=MODEL_TYPES)
     p.add_argument("--dtype", default="auto", choices=("auto",) + tuple(DTYPES),
                    help="dtype of the exported weights (default: the model's training dtype)")
+    p.add_argument("--drop-mtp", action="store_true",
+                   help="leave out the model's multi-token prediction layers (no transformers class computes them; "
+                        "without this flag a model with MTP layers is refused)")
     add_publication_flags(p, "export", "megatron-ucp.json")
     p.set_defaults(handler=run_cli)
 
 
 def run_cli(args: argparse.Namespace) -> dict:
     result = export_hf(args.src, args.dst, args.model_type, dtype=args.dtype, overwrite=args.overwrite,
-                       progress=not args.quiet, clean_stale=args.clean_stale)
+                       progress=not args.quiet, clean_stale=args.clean_stale, drop_mtp=args.drop_mtp)
     result["message"] = (f"wrote {result['path']}: {args.model_type} ({result['num_tensors']} tensors, "
                          f"{result['bytes_written'] / 2 ** 20:.1f} MiB, {result['dtype']}), iteration "
                          f"{result['iteration']}, vocab {result['vocab_size']} ({result['dropped_padding_rows']} "
-                         f"padding rows dropped); no tokenizer files are written")
+                         f"padding rows dropped)"
+                         + (f", {result['dropped_mtp_layers']} MTP layer(s) left out" if result["dropped_mtp_layers"]
+                            else "") + "; no tokenizer files are written")
     return result

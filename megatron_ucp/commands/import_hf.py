@@ -9,7 +9,9 @@ headers hold before any per-layer work, and one band of rows (16 MiB in fp32; GP
 whole) is in memory at a time, so memory stays bounded whatever the model size.
 
 `adapters/hf.py` is the mapping (the same table `export-hf` uses) and the per-family facts of config.json:
-Megatron's fused QKV per query group, SwiGLU `[gate; up]`, routed experts by global index. config.json is read
+Megatron's fused QKV per query group, SwiGLU `[gate; up]`, routed experts by global index, DeepSeek-V3's
+multi-latent attention (RoPE rows permuted when config.json's rope_interleave is false), its router's correction
+bias as megatron-core's expert_bias buffer, its MTP layers refused or, with --drop-mtp, left out. config.json is read
 as transformers 5 reads it (its config classes' defaults, its RoPE parameters: `rope_scaling` before
 `rope_parameters`), every value type-checked. Weights are widened to fp32 exactly (bf16 and fp16 are subsets of
 fp32); the vocabulary is padded to Megatron-LM's rule at TP1 (`--make-vocab-size-divisible-by`, the padding rows
@@ -32,8 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from megatron_ucp.adapters.hf import (MEGATRON_LLAMA3_ROPE, MODEL_TYPES, VOCAB, ZERO, HFConfigFacts, HFFamily, HFRow,
-                                      family, from_hf_bands, hf_rows, hf_shapes, stored_layers_and_experts)
+from megatron_ucp.adapters.hf import (DEEPSEEK_LATENT_NORM_EPS, MEGATRON_LLAMA3_ROPE, MEGATRON_MLA_YARN, MODEL_TYPES,
+                                      VOCAB, ZERO, HFConfigFacts, HFFamily, HFRow, family, from_hf_bands, hf_rows,
+                                      hf_shapes, layer_of, stored_layers_and_experts, yarn_mscale)
 from megatron_ucp.commands.common import add_publication_flags
 from megatron_ucp.core.dtypes import SAFETENSORS, itemsize
 from megatron_ucp.core.model_config import GPTModelConfig, pad_vocab_size
@@ -51,7 +54,9 @@ MAX_VOCAB_MULTIPLE = 1 << 16
 _ROPE_REFUSALS = {
     "linear": "Megatron-LM's GPT builder does not pass --rotary-seq-len-interpolation-factor to the model",
     "dynamic": "dynamic NTK rescales RoPE with the sequence length at run time; megatron-core has no such mode",
-    "yarn": "megatron-core's YaRN embedding belongs to multi-latent attention (--position-embedding-type yarn)",
+    "yarn": "megatron-core applies YaRN to multi-latent attention (--rope-type yarn) and to GPTModel's "
+            "--position-embedding-type yarn, whose original_max_position_embeddings, beta_fast and beta_slow "
+            "Megatron-LM 0.19's GPT builder does not pass on",
 }
 # A tokenizer Megatron-LM's HuggingFaceTokenizer loads from the folder (transformers' AutoTokenizer files)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -305,10 +310,11 @@ def _refuse(model_type: str, what: str, why: str) -> None:
     _fail(f"config.json: {what}: Megatron's GPT cannot express it as {model_type} ({why})")
 
 
-def _rope(cfg: _Config, model_type: str, max_positions: int) -> dict:
+def _rope(cfg: _Config, model_type: str, max_positions: int, mla: bool = False) -> dict:
     """Megatron's RoPE args from config.json, read as transformers 5 reads it (PreTrainedConfig.
     convert_rope_params_to_dict / standardize_rope_params): `rope_scaling` if set, else `rope_parameters`; their
-    rope_theta, else the top-level one, else the class default; rope_type, else type, else default."""
+    rope_theta, else the top-level one, else the class default; rope_type, else type, else default. Under
+    multi-latent attention, megatron-core's own RoPE types (`_mla_rope`)."""
     legacy, params = cfg.raw("rope_scaling"), cfg.raw("rope_parameters")
     source = "rope_scaling" if legacy else "rope_parameters"
     chosen = legacy or params or {}
@@ -327,6 +333,8 @@ def _rope(cfg: _Config, model_type: str, max_positions: int) -> dict:
     if partial not in (None, 1, 1.0) or isinstance(partial, bool):
         _refuse(model_type, f"partial_rotary_factor={partial}", "use a full-rotary model")
     out = {"rotary_base": int(theta), "rotary_percent": 1.0, "rotary_interleaved": False, "use_rope_scaling": False}
+    if mla:
+        return {**out, **_mla_rope(cfg, model_type, rope_type, dict(chosen), source, max_positions)}
     if rope_type == "default":
         return out
     if rope_type != "llama3":
@@ -346,6 +354,52 @@ def _rope(cfg: _Config, model_type: str, max_positions: int) -> dict:
                     ": the factor is GPTModel's default, which Megatron-LM's GPT builder does not override from "
                     "--rope-scaling-factor")
     return {**out, "use_rope_scaling": True, "rope_scaling_factor": MEGATRON_LLAMA3_ROPE["factor"]}
+
+
+def _mla_rope(cfg: _Config, model_type: str, rope_type: str, values: dict, source: str, max_positions: int) -> dict:
+    """megatron-core's MLA RoPE (--rope-type rope, or yarn with --rotary-scaling-factor, --mscale and
+    --mscale-all-dim) computing transformers' default or YaRN RoPE exactly: the same inverse frequencies, the same
+    factor on cos/sin (transformers' attention_factor: mscale(factor, mscale) / mscale(factor, mscale_all_dim) when
+    both are set, else mscale(factor); megatron-core: always the ratio) and the same softmax scale (both multiply
+    it by mscale(factor, mscale_all_dim)^2)."""
+    if rope_type == "default":
+        return {"rope_type": "rope"}
+    if rope_type != "yarn":
+        _refuse(model_type, f"RoPE scaling {rope_type!r} (from {source})",
+                "megatron-core's multi-latent attention computes plain RoPE or YaRN only")
+    if "original_max_position_embeddings" in cfg.doc:  # transformers: the top-level key wins
+        values["original_max_position_embeddings"] = cfg.doc["original_max_position_embeddings"]
+    values.setdefault("original_max_position_embeddings", max_positions)
+    if values.get("attention_factor") is not None:
+        _refuse(model_type, f"YaRN attention_factor={values['attention_factor']!r} (from {source})",
+                "megatron-core derives it from --mscale and --mscale-all-dim and takes no other value")
+    given = {"original_max_position_embeddings": values["original_max_position_embeddings"],
+             "beta_fast": values.get("beta_fast") or 32.0, "beta_slow": values.get("beta_slow") or 1.0,
+             "truncate": values.get("truncate", True)}  # transformers' defaults
+    for key, want in MEGATRON_MLA_YARN.items():
+        if given[key] != want or isinstance(given[key], bool) != isinstance(want, bool):
+            _refuse(model_type, f"YaRN {key}={given[key]!r} (from {source})",
+                    f"megatron-core 0.19's multi-latent attention computes YaRN with {key}={want} "
+                    "(MLATransformerConfig's default; Megatron-LM's arguments do not set it for MLA)")
+    factor = values.get("factor")
+    if factor is None:  # transformers: the ratio of the context lengths
+        factor = max_positions / values["original_max_position_embeddings"]
+    mscale, all_dim = values.get("mscale"), values.get("mscale_all_dim")
+    for key, value in (("factor", factor), ("mscale", mscale), ("mscale_all_dim", all_dim)):
+        if value is not None and not (_is_number(value) and value >= 0):
+            _fail(f"config.json: YaRN {key} {value!r} (from {source}) is not a non-negative number; fix config.json")
+    if mscale and all_dim:
+        megatron = (float(mscale), float(all_dim))
+    elif not all_dim:  # transformers: mscale(factor) on cos/sin, the softmax scale unchanged
+        megatron = (1.0, 0.0)
+    elif yarn_mscale(factor) == 1.0:
+        megatron = (1.0, 0.0)
+    else:
+        _refuse(model_type, f"YaRN mscale_all_dim={all_dim} without mscale (from {source})",
+                "transformers then scales cos/sin by mscale(factor) and the softmax by mscale(factor, "
+                "mscale_all_dim)^2, megatron-core's cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim)")
+    return {"rope_type": "yarn", "rotary_scaling_factor": float(factor), "mscale": megatron[0],
+            "mscale_all_dim": megatron[1]}
 
 
 def _gpt2_model(cfg: _Config, vocab: int, divisible: int, args: dict) -> GPTModelConfig:
@@ -391,6 +445,21 @@ def _moe_config(cfg: _Config, fam: HFFamily, num_layers: int, args: dict) -> dic
                 moe_router_score_function="softmax", moe_router_load_balancing_type="aux_loss",
                 moe_router_pre_softmax=not normalized)
     out = {"num_experts": experts, "moe_ffn_hidden_size": cfg.int(keys.expert_ffn), "moe_layer_freq": 1}
+    if keys.sigmoid_router:
+        _sigmoid_router(cfg, model_type, experts, topk, normalized, args)
+        out["moe_router_enable_expert_bias"] = True  # e_score_correction_bias, a buffer in both
+    if keys.shared_count:
+        count = cfg.int(keys.shared_count, 0, minimum=0)
+        if not count:
+            _refuse(model_type, f"{keys.shared_count}=0", "megatron-ucp imports the shared experts as Megatron's "
+                    "--moe-shared-expert-intermediate-size; a model without them is not supported")
+        out["moe_shared_expert_intermediate_size"] = count * out["moe_ffn_hidden_size"]  # ungated
+    if keys.first_dense:
+        dense = cfg.int(keys.first_dense, 0, minimum=0)
+        if dense >= num_layers:
+            _refuse(model_type, f"{keys.first_dense}={dense} with num_hidden_layers={num_layers} (no MoE layer)",
+                    f"megatron-ucp imports {fam.architecture} as a Megatron GPT-MoE")
+        out["moe_layer_freq"] = tuple(int(i >= dense) for i in range(num_layers)) if dense else 1
     if keys.shared_ffn:
         shared = cfg.int(keys.shared_ffn, 0, minimum=0)
         if not shared:
@@ -406,6 +475,74 @@ def _moe_config(cfg: _Config, fam: HFFamily, num_layers: int, args: dict) -> dic
         freq = tuple(int(i not in set(dense) and (i + 1) % step == 0) for i in range(num_layers))
         out["moe_layer_freq"] = 1 if all(freq) else freq
     return out
+
+
+def _sigmoid_router(cfg: _Config, model_type: str, experts: int, topk: int, normalized: bool, args: dict) -> None:
+    """DeepSeek-V3's router as megatron-core's sigmoid router with the expert bias: its top-k weights are
+    renormalized exactly when k > 1 (norm_topk_prob must say so), then scaled (routed_scaling_factor); its groups
+    (n_group, topk_group) scored by the sum of their top topk/topk_group experts, transformers' by their top 2."""
+    if normalized != (topk > 1):
+        _refuse(model_type, f"norm_topk_prob={str(normalized).lower()} with num_experts_per_tok={topk}",
+                "megatron-core's sigmoid router renormalizes the top-k weights exactly when k > 1")
+    groups, chosen = cfg.int("n_group"), cfg.int("topk_group")
+    if experts % groups or chosen > groups:
+        _fail(f"config.json: n_group={groups}, topk_group={chosen} do not split {experts} routed experts "
+              f"(n_group must divide them, topk_group be at most n_group); fix config.json")
+    limited = chosen < groups  # otherwise every group is chosen: no limit on either side
+    if limited and topk // chosen != 2:
+        _refuse(model_type, f"n_group={groups}, topk_group={chosen} with num_experts_per_tok={topk}",
+                "megatron-core scores a group by the sum of its top num_experts_per_tok // topk_group experts, "
+                "transformers' DeepseekV3 by its top 2")
+    args.update(moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
+                moe_router_topk_scaling_factor=cfg.number("routed_scaling_factor", 1.0),
+                moe_router_num_groups=groups if limited else None, moe_router_group_topk=chosen if limited else None,
+                moe_router_dtype="fp32")  # transformers keeps the gate and its bias in fp32
+
+
+def _mla_model(cfg: _Config, fam: HFFamily, vocab: int, divisible: int, args: dict) -> GPTModelConfig:
+    """DeepSeek-V3: multi-latent attention with query compression and the q/kv latent norms (megatron-core's
+    --multi-latent-attention --q-lora-rank --qk-layernorm), SwiGLU, RMSNorm, the first layers dense, then MoE."""
+    model_type = fam.model_type
+    act = cfg.text("hidden_act", "silu")
+    if act != "silu":
+        _refuse(model_type, f"hidden_act={act!r}", "Megatron's --swiglu gates with SiLU")
+    if cfg.int("pretraining_tp", 1) != 1:
+        _refuse(model_type, f"pretraining_tp={cfg.raw('pretraining_tp')}", "set it to 1")
+    if cfg.flag("attention_bias", False):
+        _refuse(model_type, "attention_bias=true", "megatron-core's multi-latent attention projections have no "
+                "biases but the output projection's, which --add-bias-linear gives the MLP too")
+    if cfg.raw("q_lora_rank", 1) is None:  # an explicit null: DeepSeek-V2-Lite's q_proj
+        _refuse(model_type, "q_lora_rank=null (a query projection without compression)",
+                "megatron-core 0.19 builds DeepSeek's kv_a_layernorm only with --qk-layernorm, and with "
+                "--qk-layernorm but no --q-lora-rank its local layer spec refuses to build (a query norm with no "
+                "compressed query to normalize) while TransformerEngine's normalizes q_proj's input, a norm "
+                "transformers' model does not have")
+    eps = cfg.number("rms_norm_eps", 1e-6)
+    if eps != DEEPSEEK_LATENT_NORM_EPS:
+        _refuse(model_type, f"rms_norm_eps={eps}", f"transformers' q_a_layernorm and kv_a_layernorm use eps "
+                f"{DEEPSEEK_LATENT_NORM_EPS:g} whatever rms_norm_eps says, megatron-core's q/kv layernorms "
+                "--norm-epsilon like every other norm")
+    layers, hidden, heads = cfg.int("num_hidden_layers"), cfg.int("hidden_size"), cfg.int("num_attention_heads")
+    rope_dim = cfg.int("qk_rope_head_dim")
+    if rope_dim % 2:
+        _fail(f"config.json: qk_rope_head_dim={rope_dim} is odd; RoPE rotates pairs of dimensions, fix config.json")
+    max_positions = cfg.int("max_position_embeddings")
+    # num_key_value_heads is not read: kv_b_proj gives every head its own key and value
+    moe = _moe_config(cfg, fam, layers, args)
+    args.update(norm_epsilon=eps, attention_dropout=cfg.number("attention_dropout", 0.0, positive=False),
+                hidden_dropout=0.0, **_rope(cfg, model_type, max_positions, mla=True))
+    v_head = cfg.int("v_head_dim")
+    return GPTModelConfig(
+        num_layers=layers, hidden_size=hidden, ffn_hidden_size=cfg.int("intermediate_size"),
+        num_attention_heads=heads, num_query_groups=heads,
+        kv_channels=hidden // heads if hidden % heads == 0 else v_head,  # not used by MLA; Megatron-LM's default
+        vocab_size=vocab, padded_vocab_size=pad_vocab_size(vocab, divisible, 1),
+        make_vocab_size_divisible_by=divisible, max_position_embeddings=max_positions, swiglu=True,
+        normalization="RMSNorm", position_embedding_type="rope",
+        untie_embeddings_and_output_weights=not cfg.flag("tie_word_embeddings", False), add_bias_linear=False,
+        add_qkv_bias=False, qk_layernorm=True, multi_latent_attention=True, q_lora_rank=cfg.int("q_lora_rank"),
+        kv_lora_rank=cfg.int("kv_lora_rank"), qk_head_dim=cfg.int("qk_nope_head_dim"), qk_pos_emb_head_dim=rope_dim,
+        v_head_dim=v_head, **moe)
 
 
 def _llama_like_model(cfg: _Config, fam: HFFamily, vocab: int, divisible: int, args: dict) -> GPTModelConfig:
@@ -475,6 +612,8 @@ def megatron_model(cfg: dict, model_type: str, make_vocab_size_divisible_by: int
                             "data_parallel_size": 1, "world_size": 1}
     if model_type == "gpt2":
         config = _gpt2_model(reader, vocab, make_vocab_size_divisible_by, args)
+    elif fam.facts.mla:
+        config = _mla_model(reader, fam, vocab, make_vocab_size_divisible_by, args)
     else:
         config = _llama_like_model(reader, fam, vocab, make_vocab_size_divisible_by, args)
     args.update({k: v for k, v in config.to_dict().items() if k not in ("vocab_size",)})
@@ -507,6 +646,13 @@ def megatron_flags(config: GPTModelConfig, args: dict, release: MegatronRelease 
         flags += ["--rotary-base", args["rotary_base"]]
         if args.get("use_rope_scaling"):
             flags += ["--use-rope-scaling", "--rope-scaling-factor", args["rope_scaling_factor"]]
+    if c.multi_latent_attention:  # RoPE inside the attention: --rope-type, YaRN's scaling
+        flags += ["--multi-latent-attention", "--q-lora-rank", c.q_lora_rank, "--kv-lora-rank", c.kv_lora_rank,
+                  "--qk-head-dim", c.qk_head_dim, "--qk-pos-emb-head-dim", c.qk_pos_emb_head_dim, "--v-head-dim",
+                  c.v_head_dim, "--rope-type", args["rope_type"]]
+        if args["rope_type"] == "yarn":
+            flags += ["--rotary-scaling-factor", args["rotary_scaling_factor"], "--mscale", args["mscale"],
+                      "--mscale-all-dim", args["mscale_all_dim"]]
     flags += ["--swiglu"] * c.swiglu + ["--untie-embeddings-and-output-weights"] * (not c.tied)
     flags += ["--disable-bias-linear"] * (not c.add_bias_linear) + ["--add-qkv-bias"] * (c.add_qkv_bias
                                                                                           and not c.add_bias_linear)
@@ -517,9 +663,16 @@ def megatron_flags(config: GPTModelConfig, args: dict, release: MegatronRelease 
                   "--moe-router-topk", args["moe_router_topk"], "--moe-aux-loss-coeff", args["moe_aux_loss_coeff"],
                   "--moe-layer-freq", ("[" + ",".join(map(str, freq)) + "]") if isinstance(freq, tuple) else freq]
         if c.moe_shared_expert_intermediate_size:
-            flags += ["--moe-shared-expert-intermediate-size", c.moe_shared_expert_intermediate_size,
-                      "--moe-shared-expert-gate"]
+            flags += ["--moe-shared-expert-intermediate-size", c.moe_shared_expert_intermediate_size]
+            flags += ["--moe-shared-expert-gate"] * c.moe_shared_expert_gate
         flags += ["--moe-router-pre-softmax"] * bool(args.get("moe_router_pre_softmax"))
+        if args.get("moe_router_score_function") == "sigmoid":
+            flags += ["--moe-router-score-function", "sigmoid", "--moe-router-topk-scaling-factor",
+                      args["moe_router_topk_scaling_factor"], "--moe-router-dtype", args["moe_router_dtype"]]
+        flags += ["--moe-router-enable-expert-bias"] * c.moe_router_enable_expert_bias
+        if args.get("moe_router_num_groups"):
+            flags += ["--moe-router-num-groups", args["moe_router_num_groups"], "--moe-router-group-topk",
+                      args["moe_router_group_topk"]]
     return [str(f) for f in flags]
 
 
@@ -553,6 +706,28 @@ def _check_counts(cfg: dict, model_type: str, stored: dict[str, StoredTensor], r
             have = f"experts 0-{max(experts)}" if experts else "no routed experts"
             _fail(f"{root / 'config.json'}: says {fam.facts.moe.num_experts}={count} but the weights hold {have}; "
                   f"config.json does not match the weights")
+
+
+def _mtp_tensors(cfg: dict, model_type: str, stored: dict[str, StoredTensor], root: Path, drop_mtp: bool
+                 ) -> list[str]:
+    """The tensors of DeepSeek's multi-token prediction layers (its checkpoints store them as layers after the
+    decoder's, num_nextn_predict_layers of them; transformers builds none and ignores them): refused, or with
+    `drop_mtp` returned to be left out. Never mapped to Megatron's MTP: no transformers model computes them, so no
+    mapping could be checked against one."""
+    fam = _family(model_type, root / "config.json")
+    if not fam.facts.mtp_layers:
+        return []
+    reader = _Config(cfg, fam.facts)
+    layers, declared = reader.int(fam.facts.num_layers), reader.int(fam.facts.mtp_layers, 0, minimum=0)
+    beyond = {layer_of(model_type, n) for n in stored} - {None} - set(range(layers))
+    if not beyond or beyond != set(range(layers, layers + len(beyond))) or len(beyond) > declared:
+        return []  # not MTP layers: the layer count check names the mismatch
+    if not drop_mtp:
+        _fail(f"{root}: layers {min(beyond)}-{max(beyond)} are multi-token prediction layers "
+              f"({fam.facts.mtp_layers}={declared}); transformers' {fam.architecture} ignores them and import-hf does "
+              f"not map them to Megatron's MTP (no transformers model computes them to check a mapping against); pass "
+              f"--drop-mtp to import the model without them")
+    return sorted(n for n in stored if layer_of(model_type, n) in beyond)
 
 
 def _check_tensors(rows: list[HFRow], stored: dict[str, StoredTensor], config: GPTModelConfig,
@@ -645,8 +820,10 @@ def _check_free_space(dst: Path, nbytes: int, config: GPTModelConfig) -> None:
 
 
 def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None, overwrite: bool = False,
-              clean_stale: bool = False, make_vocab_size_divisible_by: int = 128, progress: bool = True) -> dict:
-    """Write the universal checkpoint `dst` from the HF model directory `src`; returns a summary."""
+              clean_stale: bool = False, make_vocab_size_divisible_by: int = 128, progress: bool = True,
+              drop_mtp: bool = False) -> dict:
+    """Write the universal checkpoint `dst` from the HF model directory `src`; returns a summary. `drop_mtp`:
+    leave out the multi-token prediction layers a DeepSeek checkpoint carries (refused otherwise)."""
     import sys
 
     from tqdm import tqdm
@@ -677,6 +854,9 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
             if name in stored:
                 _fail(f"{f}: tensor {name} is also in {stored[name].file.name}; keep one copy of each tensor")
             stored[name] = t
+    dropped = _mtp_tensors(cfg, detected, stored, root, drop_mtp)
+    for name in dropped:
+        del stored[name]
     _check_counts(cfg, detected, stored, root)
     try:
         config, args = megatron_model(cfg, detected, make_vocab_size_divisible_by)
@@ -686,7 +866,10 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
             raise
         _fail(f"{root / 'config.json'}: {type(e).__name__} {e} reading it as {detected}; the config is incomplete "
               f"or not a {detected} config")
-    rows = hf_rows(config, detected)
+    fam = family(detected)
+    reader = _Config(cfg, fam.facts)
+    conventions = {key: reader.flag(key, default) for key, default in fam.conventions.items()}
+    rows = hf_rows(config, detected, conventions)
     _check_tensors(rows, stored, config, expected, root)
     tokenizer, largest_id = tokenizer_vocabulary(root)
     if largest_id is not None and largest_id >= config.vocab_size:
@@ -724,6 +907,7 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
                 "model_config": config.to_dict(), "args": args, "args_dropped": [],
                 "optimizer": {"type": None, "param_groups": []}, "scheduler": {}, "loss_scaler": None,
                 "conversion": {"tool": "megatron-ucp import-hf", "model_type": detected, "hf_dtypes": float_dtypes,
+                               "hf_conventions": conventions, "dropped_mtp_tensors": len(dropped),
                                "megatron_flags": flags},
             }
             writer.finish(metadata, list(expected.items()))
@@ -734,7 +918,8 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
     return {"path": str(Path(dst).absolute()), "source": str(root), "model_type": detected,
             "num_parameters": len(expected), "elements": sum(math.prod(s) for s in expected.values()),
             "hf_dtypes": float_dtypes, "vocab_size": config.vocab_size, "tokenizer": tokenizer,
-            "padded_vocab_size": config.padded_vocab_size, "megatron_flags": flags}
+            "padded_vocab_size": config.padded_vocab_size, "dropped_mtp_tensors": len(dropped),
+            "megatron_flags": flags}
 
 
 def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
@@ -752,6 +937,9 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
                    help="the architecture (default: config.json's model_type)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help=f"Megatron-LM's vocabulary padding multiple (default 128, at most {MAX_VOCAB_MULTIPLE})")
+    p.add_argument("--drop-mtp", action="store_true",
+                   help="leave out the multi-token prediction layers a DeepSeek checkpoint stores after the decoder's "
+                        "(transformers ignores them; without this flag they are refused)")
     add_publication_flags(p, "universal checkpoint", "COMPLETE")
     p.set_defaults(handler=run_cli)
 
@@ -759,13 +947,15 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
 def run_cli(args: argparse.Namespace) -> dict:
     result = import_hf(args.src, args.dst, model_type=args.model_type, overwrite=args.overwrite,
                        clean_stale=args.clean_stale, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                       progress=not args.quiet)
+                       progress=not args.quiet, drop_mtp=args.drop_mtp)
     tokenizer = (f"the folder's tokenizer ({result['tokenizer']})" if result["tokenizer"] else
                  "NullTokenizer ids (no tokenizer in the folder: bring one for real data)")
     result["message"] = (f"wrote {result['path']}: {result['model_type']} ({result['num_parameters']} parameters, "
                          f"{result['elements'] / 1e6:.1f} M elements from {'/'.join(result['hf_dtypes'])}, fp32 "
                          f"masters), iteration 0, no optimizer state, vocab {result['vocab_size']} padded to "
-                         f"{result['padded_vocab_size']}, {tokenizer}.\nTrain from it with: pretrain_gpt.py "
+                         f"{result['padded_vocab_size']}, {tokenizer}"
+                         + (f", {result['dropped_mtp_tensors']} MTP tensors left out" if result["dropped_mtp_tensors"]
+                            else "") + ".\nTrain from it with: pretrain_gpt.py "
                          + " ".join(result["megatron_flags"])
                          + " --load " + result["path"] + " --universal-checkpoint")
     return result
