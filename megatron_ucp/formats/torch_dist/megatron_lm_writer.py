@@ -48,6 +48,7 @@ _VALUE_FLAGS = (
     ("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"), ("ffn_hidden_size", "--ffn-hidden-size"),
     ("num_attention_heads", "--num-attention-heads"), ("kv_channels", "--kv-channels"),
     ("normalization", "--normalization"), ("norm_epsilon", "--norm-epsilon"),
+    ("layernorm_epsilon", "--norm-epsilon"),  # the dest of --norm-epsilon from Megatron-LM 0.17 on
     ("position_embedding_type", "--position-embedding-type"), ("rotary_base", "--rotary-base"),
     ("rotary_percent", "--rotary-percent"), ("make_vocab_size_divisible_by", "--make-vocab-size-divisible-by"),
     ("seq_length", "--seq-length"), ("max_position_embeddings", "--max-position-embeddings"),
