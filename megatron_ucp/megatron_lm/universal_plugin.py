@@ -87,6 +87,7 @@ def set_padded_vocab_size(args) -> None:
         raise loader.UniversalLoadError("--universal-checkpoint needs --load CHECKPOINT (the run's Megatron-LM "
                                         "checkpoint, its --save folder, or a universal checkpoint)")
     config = loader.checkpoint_config(args)
+    loader.start_indexing(args)  # a direct resume: rank 0 indexes --load while Megatron-LM builds the model
     target = padded_vocab_at(config, args.tensor_model_parallel_size)
     if target != config.padded_vocab_size and args.rank == 0:
         print(f"WARNING: the universal checkpoint's padded vocabulary ({config.padded_vocab_size} rows) is not "
