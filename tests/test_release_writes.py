@@ -130,8 +130,13 @@ def load_as_release(data: bytes, row: versions.MegatronRelease):
             allowed.append(real[qualname])
         elif qualname.startswith("megatron."):
             allowed.append((type(qualname.rsplit(".", 1)[1], (_StandIn,), {}), qualname))
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    registered = torch.serialization.get_safe_globals()  # importing megatron-core adds its own process-wide
+    torch.serialization.clear_safe_globals()
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    finally:
+        torch.serialization.add_safe_globals(registered)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,7 +206,10 @@ def test_args_written_for_a_release_are_its_own(ucp19, tmp_path, release, ckpt_f
 
 
 def test_untranslated_args_fail_0_17_s_own_load(ucp19, tmp_path):
-    """Negative control: the 0.19 args pickled as they are (no translation) fail the 0.17 load above."""
+    """Negative control: the 0.19 args pickled as they are (no translation) fail the 0.17 load above, also in
+    a process where megatron-core 0.19 was imported (its register_safe_globals allows them process-wide)."""
+    from megatron.core.safe_globals import register_safe_globals
+    register_safe_globals()  # as Megatron-LM does in an earlier test of the suite
     out = tmp_path / "out"
     from_universal(ucp19, out, ckpt_format="torch", progress=False, megatron_core_version="0.19",
                    warn=lambda m: None)
