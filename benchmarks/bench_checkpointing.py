@@ -336,6 +336,17 @@ def print_table(report: dict) -> None:
           "bytes incl. page-cache hits and pipes, excl. mmap.")
 
 
+def add_run_options(p: argparse.ArgumentParser, workdir: str) -> None:
+    """The options every measured benchmark takes: where it works and reports, page cache, limits, re-printing."""
+    p.add_argument("--workdir", default=workdir)
+    p.add_argument("--output", help="write the JSON report here")
+    p.add_argument("--drop-caches", choices=["auto", "off"], default="auto",
+                   help="auto: sync; echo 3 > /proc/sys/vm/drop_caches before each measured step when allowed")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per step")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints in --workdir")
+    p.add_argument("--print", metavar="JSON", help="only print the table of an earlier --output file")
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="100m",
@@ -350,14 +361,8 @@ def main(argv=None) -> dict:
     p.add_argument("--repeat", type=int, default=1, help="measure cp -r and to-universal this many times (median)")
     p.add_argument("--sync", action="store_true",
                    help="time cp -r and to-universal until their output is on disk (each followed by sync -f)")
-    p.add_argument("--workdir", default="/tmp/megatron_ucp_bench")
-    p.add_argument("--output", help="write the JSON report here")
-    p.add_argument("--drop-caches", choices=["auto", "off"], default="auto",
-                   help="auto: sync; echo 3 > /proc/sys/vm/drop_caches before each measured step when allowed")
-    p.add_argument("--timeout", type=float, default=3600, help="seconds per step")
-    p.add_argument("--keep", action="store_true", help="keep the checkpoints in --workdir")
+    add_run_options(p, "/tmp/megatron_ucp_bench")
     p.add_argument("--force", action="store_true", help="run even if the memory estimate exceeds what is free")
-    p.add_argument("--print", metavar="JSON", help="only print the table of an earlier --output file")
     args = p.parse_args(argv)
     if args.print:
         report = json.loads(Path(args.print).read_text())

@@ -42,7 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_checkpointing import LAYOUTS, MARKS, PRESETS, SOURCE, estimated_peak_bytes, model_flags, torchrun  # noqa: E402
+from bench_checkpointing import (LAYOUTS, MARKS, PRESETS, SOURCE, add_run_options, estimated_peak_bytes,  # noqa: E402
+                                 model_flags, torchrun)
 
 from megatron_ucp.io.stats import RunStats, dir_bytes, drop_page_cache, run_measured  # noqa: E402
 
@@ -219,12 +220,7 @@ def main(argv=None) -> Optional[dict]:
     p.add_argument("--layouts", nargs="+", default=["TP1PP4DP2"], choices=sorted(LAYOUTS),
                    help="layouts other than the saved one to resume at")
     p.add_argument("--repeat", type=int, default=3, help="rounds of alternating steps (medians)")
-    p.add_argument("--workdir", default="/tmp/megatron_ucp_bench_direct")
-    p.add_argument("--output", help="write the JSON report here")
-    p.add_argument("--drop-caches", choices=["auto", "off"], default="auto")
-    p.add_argument("--timeout", type=float, default=3600, help="seconds per step")
-    p.add_argument("--keep", action="store_true", help="keep the checkpoints in --workdir")
-    p.add_argument("--print", metavar="JSON", help="only print the table of an earlier --output file")
+    add_run_options(p, "/tmp/megatron_ucp_bench_direct")
     p.add_argument("--index-only", metavar="CKPT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.index_only:

@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import psutil  # noqa: E402
 
-from bench_checkpointing import GIB, MIB, PRESETS, PRETRAIN, ModelShape, model_flags  # noqa: E402
+from bench_checkpointing import GIB, MIB, PRESETS, PRETRAIN, ModelShape, add_run_options, model_flags  # noqa: E402
 from megatron_ucp.io.stats import CommandFailed, RunStats, dir_bytes, drop_page_cache, run_measured  # noqa: E402
 
 
@@ -244,12 +244,7 @@ def main(argv=None) -> dict:
     p.add_argument("--skip-harness", action="store_true", help="do not run the harness route")
     p.add_argument("--sync", action="store_true", help="time every step until its output is on disk (sync -f)")
     p.add_argument("--force", action="store_true", help="run the harness route even if its estimate exceeds memory")
-    p.add_argument("--workdir", default="/tmp/megatron_ucp_bench_fu")
-    p.add_argument("--output", help="write the JSON report here")
-    p.add_argument("--drop-caches", choices=["auto", "off"], default="auto")
-    p.add_argument("--timeout", type=float, default=3600, help="seconds per step")
-    p.add_argument("--keep", action="store_true", help="keep the checkpoints in --workdir")
-    p.add_argument("--print", metavar="JSON", help="only print the table of an earlier --output file")
+    add_run_options(p, "/tmp/megatron_ucp_bench_fu")
     args = p.parse_args(argv)
     if args.print:
         report = json.loads(Path(args.print).read_text())
