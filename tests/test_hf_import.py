@@ -755,6 +755,11 @@ def _corrupt(hf: Path, case: str) -> tuple[str, dict]:
     if case == "unsupported family":
         _set_config(hf, model_type="olmoe")
         return "cannot be a Megatron GPT: OLMoE's q_norm and k_norm normalize", {}
+    if case == "non-finite weight":  # a damaged (or diverged) model: refused, found while the bytes are hashed
+        tensors = load_file(weights)
+        tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+        save_file(tensors, weights)
+        return "model.layers.1.mlp.down_proj.weight hold(s) NaN or Inf (Megatron's decoder.layers.1.mlp.linear_fc2", {}
     if case == "tokenizer beyond the vocabulary":
         save_word_tokenizer(hf, 2000)
         return "tokenizer.json: has token id 1999, config.json's vocab_size is 1024", {}
@@ -765,7 +770,7 @@ CASES = ["missing tensor", "shape mismatch", "untied without lm_head", "tied but
          "index outside the folder", "symlink outside the folder", "truncated file", "pickle only", "llama3 factor 32",
          "legacy rope_scaling", "layers beyond the weights", "fractional hidden size", "hidden size as text",
          "nested config", "nested header", "huge header length", "vocabulary multiple", "unsupported family",
-         "tokenizer beyond the vocabulary"]
+         "tokenizer beyond the vocabulary", "non-finite weight"]
 
 
 def _tree_digest(folder: Path) -> dict:
@@ -794,6 +799,12 @@ def test_bad_inputs_fail_in_one_line_leaving_nothing(tmp_path):
         assert _tree_digest(hf.parent) == before, f"{case}: the input changed"
         left = sorted(p.name for p in dst.parent.iterdir() if p.name != "elsewhere.safetensors")
         assert left == ["hf"], f"{case}: something was left behind: {left}"
+    # the non-finite weight imported as it is when allowed: `check` then names it (exit 1)
+    nan_case = tmp_path / f"case{CASES.index('non-finite weight')}"
+    import_hf(nan_case / "hf", nan_case / "ucp", progress=False, allow_non_finite=True)
+    proc = subprocess.run([sys.executable, "-m", "megatron_ucp.cli", "check", nan_case / "ucp"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "decoder.layers.1.mlp.linear_fc2.weight" in proc.stdout + proc.stderr
     # as a user runs it: exit 1, one line, no traceback
     proc = subprocess.run([sys.executable, "-m", "megatron_ucp.cli", "import-hf", tmp_path / "case0" / "hf",
                            tmp_path / "case0" / "ucp"], cwd=REPO, capture_output=True, text=True, timeout=120)

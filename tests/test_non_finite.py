@@ -7,6 +7,10 @@ Crafted, payload-free checkpoints: a tiny model whose values are all finite but 
 each write path: a stored run copied file to file (fp32, TP1), a cast band (a bf16 model's weight) and a
 row-parallel weight's TP slices read together (TP2). Negative controls: the same checkpoint without the
 planted value checks ok and writes.
+
+The universal writers refuse them too, found while the tensor files' bytes are hashed: `to-universal` of Megatron-LM
+0.16.1's fixtures A (legacy) and B (torch_dist) with one NaN planted in a sharded exp_avg, on the copied and the
+tensor (--average-replicas) path; import-hf's case is in test_hf_import's bad inputs.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -143,3 +148,47 @@ def test_values_cut_by_a_block_boundary_are_found(tmp_path):
     hasher = BlockHasher(len(data), 64)
     hasher.update(0, path.read_bytes())
     assert check_files([FileCheck(str(path), hasher.record(), "t", floats=entry.floats)]).ok
+
+
+# --------------------------------------------------------------------------------------------------
+# to-universal: a Megatron-LM checkpoint holding NaN/Inf (fixtures A legacy and B torch_dist of Megatron-LM 0.16.1)
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron-lm"
+NAN = b"\x00\x00\xc0\x7f"  # float32 NaN, little-endian
+
+
+def plant_in_source(root: Path, local_name: str, key: str, element: int) -> None:
+    """Overwrite one float32 element of TP rank 0's shard of `local_name` [key] with NaN, where the reader's
+    own map of the files says its bytes are."""
+    from megatron_ucp.formats import open_checkpoint
+
+    ckpt = open_checkpoint(root)
+    ref = next(r for r in ckpt.shards() if r.local_name == local_name and r.tp_rank == 0)
+    region = ckpt.locate(ref)[key].regions[0]
+    with open(region.path, "r+b") as f:
+        f.seek(region.offset + 4 * element)
+        f.write(NAN)
+
+
+@pytest.mark.parametrize("fixture,extra", [("A_llama_tp2pp2dp2_distopt_sp_torch", ()),
+                                           ("B_llama_tp2pp2dp2_distopt_sp_torch_dist", ()),
+                                           ("B_llama_tp2pp2dp2_distopt_sp_torch_dist", ("--average-replicas",))],
+                         ids=["legacy-copied", "torch_dist-copied", "torch_dist-tensors"])
+def test_to_universal_refuses_nan_in_the_source_leaving_nothing(fixture, extra, tmp_path):
+    """Each write path of a tensor file (bytes copied file to file; tensors: --average-replicas) finds the NaN
+    while it hashes the bytes: one line naming the parameter and the state, nothing at DST, the source unchanged;
+    --allow-non-finite converts it and `check` names it. Negative control: the same fixture unplanted converts
+    (test_fixture_continuation and others)."""
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / fixture / "ckpt" / "iter_0000004", src / "iter_0000004")
+    plant_in_source(src / "iter_0000004", "decoder.layers.0.mlp.linear_fc2.weight", "exp_avg", 11)
+    before = digest(src)
+    line = assert_one_line_error(cli("to-universal", src / "iter_0000004", tmp_path / "ucp", "--quiet", *extra))
+    assert "decoder.layers.0.mlp.linear_fc2.weight: exp_avg (1) hold(s) non-finite values" in line, line
+    assert "--allow-non-finite" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"] and digest(src) == before
+    proc = cli("to-universal", src / "iter_0000004", tmp_path / "ucp", "--quiet", "--allow-non-finite", *extra)
+    assert proc.returncode == 0, proc.stderr
+    result = check(tmp_path / "ucp", workers=2)
+    assert not result["ok"] and [p for p in result["problems"] if "non-finite" in p], result["problems"]
+    assert "decoder.layers.0.mlp.linear_fc2.weight exp_avg holds 1 non-finite" in " ".join(result["problems"])

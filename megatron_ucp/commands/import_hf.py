@@ -821,9 +821,10 @@ def _check_free_space(dst: Path, nbytes: int, config: GPTModelConfig) -> None:
 
 def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None, overwrite: bool = False,
               clean_stale: bool = False, make_vocab_size_divisible_by: int = 128, progress: bool = True,
-              drop_mtp: bool = False) -> dict:
+              drop_mtp: bool = False, allow_non_finite: bool = False) -> dict:
     """Write the universal checkpoint `dst` from the HF model directory `src`; returns a summary. `drop_mtp`:
-    leave out the multi-token prediction layers a DeepSeek checkpoint carries (refused otherwise)."""
+    leave out the multi-token prediction layers a DeepSeek checkpoint carries (refused otherwise). NaN/Inf in a
+    weight are refused (found while the written bytes are hashed) unless `allow_non_finite`."""
     import sys
 
     from tqdm import tqdm
@@ -831,6 +832,7 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
     from megatron_ucp.adapters.gpt import expected_parameters, pattern_for
     from megatron_ucp.core.layout import ParallelLayout
     from megatron_ucp.universal import UniversalFormatError, UniversalWriter, write_tensor_file_streamed
+    from megatron_ucp.universal.tensorfile import NonFiniteTensorError
 
     root = Path(src).resolve()
     if not root.is_dir():
@@ -895,8 +897,16 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
                 info = {"pattern": pattern_for(row.megatron, config), "step": None,
                         "model_dtype": parts[0].dtype}
                 shape = expected[row.megatron]
-                entry = write_tensor_file_streamed(writer.staging_dir, row.megatron, shape,
-                                                   _param_bands(row, parts, config, shape[0]), info)
+                try:
+                    entry = write_tensor_file_streamed(writer.staging_dir, row.megatron, shape,
+                                                       _param_bands(row, parts, config, shape[0]), info,
+                                                       check_finite=not allow_non_finite)
+                except NonFiniteTensorError:
+                    files = sorted({str(part.file) for part in parts})
+                    raise UniversalFormatError(
+                        f"{', '.join(files)}: {' / '.join(row.hf)} hold(s) NaN or Inf (Megatron's {row.megatron}); "
+                        f"the model's files are damaged or it diverged: use another copy, or pass "
+                        f"--allow-non-finite to import them as they are") from None
                 writer.record_parameter(row.megatron, entry)
                 bar.update(math.prod(shape) * 4)
             metadata = {
@@ -940,6 +950,8 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--drop-mtp", action="store_true",
                    help="leave out the multi-token prediction layers a DeepSeek checkpoint stores after the decoder's "
                         "(transformers ignores them; without this flag they are refused)")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="import weights holding NaN/Inf as they are (refused by default, naming them)")
     add_publication_flags(p, "universal checkpoint", "COMPLETE")
     p.set_defaults(handler=run_cli)
 
@@ -947,7 +959,7 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
 def run_cli(args: argparse.Namespace) -> dict:
     result = import_hf(args.src, args.dst, model_type=args.model_type, overwrite=args.overwrite,
                        clean_stale=args.clean_stale, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                       progress=not args.quiet, drop_mtp=args.drop_mtp)
+                       progress=not args.quiet, drop_mtp=args.drop_mtp, allow_non_finite=args.allow_non_finite)
     tokenizer = (f"the folder's tokenizer ({result['tokenizer']})" if result["tokenizer"] else
                  "NullTokenizer ids (no tokenizer in the folder: bring one for real data)")
     result["message"] = (f"wrote {result['path']}: {result['model_type']} ({result['num_parameters']} parameters, "

@@ -26,6 +26,9 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--average-replicas", action="store_true",
                    help="store the mean of replicated copies (TP replicas, tied output layer) instead of "
                         "requiring them to agree bitwise")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="convert tensors holding NaN/Inf as they are (refused by default, naming them; a lazy "
+                        "index does not search: `check` does)")
     add_publication_flags(p, "universal checkpoint", "COMPLETE")
     p.add_argument("--lazy", action="store_true",
                    help="write only an index (metadata.json) of where each consolidated tensor's bytes are in SRC: "
@@ -39,11 +42,13 @@ def run_cli(args: argparse.Namespace) -> dict:
     if in_torchrun():  # one process per node (or per core) of a torchrun job, sharing the filesystem
         summary = convert_distributed(args.src, args.dst, iteration=args.iteration,
                                       average_replicas=args.average_replicas, progress=not args.quiet,
-                                      overwrite=args.overwrite, clean_stale=args.clean_stale)
+                                      overwrite=args.overwrite, clean_stale=args.clean_stale,
+                                      allow_non_finite=args.allow_non_finite)
     else:
         summary = convert(args.src, args.dst, iteration=args.iteration, workers=args.workers,
                           average_replicas=args.average_replicas, progress=not args.quiet,
-                          overwrite=args.overwrite, lazy=args.lazy, clean_stale=args.clean_stale)
+                          overwrite=args.overwrite, lazy=args.lazy, clean_stale=args.clean_stale,
+                          allow_non_finite=args.allow_non_finite)
     result = summary.to_dict()
     if not reports():
         return result  # rank 0 reports

@@ -201,10 +201,11 @@ def place_parameter(ckpt: CheckpointReader, task: ParamTask, files: FileHandles
 
 
 def convert_parameter(ckpt: CheckpointReader, task: ParamTask, staging_dir: PathLike, *,
-                      average_replicas: bool = False, lazy: bool = False) -> dict:
+                      average_replicas: bool = False, lazy: bool = False, check_finite: bool = False) -> dict:
     """Consolidate one parameter and write its file into the staging directory; returns its metadata entry.
     Bytes go file to file when the reader can locate them (place_parameter), else through tensors.
-    lazy: write nothing, return an entry that says where the bytes are in the source (lazy_entry)."""
+    lazy: write nothing, return an entry that says where the bytes are in the source (lazy_entry).
+    check_finite: refuse NaN/Inf in what is written (tensorfile.NonFiniteTensorError)."""
     if lazy:
         with FileHandles() as files:
             placed = place_parameter(ckpt, task, files)
@@ -217,6 +218,7 @@ def convert_parameter(ckpt: CheckpointReader, task: ParamTask, staging_dir: Path
         with FileHandles() as files:
             placed = place_parameter(ckpt, task, files)
             if placed is not None:
-                return write_tensor_file_placed(staging_dir, task.name, placed[0], placed[1], files)
+                return write_tensor_file_placed(staging_dir, task.name, placed[0], placed[1], files,
+                                                check_finite=check_finite)
     tensors, info = consolidate_parameter(ckpt, task, average_replicas=average_replicas)
-    return write_tensor_file(staging_dir, task.name, tensors, info)
+    return write_tensor_file(staging_dir, task.name, tensors, info, check_finite=check_finite)

@@ -67,7 +67,8 @@ HALF_WRITTEN = "half-written"  # the writer's phase once half the parameters are
 
 def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, workers: Optional[int] = None,
             average_replicas: bool = False, progress: bool = True, overwrite: bool = False,
-            lazy: bool = False, clean_stale: bool = False, report=None) -> ConversionSummary:
+            lazy: bool = False, clean_stale: bool = False, report=None,
+            allow_non_finite: bool = False) -> ConversionSummary:
     """to_universal with a summary of what was written (see to_universal)."""
     start = time.perf_counter()
     if workers is not None and int(workers) < 1:
@@ -103,7 +104,8 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
                 writer.phase(HALF_WRITTEN)
 
         try:
-            _convert_all(ckpt, tasks, writer.staging_dir, workers, average_replicas, record, lazy)
+            _convert_all(ckpt, tasks, writer.staging_dir, workers, average_replicas, record, lazy,
+                         check_finite=not allow_non_finite)
         finally:
             bar.close()
         if lazy:  # the index records the checksums of every source byte it reads
@@ -116,7 +118,8 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
 
 def convert_distributed(src: PathLike, dst: PathLike, iteration: Optional[int] = None,
                         average_replicas: bool = False, progress: bool = True,
-                        overwrite: bool = False, clean_stale: bool = False) -> ConversionSummary:
+                        overwrite: bool = False, clean_stale: bool = False,
+                        allow_non_finite: bool = False) -> ConversionSummary:
     """to_universal across the processes of a torchrun job (e.g. one per node on a shared filesystem), as
     io/sharded_job.py runs it.
 
@@ -149,7 +152,8 @@ def convert_distributed(src: PathLike, dst: PathLike, iteration: Optional[int] =
                   dynamic_ncols=True) as bar:
             for task in mine:
                 entries.append((task.name, convert_parameter(ckpt, task, staging_dir,
-                                                             average_replicas=average_replicas)))
+                                                             average_replicas=average_replicas,
+                                                             check_finite=not allow_non_finite)))
                 bar.update(task.nbytes)
         for _, entry in entries:  # durable before rank 0 publishes (its fsync may not reach other hosts' caches)
             fsync_path(staging_dir / entry["file"])
@@ -216,18 +220,19 @@ def source_index(src: PathLike, iteration: Optional[int] = None, workers: Option
 
 
 def _convert_all(ckpt: CheckpointReader, tasks: list[ParamTask], staging_dir: Optional[Path], workers: int,
-                 average_replicas: bool, record, lazy: bool) -> None:
+                 average_replicas: bool, record, lazy: bool, *, check_finite: bool = False) -> None:
     """convert_parameter for every task (in `workers` threads), each entry handed to `record(name, entry)`."""
     if workers == 1:
         for task in tasks:
             record(task.name, convert_parameter(ckpt, task, staging_dir, average_replicas=average_replicas,
-                                                lazy=lazy))
+                                                lazy=lazy, check_finite=check_finite))
     else:
-        _convert_in_threads(ckpt, tasks, staging_dir, workers, average_replicas, record, lazy)
+        _convert_in_threads(ckpt, tasks, staging_dir, workers, average_replicas, record, lazy,
+                            check_finite=check_finite)
 
 
 def _convert_in_threads(ckpt: CheckpointReader, tasks: list[ParamTask], staging_dir: Path, workers: int,
-                        average_replicas: bool, record, lazy: bool = False) -> None:
+                        average_replicas: bool, record, lazy: bool = False, *, check_finite: bool = False) -> None:
     """Threads sharing the opened checkpoint, for readers whose reads are independent (thread_safe_reads):
     no worker start-up (a spawned worker re-imports torch and re-opens the checkpoint, seconds), and the
     bulk of the work (file reads, tensor copies, safetensors writes) runs without the GIL. Largest
@@ -239,8 +244,8 @@ def _convert_in_threads(ckpt: CheckpointReader, tasks: list[ParamTask], staging_
         try:
             while True:
                 for task in pending:
-                    running[pool.submit(convert_parameter, ckpt, task, staging_dir,
-                                        average_replicas=average_replicas, lazy=lazy)] = task.name
+                    running[pool.submit(convert_parameter, ckpt, task, staging_dir, average_replicas=average_replicas,
+                                        lazy=lazy, check_finite=check_finite)] = task.name
                     if len(running) >= 2 * workers:
                         break
                 if not running:
@@ -255,7 +260,7 @@ def _convert_in_threads(ckpt: CheckpointReader, tasks: list[ParamTask], staging_
 
 def to_universal(src: PathLike, dst: PathLike, iteration: Optional[int] = None, workers: Optional[int] = None,
                  average_replicas: bool = False, progress: bool = True, overwrite: bool = False,
-                 lazy: bool = False, clean_stale: bool = False) -> Path:
+                 lazy: bool = False, clean_stale: bool = False, allow_non_finite: bool = False) -> Path:
     """Convert the Megatron-LM checkpoint at `src` (a checkpoint root or one iter_XXXXXXX folder, legacy
     `torch` or `torch_dist`) into a universal checkpoint at `dst` and return `dst`.
 
@@ -269,6 +274,10 @@ def to_universal(src: PathLike, dst: PathLike, iteration: Optional[int] = None, 
     source checkpoint (checked as above; no copy: the referenced bytes are read once, for their checksums).
     Readers then read from the source, which must stay where it is, unchanged (size and mtime checked on
     open, checksums of every byte on every read).
+
+    NaN/Inf in a tensor written refuse the conversion (found while its bytes are hashed, no extra pass),
+    unless `allow_non_finite`; a lazy index copies no tensor and does not search (`check` does).
     """
     return convert(src, dst, iteration=iteration, workers=workers, average_replicas=average_replicas,
-                   progress=progress, overwrite=overwrite, lazy=lazy, clean_stale=clean_stale).path
+                   progress=progress, overwrite=overwrite, lazy=lazy, clean_stale=clean_stale,
+                   allow_non_finite=allow_non_finite).path

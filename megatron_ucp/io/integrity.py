@@ -263,11 +263,15 @@ class BlockHasher:
                         self._claimed.add(k)
                         done.append((k, buf))
                 i += take
-        digests = [(k, block_digest(b)) for k, b in whole + done]
+        digests = [(k, self._digest(k, b)) for k, b in whole + done]
         with self._lock:
             for k, d in digests:
                 self._digests[k] = d
                 self._claimed.discard(k)
+
+    def _digest(self, k: int, block) -> str:
+        """Block k's digest, from its complete bytes (a subclass may look at them too: FiniteBlockHasher)."""
+        return block_digest(block)
 
     def _twice(self, k: int, lo: int, hi: int):
         start = self.offset + k * self.block_size
@@ -304,6 +308,32 @@ class BlockHasher:
             raise ValueError(f"{self.name}: bytes {gaps[0][0]}..{gaps[0][1] - 1} were never written "
                              f"({len(gaps)} gap(s)); the file is incomplete")
         return DigestRecord(ALGORITHM, self.block_size, self.size, tuple(self._digests), self.offset)
+
+
+class FiniteBlockHasher(BlockHasher):
+    """A BlockHasher that also counts NaN/Inf among the float32 values of `regions` ({key: (start, stop)} file
+    offsets, 4-byte aligned: a tensor file's tensors) in each block as it hashes it: no extra pass over the
+    data. `non_finite` holds {key: count} of the keys that have any."""
+
+    def __init__(self, size: int, regions: Mapping[str, tuple[int, int]], block_size: int = BLOCK_SIZE, *,
+                 name: str = "file"):
+        if block_size % 4 or any(a % 4 or b % 4 for a, b in regions.values()):
+            raise ValueError(f"{name}: float32 regions {dict(regions)} or block size {block_size} not 4-byte aligned")
+        super().__init__(size, block_size, name=name)
+        self.regions = dict(regions)
+        self.non_finite: dict[str, int] = {}
+
+    def _digest(self, k: int, block) -> str:
+        start = self.offset + k * self.block_size
+        view = _bytes_view(block)
+        for key, (a, b) in self.regions.items():
+            lo, hi = max(a, start), min(b, start + len(view))
+            if lo < hi:
+                count, _ = non_finite(view[lo - start:hi - start])
+                if count:
+                    with self._lock:
+                        self.non_finite[key] = self.non_finite.get(key, 0) + count
+        return block_digest(block)
 
 
 def _add_interval(covered: list[list[int]], lo: int, hi: int, on_overlap: Callable) -> None:
@@ -390,12 +420,13 @@ def hash_regions(hasher: BlockHasher, files, pieces: Iterable[tuple[Any, int]]) 
 
 
 def write_file_hashed(path: PathLike, size: int, pieces: Iterable[tuple[int, Any]], *,
-                      block_size: int = BLOCK_SIZE, fsync: bool = True) -> DigestRecord:
+                      block_size: int = BLOCK_SIZE, fsync: bool = True,
+                      hasher: Optional[BlockHasher] = None) -> DigestRecord:
     """Create `path` of `size` bytes from (offset, bytes-like) pieces, hashing each as it is written, and
     return its record; fsync before closing (a staging directory is published only once its files are
     durable). The tensor path's replacement for safetensors' save_file: pieces are the header prefix and
     each tensor's bytes (`tensor.contiguous().view(-1).view(torch.uint8).numpy()`) at its offset."""
-    hasher = BlockHasher(size, block_size, name=str(path))
+    hasher = hasher if hasher is not None else BlockHasher(size, block_size, name=str(path))
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, size)

@@ -2,7 +2,8 @@
 (`fp32`, `exp_avg`, `exp_avg_sq`). Its header is written by `safetensors_header` and parsed by
 `parse_header`, the one parser both the verified reader (`VerifiedTensorFile`) and `check` use; the
 three write paths (tensors, dim-0 bands, byte placements copied from a Megatron checkpoint) write the
-same bytes for the same tensors and digest every byte as it is written; `lazy_entry` is a lazy
+same bytes for the same tensors and digest every byte as it is written (and, asked to, count NaN/Inf in the
+blocks they digest); `lazy_entry` is a lazy
 checkpoint's entry that points into the source instead."""
 from __future__ import annotations
 
@@ -93,8 +94,32 @@ def _named(e: OSError, target: Path) -> OSError:
     return OSError(e.errno, e.strerror, str(target)) if e.filename is None else e
 
 
+class NonFiniteTensorError(UniversalFormatError):
+    """A tensor written into a universal checkpoint holds NaN or Inf and the writer was asked to refuse them."""
+
+
+def _hasher(target: Path, size: int, offsets: Mapping[str, int], nbytes: int, check_finite: bool
+            ) -> integrity.BlockHasher:
+    """The output file's BlockHasher; with `check_finite` one that also counts NaN/Inf in each tensor's bytes
+    as it hashes them (integrity.FiniteBlockHasher: no extra pass over the data)."""
+    if not check_finite:
+        return integrity.BlockHasher(size, name=str(target))
+    regions = {key: (pos, pos + nbytes) for key, pos in offsets.items()}
+    return integrity.FiniteBlockHasher(size, regions, name=str(target))
+
+
+def _refuse_non_finite(name: str, hasher: integrity.BlockHasher) -> None:
+    """NonFiniteTensorError naming the parameter and each state holding NaN/Inf (FiniteBlockHasher's counts)."""
+    found = getattr(hasher, "non_finite", None)
+    if found:
+        states = ", ".join(f"{integrity.state_word(k)} ({found[k]})" for k in TENSOR_KEYS if k in found)
+        raise NonFiniteTensorError(
+            f"{name}: {states} hold(s) non-finite values (NaN/Inf), refused; {integrity.NON_FINITE_REMEDY}, or "
+            f"pass --allow-non-finite to convert them as they are")
+
+
 def write_tensor_file(staging_dir: PathLike, name: str, tensors: Mapping[str, "torch.Tensor"],
-                      info: Mapping[str, Any]) -> dict:
+                      info: Mapping[str, Any], *, check_finite: bool = False) -> dict:
     """Write one parameter's safetensors file into `staging_dir` and return its metadata entry, with the
     block checksums of the file computed while writing it (integrity.write_file_hashed).
 
@@ -102,6 +127,7 @@ def write_tensor_file(staging_dir: PathLike, name: str, tensors: Mapping[str, "t
     function, tensors in name order). Process-safe: it touches only `tensors/<name>.safetensors`.
     `info` holds "model_dtype" (str or torch.dtype), "pattern" (Pattern or its JSON), "step" (int or
     None) and "param_group" (dict). The file is not fsynced here: publication fsyncs the whole tree.
+    `check_finite`: refuse NaN/Inf (NonFiniteTensorError), found while the bytes are hashed.
     """
     import torch
 
@@ -113,17 +139,19 @@ def write_tensor_file(staging_dir: PathLike, name: str, tensors: Mapping[str, "t
     prefix, offsets = safetensors_header({k: shape for k in ordered}, _file_metadata(name))
     pieces = [(0, prefix)] + [(offsets[k], t.reshape(-1).view(torch.uint8).numpy()) for k, t in ordered.items()]
     size = len(prefix) + len(ordered) * math.prod(shape) * 4
+    hasher = _hasher(target, size, offsets, math.prod(shape) * 4, check_finite)
     try:
-        record = integrity.write_file_hashed(target, size, pieces, fsync=False)
+        record = integrity.write_file_hashed(target, size, pieces, fsync=False, hasher=hasher)
     except OSError as e:
         raise _named(e, target) from e
+    _refuse_non_finite(name, hasher)
     entry["checksum"] = record.to_json()
     return entry
 
 
 def write_tensor_file_streamed(staging_dir: PathLike, name: str, shape: Sequence[int],
                                bands: Union[Iterable["torch.Tensor"], Mapping[str, Iterable["torch.Tensor"]]],
-                               info: Mapping[str, Any]) -> dict:
+                               info: Mapping[str, Any], *, check_finite: bool = False) -> dict:
     """write_tensor_file for a parameter whose tensors come as consecutive dim-0 bands (so only one band is
     in memory: `import-hf` widens a vocabulary band by band; benchmarks/bench_scale.py generates a 1.3B
     checkpoint with its Adam moments). `bands`: the fp32 tensor's bands, or {key: its bands} for several of
@@ -156,16 +184,18 @@ def write_tensor_file_streamed(staging_dir: PathLike, name: str, shape: Sequence
                 raise UniversalFormatError(f"{name}: {key} bands hold {pos - offsets[key]} bytes, {shape} needs "
                                            f"{nbytes}")
 
+    hasher = _hasher(target, size, offsets, nbytes, check_finite)
     try:
-        record = integrity.write_file_hashed(target, size, pieces(), fsync=False)
+        record = integrity.write_file_hashed(target, size, pieces(), fsync=False, hasher=hasher)
     except OSError as e:
         raise _named(e, target) from e
+    _refuse_non_finite(name, hasher)
     entry["checksum"] = record.to_json()
     return entry
 
 
 def write_tensor_file_placed(staging_dir: PathLike, name: str, placements: Mapping[str, Placement],
-                             info: Mapping[str, Any], files: FileHandles) -> dict:
+                             info: Mapping[str, Any], files: FileHandles, *, check_finite: bool = False) -> dict:
     """write_tensor_file for tensors given as Placements (where their bytes are in the source files): the
     file is sized, its header written, and each tensor's bytes copied straight into place (see
     byteio.write_placement), so no tensor is materialised. Every byte is digested as it is written."""
@@ -176,7 +206,7 @@ def write_tensor_file_placed(staging_dir: PathLike, name: str, placements: Mappi
     target.parent.mkdir(parents=True, exist_ok=True)
     prefix, offsets = safetensors_header({k: shape for k in keys}, _file_metadata(name))
     size = len(prefix) + len(keys) * math.prod(shape) * 4
-    hasher = integrity.BlockHasher(size, name=str(target))
+    hasher = _hasher(target, size, offsets, math.prod(shape) * 4, check_finite)
     fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, size)
@@ -187,6 +217,7 @@ def write_tensor_file_placed(staging_dir: PathLike, name: str, placements: Mappi
         raise _named(e, target) from e
     finally:
         os.close(fd)
+    _refuse_non_finite(name, hasher)
     entry["checksum"] = hasher.record().to_json()
     return entry
 
