@@ -10,7 +10,7 @@ planted value checks ok and writes.
 
 The universal writers refuse them too, found while the tensor files' bytes are hashed: `to-universal` of Megatron-LM
 0.16.1's fixtures A (legacy) and B (torch_dist) with one NaN planted in a sharded exp_avg, on the copied and the
-tensor (--average-replicas) path; import-hf's case is in test_hf_import's bad inputs.
+tensor (--average-replicas) path; export-hf of a weight holding -inf; import-hf's case is in test_hf_import's bad inputs.
 """
 
 from __future__ import annotations
@@ -192,3 +192,18 @@ def test_to_universal_refuses_nan_in_the_source_leaving_nothing(fixture, extra, 
     result = check(tmp_path / "ucp", workers=2)
     assert not result["ok"] and [p for p in result["problems"] if "non-finite" in p], result["problems"]
     assert "decoder.layers.0.mlp.linear_fc2.weight exp_avg holds 1 non-finite" in " ".join(result["problems"])
+
+
+def test_export_hf_refuses_a_nan_weight(planted, tmp_path):
+    """export-hf searches each weight it has just read and checked: the planted -inf in PROJ's weight is refused in
+    one line naming it, nothing at DST, input unchanged; --allow-non-finite exports it; moments are not exported
+    (FC1's planted exp_avg/exp_avg_sq do not matter). Negative control: the clean checkpoint exports."""
+    before = digest(planted)
+    line = assert_one_line_error(cli("export-hf", planted, tmp_path / "hf", "--model-type", "llama", "--quiet"))
+    assert f"{PROJ} holds 1 non-finite value(s) (NaN/Inf; the first at element 200)" in line, line
+    assert "--allow-non-finite" in line and sorted(p.name for p in tmp_path.iterdir()) == []
+    assert digest(planted) == before
+    proc = cli("export-hf", planted, tmp_path / "hf", "--model-type", "llama", "--quiet", "--allow-non-finite")
+    assert proc.returncode == 0, proc.stderr
+    clean = write_ucp(tmp_path / "clean")
+    assert cli("export-hf", clean, tmp_path / "hf_clean", "--model-type", "llama", "--quiet").returncode == 0

@@ -369,17 +369,19 @@ def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
 
 
 def export_hf(src: PathLike, dst: PathLike, model_type: str, *, dtype: Optional[str] = None,
-              overwrite: bool = False, progress: bool = True, clean_stale: bool = False, drop_mtp: bool = False
-              ) -> dict:
+              overwrite: bool = False, progress: bool = True, clean_stale: bool = False, drop_mtp: bool = False,
+              allow_non_finite: bool = False) -> dict:
     """Write the HF model directory `dst` from the universal checkpoint `src`; returns a summary. DST's lock
     is held from before `src` is opened until the export is published. `drop_mtp`: leave out the multi-token
-    prediction layers (refused otherwise)."""
+    prediction layers (refused otherwise). A weight holding NaN/Inf is refused (searched in the values just
+    read and checked) unless `allow_non_finite`."""
     import sys
 
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     from megatron_ucp.commands.common import is_universal, open_any
+    from megatron_ucp.io import integrity
 
     src, dst = Path(src), Path(dst).absolute()
     _check_destination(src, dst, overwrite)  # fails fast; checked again under the lock
@@ -402,6 +404,11 @@ def export_hf(src: PathLike, dst: PathLike, model_type: str, *, dtype: Optional[
 
             def read(name: str) -> torch.Tensor:
                 tensor = ucp.read(name, "fp32")
+                count, first = (0, -1) if allow_non_finite else integrity.non_finite(tensor.reshape(-1).numpy())
+                if count:
+                    raise ExportError(f"{src}: {name} holds {count} non-finite value(s) (NaN/Inf; the first at "
+                                      f"element {first}); {integrity.NON_FINITE_REMEDY}, or pass "
+                                      f"--allow-non-finite to export them as they are")
                 bar.update(tensor.numel() * 4)
                 return tensor
 
@@ -442,13 +449,16 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--drop-mtp", action="store_true",
                    help="leave out the model's multi-token prediction layers (no transformers class computes them; "
                         "without this flag a model with MTP layers is refused)")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="export weights holding NaN/Inf as they are (refused by default, naming them)")
     add_publication_flags(p, "export", "megatron-ucp.json")
     p.set_defaults(handler=run_cli)
 
 
 def run_cli(args: argparse.Namespace) -> dict:
     result = export_hf(args.src, args.dst, args.model_type, dtype=args.dtype, overwrite=args.overwrite,
-                       progress=not args.quiet, clean_stale=args.clean_stale, drop_mtp=args.drop_mtp)
+                       progress=not args.quiet, clean_stale=args.clean_stale, drop_mtp=args.drop_mtp,
+                       allow_non_finite=args.allow_non_finite)
     result["message"] = (f"wrote {result['path']}: {args.model_type} ({result['num_tensors']} tensors, "
                          f"{result['bytes_written'] / 2 ** 20:.1f} MiB, {result['dtype']}), iteration "
                          f"{result['iteration']}, vocab {result['vocab_size']} ({result['dropped_padding_rows']} "
