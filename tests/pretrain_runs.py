@@ -34,6 +34,18 @@ FIXTURE_CKPTS = {
     "B": FIXTURES / "B_llama_tp2pp2dp2_distopt_sp_torch_dist" / "ckpt",  # torch_dist, dp_reshardable
     "C": FIXTURES / "C_gpt2_tp2pp2dp1_adam_torch" / "ckpt",  # legacy torch, plain Adam, tied embeddings
 }
+# Megatron-LM runs of other releases (each folder's README): fixture folder names, used by several modules
+F14 = REPO / "tests" / "fixtures" / "megatron-core-0.14"
+A14 = "A14_llama_tp2pp1dp2_distopt_sp_torch_dist"  # torch_dist fully_sharded_model_space
+B14 = "B14_llama_tp2pp1dp2_distopt_sp_torch"  # the same run, legacy torch + distrib_optim.pt
+C14 = "C14_llama_tp2pp1dp2_distopt_sp_torch_dist_dpzero"  # the same run, torch_dist dp_zero_gather_scatter
+M14 = "M14_moe4top2_tp2pp1dp2ep2etp1_distopt_sp_torch_dist"  # GPT-MoE, EP2 ETP1
+F19 = REPO / "tests" / "fixtures" / "megatron-core-0.19"
+A19 = "A19_llama_tp2pp2dp1_distopt_sp_torch_dist"  # dp_reshardable
+B19 = "B19_llama_tp2pp2dp1_distopt_sp_torch_dist_fullyresh"  # the same run, fully_reshardable
+C19 = "C19_llama_tp2pp2dp1_distopt_sp_torch"  # the same run, legacy torch
+D19 = "D19_llama_tp2pp1dp2_distopt_sp_torch_dist"
+E19 = "E19_moe4top2_tp1pp2dp2ep2_distopt_torch_dist"  # GPT-MoE, EP2 DP2 PP2
 PRETRAIN = REPO / "pretrain_scripts" / "pretrain_gpt.py"  # CPU flags: added by cpu_shims.with_cpu_flags
 TORCHRUN_TIMEOUT_S = int(os.environ.get("MEGATRON_UCP_TEST_TIMEOUT", "600"))
 

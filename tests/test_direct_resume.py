@@ -33,16 +33,11 @@ from typing import Dict, List
 
 import pytest
 
-from pretrain_runs import REPO, Layout, read_records, run_pretrain
+from pretrain_runs import A14, B14, C14, F14, M14, REPO, Layout, read_records, run_pretrain
 from test_megatron_lm_019 import with_layout
 
 pytestmark = pytest.mark.torchrun
 
-F14 = REPO / "tests" / "fixtures" / "megatron-core-0.14"
-A14 = "A14_llama_tp2pp1dp2_distopt_sp_torch_dist"
-B14 = "B14_llama_tp2pp1dp2_distopt_sp_torch"
-C14 = "C14_llama_tp2pp1dp2_distopt_sp_torch_dist_dpzero"
-M14 = "M14_moe4top2_tp2pp1dp2ep2etp1_distopt_sp_torch_dist"
 ITER = "iter_0000004"
 KILL_SCRIPT = REPO / "tests" / "save_killed_script.py"
 LAYOUT = Layout(dp=2)  # TP1 PP1 DP2, EP1: not the fixtures' TP2 PP1 DP2 (EP2 ETP1)

@@ -39,18 +39,13 @@ from typing import Dict, List
 
 import pytest
 
-from pretrain_runs import Layout, read_records, run_pretrain
+from pretrain_runs import A19, B19, C19, E19, F19, Layout, read_records, run_pretrain
 
 from megatron_ucp.megatron_lm import launch
 
 pytestmark = pytest.mark.torchrun
 
-F19 = Path(__file__).resolve().parent / "fixtures" / "megatron-core-0.19"
 USER_SCRIPT = Path(__file__).resolve().parent / "user_pretrain_script.py"  # a user's own script with the plugin
-A19 = "A19_llama_tp2pp2dp1_distopt_sp_torch_dist"
-B19 = "B19_llama_tp2pp2dp1_distopt_sp_torch_dist_fullyresh"
-C19 = "C19_llama_tp2pp2dp1_distopt_sp_torch"
-E19 = "E19_moe4top2_tp1pp2dp2ep2_distopt_torch_dist"
 RESUME_TOL = 1e-6  # fp32 relative; the printed losses have 7 significant digits (rounding ~1e-7)
 MISS = 1e-4
 TIMEOUT_S = 600

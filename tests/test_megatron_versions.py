@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain_runs import REPO
+from pretrain_runs import A19, B19, C19, D19, E19, F19, REPO
 from torch_dist_checks import dcp_metadata, gap_chunks, load_item, structure
 
 from megatron_ucp.commands import from_universal as fu
@@ -46,13 +46,7 @@ from megatron_ucp.core import versions
 from megatron_ucp.formats.common import load_archive_file
 from megatron_ucp.commands.verify import verify
 
-F19 = REPO / "tests" / "fixtures" / "megatron-core-0.19"
 F16 = REPO / "tests" / "fixtures" / "megatron-lm"
-A19 = "A19_llama_tp2pp2dp1_distopt_sp_torch_dist"
-B19 = "B19_llama_tp2pp2dp1_distopt_sp_torch_dist_fullyresh"
-C19 = "C19_llama_tp2pp2dp1_distopt_sp_torch"
-D19 = "D19_llama_tp2pp1dp2_distopt_sp_torch_dist"
-E19 = "E19_moe4top2_tp1pp2dp2ep2_distopt_torch_dist"
 ITER = "iter_0000004"
 
 
