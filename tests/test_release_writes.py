@@ -130,7 +130,7 @@ def load_as_release(data: bytes, row: versions.MegatronRelease):
             allowed.append(real[qualname])
         elif qualname.startswith("megatron."):
             allowed.append((type(qualname.rsplit(".", 1)[1], (_StandIn,), {}), qualname))
-    registered = torch.serialization.get_safe_globals()  # importing megatron-core adds its own process-wide
+    registered = torch.serialization.get_safe_globals()  # megatron-core's register_safe_globals adds its own
     torch.serialization.clear_safe_globals()
     try:
         with torch.serialization.safe_globals(allowed):
@@ -207,7 +207,7 @@ def test_args_written_for_a_release_are_its_own(ucp19, tmp_path, release, ckpt_f
 
 def test_untranslated_args_fail_0_17_s_own_load(ucp19, tmp_path):
     """Negative control: the 0.19 args pickled as they are (no translation) fail the 0.17 load above, also in
-    a process where megatron-core 0.19 was imported (its register_safe_globals allows them process-wide)."""
+    a process where megatron-core 0.19's register_safe_globals ran (it allows its classes process-wide)."""
     from megatron.core.safe_globals import register_safe_globals
     register_safe_globals()  # as Megatron-LM does in an earlier test of the suite
     out = tmp_path / "out"

@@ -425,7 +425,8 @@ def write_file_hashed(path: PathLike, size: int, pieces: Iterable[tuple[int, Any
     """Create `path` of `size` bytes from (offset, bytes-like) pieces, hashing each as it is written, and
     return its record; fsync before closing (a staging directory is published only once its files are
     durable). The tensor path's replacement for safetensors' save_file: pieces are the header prefix and
-    each tensor's bytes (`tensor.contiguous().view(-1).view(torch.uint8).numpy()`) at its offset."""
+    each tensor's bytes (`tensor.contiguous().view(-1).view(torch.uint8).numpy()`) at its offset. `hasher`: the
+    BlockHasher of `size` bytes to feed (e.g. a FiniteBlockHasher), instead of a new one of `block_size`."""
     hasher = hasher if hasher is not None else BlockHasher(size, block_size, name=str(path))
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

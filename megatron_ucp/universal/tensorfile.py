@@ -3,8 +3,7 @@
 `parse_header`, the one parser both the verified reader (`VerifiedTensorFile`) and `check` use; the
 three write paths (tensors, dim-0 bands, byte placements copied from a Megatron checkpoint) write the
 same bytes for the same tensors and digest every byte as it is written (and, asked to, count NaN/Inf in the
-blocks they digest); `lazy_entry` is a lazy
-checkpoint's entry that points into the source instead."""
+blocks they digest); `lazy_entry` is a lazy checkpoint's entry that points into the source instead."""
 from __future__ import annotations
 
 import contextlib
@@ -110,7 +109,7 @@ def _hasher(target: Path, size: int, offsets: Mapping[str, int], nbytes: int, ch
 
 def _refuse_non_finite(name: str, hasher: integrity.BlockHasher) -> None:
     """NonFiniteTensorError naming the parameter and each state holding NaN/Inf (FiniteBlockHasher's counts)."""
-    found = getattr(hasher, "non_finite", None)
+    found = hasher.non_finite if isinstance(hasher, integrity.FiniteBlockHasher) else None
     if found:
         states = ", ".join(f"{integrity.state_word(k)} ({found[k]})" for k in TENSOR_KEYS if k in found)
         raise NonFiniteTensorError(
