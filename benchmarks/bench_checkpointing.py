@@ -97,7 +97,7 @@ def model_flags(shape: ModelShape) -> List[str]:
             "--max-position-embeddings {s} --micro-batch-size 1 --global-batch-size {g} --lr 1e-4 --min-lr 1e-4 "
             "--lr-decay-style constant --seed 1234 --log-interval 1 --mock-data --tokenizer-type NullTokenizer "
             "--vocab-size {v} --attention-dropout 0.0 --hidden-dropout 0.0 --normalization LayerNorm "
-            "--position-embedding-type learned_absolute --use-distributed-optimizer"
+            "--position-embedding-type learned_absolute --use-distributed-optimizer --eval-iters 0"  # no evaluation
             ).format(l=shape.num_layers, h=shape.hidden_size, a=shape.num_attention_heads, f=shape.ffn_hidden_size,
                      s=shape.seq_length, g=shape.global_batch_size, v=shape.vocab_size).split()
 
@@ -208,11 +208,11 @@ class Bench:
         iters = 1
         src, src_fr, ucp = self.work / "ckpt_dp", self.work / "ckpt_fr", self.work / "ucp"
         # The two saves (one training iteration each, then the save).
-        self.measure("train+save dp_reshardable", torchrun(SOURCE, [*flags, "--train-iters", str(iters),
-                                                                    "--save", str(src)]), drop=False)
+        save = ["--train-iters", str(iters), "--save-interval", str(iters)]  # Megatron-LM 0.19 asserts an interval
+        self.measure("train+save dp_reshardable", torchrun(SOURCE, [*flags, *save, "--save", str(src)]), drop=False)
         if full:
             self.measure("train+save fully_reshardable", torchrun(SOURCE, [
-                *flags, "--train-iters", str(iters), "--save", str(src_fr), "--dist-ckpt-optim-fully-reshardable"]),
+                *flags, *save, "--save", str(src_fr), "--dist-ckpt-optim-fully-reshardable"]),
                 drop=False)
 
         for i in range(a.repeat):

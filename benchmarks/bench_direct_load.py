@@ -118,7 +118,7 @@ class Bench:
                  f"{estimated_peak_bytes(self.shape, SOURCE) / 2 ** 30:.1f} GiB")
         # one step saved at iteration 1 of a 2-iteration schedule: each load below runs its second step (Megatron-LM's
         # own load asserts the schedule's length equal)
-        train = [*flags, "--train-iters", "2", "--eval-iters", "0"]  # no evaluation after the step
+        train = [*flags, "--train-iters", "2"]
         subprocess.run(torchrun(SOURCE, [*train, "--save", str(src), "--save-interval", "1", "--exit-interval", "1"]),
                        check=True, cwd=REPO, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         load = [*train, "--load", str(src)]
