@@ -1,4 +1,4 @@
-"""What reading checkpoints through formats/safe_pickle.py costs, against torch's own readers, and how fast
+"""What reading checkpoints through serialization/safe_pickle.py costs, against torch's own readers, and how fast
 the CLI starts now that its metadata-only commands need no torch (not a test; run by hand):
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bench_safe_pickle.py [ITER_DIR ...] [--startup-runs 5]
@@ -54,7 +54,7 @@ def parse_timings(iter_dirs: list[str]) -> None:
     import torch
     from torch.distributed.checkpoint import FileSystemReader
 
-    from megatron_ucp.formats import safe_pickle as sp
+    from megatron_ucp.serialization import safe_pickle as sp
 
     def torch_meta(source):
         return torch.load(source, map_location="meta", weights_only=False)  # trusted fixtures: torch's speed
@@ -62,15 +62,15 @@ def parse_timings(iter_dirs: list[str]) -> None:
     for iter_dir in iter_dirs:
         print(f"== {os.path.relpath(iter_dir, REPO)}")
         for path in sorted(glob.glob(f"{iter_dir}/**/*.pt", recursive=True))[:4]:
-            ours, theirs = best(lambda: sp.load_archive(path, what="x")), best(lambda: torch_meta(path))
+            ours, theirs = best(lambda: sp.load_archive(path, what="x", family=MEGATRON)), best(lambda: torch_meta(path))
             print(f"  {os.path.relpath(path, iter_dir)} ({os.path.getsize(path) / 1e6:.1f} MB): load_archive "
                   f"{ours * 1e3:.2f} ms, torch.load(meta) {theirs * 1e3:.2f} ms")
         if not os.path.exists(f"{iter_dir}/.metadata"):
             continue
-        ours = best(lambda: sp.load_dcp_metadata(iter_dir))
+        ours = best(lambda: sp.load_dcp_metadata(iter_dir, MEGATRON))
         theirs = best(lambda: FileSystemReader(iter_dir).read_metadata())
         print(f"  .metadata: load_dcp_metadata {ours * 1e3:.2f} ms, read_metadata {theirs * 1e3:.2f} ms")
-        md = sp.load_dcp_metadata(iter_dir)
+        md = sp.load_dcp_metadata(iter_dir, MEGATRON)
         tensors = [(k, v) for k, v in md.storage_data.items()
                    if isinstance(md.state_dict_metadata[k.fqn], sp.DcpTensorMeta)]
         objects = [(k, v) for k, v in md.storage_data.items() if (k, v) not in tensors]
@@ -84,7 +84,7 @@ def parse_timings(iter_dirs: list[str]) -> None:
                 return torch_meta(io.BytesIO(f.read(v.length)))
 
         for label, items in (("tensor", tensors), ("bytes", objects)):
-            ours = best(each(items, lambda k, v: sp.load_archive(v.path, v.offset, v.length, what=k.fqn)))
+            ours = best(each(items, lambda k, v: sp.load_archive(v.path, v.offset, v.length, what=k.fqn, family=MEGATRON)))
             theirs = best(each(items, torch_item))
             n = len(items)
             print(f"  {n} {label} items: load_archive {ours / n * 1e6:.0f} us/item, torch.load "
@@ -94,6 +94,7 @@ def parse_timings(iter_dirs: list[str]) -> None:
 OPEN = r"""
 import sys, time
 t = time.perf_counter()
+from megatron_ucp.formats.pickles import MEGATRON
 from megatron_ucp.formats import open_checkpoint
 ckpt = open_checkpoint(sys.argv[1])
 shards, common = ckpt.shards(), ckpt.common_state()
@@ -102,8 +103,8 @@ print(f"{(time.perf_counter() - t) * 1e3:.1f} {len(shards)} {'torch' in sys.modu
 
 
 def startup(runs: int) -> None:
-    ours = import_seconds("import megatron_ucp.formats.safe_pickle")
-    print(f"import megatron_ucp.formats.safe_pickle: {ours * 1e3:.1f} ms; import torch: {import_seconds('import torch'):.2f} s; import torch.distributed.checkpoint: "
+    ours = import_seconds("import megatron_ucp.serialization.safe_pickle")
+    print(f"import megatron_ucp.serialization.safe_pickle: {ours * 1e3:.1f} ms; import torch: {import_seconds('import torch'):.2f} s; import torch.distributed.checkpoint: "
           f"{import_seconds('import torch.distributed.checkpoint'):.2f} s")
     for name in sorted(os.listdir(FIXTURES)):
         root = os.path.join(FIXTURES, name, "ckpt")

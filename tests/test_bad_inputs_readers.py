@@ -36,7 +36,8 @@ from typing import Callable, Optional
 
 import pytest
 
-from megatron_ucp.formats import safe_pickle as sp
+from megatron_ucp.formats.pickles import MEGATRON
+from megatron_ucp.serialization import safe_pickle as sp
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "megatron-lm"
@@ -101,7 +102,7 @@ def payload_archive(marker: Path, length: int) -> bytes:
 
 
 def dcp_item(root: Path, fqn: str, offset=None) -> sp.DcpStorageItem:
-    md = sp.load_dcp_metadata(root / ITER)
+    md = sp.load_dcp_metadata(root / ITER, MEGATRON)
     return md.storage_data[sp.DcpIndex(fqn, offset)]
 
 
@@ -123,7 +124,7 @@ def resave(path: Path, change: Callable[[dict], None]) -> None:
     """Load a rank file with torch (materialised), change it, torch.save it back (a well-formed file)."""
     import torch
 
-    state = dict(sp.materialize(sp.load_archive(path, what="test"), mmap=False))
+    state = dict(sp.materialize(sp.load_archive(path, what="test", family=MEGATRON), mmap=False))
     change(state)
     torch.save(state, path)
 

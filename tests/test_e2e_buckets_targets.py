@@ -34,11 +34,12 @@ from safetensors import safe_open
 
 from pretrain_runs import (DISTOPT, FP32_TOL, OVERLAP, SAVED_AT, SCHEDULE, SOURCE_ITERS, Layout, rel_diff)
 
+from megatron_ucp.formats.pickles import MEGATRON
 from megatron_ucp.adapters.gpt import parameters_for_rank
 from megatron_ucp.convert import to_universal
 from megatron_ucp.formats.bucket_layout import BufferParam, DDPBucketConfig, build_chunk_buffers
 from megatron_ucp.formats.common import layout_from_args, load_pickled
-from megatron_ucp.formats.safe_pickle import load_dcp_metadata
+from megatron_ucp.serialization.safe_pickle import load_dcp_metadata
 from megatron_ucp.commands.from_universal import from_universal
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.commands.plan import Target, make_plan
@@ -75,7 +76,7 @@ def bucket_count(args: dict, rank_params) -> int:
 
 
 def test_source_has_many_buckets_in_both_formats(source, legacy_source, runs):
-    saved = load_dcp_metadata(source.save / f"iter_{SAVED_AT:07d}").state_dict_metadata
+    saved = load_dcp_metadata(source.save / f"iter_{SAVED_AT:07d}", MEGATRON).state_dict_metadata
     buckets = {int(m.group(1)) for k in saved
                for m in [re.match(r"optimizer\.distributed\.dp_group_idx_0\.gbuf_idx_0\..*bucket_idx_(\d+)\.param$", k)]
                if m}

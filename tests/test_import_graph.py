@@ -120,3 +120,47 @@ def test_the_check_sees_a_cycle(tmp_path):
     (pkg / "c.py").write_text("from megatron_ucp.fmt.names import y\n")
     (pkg / "fmt" / "names.py").write_text("")
     assert cycles(import_graph(pkg)) == [["megatron_ucp.c", "megatron_ucp.fmt", "megatron_ucp.fmt.reader"]]
+
+
+SERIALIZATION = PACKAGE / "serialization"
+
+
+def megatron_knowledge(root: Path = PACKAGE) -> list[str]:
+    """Where the generic serialization package (serialization/) depends on Megatron: an import of a project module
+    outside serialization/, core/ and io/, or a string naming a Megatron package (`megatron.`, as Megatron's class
+    paths begin; the project's own `megatron_ucp` excluded)."""
+    found = []
+    allowed = ("megatron_ucp.serialization", "megatron_ucp.core", "megatron_ucp.io")
+    graph = import_graph(root)
+    for module in sorted(m for m in graph if m.startswith("megatron_ucp.serialization")):
+        found += [f"{module} imports {t}" for t in sorted(graph[module])
+                  if not t.startswith(allowed) and t != "megatron_ucp"]
+    for path in sorted((root / "serialization").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        found += [f"{path.name}:{n.lineno} names {n.value[:60]!r}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("megatron.")]
+    return found
+
+
+def test_serialization_knows_no_megatron():
+    """serialization/ (the allow-list unpickler, torch.save's format, tensor records) is generic torch serialization:
+    it imports only core/ and io/ of the project and names no Megatron class (formats/pickles.py gives Megatron's
+    to it as a PickleFamily)."""
+    assert {p.name for p in SERIALIZATION.glob("*.py")} >= {"safe_pickle.py", "torch_save.py", "records.py"}
+    assert megatron_knowledge() == []
+
+
+def test_the_megatron_check_sees_knowledge(tmp_path):
+    """Negative control: a Megatron enum named in serialization/, and an import of formats/, are both reported."""
+    pkg = tmp_path / "megatron_ucp"
+    for sub in ("serialization", "formats", "core"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core" / "dtypes.py").write_text("")
+    (pkg / "serialization" / "a.py").write_text("from megatron_ucp.core import dtypes\nX = 'megatron.core.enums.ModelType'\n")
+    (pkg / "serialization" / "b.py").write_text("def f():\n    from megatron_ucp.formats import pickles\n")
+    (pkg / "formats" / "pickles.py").write_text("")
+    assert megatron_knowledge(pkg) == ["megatron_ucp.serialization.b imports megatron_ucp.formats",
+                                       "megatron_ucp.serialization.b imports megatron_ucp.formats.pickles",
+                                       "a.py:2 names 'megatron.core.enums.ModelType'"]

@@ -42,12 +42,13 @@ import torch
 from pretrain_runs import REPO
 from test_bad_inputs_readers import RUN_CODE, overwrite, payload_archive
 
+from megatron_ucp.formats.pickles import MEGATRON
 from megatron_ucp.commands.from_universal import from_universal
 from megatron_ucp.commands.verify import verify
 from megatron_ucp.convert import to_universal
 from megatron_ucp.core import versions
-from megatron_ucp.formats import safe_pickle as sp
-from megatron_ucp.formats.archive import stored_tensor
+from megatron_ucp.serialization import safe_pickle as sp
+from megatron_ucp.serialization.records import stored_tensor
 from megatron_ucp.formats.common import CheckpointFormatError
 from megatron_ucp.formats.torch_dist.reader import TorchDistCheckpoint
 from megatron_ucp.io.byteio import FileHandles, read_stored
@@ -120,7 +121,7 @@ def test_model_space_and_legacy_saves_convert_equal(ucp14):
 def test_flipped_byte_in_a_split_range_is_a_difference(tmp_path, ucp14):
     """Negative control: one byte of the second DP range of the split shard changed -> verify names exactly it."""
     root = copy_iteration(A14, tmp_path)
-    md = sp.load_dcp_metadata(root / ITER)
+    md = sp.load_dcp_metadata(root / ITER, MEGATRON)
     data = stored_tensor(sp.load_dcp_item(md, sp.DcpIndex(SPLIT_KEY, SPLIT_CHUNK)))
     with open(data.regions[0].path, "r+b") as f:
         at = data.regions[0].offset + 4 * 100 + 3  # the high byte of element 256 + 100 of that TP shard
@@ -154,7 +155,7 @@ def test_payload_in_a_flattened_range_never_runs(tmp_path):
     """The flattened-range items are read through the same allow-list: a crafted pickle is refused, never run."""
     root = copy_iteration(A14, tmp_path)
     marker = tmp_path / "ran"
-    item = sp.load_dcp_metadata(root / ITER).storage_data[sp.DcpIndex(SPLIT_KEY, SPLIT_CHUNK)]
+    item = sp.load_dcp_metadata(root / ITER, MEGATRON).storage_data[sp.DcpIndex(SPLIT_KEY, SPLIT_CHUNK)]
     overwrite(Path(item.path), item.offset, payload_archive(marker, item.length))
     line = one_line_error(cli("to-universal", "--quiet", root, tmp_path / "out"))
     assert all(s in line for s in RUN_CODE) and not marker.exists()

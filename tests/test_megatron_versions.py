@@ -39,9 +39,10 @@ import torch
 from pretrain_runs import A19, B19, C19, D19, E19, F19, REPO
 from torch_dist_checks import dcp_metadata, gap_chunks, load_item, structure
 
+from megatron_ucp.formats.pickles import MEGATRON
 from megatron_ucp.commands import from_universal as fu
 from megatron_ucp.convert import to_universal
-from megatron_ucp.formats import safe_pickle as sp
+from megatron_ucp.serialization import safe_pickle as sp
 from megatron_ucp.core import versions
 from megatron_ucp.formats.common import load_archive_file
 from megatron_ucp.commands.verify import verify
@@ -161,7 +162,7 @@ def differences_from_megatron(ours: Path, theirs: Path, skip: set = frozenset())
     mine, megatron = structure(ours), structure(theirs)
     if mine != megatron:
         return [("structure", sorted(set(mine) ^ set(megatron))[:5])]
-    md_ours, md_theirs = sp.load_dcp_metadata(ours), sp.load_dcp_metadata(theirs)
+    md_ours, md_theirs = sp.load_dcp_metadata(ours, MEGATRON), sp.load_dcp_metadata(theirs, MEGATRON)
     md_ours_dcp, md_theirs_dcp = dcp_metadata(ours), dcp_metadata(theirs)  # read once, not per chunk
     for key, entry in megatron.items():
         if entry == ("bytes",):
@@ -220,7 +221,7 @@ def test_a_flipped_byte_is_seen(ucp19, tmp_path):
     out = tmp_path / "out"
     fu.from_universal(ucp19[B19], out, ckpt_format="torch_dist", use_distributed_optimizer=True, rng_state="source",
                       progress=False, megatron_core_version="0.19", **WRITE_BACK[B19])
-    md = sp.load_dcp_metadata(out / ITER)
+    md = sp.load_dcp_metadata(out / ITER, MEGATRON)
     key = next(k for k in md.state_dict_metadata if k.startswith("optimizer.state.param.decoder"))
     index = next(i for i in md.storage_data if i.fqn == key)
     record = sp.load_dcp_item(md, index)
@@ -314,10 +315,11 @@ def _as_megatron_classes(save, module: str = _FUTURE_MODULE):
 def test_unknown_megatron_classes_load_as_inert_records(tmp_path):
     """Classes of a newer Megatron (an enum-like and a dataclass-like) load as InertRecords: never imported,
     their arguments and fields kept as data; a payload in their arguments is still refused (os.system is no
-    Megatron class) and never runs; a class outside the Megatron family's packages is refused as before."""
+    Megatron class) and never runs; a class outside the Megatron family's packages is refused as before, and so is
+    every Megatron class when the load is not given Megatron's PickleFamily (formats/pickles.py)."""
     obj = {"scope": NewerScope(3), "config": NewerConfig(a=1, b="x")}
     data = _as_megatron_classes(lambda: pickle.dumps(obj, protocol=2))
-    loaded = sp._unpickle(data, "crafted", sp.ARCHIVE_GLOBALS)
+    loaded = sp._unpickle(data, "crafted", MEGATRON.archive_globals, family=MEGATRON)
     assert isinstance(loaded["scope"], sp.InertRecord) and loaded["scope"].qualname == f"{_FUTURE_MODULE}.NewerScope"
     assert loaded["scope"].enum_value == 3 and _FUTURE_MODULE not in sys.modules
     assert loaded["config"].qualname == f"{_FUTURE_MODULE}.NewerConfig"
@@ -325,11 +327,14 @@ def test_unknown_megatron_classes_load_as_inert_records(tmp_path):
     marker = tmp_path / "marker"
     evil = _as_megatron_classes(lambda: pickle.dumps({"scope": NewerScope(_Payload(marker))}, protocol=2))
     with pytest.raises(sp.UnsafePickleError, match="system"):
-        sp._unpickle(evil, "crafted", sp.ARCHIVE_GLOBALS)
+        sp._unpickle(evil, "crafted", MEGATRON.archive_globals, family=MEGATRON)
     assert not marker.exists()
     outside = _as_megatron_classes(lambda: pickle.dumps(obj, protocol=2), module="mypackage_enums")
     with pytest.raises(sp.UnsafePickleError, match="mypackage_enums.NewerScope"):
-        sp._unpickle(outside, "crafted", sp.ARCHIVE_GLOBALS)
+        sp._unpickle(outside, "crafted", MEGATRON.archive_globals, family=MEGATRON)
+    # the generic unpickler knows no Megatron: without Megatron's PickleFamily the same classes are refused
+    with pytest.raises(sp.UnsafePickleError, match="outside the allow-list of what a torch checkpoint holds"):
+        sp._unpickle(data, "crafted", sp.ARCHIVE_GLOBALS)
 
 
 def test_unknown_class_in_args_does_not_stop_a_conversion(tmp_path):

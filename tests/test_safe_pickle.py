@@ -1,4 +1,4 @@
-"""formats/safe_pickle.py: every pickled file of a Megatron checkpoint read without torch and without
+"""serialization/safe_pickle.py: every pickled file of a Megatron checkpoint read without torch and without
 running its code.
 
 - Fixtures A, B, C (Megatron-LM's own files): every model_optim_rng.pt, distrib_optim.pt, common.pt,
@@ -41,7 +41,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ucp.formats import safe_pickle as sp
+from megatron_ucp.formats.pickles import MEGATRON, MEGATRON_ENUMS
+from megatron_ucp.serialization import safe_pickle as sp
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "megatron-lm"
@@ -74,7 +75,7 @@ def _torch_allow_list() -> list:
                      (_reconstruct, "numpy._core.multiarray._reconstruct"),
                      (_reconstruct, "numpy.core.multiarray._reconstruct")]
     allowed += [getattr(npd, n) for n in ("UInt32DType", "Int64DType", "Float64DType") if hasattr(npd, n)]
-    allowed += [(_enum_rebuild(q), q) for q in sp.MEGATRON_ENUMS]
+    allowed += [(_enum_rebuild(q), q) for q in MEGATRON_ENUMS]
     return allowed
 
 
@@ -157,7 +158,7 @@ def _torch_load(path: Path):
 @pytest.mark.parametrize("path", LEGACY_FILES, ids=lambda p: str(p.relative_to(FIXTURES)))
 def test_fixture_archive_equals_torch(path):
     """model_optim_rng.pt, distrib_optim.pt, common.pt of A, B, C: every value, every tensor's bytes."""
-    ours = sp.load_archive(path, what="fixture")
+    ours = sp.load_archive(path, what="fixture", family=MEGATRON)
     theirs = _torch_load(path)
     assert norm(ours) == norm(theirs)
     if path.name == "model_optim_rng.pt":  # the values the readers use, by name
@@ -181,7 +182,7 @@ def test_fixture_archive_equals_torch(path):
 def test_record_regions_equal_torch_offsets(path):
     """TensorRecord.region() is where torch itself says each tensor's bytes are (meta-load offsets that
     the readers used before safe_pickle), for every tensor of the file."""
-    ours, meta = sp.load_archive(path, what="fixture"), meta_load(str(path))
+    ours, meta = sp.load_archive(path, what="fixture", family=MEGATRON), meta_load(str(path))
     pairs = []
 
     def walk(a, b):
@@ -229,9 +230,9 @@ def strictly_equal(a, b) -> bool:
 def test_materialize_gives_what_torch_load_gives(path):
     """materialize(load_archive(f)) gives what torch.load(weights_only=True) gives: same types (argparse.Namespace,
     torch dtypes as dict keys, signal.Signals, numpy arrays, torch tensors) and values."""
-    got = sp.materialize(sp.load_archive(path, what="fixture"))
+    got = sp.materialize(sp.load_archive(path, what="fixture", family=MEGATRON))
     assert strictly_equal(got, _torch_load(path))
-    copied = sp.materialize(sp.load_archive(path, what="fixture"), mmap=False)
+    copied = sp.materialize(sp.load_archive(path, what="fixture", family=MEGATRON), mmap=False)
     assert strictly_equal(copied, got)
 
 
@@ -241,7 +242,7 @@ def test_fixture_dcp_metadata_and_items_equal_torch(iter_dir):
     storage_data), and every .distcp item (tensor chunks and pickled objects) equals torch.load of it."""
     dcp = _dcp()
     theirs = dcp.FileSystemReader(str(iter_dir)).read_metadata()
-    ours = sp.load_dcp_metadata(iter_dir)
+    ours = sp.load_dcp_metadata(iter_dir, MEGATRON)
     assert ours.version == theirs.version
     assert set(ours.state_dict_metadata) == set(theirs.state_dict_metadata)
     for fqn, md in theirs.state_dict_metadata.items():
@@ -595,7 +596,7 @@ def _sparse_huge_archive(path: Path, pickle_size: int) -> None:
 
 _NO_ALLOCATION_CHECK = r"""
 import json, os, resource, sys, time
-from megatron_ucp.formats import safe_pickle as sp
+from megatron_ucp.serialization import safe_pickle as sp
 assert "torch" not in sys.modules and "numpy" not in sys.modules
 vm = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 resource.setrlimit(resource.RLIMIT_AS, (vm + 2 ** 30, vm + 2 ** 30))  # a 16 GiB allocation cannot happen
@@ -745,12 +746,13 @@ def test_read_tensor_bytes_checks_the_file_before_allocating(tmp_path):
 _IMPORT_CHECK = r"""
 import sys, time, types
 t = time.perf_counter()
-import megatron_ucp.formats.safe_pickle as sp
+import megatron_ucp.serialization.safe_pickle as sp
 elapsed = time.perf_counter() - t
+from megatron_ucp.formats.pickles import MEGATRON
 assert "torch" not in sys.modules and "numpy" not in sys.modules, sorted(m for m in sys.modules if "torch" in m)
 for path in sys.argv[1:-1]:
-    sp.load_archive(path, what="fixture")
-md = sp.load_dcp_metadata(sys.argv[-1])
+    sp.load_archive(path, what="fixture", family=MEGATRON)
+md = sp.load_dcp_metadata(sys.argv[-1], MEGATRON)
 for index in md.storage_data:
     sp.load_dcp_item(md, index)
 assert "torch" not in sys.modules and "numpy" not in sys.modules

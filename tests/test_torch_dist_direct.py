@@ -52,11 +52,12 @@ from test_megatron_versions import differences_from_megatron
 from torch_dist_checks import (COMPARED_ARGS, _iter_dir, assert_equal_to_megatron, chunk_differences, dcp_metadata,
                                gap_chunks, load_item, structure)
 
+from megatron_ucp.formats.pickles import MEGATRON
 from megatron_ucp.commands import from_universal as fu
 from megatron_ucp.convert import to_universal
-from megatron_ucp.formats import safe_pickle as sp
+from megatron_ucp.serialization import safe_pickle as sp
 from megatron_ucp.formats.common import load_pickled
-from megatron_ucp.formats.torch_save import tensor_archive
+from megatron_ucp.serialization.torch_save import tensor_archive
 from megatron_ucp.universal import UniversalCheckpoint
 from megatron_ucp.commands.verify import verify
 from megatron_ucp.formats.torch_dist.writer import Gap, TensorItem, plan_checkpoint
@@ -199,7 +200,7 @@ COMMON_FIELDS = ("checkpoint_version", "iteration", "optimizer", "opt_param_sche
 
 
 def _common_state(iter_dir: Path) -> dict:
-    state = sp.load_dcp_item(sp.load_dcp_metadata(iter_dir), sp.DcpIndex("common_state/shard_0_1"))
+    state = sp.load_dcp_item(sp.load_dcp_metadata(iter_dir, MEGATRON), sp.DcpIndex("common_state/shard_0_1"))
     return state[0] if isinstance(state, list) else state
 
 
@@ -211,7 +212,7 @@ def state_differences(ours: Path, theirs: Path, skip: set = frozenset()) -> list
     if structure(ours) != structure(theirs):
         return [("structure", sorted(set(structure(ours)) ^ set(structure(theirs)))[:5])]
     found = []
-    md_ours, md_theirs = sp.load_dcp_metadata(ours), sp.load_dcp_metadata(theirs)
+    md_ours, md_theirs = sp.load_dcp_metadata(ours, MEGATRON), sp.load_dcp_metadata(theirs, MEGATRON)
     for key, entry in structure(theirs).items():
         if entry == ("bytes",):
             a, b = (plain_object(sp.load_dcp_item(md, sp.DcpIndex(key))) for md in (md_ours, md_theirs))

@@ -111,8 +111,8 @@ def test_help_imports_no_subcommand_module(tmp_path):
 READERS = r"""
 import sys
 from megatron_ucp.formats import open_checkpoint
-import megatron_ucp.formats.archive, megatron_ucp.formats.bucket_layout, megatron_ucp.formats.legacy.reader
-import megatron_ucp.formats.safe_pickle, megatron_ucp.formats.torch_dist.reader, megatron_ucp.adapters.gpt
+import megatron_ucp.serialization.records, megatron_ucp.formats.bucket_layout, megatron_ucp.formats.legacy.reader
+import megatron_ucp.serialization.safe_pickle, megatron_ucp.formats.torch_dist.reader, megatron_ucp.adapters.gpt
 import megatron_ucp.core.patterns, megatron_ucp.cli
 megatron_ucp.cli.build_parser(["inspect", "x"])
 for root in sys.argv[1:]:
@@ -156,7 +156,7 @@ def test_readers_open_without_torch_or_numpy(tmp_path):
 def test_metadata_commands_import_torch_only_through_the_write_side(tmp_path_factory, args):
     """Commands that need no tensor values load no torch: metadata commands, to-universal, which copies,
     compares and checksums bytes (all three fixtures take the byte path), and the direct torch_dist writer,
-    which writes torch.save's format itself (formats/torch_save.py): every optimizer format, RNG states
+    which writes torch.save's format itself (serialization/torch_save.py): every optimizer format, RNG states
     fresh (CUDA, CPU generator) and stored; the files it writes are checked by test_torch_dist_direct.py."""
     tmp = tmp_path_factory.getbasetemp() / "torch_free"
     tmp.mkdir(exist_ok=True)

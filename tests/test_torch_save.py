@@ -1,4 +1,4 @@
-"""formats/torch_save.py writes torch.save's format without torch; these tests hold it to torch.save itself
+"""serialization/torch_save.py writes torch.save's format without torch; these tests hold it to torch.save itself
 (torch 2.13), byte for byte.
 
 The only bytes allowed to differ are the 40-digit `.data/serialization_id` (torch hashes the record names
@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ucp.formats import torch_save
-from megatron_ucp.formats.safe_pickle import TensorRecord, TorchDType, load_archive, read_tensor_bytes
-from megatron_ucp.formats.torch_save import (EnumMember, GlobalRef, Obj, SavedTensor, TorchSaveError, TorchSize,
+from megatron_ucp.serialization import torch_save
+from megatron_ucp.serialization.safe_pickle import TensorRecord, TorchDType, load_archive, read_tensor_bytes
+from megatron_ucp.serialization.torch_save import (EnumMember, GlobalRef, Obj, SavedTensor, TorchSaveError, TorchSize,
                                              cast_float32, save_bytes, tensor_archive, torch_dtype)
 from megatron_ucp.core.run_state import cpu_generator_state
 

@@ -44,7 +44,8 @@ def read_objects(iter_dir: Path, keys) -> dict:
 
     import tempfile
 
-    from megatron_ucp.formats.safe_pickle import load_archive
+    from megatron_ucp.formats.pickles import MEGATRON
+    from megatron_ucp.serialization.safe_pickle import load_archive
 
     raw = {}
 
@@ -60,7 +61,7 @@ def read_objects(iter_dir: Path, keys) -> dict:
         for i, (k, v) in enumerate(raw.items()):
             path = Path(tmp) / f"{i}.pt"
             path.write_bytes(v)
-            out[k] = load_archive(path, what=k)
+            out[k] = load_archive(path, what=k, family=MEGATRON)
     return out
 
 

@@ -344,7 +344,7 @@ def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, splits: 
 def _torch_dtype(name: str):
     """The model dtype as bucket_layout takes it, without importing torch (3.7 s of a 16384-rank plan's 6 s)."""
     from megatron_ucp.core.dtypes import ITEMSIZE
-    from megatron_ucp.formats.safe_pickle import TorchDType
+    from megatron_ucp.serialization.safe_pickle import TorchDType
 
     return TorchDType(name if name in ITEMSIZE else "float32")
 

@@ -8,7 +8,7 @@ per-rank RNG states, in the JSON forms docs/FORMAT.md specifies ("Loss scaler", 
   and CUDA generators, megatron-core's tracker streams). Meaningful only at the layout that drew it:
   which dropout masks a rank draws depends on its shard shapes, layers and micro-batches.
 
-Both are built from the objects a Megatron checkpoint's pickles hold, as formats/safe_pickle.py parses
+Both are built from the objects a Megatron checkpoint's pickles hold, as serialization/safe_pickle.py parses
 them (TensorRecord, NumpyArray: no torch needed, nothing unpickled for real), or from live values (torch
 tensors, numpy arrays, for tests and the plugin), and are turned back into what megatron-core's
 load_state_dict / Megatron-LM's set-rng code take (torch imported on use). Bytes of generator states
@@ -33,7 +33,7 @@ class RunStateError(ValueError):
 
 def _bytes_of(value: Any, where: str) -> bytes:
     """A uint8 tensor's bytes: a parsed TensorRecord (read from its file) or a live torch tensor."""
-    from megatron_ucp.formats.safe_pickle import SafeLoadError, TensorRecord, read_tensor_bytes
+    from megatron_ucp.serialization.safe_pickle import SafeLoadError, TensorRecord, read_tensor_bytes
 
     if isinstance(value, TensorRecord):
         if value.dtype != "uint8" or len(value.shape) != 1:
@@ -52,7 +52,7 @@ def _bytes_of(value: Any, where: str) -> bytes:
 
 
 def _number(value: Any, where: str) -> float:
-    from megatron_ucp.formats.safe_pickle import SafeLoadError, TensorRecord, read_scalar
+    from megatron_ucp.serialization.safe_pickle import SafeLoadError, TensorRecord, read_scalar
 
     if isinstance(value, TensorRecord):
         try:
@@ -226,7 +226,7 @@ class RankRngState:
 
 
 # A maker of the tensors a Megatron state holds: (C-order little-endian bytes, dtype name, shape) -> tensor.
-# torch_tensor makes torch tensors; writers that frame torch.save's format themselves (formats/torch_save.py)
+# torch_tensor makes torch tensors; writers that frame torch.save's format themselves (serialization/torch_save.py)
 # pass SavedTensor, and need no torch.
 TensorMaker = Callable[[bytes, str, tuple], Any]
 
@@ -275,7 +275,7 @@ def _python_state(value: Any, where: str) -> tuple:
 
 def _numpy_state(value: Any, where: str) -> tuple:
     """np.random.get_state(): ('MT19937', 624 uint32 words, pos, has_gauss, cached_gaussian)."""
-    from megatron_ucp.formats.safe_pickle import NumpyArray
+    from megatron_ucp.serialization.safe_pickle import NumpyArray
 
     if not isinstance(value, (tuple, list)) or len(value) != 5 or value[0] != "MT19937":
         raise RunStateError(f"{where}: expected numpy's ('MT19937', key, pos, has_gauss, cached_gaussian)")

@@ -3,7 +3,7 @@ model weights and exact optimizer state, behind one declared interface (`base.Ch
 
 A format registers here with a cheap file-level test; its module is imported only when a checkpoint
 of that format is opened. Nothing here imports torch: opening a checkpoint, its shards and its common
-state are torch-free (every pickle is parsed by formats/safe_pickle.py); reading tensors imports it.
+state are torch-free (every pickle is parsed by serialization/safe_pickle.py); reading tensors imports it.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ the fp16 loss scaler (`loss_scaler`) and every rank's RNG state (`rng_states`), 
 forms.
 
 Opening a checkpoint, listing its shards and its common state import no torch and run no code from its
-files (they are parsed through formats/safe_pickle.py's allow-list); read() and locate() import torch.
+files (they are parsed through serialization/safe_pickle.py's allow-list); read() and locate() import torch.
 """
 
 from __future__ import annotations

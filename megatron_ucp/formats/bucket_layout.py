@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from megatron_ucp.core.layout import ParallelLayout
-from megatron_ucp.formats.safe_pickle import TorchDType
+from megatron_ucp.serialization.safe_pickle import TorchDType
 
 PARAM_START_ALIGNMENT = 64  # elements: 128-byte aligned starts for >= 16-bit params
 BUCKET_END_ALIGNMENT = 128  # elements, combined with the DP size via lcm

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional
 
 from megatron_ucp.adapters.gpt import is_buffer
 from megatron_ucp.core.layout import ParallelLayout
-from megatron_ucp.formats.archive import sub_record
+from megatron_ucp.serialization.records import sub_record
 from megatron_ucp.formats.bucket_layout import (
     BufferLayout, BufferParam, DDPBucketConfig, build_chunk_buffers, shared_embedding_names)
 from megatron_ucp.formats.common import STATE_DTYPE, CheckpointFormatError, check_dtype, structure_error

@@ -1,5 +1,5 @@
 """What every Megatron checkpoint reader shares: errors, loading pickled files through the allow-list
-(formats/safe_pickle.py), keeping every path inside the checkpoint, args and layout, the common state,
+(serialization/safe_pickle.py, with Megatron's PickleFamily: formats/pickles.py), keeping every path inside the checkpoint, args and layout, the common state,
 and locating iteration folders. A leaf module: it imports no reader, and not torch (only `load_pickled`,
 which gives tensors, imports it).
 """
@@ -13,8 +13,9 @@ import signal
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
-from megatron_ucp.formats import safe_pickle
-from megatron_ucp.formats.safe_pickle import (MEGATRON_ENUMS, InertRecord, PickledEnum, SafeLoadError, TensorRecord,
+from megatron_ucp.formats.pickles import MEGATRON, MEGATRON_ENUMS
+from megatron_ucp.serialization import safe_pickle
+from megatron_ucp.serialization.safe_pickle import (InertRecord, PickledEnum, SafeLoadError, TensorRecord,
                                              TorchDType)
 from megatron_ucp.core.layout import LayoutError, ParallelLayout
 
@@ -43,6 +44,15 @@ def inside(root: Path, path: Path) -> Path:
     return path
 
 
+def read_tensor(record: TensorRecord):
+    """A saved tensor's values as a new CPU torch tensor (only its bytes are read; the file was checked to hold them
+    before anything was allocated); a file changed or shrunk since it was opened is a CheckpointFormatError."""
+    try:
+        return safe_pickle.to_torch(record)
+    except SafeLoadError as e:
+        raise CheckpointFormatError(str(e)) from e
+
+
 def load_archive_file(path: Path, *, what: str, fix: str = "") -> Any:
     """A torch.save file (legacy rank files, common.pt) parsed without torch and without running its code:
     tensors are safe_pickle.TensorRecords (where their bytes are). Every failure is one CheckpointFormatError
@@ -54,7 +64,7 @@ def load_archive_file(path: Path, *, what: str, fix: str = "") -> Any:
                                         f"{fix or 're-copy it from the original checkpoint.'}")
         raise CheckpointFormatError(f"{path}: missing {what}. {fix}".strip())
     try:
-        return safe_pickle.load_archive(path, what=what)
+        return safe_pickle.load_archive(path, what=what, family=MEGATRON)
     except SafeLoadError as e:
         raise CheckpointFormatError(str(e)) from e
 

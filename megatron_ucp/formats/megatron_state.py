@@ -2,7 +2,7 @@
 `--ckpt-format torch`, formats/torch_dist/writer.py for `torch_dist`), without torch.
 
 - args: the universal checkpoint's JSON args back as Megatron-LM's Namespace values, dtypes and Megatron
-  enums made by the caller (torch dtypes and imported enums for torch.save, formats/torch_save.py's
+  enums made by the caller (torch dtypes and imported enums for torch.save, serialization/torch_save.py's
   stand-ins for the direct writer, which never imports torch);
 - the optimizer's param groups at the target layout (Megatron's grouping rule, checked against the group
   identities the universal checkpoint records) and each group's hyper-parameters;
@@ -30,7 +30,8 @@ from megatron_ucp.adapters.gpt import (experts_in_own_optimizer, group_identity,
 from megatron_ucp.formats.bucket_layout import (BufferParam, DDPBucketConfig, build_chunk_buffers,
                                                 shared_embedding_names)
 from megatron_ucp.core.dtypes import ITEMSIZE
-from megatron_ucp.formats.safe_pickle import MEGATRON_ENUMS, TorchDType
+from megatron_ucp.formats.pickles import MEGATRON_ENUMS
+from megatron_ucp.serialization.safe_pickle import TorchDType
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.core.run_state import TensorMaker, cpu_generator_state, torch_tensor

@@ -27,8 +27,8 @@ import numpy as np
 from megatron_ucp.adapters.gpt import pattern_for, tp_size_of
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
-from megatron_ucp.formats.safe_pickle import TorchDType
-from megatron_ucp.formats.torch_save import cast_float32
+from megatron_ucp.serialization.safe_pickle import TorchDType
+from megatron_ucp.serialization.torch_save import cast_float32
 from megatron_ucp.formats.writer_base import WriteError
 from megatron_ucp.io import integrity
 from megatron_ucp.io.byteio import BAND_BYTES, FileHandles, FileRegion, copy_region

@@ -11,7 +11,7 @@ Without it `optimizer` is the torch optimizer state dict (FP32Optimizer), or
 {'optimizer': ..., 'fp32_from_fp16_params': ...} (Float16OptimizerWithFloat16Params); state
 indices run group by group over Megatron's param groups (adapters.gpt.megatron_param_groups).
 
-Opening parses every rank's files once through the allow-list (formats/safe_pickle.py: the pickles only,
+Opening parses every rank's files once through the allow-list (serialization/safe_pickle.py: the pickles only,
 without torch; nothing in them runs) and checks iterations, structure, dtypes, shapes and buffer sizes;
 the parsed trees (where each tensor's bytes are) are kept, so read() reads exactly the bytes of the
 tensors asked for and locate() reads nothing. Every file opened resolves inside the iteration folder.
@@ -43,16 +43,16 @@ from megatron_ucp.adapters.gpt import (
 from megatron_ucp.core import versions
 from megatron_ucp.core.dtypes import PARAM_DTYPES
 from megatron_ucp.core.layout import LayoutError
-from megatron_ucp.formats.archive import read_tensor, stored_tensor
 from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef, unknown_shard
 from megatron_ucp.formats.bucket_layout import BufferLayout, BufferParam
 from megatron_ucp.formats.coalesced import coalesced_buffers, coalesced_records
 from megatron_ucp.formats.common import (
     STATE_DTYPE, CheckpointFormatError, args_to_dict, build_common_state, check_dtype, entry, inside, layout_from_args,
-    load_archive_file, model_config_from_args, scalar, structure_error)
+    load_archive_file, model_config_from_args, read_tensor, scalar, structure_error)
 from megatron_ucp.formats.legacy.names import (
     DISTRIB_OPTIM_FILENAME, FIRST_RANK_DIRS, MODEL_FILENAME, RANK_DIR_PREFIX, rank_dir_name)
-from megatron_ucp.formats.safe_pickle import TensorRecord, TorchDType
+from megatron_ucp.serialization.records import stored_tensor
+from megatron_ucp.serialization.safe_pickle import TensorRecord, TorchDType
 
 _TENSOR_KEYS = ("param", "fp32", "exp_avg", "exp_avg_sq")
 

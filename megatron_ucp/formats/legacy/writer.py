@@ -40,7 +40,7 @@ rng_state="cpu", the CPU generator's (Megatron-LM on CPU, cpu_shims). rng_state=
 with --no-load-rng); rng_state="source" writes the stored states unchanged, for a target at the source
 layout (a dropout run then continues exactly).
 
-Streaming: a rank's files are what torch.save of its state dict writes (formats/torch_save.py, checked byte for
+Streaming: a rank's files are what torch.save of its state dict writes (serialization/torch_save.py, checked byte for
 byte against torch.save), but no state dict of tensors is built. Every tensor is a torch_save.StreamedTensor: a TP
 shard of a universal tensor (universal_pieces: boxes of the stored tensors, rows past the stored vocabulary
 re-padded), cast to its dtype, or a distributed-optimizer buffer (those shards at their coalesced offsets, zeros
@@ -76,8 +76,8 @@ from megatron_ucp.formats.legacy.names import DISTRIB_OPTIM_FILENAME, MODEL_FILE
 from megatron_ucp.formats.megatron_state import (
     CHECKPOINT_VERSION, MODEL_DTYPES, TargetGroups, args_values, chunk_buffers, ep_ranks, fresh_rng_state,
     group_hyper, optimizer_index, param_groups_by_rank, rank_buffer_params, rank_chunks, source_rng_state)
-from megatron_ucp.formats.safe_pickle import TorchDType
-from megatron_ucp.formats.torch_save import (
+from megatron_ucp.serialization.safe_pickle import TorchDType
+from megatron_ucp.serialization.torch_save import (
     EnumMember, GlobalRef, Obj, SavedTensor, StreamedTensor, save_streamed, torch_dtype)
 from megatron_ucp.formats.universal_pieces import Piece, PieceLayoutError, Sources, local_flat_pieces, piece_chunks
 from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, WriteError, WriteTarget, writer_threads

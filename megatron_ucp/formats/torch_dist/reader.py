@@ -5,7 +5,7 @@ Layout of iter_XXXXXXX/: metadata.json ({"sharded_backend": "torch_dist", ...}),
 iteration, opt_param_scheduler, checkpoint_version, content_metadata with 'distrib_optim_sharding_type'):
 common.pt up to megatron-core 0.18, the ShardedObject 'common_state/shard_0_1' inside the .distcp files from
 0.19 (core/versions.py; "common.pt" below means either), .metadata + __<rank>_<n>.distcp (DCP). Everything is parsed through the
-allow-list of formats/safe_pickle.py, without torch.distributed.checkpoint (and without torch until a
+allow-list of serialization/safe_pickle.py, without torch.distributed.checkpoint (and without torch until a
 tensor is read): `.metadata` into plain records (every data file it names is a plain file of the
 iteration folder holding the bytes it points to), each saved item on first use. A read asks only for the
 saved chunks one shard needs; each chunk item is verified (dtype, shape, storage size, contiguity against
@@ -82,15 +82,16 @@ from megatron_ucp.adapters import gpt as rulebook
 from megatron_ucp.core.dtypes import PARAM_DTYPES
 from megatron_ucp.core.layout import LayoutError
 from megatron_ucp.core import versions
-from megatron_ucp.formats.archive import box_record, read_tensor, stored_tensor, torch_dtype
+from megatron_ucp.serialization.records import box_record, stored_tensor, torch_dtype
 from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef, unknown_shard
 from megatron_ucp.formats.bucket_layout import (
     BufferLayout, BufferParam, DDPBucketConfig, build_chunk_buffers, shared_embedding_names)
+from megatron_ucp.formats.pickles import MEGATRON
 from megatron_ucp.formats.common import (
     STATE_DTYPE, CheckpointFormatError, args_to_dict, build_common_state, inside, layout_from_args, load_archive_file,
-    model_config_from_args, scalar, structure_error)
+    model_config_from_args, read_tensor, scalar, structure_error)
 from megatron_ucp.formats.coalesced import coalesced_buffers, coalesced_records
-from megatron_ucp.formats.safe_pickle import (
+from megatron_ucp.serialization.safe_pickle import (
     DcpBytesMeta, DcpIndex, DcpTensorMeta, SafeLoadError, TensorRecord, TorchDType, load_dcp_item, load_dcp_metadata)
 from megatron_ucp.formats.torch_dist import names
 
@@ -301,7 +302,7 @@ class TorchDistCheckpoint(CheckpointReader):
             raise CheckpointFormatError(f"{meta_file}: missing DCP metadata; re-copy the iteration folder.")
         inside(self.path, meta_file)
         try:
-            return load_dcp_metadata(self.path)
+            return load_dcp_metadata(self.path, MEGATRON)
         except SafeLoadError as e:
             raise CheckpointFormatError(str(e)) from e
 

@@ -46,7 +46,7 @@ Entries (formats/torch_dist/reader.py documents them as the reader sees them):
   own with dp_reshardable, in common.pt otherwise), where megatron-core's optimizers keep it.
 
 How bytes move (bounded memory, at disk speed): tensor items are torch.save's archive framing without
-their data (formats/torch_save.py: torch.save's format written without torch, checked byte for byte
+their data (serialization/torch_save.py: torch.save's format written without torch, checked byte for byte
 against torch.save by tests/test_torch_save.py); each item's data is the concatenation of pieces, each a run of
 elements of a box of a universal tensor. A run that is contiguous in its universal tensor file and
 needs no cast (dim-0 layouts, replicated, whole-width flat bucket ranges) is copied file to file with
@@ -60,7 +60,7 @@ Output files are written by `workers` threads; under torchrun the processes spli
 common.pt's args are Megatron-LM's Namespace at the target layout; its megatron enums (attention_backend,
 model_type) are pickled as references to megatron-core's classes. Writing imports neither torch nor
 megatron-core (~1.4 s and seconds of every command): every pickle and archive is built by
-formats/torch_save.py, casts to bf16/fp16 are numpy's (rounded as torch rounds), generator states by
+serialization/torch_save.py, casts to bf16/fp16 are numpy's (rounded as torch rounds), generator states by
 run_state.cpu_generator_state.
 
 Model rules (keys, shapes, placement, patterns, registration order, param groups) come from
@@ -99,12 +99,12 @@ from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
 from megatron_ucp.formats.megatron_state import (
     CHECKPOINT_VERSION, MODEL_DTYPES, TargetGroups, args_values, chunk_buffers, fresh_rng_state, group_hyper,
     param_groups_by_rank, rank_buffer_params, source_rng_state)
-from megatron_ucp.formats.safe_pickle import TorchDType
+from megatron_ucp.serialization.safe_pickle import TorchDType
 from megatron_ucp.formats.torch_dist.names import (
     COMMON_FILENAME, COMMON_STATE_ITEM, DCP_METADATA_FILENAME, METADATA_JSON_FILENAME, RERUN_STATE_KEY, RNG_STATE_KEY,
     chained_prefix, distcp_name, distributed_optimizer_object_key, extra_state_key, flat_bucket_key,
     model_space_state_key, parse_model_space_state_key, sharded_object_key)
-from megatron_ucp.formats.torch_save import (
+from megatron_ucp.serialization.torch_save import (
     EnumMember, GlobalRef, Obj, SavedTensor, TorchSize, pickle_bytes, save_bytes, tensor_archive,
     torch_dtype)
 from megatron_ucp.formats.writer_base import CheckpointWriter, PlannedFile, WriteError, WriteTarget, writer_threads

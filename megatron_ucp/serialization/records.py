@@ -1,6 +1,6 @@
-"""Saved tensors, as the readers hand them out: from safe_pickle's `TensorRecord` (what a torch.save archive
-says about a tensor, found without torch) to a byteio.StoredTensor (where its bytes are, for the
-converter's byte copies) or a torch tensor (its values).
+"""Saved tensors as records of their bytes: from safe_pickle's `TensorRecord` (what a torch.save archive says about
+a tensor, found without torch) to views of part of it (`sub_record`, `box_record`) and to a byteio.StoredTensor
+(where its bytes are, for byte copies); safe_pickle.to_torch gives the values.
 
 torch and byteio (which needs torch) are imported on first use, as everywhere in the readers: only read()
 and locate() need them; opening a checkpoint, listing its shards and its common state never import them.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional
 
-from megatron_ucp.formats.safe_pickle import SafeLoadError, TensorRecord, to_torch
+from megatron_ucp.serialization.safe_pickle import TensorRecord
 
 
 def torch_dtype(dtype: Any):
@@ -49,17 +49,6 @@ def box_record(record: TensorRecord, offsets: tuple[int, ...], lengths: tuple[in
     return replace(record, shape=tuple(lengths), storage_offset=start)
 
 
-def read_tensor(record: TensorRecord):
-    """The saved tensor's values as a new CPU torch tensor (only its bytes are read; the file was checked to
-    hold them before anything was allocated)."""
-    try:
-        return to_torch(record)
-    except SafeLoadError as e:  # the file changed or shrank since it was opened
-        from megatron_ucp.formats.common import CheckpointFormatError
-
-        raise CheckpointFormatError(str(e)) from e
-
-
 def stored_tensor(record: TensorRecord) -> Optional[Any]:
     """Where a saved tensor's C-order bytes are (a byteio.StoredTensor with the dtype's name, e.g. "float32":
     copying bytes needs no torch); None when they are not one contiguous run (read it as a tensor then)."""
@@ -72,4 +61,4 @@ def stored_tensor(record: TensorRecord) -> Optional[Any]:
     return StoredTensor(tuple(record.shape), str(record.dtype), regions)
 
 
-__all__ = ["box_record", "read_tensor", "stored_tensor", "sub_record", "torch_dtype"]
+__all__ = ["box_record", "stored_tensor", "sub_record", "torch_dtype"]

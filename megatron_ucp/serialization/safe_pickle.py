@@ -1,7 +1,9 @@
-"""Reading the pickles of Megatron-LM checkpoints without torch and without running their code.
+"""Reading torch.save archives and DCP's `.metadata` without torch and without running their code.
 
-Owns every pickled file a Megatron checkpoint has: legacy `model_optim_rng.pt` / `distrib_optim.pt`,
-`torch_dist`'s `common.pt`, the torch.save archives inside `.distcp` files, and DCP's `.metadata`.
+Generic torch serialization: nothing here knows Megatron. What a family of packages adds to the pickles it
+writes (its enums, the namespaces of its classes, its subclasses of DCP's records) comes in as a `PickleFamily`
+value from the caller (formats/pickles.py spells Megatron's); without one only torch's, numpy's and the standard
+library's plain values load.
 
 - `load_archive` parses a torch.save zip archive (a whole file, or one `.distcp` item at [offset,
   offset + length)) with a small zip reader of its own and runs a restricted unpickler on its
@@ -12,12 +14,12 @@ Owns every pickled file a Megatron checkpoint has: legacy `model_optim_rng.pt` /
 - `read_tensor_bytes`, `iter_region_bytes` and `to_torch` (torch imported lazily) read tensor bytes;
   `materialize` turns a loaded tree into what torch.load(weights_only=True) would have given.
 
-The unpickler knows an explicit allow-list of globals (`ARCHIVE_GLOBALS`, `DCP_METADATA_GLOBALS`),
-each mapped to a stand-in written here, never to the real callable: calling or building a stand-in
-only makes data. A class of the Megatron family's packages (`RECORD_NAMESPACES`) that is not on the list (a
-newer release's enum or dataclass in `args`) loads as an `InertRecord`: its class path, arguments and state
-as data, the class never imported (named with --debug). A pickle naming anything else (os, builtins,
-subprocess, ...) raises `UnsafePickleError` before anything runs.
+The unpickler knows an explicit allow-list of globals (`ARCHIVE_GLOBALS`, `DCP_METADATA_GLOBALS`, plus the
+family's enums), each mapped to a stand-in written here, never to the real callable: calling or building a
+stand-in only makes data. A class of the family's packages (`PickleFamily.namespaces`) that is not on the list (a
+newer release's enum or dataclass) loads as an `InertRecord`: its class path, arguments and state as data, the
+class never imported (named with --debug). A pickle naming anything else (os, builtins, subprocess, ...) raises
+`UnsafePickleError` before anything runs.
 Stand-ins refuse BUILD (pickle's `__setstate__`) except where one is part of the format (a Namespace,
 a numpy array, a DCP record, each on its own fresh object), so no pickle can alter a shared object.
 This module imports neither torch nor numpy; `to_torch` and `NumpyArray.to_numpy` import them on use.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import _compat_pickle
 import argparse
+import functools
 import io
 import logging
 import os
@@ -44,9 +47,9 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Union
 from megatron_ucp.core.dtypes import FLOAT_DTYPES, ITEMSIZE, TYPED_STORAGES
 
 __all__ = [
-    "ARCHIVE_GLOBALS", "DCP_METADATA_GLOBALS", "RECORD_NAMESPACES", "ByteRegion", "DcpBytesMeta", "DcpChunk", "DcpIndex", "DcpMetadata",
-    "DcpStorageItem", "DcpTensorMeta", "InertRecord", "NumpyArray", "NumpyDType", "PickledEnum", "SafeLoadError", "StorageRef",
-    "TensorRecord", "TorchDType", "TorchDevice", "UnsafePickleError", "inert_class", "is_record_name", "iter_region_bytes", "load_archive",
+    "ARCHIVE_GLOBALS", "DCP_METADATA_GLOBALS", "TORCH", "ByteRegion", "DcpBytesMeta", "DcpChunk", "DcpIndex", "DcpMetadata",
+    "DcpStorageItem", "DcpTensorMeta", "InertRecord", "NumpyArray", "NumpyDType", "PickleFamily", "PickledEnum", "SafeLoadError", "StorageRef",
+    "TensorRecord", "TorchDType", "TorchDevice", "UnsafePickleError", "inert_class", "is_class_path", "iter_region_bytes", "load_archive",
     "load_dcp_item", "load_dcp_metadata", "materialize", "read_scalar", "read_tensor_bytes", "to_torch",
 ]
 
@@ -71,10 +74,10 @@ class UnsafePickleError(SafeLoadError):
         self.global_name = global_name
 
 
-def _unsafe(where: str, global_name: str) -> UnsafePickleError:
+def _unsafe(where: str, global_name: str, holder: str) -> UnsafePickleError:
     return UnsafePickleError(
-        f"{where}: tried to run code: its pickle loads {global_name!r}, which is outside the allow-list of what a "
-        f"Megatron checkpoint holds; the file was NOT loaded and nothing in it ran. {FIX[0].upper()}{FIX[1:]}.",
+        f"{where}: tried to run code: its pickle loads {global_name!r}, which is outside the allow-list of what "
+        f"{holder} holds; the file was NOT loaded and nothing in it ran. {FIX[0].upper()}{FIX[1:]}.",
         where, global_name)
 
 
@@ -137,7 +140,7 @@ def _frozen_record(cls):
 
 
 class ByteRegion(NamedTuple):
-    """`nbytes` bytes of `path` from `offset` (the fields of formats.stored.FileRegion)."""
+    """`nbytes` bytes of `path` from `offset` (the fields of io.byteio.FileRegion)."""
 
     path: str
     offset: int
@@ -253,15 +256,15 @@ class TorchMemoryFormat:
 @dataclass(frozen=True, slots=True)
 class PickledEnum:
     """An enum member found in a pickle, kept as (class path, value) without importing its module, e.g.
-    PickledEnum('megatron.core.transformer.enums.AttnBackend', 5): only the enums of ENUM_CLASSES, with a
-    plain value (checked when made, also when a pickle makes one)."""
+    PickledEnum('pkg.enums.Color', 5): a dotted class path with a plain value (checked
+    when made, also when a pickle makes one). Which enums a load admits is the unpickler's allow-list; writers
+    pickle a member again only for the enums of their own family."""
 
     qualname: str
     value: Any
 
     def __post_init__(self) -> None:
-        _expect(self.qualname in ENUM_CLASSES or is_record_name(self.qualname),
-                lambda: f"a PickledEnum of {_short(self.qualname)}, not an allowed enum")
+        _expect(is_class_path(self.qualname), lambda: f"a PickledEnum of {_short(self.qualname)}, not a class path")
         _expect(_is_scalar(self.value), lambda: f"a PickledEnum with value {_short(self.value)}")
 
     def __setstate__(self, state) -> None:
@@ -276,8 +279,8 @@ class PickledEnum:
             state = state[1]  # (no __dict__, slot values)
         _expect(isinstance(state, dict) and set(state) == {"qualname", "value"},
                 lambda: f"a PickledEnum with state {_short(state)}")
-        _expect(state["qualname"] in ENUM_CLASSES or is_record_name(state["qualname"]),
-                lambda: f"a PickledEnum of {_short(state['qualname'])}, not an allowed enum")
+        _expect(is_class_path(state["qualname"]),
+                lambda: f"a PickledEnum of {_short(state['qualname'])}, not a class path")
         _expect(_is_scalar(state["value"]), lambda: f"a PickledEnum with value {_short(state['value'])}")
         object.__setattr__(self, "qualname", state["qualname"])
         object.__setattr__(self, "value", state["value"])
@@ -290,22 +293,14 @@ def _is_scalar(x: Any) -> bool:
     return x is None or isinstance(x, (bool, int, float, str))
 
 
-# Where the classes of the Megatron family live (megatron-core, Megatron-LM, Transformer Engine, Apex, NVIDIA's
-# resiliency and model-optimizer packages, NeMo / Megatron-Bridge). A class from these packages that megatron-ucp
-# has never seen (a newer release's enum or dataclass in `args`) loads as an InertRecord; a name from anywhere
-# else outside the allow-list (os, builtins, subprocess, ...: what a crafted pickle calls) is refused.
-RECORD_NAMESPACES = ("megatron.", "transformer_engine.", "apex.", "nvidia_resiliency_ext.", "modelopt.", "nemo.",
-                     "megatron_bridge.")
-
-
-def is_record_name(qualname: str) -> bool:
-    """A class path of the Megatron family, loaded as data (PickledEnum / InertRecord) whatever it is."""
-    return isinstance(qualname, str) and qualname.startswith(RECORD_NAMESPACES) and qualname.isascii() and all(
+def is_class_path(qualname: Any) -> bool:
+    """A dotted path of Python identifiers (`pkg.module.Class`), ASCII only."""
+    return isinstance(qualname, str) and "." in qualname and qualname.isascii() and all(
         part.isidentifier() for part in qualname.split("."))
 
 
 class InertRecord:
-    """An object of a Megatron-family class megatron-ucp does not know, kept as data: the class path, the
+    """An object of a class of the family's packages that megatron-ucp does not know, kept as data: the class path, the
     arguments the pickle gave it (REDUCE / NEWOBJ) and the state it set (BUILD, once). The class is never
     imported and nothing of it runs; readers that need a value check what they find, as for any record.
     A single scalar argument and no state is how an enum member pickles: `enum_value` gives it."""
@@ -347,7 +342,7 @@ class InertRecord:
 def inert_class(qualname: str) -> type:
     """A fresh InertRecord subclass standing in for the unknown class `qualname` (one per load: no pickle can
     reach a class another load uses)."""
-    _expect(is_record_name(qualname), lambda: f"an inert record of {_short(qualname)}")
+    _expect(is_class_path(qualname), lambda: f"an inert record of {_short(qualname)}")
     return type(qualname.rsplit(".", 1)[1], (InertRecord,), {"__slots__": (), "qualname": qualname})
 
 
@@ -434,7 +429,7 @@ class NumpyArray:
 
 
 class _Namespace(argparse.Namespace):
-    """argparse.Namespace whose BUILD only sets attributes from a dict of names (Megatron's `args`)."""
+    """argparse.Namespace whose BUILD only sets attributes from a dict of names (a training run's `args`)."""
 
     def __setstate__(self, state) -> None:
         # attribute names only: no dunders, nothing that would shadow a Namespace method
@@ -683,30 +678,18 @@ class _DcpRecord:
         return f"<{self.qualname} {_short(self.state)}>"
 
 
-def _dcp_class(qualname: str) -> type:
-    short = qualname.rsplit(".", 1)[1]
-    return type(short, (_DcpRecord,), {"__slots__": (), "qualname": qualname, "short": short})
+def _dcp_class(qualname: str, short: Optional[str] = None) -> type:
+    """A record class standing in for DCP's class `qualname` (or a subclass of the DCP class `short`)."""
+    short = short or qualname.rsplit(".", 1)[1]
+    return type(qualname.rsplit(".", 1)[1], (_DcpRecord,), {"__slots__": (), "qualname": qualname, "short": short})
 
 
 # --------------------------------------------------------------------------------------------------
 # The allow-lists
 
 
-# Megatron-LM pickles these enums inside `args` (megatron/core/safe_globals.py); kept as PickledEnum.
-MEGATRON_ENUMS = (
-    "megatron.core.enums.ModelType",
-    "megatron.core.transformer.enums.AttnBackend",
-    "megatron.core.transformer.enums.CudaGraphScope",
-    "megatron.core.transformer.enums.CudaGraphModule",  # megatron-core >= 0.18 (cuda_graph_modules)
-    "megatron.core.rerun_state_machine.RerunMode",
-    "megatron.core.rerun_state_machine.RerunState",
-    "megatron.core.rerun_state_machine.RerunDiagnostic",
-    # megatron-core >= 0.18 (inference_cuda_graph_scope); 0.17 has no such class: writes for it never pickle one
-    "megatron.core.transformer.enums.InferenceCudaGraphScope",
-)
 _DCP_ENUMS = ("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
               "torch.distributed.checkpoint.planner.WriteItemType")
-ENUM_CLASSES = frozenset(MEGATRON_ENUMS + _DCP_ENUMS + ("signal.Signals",))
 
 _TENSOR_REBUILDERS = (
     _Global("torch._utils._rebuild_tensor_v2", _rebuild_tensor_v2),
@@ -728,8 +711,8 @@ def _numpy_globals() -> dict:
     return out
 
 
-# Globals a torch.save archive of a Megatron checkpoint may name (model_optim_rng.pt, distrib_optim.pt,
-# common.pt, .distcp items), each with its stand-in.
+# Globals any torch.save archive of plain values may name (a training checkpoint's rank files, DCP's items), each
+# with its stand-in; a family adds its own enums (PickleFamily.archive_globals).
 ARCHIVE_GLOBALS: Mapping[str, Any] = types.MappingProxyType({
     **{g.name: g for g in _TENSOR_REBUILDERS},
     "torch._utils._rebuild_parameter": _Global("torch._utils._rebuild_parameter", _rebuild_parameter),
@@ -753,9 +736,11 @@ ARCHIVE_GLOBALS: Mapping[str, Any] = types.MappingProxyType({
     "pathlib.PosixPath": _Global("pathlib.PosixPath", _posix_path),
     "pathlib._local.PosixPath": _Global("pathlib._local.PosixPath", _posix_path),  # Python >= 3.13
     "signal.Signals": _Global("signal.Signals", _enum("signal.Signals", _is_int)),
-    **{q: _Global(q, _enum(q)) for q in MEGATRON_ENUMS},
-    "megatron_ucp.formats.common.PickledEnum": PickledEnum,  # where the class lived before (NEWOBJ + BUILD)
-    "megatron_ucp.formats.safe_pickle.PickledEnum": PickledEnum,  # trees re-saved with torch.save (REDUCE)
+    # megatron-ucp's own stand-in, in trees it re-saved with torch.save: where the class lived before (NEWOBJ +
+    # BUILD), where it lived until the generic package (REDUCE), and here
+    "megatron_ucp.formats.common.PickledEnum": PickledEnum,
+    "megatron_ucp.formats.safe_pickle.PickledEnum": PickledEnum,
+    "megatron_ucp.serialization.safe_pickle.PickledEnum": PickledEnum,
     "_codecs.encode": _Global("_codecs.encode", _codecs_encode),
     "builtins.set": _Global("builtins.set", _collection(set)),
     "builtins.frozenset": _Global("builtins.frozenset", _collection(frozenset)),
@@ -781,9 +766,6 @@ _DCP_CLASSES = (
     "torch.distributed.checkpoint.planner.WriteItem",
     "torch.distributed.checkpoint.planner.TensorWriteData",
     "torch.distributed.checkpoint.planner.BytesIOWriteData",
-    # empty classes megatron-core 0.16 keeps so that .metadata of mcore <= 0.15 still unpickles
-    "megatron.core.dist_checkpointing.strategies.torch.MCoreMetadata",
-    "megatron.core.dist_checkpointing.strategies.torch.MCoreSavePlan",
 )
 _DCP_TYPES = {q: _dcp_class(q) for q in _DCP_CLASSES}
 
@@ -798,6 +780,46 @@ DCP_METADATA_GLOBALS: Mapping[str, Any] = types.MappingProxyType({
     "pathlib.PosixPath": ARCHIVE_GLOBALS["pathlib.PosixPath"],  # StorageMeta.checkpoint_id may be a path
     "pathlib._local.PosixPath": ARCHIVE_GLOBALS["pathlib._local.PosixPath"],
 })
+
+@dataclass(frozen=True, eq=False)
+class PickleFamily:
+    """What the pickles of one family of packages hold beyond plain torch values: the caller's knowledge, given to
+    every load (formats/pickles.py spells Megatron's). `holder` names such a file in messages ("a Megatron
+    checkpoint"); `enums`: the enum classes its pickles hold, loaded as PickledEnum; `namespaces`: the package
+    prefixes ("pkg.") whose other classes load as InertRecords (data, never imported) instead of being refused;
+    `dcp_records`: its subclasses of DCP's metadata records, each with the DCP class it stands for (short name)."""
+
+    holder: str
+    enums: tuple[str, ...] = ()
+    namespaces: tuple[str, ...] = ()
+    dcp_records: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        bad = [q for q in (*self.enums, *self.dcp_records) if not is_class_path(q)]
+        bad += [p for p in self.namespaces if not (p.endswith(".") and is_class_path(p + "x"))]
+        bad += [s for s in self.dcp_records.values() if s not in _DCP_SHORT_NAMES]
+        if bad:
+            raise ValueError(f"PickleFamily {self.holder!r}: not class paths, package prefixes or DCP records: {bad}")
+
+    def is_record_name(self, qualname: str) -> bool:
+        """A class path of the family's packages, loaded as data (PickledEnum / InertRecord) whatever it is."""
+        return bool(self.namespaces) and is_class_path(qualname) and qualname.startswith(self.namespaces)
+
+    @functools.cached_property
+    def archive_globals(self) -> Mapping[str, Any]:
+        """ARCHIVE_GLOBALS and the family's enums."""
+        return types.MappingProxyType({**ARCHIVE_GLOBALS, **{q: _Global(q, _enum(q)) for q in self.enums}})
+
+    @functools.cached_property
+    def dcp_globals(self) -> Mapping[str, Any]:
+        """DCP_METADATA_GLOBALS and the family's record classes."""
+        return types.MappingProxyType({**DCP_METADATA_GLOBALS,
+                                       **{q: _dcp_class(q, short) for q, short in self.dcp_records.items()}})
+
+
+_DCP_SHORT_NAMES = frozenset(q.rsplit(".", 1)[1] for q in _DCP_CLASSES)
+# Plain torch values only: no family's enums or classes.
+TORCH = PickleFamily("a torch checkpoint")
 
 # torch globals that are safe but mean content megatron-ucp cannot describe as bytes in a file
 _UNSUPPORTED = {
@@ -816,9 +838,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
     """pickle.Unpickler that resolves globals only through an allow-list of stand-ins and persistent ids
     only as torch storages of one archive."""
 
-    def __init__(self, data: bytes, where: str, allowed: Mapping[str, Any], archive: Optional["_TorchArchive"]):
+    def __init__(self, data: bytes, where: str, allowed: Mapping[str, Any], archive: Optional["_TorchArchive"],
+                 family: PickleFamily):
         super().__init__(io.BytesIO(data))
-        self._where, self._allowed, self._archive = where, allowed, archive
+        self._where, self._allowed, self._archive, self._family = where, allowed, archive, family
         self.inert: dict[str, type] = {}  # qualname -> its InertRecord class, for this load
 
     def find_class(self, module: str, name: str) -> Any:
@@ -830,23 +853,23 @@ class _RestrictedUnpickler(pickle.Unpickler):
             qualname = f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
             found = self._allowed.get(qualname)
         if found is None:
-            if qualname in _UNSUPPORTED and self._allowed is ARCHIVE_GLOBALS:
+            if qualname in _UNSUPPORTED and "torch.Tensor" in self._allowed:  # an archive, not DCP metadata
                 raise SafeLoadError(f"{self._where}: holds {_UNSUPPORTED[qualname]} ({qualname}), which megatron-ucp "
                                     f"cannot read; save plain dense tensors.")
-            if is_record_name(qualname):  # a newer Megatron's class: data, never imported
+            if self._family.is_record_name(qualname):  # e.g. a newer release's class: data, never imported
                 if qualname not in self.inert:
                     self.inert[qualname] = inert_class(qualname)
                     _log.debug("%s: %s is not a class megatron-ucp knows; loaded as an inert record (never "
                                "imported or run)", self._where, qualname)
                 return self.inert[qualname]
-            raise _unsafe(self._where, qualname)
+            raise _unsafe(self._where, qualname, self._family.holder)
         return found
 
     def persistent_load(self, pid: Any) -> Any:
         if not (self._archive is not None and isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
                 and isinstance(pid[1], _Marker) and (pid[1].dtype is not None or pid[1] is _UNTYPED_STORAGE)
                 and isinstance(pid[2], str) and isinstance(pid[3], str) and _is_int(pid[4]) and pid[4] >= 0):
-            raise _unsafe(self._where, f"persistent id {_short(pid)}")
+            raise _unsafe(self._where, f"persistent id {_short(pid)}", self._family.holder)
         return self._archive.storage(pid[2], pid[1], pid[4])
 
 
@@ -856,9 +879,10 @@ def _refused(where: str, error: _Malformed) -> SafeLoadError:
                          f"{where}: {text}: the file is corrupt or crafted; {FIX}.")
 
 
-def _unpickle(data: bytes, where: str, allowed: Mapping[str, Any], archive: Optional["_TorchArchive"] = None) -> Any:
+def _unpickle(data: bytes, where: str, allowed: Mapping[str, Any], archive: Optional["_TorchArchive"] = None,
+              family: Optional[PickleFamily] = None) -> Any:
     try:
-        return _RestrictedUnpickler(data, where, allowed, archive).load()
+        return _RestrictedUnpickler(data, where, allowed, archive, family or TORCH).load()
     except SafeLoadError:
         raise
     except _Malformed as e:
@@ -1034,10 +1058,11 @@ def _open_read_only(path: str, where: str) -> int:
         raise SafeLoadError(f"{where}: cannot open ({e.strerror}); re-copy the checkpoint.") from None
 
 
-def load_archive(path: Union[str, os.PathLike], offset: int = 0, length: Optional[int] = None, *, what: str) -> Any:
+def load_archive(path: Union[str, os.PathLike], offset: int = 0, length: Optional[int] = None, *, what: str,
+                 family: PickleFamily = TORCH) -> Any:
     """The object torch.save wrote into the archive at [offset, offset + length) of `path` (default: the
-    whole file), unpickled through the allow-list, with every tensor a TensorRecord. `what` names it in
-    errors (e.g. "model/optimizer state of rank tp=0 pp=1", "item optimizer.distributed...")."""
+    whole file), unpickled through the allow-list (with `family`'s enums and classes), with every tensor a
+    TensorRecord. `what` names it in errors (e.g. "model/optimizer state of rank tp=0 pp=1", "item ...")."""
     path = os.fspath(path)
     path = path if os.path.isabs(path) else os.path.abspath(path)
     where = f"{path} ({what})" if length is None else f"{path} ({what}, bytes {offset}..{offset + length})"
@@ -1068,7 +1093,7 @@ def load_archive(path: Union[str, os.PathLike], offset: int = 0, length: Optiona
             data = archive.record_bytes("data.pkl", pickle_entry)
         except _Malformed as e:
             raise _refused(where, e) from None
-        return _unpickle(data, where, ARCHIVE_GLOBALS, archive)
+        return _unpickle(data, where, family.archive_globals, archive, family)
     finally:
         os.close(fd)
 
@@ -1126,6 +1151,7 @@ class DcpMetadata:
     state_dict_metadata: Mapping[str, Union[DcpTensorMeta, DcpBytesMeta]]
     storage_data: Mapping[DcpIndex, DcpStorageItem]
     version: Optional[str] = None
+    family: PickleFamily = TORCH  # what the items' pickles may hold (load_dcp_item)
 
 
 _BYTES_META = DcpBytesMeta()
@@ -1193,8 +1219,9 @@ class _DataFiles:
         return st.st_size
 
 
-def load_dcp_metadata(iter_dir: Union[str, os.PathLike]) -> DcpMetadata:
-    """DCP's `iter_dir/.metadata`, read through the allow-list: every saved key's tensor metadata (global
+def load_dcp_metadata(iter_dir: Union[str, os.PathLike], family: PickleFamily = TORCH) -> DcpMetadata:
+    """DCP's `iter_dir/.metadata`, read through the allow-list (with `family`'s records; its items' pickles are
+    loaded with `family` too, load_dcp_item): every saved key's tensor metadata (global
     size, dtype, chunks) or bytes, and where each item's archive is. Every data file must be a plain file
     of iter_dir (no path, no link out of it) holding the bytes the metadata points to."""
     iter_dir = os.path.abspath(os.fspath(iter_dir))
@@ -1209,9 +1236,9 @@ def load_dcp_metadata(iter_dir: Union[str, os.PathLike]) -> DcpMetadata:
         data = os.pread(fd, size, 0)
     finally:
         os.close(fd)
-    raw = _unpickle(data, where, DCP_METADATA_GLOBALS)
+    raw = _unpickle(data, where, family.dcp_globals, family=family)
     try:
-        state = _dcp_state(raw, "Metadata", "MCoreMetadata")
+        state = _dcp_state(raw, "Metadata")
         _expect(isinstance(state, dict), lambda: f"Metadata state {_short(state)}")
         sdm = state.get("state_dict_metadata")
         _expect(isinstance(sdm, dict) and all(isinstance(k, str) for k in sdm),
@@ -1251,13 +1278,14 @@ def load_dcp_metadata(iter_dir: Union[str, os.PathLike]) -> DcpMetadata:
     except _Malformed as e:
         raise _refused(where, e) from None
     return DcpMetadata(meta_path, types.MappingProxyType(keys), types.MappingProxyType(items),
-                       version if isinstance(version, str) else None)
+                       version if isinstance(version, str) else None, family)
 
 
 def load_dcp_item(metadata: DcpMetadata, index: DcpIndex) -> Any:
     """One saved item (a tensor chunk -> TensorRecord, or a pickled object) through load_archive."""
     item = metadata.storage_data[index]
-    return load_archive(item.path, item.offset, item.length, what=f"item {index.fqn}")
+    return load_archive(item.path, item.offset, item.length, what=f"item {index.fqn}",
+                        family=metadata.family)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1368,8 +1396,8 @@ def to_torch(record: TensorRecord, *, mmap: bool = False):
 def materialize(tree: Any, *, mmap: bool = True) -> Any:
     """What torch.load(weights_only=True) gives for a loaded tree (imports torch and numpy): tensors
     (mmap=True: mapped, read when touched, like torch.load(mmap=True)), torch dtypes and devices,
-    numpy arrays, argparse.Namespace, signal.Signals; Megatron enums stay PickledEnum, as the readers'
-    torch allow-list gives them. Views of one storage become separate tensors."""
+    numpy arrays, argparse.Namespace, signal.Signals; a family's enums stay PickledEnum, as a torch allow-list of
+    stand-ins gives them. Views of one storage become separate tensors."""
     import signal
 
     import torch

@@ -1,7 +1,7 @@
 """torch.save's file format, written without torch.
 
-Writers of Megatron checkpoints (the direct `torch_dist` writer) produce files that torch.load and
-megatron-core read. Importing torch costs ~1.4 s of every command (about what copying a 1 GiB checkpoint
+Writers of checkpoints (the formats/ writers of Megatron's torch_dist and legacy files) produce files that
+torch.load reads. Importing torch costs ~1.4 s of every command (about what copying a 1 GiB checkpoint
 costs), so the bytes torch.save would write are produced here instead, from plain values, and
 tests/test_torch_save.py checks them against torch.save byte for byte.
 
@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 from megatron_ucp.core.dtypes import ITEMSIZE, TYPED_STORAGES
-from megatron_ucp.formats.safe_pickle import TorchDType
+from megatron_ucp.serialization.safe_pickle import TorchDType
 
 ALIGNMENT = 64  # torch's kFieldAlignment: every record's data starts at a multiple of it
 FILE_FORMAT_VERSION = b"3\n"  # the "version" record (torch's kProducedFileFormatVersion)
@@ -81,7 +81,7 @@ class TorchSaveError(ValueError):
 
 class GlobalRef:
     """A class or function named by its module and name, pickled as that global (GLOBAL opcode) without
-    importing the module: DCP's classes, megatron's enums, torch's dtypes and rebuild functions. One instance
+    importing the module: DCP's classes, a family's enums, torch's dtypes and rebuild functions. One instance
     per name, so that pickle's memo refers back to it (BINGET) where the real object would be memoized."""
 
     _interned: dict[str, "GlobalRef"] = {}
