@@ -46,6 +46,11 @@ B19 = "B19_llama_tp2pp2dp1_distopt_sp_torch_dist_fullyresh"  # the same run, ful
 C19 = "C19_llama_tp2pp2dp1_distopt_sp_torch"  # the same run, legacy torch
 D19 = "D19_llama_tp2pp1dp2_distopt_sp_torch_dist"
 E19 = "E19_moe4top2_tp1pp2dp2ep2_distopt_torch_dist"  # GPT-MoE, EP2 DP2 PP2
+# Context-parallel runs of the entry point (tools/make_cp_fixtures.sh; folder README): tests/test_context_parallel.py
+CPA19 = "CPA19_llama_tp1cp2dp2_distopt_torch_dist"  # dp_reshardable
+CPB19 = "CPB19_llama_tp2cp2dp1_distopt_sp_torch"  # legacy torch + distrib_optim.pt
+CPC19 = "CPC19_moe_tp1cp2dp2ep2_distopt_torch_dist"  # GPT-MoE, EP2 over CP x DP
+CPD19 = "CPD19_moe_tp1cp2dp1ep2_distopt_torch_dist_fullyresh"  # GPT-MoE, EP2 over the CP ranks, fully_reshardable
 PRETRAIN = REPO / "pretrain_scripts" / "pretrain_gpt.py"  # CPU flags: added by cpu_shims.with_cpu_flags
 TORCHRUN_TIMEOUT_S = int(os.environ.get("MEGATRON_UCP_TEST_TIMEOUT", "600"))
 
@@ -72,12 +77,13 @@ class Layout:
     dp: int = 1
     vpp_layers: Optional[int] = None  # --num-layers-per-virtual-pipeline-stage
     sp: bool = False
-    ep: int = 1  # expert parallelism: carved out of the DP x TP ranks, adds no processes
+    ep: int = 1  # expert parallelism: carved out of the TP x CP x DP ranks, adds no processes
     etp: Optional[int] = None  # expert tensor parallelism (None: = TP)
+    cp: int = 1  # context parallelism: each CP rank holds 2 of the sequence's 2*CP chunks
 
     @property
     def nproc(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
     def flags(self) -> List[str]:
         f = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp)]
@@ -85,6 +91,8 @@ class Layout:
             f += ["--num-layers-per-virtual-pipeline-stage", str(self.vpp_layers)]
         if self.sp:
             f.append("--sequence-parallel")
+        if self.cp > 1:
+            f += ["--context-parallel-size", str(self.cp)]
         if self.ep > 1:
             f += ["--expert-model-parallel-size", str(self.ep)]
         if self.etp is not None:
@@ -92,13 +100,36 @@ class Layout:
         return f
 
     def __str__(self) -> str:
-        s = f"TP{self.tp}PP{self.pp}DP{self.dp}"
+        s = f"TP{self.tp}PP{self.pp}" + (f"CP{self.cp}" if self.cp > 1 else "") + f"DP{self.dp}"
         if self.vpp_layers:
             s += f"VPP(l={self.vpp_layers})"
         s += "+SP" if self.sp else ""
         if self.ep > 1 or self.etp is not None:
             s += f"EP{self.ep}ETP{self.etp or self.tp}"
         return s
+
+
+# The layout flags of a fixture's cmd.txt (flag -> values it takes), dropped by entry_point_model_flags
+LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1, "--context-parallel-size": 1,
+                "--expert-model-parallel-size": 1, "--expert-tensor-parallel-size": 1, "--sequence-parallel": 0}
+
+
+def entry_point_model_flags(folder: Path) -> List[str]:
+    """The flags of a fixture the entry point trained (its cmd.txt's last line) less its layout, --save and
+    --log-jsonl: what every resume of it repeats (Layout gives the layout)."""
+    import shlex
+
+    argv = shlex.split((folder / "cmd.txt").read_text().splitlines()[-1])
+    flags = argv[argv.index("pretrain_scripts/pretrain_gpt.py") + 1:]
+    drop = {**LAYOUT_FLAGS, "--save": 1, "--log-jsonl": 1}
+    out, i = [], 0
+    while i < len(flags):
+        if flags[i] in drop:
+            i += 1 + drop[flags[i]]
+            continue
+        out.append(flags[i])
+        i += 1
+    return out
 
 
 class RunFailed(AssertionError):

@@ -23,13 +23,12 @@ two TP shards exchanged leaves every tolerance by far.
 from __future__ import annotations
 
 import json
-import shlex
 from pathlib import Path
 from typing import Dict, List
 
 import pytest
 
-from pretrain_runs import Layout, read_records, run_pretrain
+from pretrain_runs import Layout, entry_point_model_flags, read_records, run_pretrain
 from torch_dist_checks import gap_chunks
 
 from megatron_ucp.commands import from_universal as fu
@@ -44,25 +43,12 @@ H19 = "H19_mla_moe_mtp_tp2pp2dp2ep2etp2_distopt_sp_torch"
 I19 = "I19_mla_noqlora_mtp_tied_tp2pp1dp2_distopt_sp_torch_dist"
 TOLERANCE = {"lm_loss": 4e-6, "load_balancing_loss": 4e-6, "mtp_1_loss": 4e-6}  # relative (module docstring)
 LOSSES = tuple(TOLERANCE)
-LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1,
-                "--expert-model-parallel-size": 1, "--expert-tensor-parallel-size": 1, "--sequence-parallel": 0}
 ITER = "iter_0000004"
 
 
 def model_flags(name: str) -> List[str]:
     """The fixture's cmd.txt flags less its layout, --save and --log-jsonl: what every resume repeats."""
-    line = (FIXTURES / name / "cmd.txt").read_text().splitlines()[-1]
-    argv = shlex.split(line)
-    flags = argv[argv.index("pretrain_scripts/pretrain_gpt.py") + 1:]
-    drop = {**LAYOUT_FLAGS, "--save": 1, "--log-jsonl": 1}
-    out, i = [], 0
-    while i < len(flags):
-        if flags[i] in drop:
-            i += 1 + drop[flags[i]]
-            continue
-        out.append(flags[i])
-        i += 1
-    return out
+    return entry_point_model_flags(FIXTURES / name)
 
 
 def uninterrupted(name: str) -> Dict[int, dict]:

@@ -107,16 +107,19 @@ def add_publication_flags(p, output: str, marker: str) -> None:
 
 def add_target_layout_arguments(p, *, tp_required: bool) -> None:
     """The target layout's flags, spelled as Megatron-LM spells them (from-universal writes at it, plan checks it):
-    TP, PP, DP, VPP, EP, ETP, the distributed optimizer, sequence parallelism and the uneven pipeline split."""
+    TP, PP, DP, CP, VPP, EP, ETP, the distributed optimizer, sequence parallelism and the uneven pipeline split."""
     from megatron_ucp.core.placement import add_split_arguments
 
     p.add_argument("-t", "--tensor-model-parallel-size", type=int, required=tp_required,
                    **({} if tp_required else {"default": 1}))
     p.add_argument("-p", "--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("-d", "--data-parallel-size", type=int, default=1)
+    p.add_argument("-c", "--context-parallel-size", type=int, default=1,
+                   help="CP: ranks sharing each sequence (2*CP must divide the sequence length); world = TP x PP x CP "
+                        "x DP, the distributed optimizer shards over DP x CP")
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="EP (models with experts): must divide num_experts; carved out of TP x DP")
+                   help="EP (models with experts): must divide num_experts; carved out of TP x CP x DP")
     p.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="ETP (default: TP)")
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--sequence-parallel", action="store_true")

@@ -1,6 +1,6 @@
 """Universal checkpoint -> Megatron checkpoint at any layout (the `from-universal` command).
 
-    megatron-ucp from-universal UCP DST -t T -p P -d D [--num-layers-per-virtual-pipeline-stage V]
+    megatron-ucp from-universal UCP DST -t T -p P -d D [-c C] [--num-layers-per-virtual-pipeline-stage V]
         [--decoder-first-pipeline-num-layers F] [--decoder-last-pipeline-num-layers L]
         [--account-for-embedding-in-pipeline-split] [--account-for-loss-in-pipeline-split]
         [--expert-model-parallel-size E] [--expert-tensor-parallel-size ET]
@@ -96,7 +96,7 @@ def target_layout(ucp: UniversalCheckpoint, tp: int, pp: int, dp: int, vpp_layer
                   sequence_parallel: bool, *, first_stage_layers: Optional[int] = None,
                   last_stage_layers: Optional[int] = None, embedding_in_split: bool = False,
                   loss_in_split: bool = False, virtual_stages: Optional[int] = None, ep: int = 1,
-                  etp: Optional[int] = None) -> ParallelLayout:
+                  etp: Optional[int] = None, cp: int = 1) -> ParallelLayout:
     """The layout Megatron-LM would run with these flags (VPP from layers per virtual stage, or from
     --num-virtual-stages-per-pipeline-rank; uneven splits from Megatron-LM's split flags; EP and ETP only
     for a model with experts)."""
@@ -112,7 +112,7 @@ def target_layout(ucp: UniversalCheckpoint, tp: int, pp: int, dp: int, vpp_layer
                               virtual_stages=virtual_stages, **split)
         else:
             vpp = virtual_chunks(ucp.config.num_layers, pp, vpp_layers)
-        return ParallelLayout(tp=tp, pp=pp, dp=dp, vpp=vpp, sp=sequence_parallel, ep=ep, etp=etp, **split)
+        return ParallelLayout(tp=tp, pp=pp, dp=dp, vpp=vpp, sp=sequence_parallel, ep=ep, etp=etp, cp=cp, **split)
     except (LayoutError, PlacementError) as e:
         raise FromUniversalError(f"{ucp.path}: {e}") from e
 
@@ -154,6 +154,10 @@ def plan_target(ucp: UniversalCheckpoint, layout: ParallelLayout, *, vpp_layers:
         raise FromUniversalError(f"{where}: num_attention_heads={config.num_attention_heads} is not divisible by "
                                  f"TP={layout.tp}; choose a TP that divides it")
     args = ucp.args
+    seq_length = args.get("seq_length")
+    problem = layout.sequence_problem(seq_length if type(seq_length) is int and seq_length > 0 else None)
+    if problem:
+        raise FromUniversalError(f"{where}: {problem}")
     mbs, gbs = args.get("micro_batch_size"), args.get("global_batch_size")
     if mbs and gbs and gbs % (mbs * layout.dp):
         raise FromUniversalError(
@@ -253,7 +257,7 @@ def _check_counts(options: dict) -> None:
 
 def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_size: int = 1,
                    pipeline_model_parallel_size: int = 1, data_parallel_size: int = 1,
-                   num_layers_per_virtual_pipeline_stage: Optional[int] = None,
+                   context_parallel_size: int = 1, num_layers_per_virtual_pipeline_stage: Optional[int] = None,
                    expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None,
                    use_distributed_optimizer: bool = False, sequence_parallel: bool = False,
                    ckpt_format: str = "torch_dist", dry_run: bool = False, overwrite: bool = False,
@@ -281,7 +285,7 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
         raise FromUniversalError(f"rng_state={rng_state!r}: choose one of {', '.join(RNG_STATE_KINDS)}")
     _check_counts({"--tensor-model-parallel-size": tensor_model_parallel_size,
                    "--pipeline-model-parallel-size": pipeline_model_parallel_size,
-                   "--data-parallel-size": data_parallel_size,
+                   "--data-parallel-size": data_parallel_size, "--context-parallel-size": context_parallel_size,
                    "--num-layers-per-virtual-pipeline-stage": num_layers_per_virtual_pipeline_stage,
                    "--expert-model-parallel-size": expert_model_parallel_size,
                    "--expert-tensor-parallel-size": expert_tensor_parallel_size, "--workers": workers,
@@ -302,7 +306,8 @@ def from_universal(ucp_path: PathLike, dst: PathLike, *, tensor_model_parallel_s
     def plan_for(ucp: UniversalCheckpoint) -> TargetPlan:
         layout = target_layout(ucp, tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size,
                                num_layers_per_virtual_pipeline_stage, sequence_parallel, **(pipeline_split or {}),
-                               ep=expert_model_parallel_size, etp=expert_tensor_parallel_size)
+                               ep=expert_model_parallel_size, etp=expert_tensor_parallel_size,
+                               cp=context_parallel_size)
         plan = plan_target(ucp, layout, vpp_layers=num_layers_per_virtual_pipeline_stage, ckpt_format=ckpt_format,
                            use_distributed_optimizer=use_distributed_optimizer, rng_state=rng_state, writer=writer,
                            megatron_core_version=megatron_core_version, via_megatron_lm=via_megatron_lm,
@@ -487,6 +492,7 @@ def run_cli(args: argparse.Namespace) -> dict:
     summary = from_universal(
         args.ucp, args.dst, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, data_parallel_size=args.data_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,

@@ -170,12 +170,13 @@ def _json_scalar(value):
 
 
 def _layout_text(layout: dict) -> str:
-    parts = [f"TP={layout['tp']}", f"PP={layout['pp']}", f"DP={layout['dp']}",
+    parts = [f"TP={layout['tp']}", f"PP={layout['pp']}", f"CP={layout.get('cp', 1)}", f"DP={layout['dp']}",
              f"VPP={layout.get('vpp') or '-'}", f"SP={'on' if layout.get('sp') else 'off'}",
              f"EP={layout.get('ep', 1)}"]
     if layout.get("etp") is not None:
         parts.append(f"ETP={layout['etp']}")
-    return " ".join(parts)
+    world = layout["tp"] * layout["pp"] * layout.get("cp", 1) * layout["dp"]
+    return " ".join(parts) + f"   ({world} ranks)"
 
 
 def _attention_text(c: dict) -> str:

@@ -57,6 +57,11 @@ class Target:
     virtual_stages: Optional[int] = None
     ep: int = 1  # --expert-model-parallel-size
     etp: Optional[int] = None  # --expert-tensor-parallel-size (None: TP)
+    cp: int = 1  # --context-parallel-size
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
 
     @property
     def split(self) -> dict:
@@ -68,7 +73,7 @@ class Target:
         return not any(self.split.values()) and self.virtual_stages is None
 
     def describe(self) -> str:
-        s = f"TP{self.tp} PP{self.pp} DP{self.dp}"
+        s = f"TP{self.tp} PP{self.pp}" + (f" CP{self.cp}" if self.cp > 1 else "") + f" DP{self.dp}"
         if self.ep > 1 or self.etp not in (None, self.tp):
             s += f" EP{self.ep} ETP{self.etp or self.tp}"
         if self.layers_per_virtual_stage:
@@ -131,7 +136,8 @@ def check_target(source: Source, target: Target) -> tuple[list[str], list[str], 
     if problems:
         return problems, warnings, None, c.padded_vocab_size
     for name, value in (("--tensor-model-parallel-size", target.tp), ("--pipeline-model-parallel-size", target.pp),
-                        ("--data-parallel-size", target.dp), ("--expert-model-parallel-size", target.ep),
+                        ("--data-parallel-size", target.dp), ("--context-parallel-size", target.cp),
+                        ("--expert-model-parallel-size", target.ep),
                         ("--expert-tensor-parallel-size", target.etp or target.tp)):
         if value < 1:
             problems.append(f"{name} {value}: must be >= 1")
@@ -149,10 +155,12 @@ def check_target(source: Source, target: Target) -> tuple[list[str], list[str], 
         if c.moe_ffn_hidden_size % etp:
             problems.append(f"moe_ffn_hidden_size={c.moe_ffn_hidden_size} is not divisible by ETP={etp}; choose "
                             f"--expert-tensor-parallel-size in {_divisors(c.moe_ffn_hidden_size)}")
-        if (target.tp * target.dp) % (etp * target.ep):
-            problems.append(f"TP x DP = {target.tp} x {target.dp} ranks per stage cannot be split into ETP x EP = "
-                            f"{etp} x {target.ep} expert groups; choose EP and ETP whose product divides "
-                            f"{target.tp * target.dp}")
+        stage = target.tp * target.cp * target.dp
+        if stage % (etp * target.ep):
+            ranks = f"TP x CP x DP = {target.tp} x {target.cp} x {target.dp}" if target.cp > 1 else \
+                f"TP x DP = {target.tp} x {target.dp}"
+            problems.append(f"{ranks} ranks per stage cannot be split into ETP x EP = {etp} x {target.ep} expert "
+                            f"groups; choose EP and ETP whose product divides {stage}")
     t = target.tp
     tps = _model_tps(c)  # every suggestion is a TP the whole model takes
     if c.num_attention_heads % t:
@@ -181,6 +189,11 @@ def check_target(source: Source, target: Target) -> tuple[list[str], list[str], 
         warnings.append(f"vocabulary padding changes: the stored {c.padded_vocab_size} rows are not divisible by "
                         f"TP={t}, the loader re-pads to {padded} rows (padding rows enter the softmax: the loss "
                         f"shifts slightly); keep it with TP in {[d for d in tps if c.padded_vocab_size % d == 0]}")
+    seq_length = source.args.get("seq_length")
+    problem = ParallelLayout(cp=target.cp).sequence_problem(
+        seq_length if type(seq_length) is int and seq_length > 0 else None)
+    if problem:
+        problems.append(problem)
     gbs, mbs = source.args.get("global_batch_size"), source.args.get("micro_batch_size")
     if gbs and mbs:
         if gbs % (mbs * target.dp):
@@ -194,7 +207,7 @@ def check_target(source: Source, target: Target) -> tuple[list[str], list[str], 
     if problems:
         return problems, warnings, None, padded
     layout = ParallelLayout(tp=t, pp=target.pp, dp=target.dp, vpp=vpp, sp=target.sequence_parallel, ep=target.ep,
-                            etp=target.etp, **target.split)
+                            etp=target.etp, cp=target.cp, **target.split)
     try:  # anything the explicit checks above missed
         expected_parameters(dataclasses.replace(c, padded_vocab_size=padded), layout)
     except (LayoutError, ValueError, NotImplementedError) as e:
@@ -238,7 +251,7 @@ def _stage_reads(source: Source, c: GPTModelConfig, layout: ParallelLayout, padd
     stored_rows = source.config.padded_vocab_size
     moments = 2 if source.has_moments else 0
     gather = moments and use_distributed_optimizer
-    stage = _StageReads([], dense_weight=[0] * layout.dp, dense_opt=[0] * layout.dp,
+    stage = _StageReads([], dense_weight=[0] * layout.dp_cp, dense_opt=[0] * layout.dp_cp,
                         expert_weight=[0] * layout.expert_dp, expert_opt=[0] * layout.expert_dp)
     for chunk in range(layout.num_chunks):
         entries = parameters_for_rank(c, layout, pp_rank, chunk if layout.vpp else None, ep_rank=ep_rank,
@@ -277,15 +290,17 @@ def rank_reads(source: Source, layout: ParallelLayout, padded: int,
     stages: dict = {}
     ranks = []
     for rank in range(layout.world_size):
-        tp_rank, dp_rank, pp_rank = layout.coordinates(rank)
-        etp_rank, ep_rank, edp_rank, _ = layout.expert_coordinates(rank) if moe else (tp_rank, 0, dp_rank, pp_rank)
+        tp_rank, dp_cp_rank, pp_rank = layout.coordinates(rank)
+        dp_rank, cp_rank = layout.data_coordinates(dp_cp_rank)
+        etp_rank, ep_rank, edp_rank, _ = layout.expert_coordinates(rank) if moe else (tp_rank, 0, dp_cp_rank, pp_rank)
         key = (pp_rank, tp_rank, ep_rank, etp_rank)
         if key not in stages:
             stages[key] = _stage_reads(source, c, layout, padded, key, use_distributed_optimizer)
         stage = stages[key]
-        weight = stage.full_weight + stage.dense_weight[dp_rank] + stage.expert_weight[edp_rank]
-        opt = stage.full_opt + stage.dense_opt[dp_rank] + stage.expert_opt[edp_rank]
+        weight = stage.full_weight + stage.dense_weight[dp_cp_rank] + stage.expert_weight[edp_rank]
+        opt = stage.full_opt + stage.dense_opt[dp_cp_rank] + stage.expert_opt[edp_rank]
         row = {"rank": rank, "tp_rank": tp_rank, "pp_rank": pp_rank, "dp_rank": dp_rank,
+               **({"cp_rank": cp_rank} if layout.cp > 1 else {}),
                "num_parameters": len(stage.names), "weight_bytes": weight, "optimizer_bytes": opt,
                "read_bytes": weight + opt}
         if moe:
@@ -304,7 +319,7 @@ def rank_reads(source: Source, layout: ParallelLayout, padded: int,
 def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, splits: dict, pp_rank: int, chunk: int,
                        resized: dict, weight_bytes: list, opt_bytes: list, moments: int, *,
                        experts: bool = False) -> None:
-    """Bytes read per DP rank with the distributed optimizer: megatron-core gives DP rank r the r-th equal part
+    """Bytes read per DP x CP rank with the distributed optimizer: megatron-core gives DP x CP rank r the r-th equal part
     of every bucket of the chunk's DDP buffer (bucket_layout reproduces the buffer's index map; the expert
     buffers are split the same way over the expert-DP group); the rank reads the rows of each parameter's TP
     slice covering its part, for the fp32 weight and each moment (a re-padded vocabulary tensor: the moments
@@ -318,7 +333,7 @@ def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, splits: 
                           expert=experts) for local, shape, canonical in entries]
     canonicals = {local: canonical for local, _, canonical in entries}
     full_bytes = {local: math.prod(source.shapes[canonical]) * 4 for local, _, canonical in entries}
-    dp = layout.expert_dp if experts else layout.dp
+    dp = layout.expert_dp if experts else layout.dp_cp
     config = DDPBucketConfig(dp_size=dp, use_distributed_optimizer=True, bucket_size=None)
     for buffer in build_chunk_buffers(params, config, experts=experts):
         for bucket_index, bucket in enumerate(buffer.buckets):
@@ -361,7 +376,7 @@ def make_plan(src, target: Target, iteration: Optional[int] = None) -> dict:
         "conversion": None if source.format == "universal" else {
             "command": f"megatron-ucp to-universal {source.path} UCP_DIR", "parameters": len(source.shapes),
             "writes_bytes": stored_bytes},
-        "target": {**dataclasses.asdict(target), "world_size": target.tp * target.pp * target.dp,
+        "target": {**dataclasses.asdict(target), "world_size": target.world_size,
                    "layout": layout.to_dict() if layout else None, "padded_vocab_size": padded},
         "compatible": not problems,
         "problems": problems,
@@ -393,7 +408,7 @@ def format_report(plan: dict) -> str:
     if not plan["compatible"]:
         lines += [f"incompatible: {p}" for p in plan["problems"]]
         return "\n".join(lines)
-    dp = tgt["dp"]
+    shards = tgt["dp"] * tgt.get("cp", 1)
 
     def stage_key(r: dict) -> tuple:
         return r["pp_rank"], r["tp_rank"], r.get("ep_rank"), r.get("etp_rank")
@@ -411,7 +426,8 @@ def format_report(plan: dict) -> str:
             label += f" ep={stage['ep_rank']} etp={stage['etp_rank']}"
         rows.append((label, str(stage["num_parameters"]),
                      human_bytes(stage["weight_bytes"]), opt_text, human_bytes(max(r["read_bytes"] for r in rs))))
-    header = ("stage", "params", "weights/rank", "optimizer/rank" + (f" (over {dp} DP ranks)" if dp > 1 else ""),
+    over = f" (over {shards} DP x CP ranks)" if tgt.get("cp", 1) > 1 else f" (over {shards} DP ranks)"
+    header = ("stage", "params", "weights/rank", "optimizer/rank" + (over if shards > 1 else ""),
               "max read/rank")
     shown = 32
     lines += [""] + text_table(header, rows)[:1 + shown]
@@ -427,7 +443,7 @@ def format_report(plan: dict) -> str:
 def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p = subparsers.add_parser(
         "plan", parents=[common], help="check a target layout and show what each rank would read",
-        description="Before any data moves: check that a checkpoint can be loaded at a target TP x PP x DP "
+        description="Before any data moves: check that a checkpoint can be loaded at a target TP x PP x CP x DP "
                     "(x VPP, x EP x ETP with experts) layout and list what each target rank reads (parameters, "
                     "bytes). Exit status 1 "
                     "when the layout is incompatible.")
@@ -442,7 +458,8 @@ def run_cli(args: argparse.Namespace) -> dict:
                     dp=args.data_parallel_size, layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
                     use_distributed_optimizer=args.use_distributed_optimizer,
                     sequence_parallel=args.sequence_parallel, **split_options(args),
-                    ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
+                    ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
+                    cp=args.context_parallel_size)
     plan = make_plan(args.src, target, args.iteration)
     plan["message"] = format_report(plan)
     return plan

@@ -1,8 +1,12 @@
-"""Parallel layouts (TP x PP x DP, virtual pipeline, sequence parallelism, expert parallelism) as plain values.
+"""Parallel layouts (TP x PP x CP x DP, virtual pipeline, sequence parallelism, expert parallelism) as plain values.
 
-Expert parallelism is carved out of the same ranks (megatron-core's rank order tp-cp-ep-dp-pp): the
-dense layers see TP x PP x DP, the routed experts ETP x EP x expert-DP x PP, with
-world = TP*PP*DP = ETP*EP*EDP*PP."""
+megatron-core's rank order is tp-cp-ep-dp-pp: global rank = tp + TP * (cp + CP * (dp + DP * pp)). Context
+parallelism (CP) splits every sequence over CP ranks that hold the same parameters: for checkpoints a CP rank is a
+replica like a DP rank, and the distributed optimizer shards every buffer over the DP x CP group (megatron-core's
+intra_dp_cp group, whose rank is cp + CP * dp: `dp_cp_rank`). Data-parallel quantities (the global batch's split,
+args.data_parallel_size, per-DP RNG states) count DP alone. Expert parallelism is carved out of the same ranks:
+the routed experts see ETP x EP x expert-DP x PP (rank order etp-ep-edp-pp), with
+world = TP*PP*CP*DP = ETP*EP*EDP*PP."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ class ParallelLayout:
     sp: bool = False
     ep: int = 1
     etp: Optional[int] = None  # expert tensor parallel size; None = the dense TP (Megatron-LM's default)
+    cp: int = 1  # context parallel size (--context-parallel-size): each CP rank holds 2 of 2*CP sequence chunks
     # Uneven pipelines (Megatron-LM's --decoder-first/last-pipeline-num-layers,
     # --account-for-embedding/loss-in-pipeline-split); layers per chunk: adapters.gpt.chunk_layers
     first_stage_layers: Optional[int] = None
@@ -33,16 +38,16 @@ class ParallelLayout:
     def __post_init__(self):
         if self.etp is not None and self.etp == self.tp:
             object.__setattr__(self, "etp", None)  # one spelling of "ETP = TP"
-        for name in ("tp", "pp", "dp", "ep"):
+        for name in ("tp", "pp", "dp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name}={getattr(self, name)} must be >= 1")
         if self.etp is not None and self.etp < 1:
             raise LayoutError(f"etp={self.etp} must be >= 1")
-        if (self.tp * self.dp) % (self.expert_tp * self.ep):
+        if self.stage_ranks % (self.expert_tp * self.ep):
             raise LayoutError(
-                f"TP x DP = {self.tp} x {self.dp} ranks per pipeline stage cannot be split into ETP x EP = "
-                f"{self.expert_tp} x {self.ep} expert groups; choose EP and ETP whose product divides "
-                f"{self.tp * self.dp}")
+                f"TP x {'CP x ' if self.cp > 1 else ''}DP = {self.stage_ranks} ranks per pipeline stage cannot be "
+                f"split into ETP x EP = {self.expert_tp} x {self.ep} expert groups; choose EP and ETP whose product "
+                f"divides {self.stage_ranks}")
         if self.vpp is not None and self.vpp < 1:
             raise LayoutError(f"vpp={self.vpp} must be >= 1 or None")
         if self.sp and self.tp == 1:
@@ -51,7 +56,26 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def stage_ranks(self) -> int:
+        """Ranks per pipeline stage: TP x CP x DP (= ETP x EP x EDP)."""
+        return self.tp * self.cp * self.dp
+
+    @property
+    def dp_cp(self) -> int:
+        """Size of the DP x CP group: the replicas of every dense parameter, over which the distributed optimizer
+        shards each buffer (megatron-core's intra_dp_cp group)."""
+        return self.dp * self.cp
+
+    def dp_cp_rank(self, dp_rank: int, cp_rank: int = 0) -> int:
+        """Rank in the DP x CP group of the rank with these DP and CP ranks (the inverse of data_coordinates)."""
+        return cp_rank + self.cp * dp_rank
+
+    def data_coordinates(self, dp_cp_rank: int) -> tuple[int, int]:
+        """(DP rank, CP rank) of a rank in the DP x CP group."""
+        return dp_cp_rank // self.cp, dp_cp_rank % self.cp
 
     @property
     def expert_tp(self) -> int:
@@ -61,7 +85,7 @@ class ParallelLayout:
     @property
     def expert_dp(self) -> int:
         """Data-parallel size of the routed experts (their replicas)."""
-        return self.tp * self.dp // (self.expert_tp * self.ep)
+        return self.stage_ranks // (self.expert_tp * self.ep)
 
     def dense_mp_rank(self, tp_rank: int, pp_rank: int) -> int:
         """Rank in the TP x PP model-parallel group (the dense optimizer's `dp_group_idx`)."""
@@ -71,13 +95,15 @@ class ParallelLayout:
         """Rank in the ETP x EP x PP group (the expert optimizer's `dp_group_idx`; rank order tp-ep-dp-pp)."""
         return etp_rank + self.expert_tp * (ep_rank + self.ep * pp_rank)
 
-    def global_rank(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
-        """The global rank with these dense coordinates (megatron-core's default order tp-cp-ep-dp-pp, CP = 1)."""
-        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+    def global_rank(self, tp_rank: int, pp_rank: int, dp_cp_rank: int) -> int:
+        """The global rank with these dense coordinates, `dp_cp_rank` its rank in the DP x CP group (megatron-core's
+        order tp-cp-ep-dp-pp: tp + TP * (cp + CP * (dp + DP * pp)); at CP = 1 the DP rank)."""
+        return tp_rank + self.tp * (dp_cp_rank + self.dp_cp * pp_rank)
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
-        """(TP rank, DP rank, PP rank) of a global rank (the inverse of global_rank)."""
-        return rank % self.tp, rank // self.tp % self.dp, rank // (self.tp * self.dp)
+        """(TP rank, DP x CP rank, PP rank) of a global rank (the inverse of global_rank; data_coordinates splits
+        the middle one into DP and CP ranks)."""
+        return rank % self.tp, rank // self.tp % self.dp_cp, rank // (self.tp * self.dp_cp)
 
     def expert_global_rank(self, etp_rank: int, ep_rank: int, edp_rank: int, pp_rank: int) -> int:
         """The global rank with these expert coordinates (the inverse of expert_coordinates)."""
@@ -85,11 +111,19 @@ class ParallelLayout:
 
     def expert_coordinates(self, rank: int) -> tuple[int, int, int, int]:
         """(expert-TP rank, EP rank, expert-DP rank, PP rank) of a global rank (megatron-core's expert rank
-        order etp-ep-edp-pp over the same ranks as the dense tp-dp-pp)."""
+        order etp-ep-edp-pp over the same ranks as the dense tp-cp-dp-pp)."""
         etp_rank, rest = rank % self.expert_tp, rank // self.expert_tp
         ep_rank, rest = rest % self.ep, rest // self.ep
         edp_rank, pp_rank = rest % self.expert_dp, rest // self.expert_dp
         return etp_rank, ep_rank, edp_rank, pp_rank
+
+    def sequence_problem(self, seq_length: Optional[int]) -> Optional[str]:
+        """Why a run of this layout cannot take sequences of `seq_length` tokens (None: it can, or unknown).
+        Context parallelism splits every sequence into 2*CP equal chunks (rank r keeps chunks r and 2*CP-1-r)."""
+        if self.cp > 1 and seq_length is not None and seq_length % (2 * self.cp):
+            return (f"CP={self.cp} splits every sequence into 2*CP = {2 * self.cp} equal chunks, which "
+                    f"--seq-length {seq_length} does not divide into; choose a CP whose 2*CP divides {seq_length}")
+        return None
 
     @property
     def even_pipeline(self) -> bool:
@@ -126,7 +160,7 @@ class ParallelLayout:
         return self.pp - 1, self.num_chunks - 1
 
     def describe(self) -> str:
-        s = f"TP{self.tp}PP{self.pp}DP{self.dp}"
+        s = f"TP{self.tp}PP{self.pp}" + (f"CP{self.cp}" if self.cp > 1 else "") + f"DP{self.dp}"
         if self.vpp:
             s += f"VPP{self.vpp}"
         if self.ep > 1 or self.etp is not None:
@@ -143,6 +177,8 @@ class ParallelLayout:
     def to_dict(self) -> dict:
         d = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "vpp": self.vpp, "sp": self.sp, "ep": self.ep,
              "etp": self.etp}
+        if self.cp > 1:  # written only where it says something: layouts without CP keep their old dicts
+            d["cp"] = self.cp
         if not self.even_pipeline:
             d.update(first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers,
                      embedding_in_split=self.embedding_in_split, loss_in_split=self.loss_in_split)
@@ -150,5 +186,5 @@ class ParallelLayout:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ParallelLayout":
-        return cls(**{k: d[k] for k in ("tp", "pp", "dp", "vpp", "sp", "ep", "etp", "first_stage_layers",
+        return cls(**{k: d[k] for k in ("tp", "pp", "dp", "vpp", "sp", "ep", "etp", "cp", "first_stage_layers",
                                          "last_stage_layers", "embedding_in_split", "loss_in_split") if k in d})

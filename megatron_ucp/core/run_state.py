@@ -318,10 +318,16 @@ def parse_rng_file(doc: Any, where: str) -> list:
     return states
 
 
-def state_for_rank(states: list, pp: int, tp: int, dp: int) -> Optional[RankRngState]:
-    """The state rank (pp, tp, dp) restores: its own, or its (pp, tp) rank's shared one."""
+def state_for_rank(states: list, pp: int, tp: int, dp: int, *, dp_cp: Optional[int] = None,
+                   dp_cp_size: Optional[int] = None) -> Optional[RankRngState]:
+    """The state rank (pp, tp) with DP rank `dp` restores: its own, or its (pp, tp) rank's shared one. Per-rank
+    states are a list over the DP ranks (--data-parallel-random-init: the CP ranks of a DP rank share its state) or,
+    in megatron-core 0.16's torch_dist saves with experts, one per DP x CP rank (`dp_cp` of `dp_cp_size`): told
+    apart by their count (alike at CP = 1)."""
     by_key = {s.key: s for s in states}
-    return by_key.get((pp, tp, dp)) or by_key.get((pp, tp, None))
+    per_rank = sum(1 for s in states if (s.pp, s.tp) == (pp, tp) and s.dp is not None)
+    own = dp_cp if dp_cp is not None and dp_cp_size and per_rank == dp_cp_size else dp
+    return by_key.get((pp, tp, own)) or by_key.get((pp, tp, None))
 
 
 def restore_rng(state: RankRngState) -> None:

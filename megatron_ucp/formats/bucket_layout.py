@@ -10,10 +10,10 @@ core_v0.16.1), all checked against the fixtures:
   buffers of all chunks the expert optimizer's (sharded over the expert-DP group, same bucket size).
 - Inside a buffer, parameters are laid out in REVERSE registration order.
 - With the distributed optimizer every parameter start is rounded up to a multiple of 64 elements,
-  and every bucket end is rounded up to a multiple of lcm(dp, 128) (lcm(dp, 128, 2**16) with
+  and every bucket end is rounded up to a multiple of lcm(dp, 128) (dp: the DP x CP group; lcm(dp, 128, 2**16) with
   --ddp-pad-buckets-for-high-nccl-busbw). Without it there is no padding at all.
 - A bucket closes once it holds >= bucket_size elements. bucket_size = --ddp-bucket-size or
-  (--ddp-num-buckets: rank's total parameter count // num buckets) or max(4e7, 1e6 * dp); it is
+  (--ddp-num-buckets: rank's total parameter count // num buckets) or max(4e7, 1e6 * DP x CP); it is
   None (one bucket) without --overlap-grad-reduce, on pipeline stages > 0 and for VPP chunks > 0.
 - A `shared_embedding` parameter (with PP > 1, the word embedding and its last-stage copy: the tied output layer
   or the multi-token prediction stage's embedding; LanguageModule.setup_embeddings_and_output_layer) always gets a
@@ -71,10 +71,10 @@ class DDPBucketConfig:
         `layout` (its args' DDP settings from `args`).
         rank_num_parameters: all parameters of this (tp, pp) rank, all chunks (for --ddp-num-buckets).
         experts: the expert-parallel buffers (sharded over the expert-DP group; same bucket size)."""
-        cp = args.get("context_parallel_size") or 1
         instances = args.get("num_distributed_optimizer_instances") or 1
-        dp = layout.dp
-        group = (layout.expert_dp if experts else dp) * cp // instances
+        # the (intra) DP x CP group, or the expert-DP group (carved out of TP x CP x DP): the layout's, never the
+        # args' (a writer's args are the source's until written)
+        group = (layout.expert_dp if experts else layout.dp_cp) // instances
         bucket_size = None
         if args.get("overlap_grad_reduce") and layout.is_first_chunk(pp_rank, vpp_chunk) \
                 and not args.get("overlap_param_gather_with_optimizer_step"):
@@ -83,7 +83,7 @@ class DDPBucketConfig:
             elif args.get("ddp_bucket_size") is not None:
                 bucket_size = args["ddp_bucket_size"]
             else:
-                bucket_size = max(DEFAULT_BUCKET_SIZE, DEFAULT_BUCKET_SIZE_PER_DP_RANK * dp * cp)
+                bucket_size = max(DEFAULT_BUCKET_SIZE, DEFAULT_BUCKET_SIZE_PER_DP_RANK * layout.dp_cp)
         return cls(
             dp_size=group,
             use_distributed_optimizer=bool(args.get("use_distributed_optimizer")),

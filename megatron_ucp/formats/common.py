@@ -186,6 +186,7 @@ def layout_from_args(args: dict, source: Any = "args") -> ParallelLayout:
             tp=tp, pp=pp, dp=args.get("data_parallel_size") or max(1, world // (tp * pp * cp)),
             vpp=args.get("virtual_pipeline_model_parallel_size"),
             sp=bool(args.get("sequence_parallel")),
+            cp=cp,
             # expert sizes mean nothing without experts (Megatron-LM still records ETP = TP in dense runs)
             ep=(args.get("expert_model_parallel_size") or 1) if args.get("num_experts") else 1,
             etp=args.get("expert_tensor_parallel_size") if args.get("num_experts") else None,

@@ -9,6 +9,7 @@ it moves into place. Writers register in `megatron_ucp.formats.writers` (WRITERS
 from __future__ import annotations
 
 import abc
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +79,7 @@ def target_args(metadata: Mapping[str, Any], layout: ParallelLayout, *, use_dist
         account_for_embedding_in_pipeline_split=bool(layout.embedding_in_split),
         account_for_loss_in_pipeline_split=bool(layout.loss_in_split),
         num_virtual_stages_per_pipeline_rank=layout.vpp if layout.vpp and not vpp_layers else None,
-        context_parallel_size=1,
+        context_parallel_size=layout.cp,
         world_size=layout.world_size,
         sequence_parallel=bool(layout.sp),
         use_distributed_optimizer=bool(use_distributed_optimizer),
@@ -88,6 +89,12 @@ def target_args(metadata: Mapping[str, Any], layout: ParallelLayout, *, use_dist
         consumed_train_samples=int(metadata.get("consumed_train_samples") or 0),
         consumed_valid_samples=int(metadata.get("consumed_valid_samples") or 0),
     )
+    # megatron-core's hierarchical CP splits the CP group in sub-groups whose sizes multiply to CP: kept only where
+    # they still split the target's CP (they decide communication only, never what a checkpoint holds)
+    sizes = args.get("hierarchical_context_parallel_sizes")
+    if sizes is not None and not (isinstance(sizes, list) and sizes and all(type(n) is int and n > 0 for n in sizes)
+                                  and math.prod(sizes) == layout.cp):
+        args["hierarchical_context_parallel_sizes"] = None
     return args
 
 

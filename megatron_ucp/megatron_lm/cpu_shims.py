@@ -5,7 +5,10 @@ places. `install()` applies the patches below, each written against megatron-cor
 The list is the one the fixtures' own Megatron-LM core_v0.19.0 runs on CPU needed (each checked there by
 turning it off; tests/fixtures/megatron-core-0.19/*/train.log), less the MoE router's TransformerEngine GEMM
 patch of 0.16.1, which 0.19 no longer needs. None changes a number: with them, Megatron-LM 0.19 on CPU
-reproduces the fixtures' losses to every printed digit (tests/test_megatron_lm_019.py).
+reproduces the fixtures' losses to every printed digit (tests/test_megatron_lm_019.py). Added since, for what the
+local spec lacks on CPU: multi-latent attention's head sizes and context parallelism in the local core attention,
+the rotary embedding's CP slice without CUDA, and a fused-kernel warm-up whose CPU-generator draws do not depend on
+CP (tests/test_mla_mtp.py, tests/test_context_parallel.py: a CP2 run trains as the CP1 run).
 
 Two kinds:
 - before `import megatron` (`install_import_patches`): Python 3.11, triton absent;
@@ -128,7 +131,9 @@ def install() -> bool:
         _moe_alltoall_splits_as_numpy()
         _dataset_helpers_prebuilt()
         _torch_norm_under_sequence_parallel()
-        _local_core_attention_with_mla_head_dims()
+        _local_core_attention_with_mla_head_dims_and_cp()
+        _rotary_embedding_cp_slice_on_cpu()
+        _jit_warmup_draws_independent_of_cp()
     _installed = True
     return on_cpu
 
@@ -430,31 +435,152 @@ def _torch_norm_under_sequence_parallel() -> None:
     torch_norm.WrappedTorchNorm.__new__ = __new__
 
 
-def _local_core_attention_with_mla_head_dims() -> None:
-    # Multi-latent attention (MLASelfAttention) builds its core attention with separate query/key and value
-    # head sizes (k_channels = qk_head_dim + qk_pos_emb_head_dim, v_channels = v_head_dim) and its own softmax
-    # scale; only TransformerEngine's DotProductAttention takes them, and megatron-core's local one raises
-    # TypeError. The local class's math (baddbmm with the scale, FusedScaleMaskSoftmax, dropout in the
-    # tracker's fork, bmm with the values) never assumes equal head sizes except in the output's width; this
-    # subclass takes both sizes and sets that width to heads x v_channels. Without k/v channels (every other
-    # attention) it is the local class unchanged.
+def cp_chunk_order(cp: int) -> list[tuple[int, int]]:
+    """Where each of a sequence's 2*CP chunks lives under context parallelism: chunk c (in sequence order) is
+    (CP rank, half) -- rank r holds chunks r and 2*CP-1-r, in that order (megatron-core's zig-zag split,
+    `get_batch_on_this_cp_rank`; the rotary embedding is sliced alike)."""
+    return [(c, 0) if c < cp else (2 * cp - 1 - c, 1) for c in range(2 * cp)]
+
+
+def cp_positions(cp: int, cp_rank: int, seq_length: int) -> torch.Tensor:
+    """The global sequence positions of a CP rank's tokens, in the order it holds them."""
+    chunk = seq_length // (2 * cp)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk)
+                      for c, (rank, _) in enumerate(cp_chunk_order(cp)) if rank == cp_rank])
+
+
+class _GatherSequenceChunks(torch.autograd.Function):
+    """[s/CP, ...] on each CP rank -> [s, ...] in sequence order on every rank (all-gather, then the chunks put
+    where cp_chunk_order says). Backward: the gradient of the whole sequence summed over the CP ranks (every
+    rank's queries read every key), and each rank keeps its own two chunks' rows."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        cp = torch.distributed.get_world_size(group)
+        ctx.group, ctx.cp, ctx.rank = group, cp, torch.distributed.get_rank(group)
+        parts = [torch.empty_like(x) for _ in range(cp)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([halves[rank][half] for rank, half in cp_chunk_order(cp)], dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        chunks = grad.chunk(2 * ctx.cp, dim=0)
+        mine = [chunks[c] for c, (rank, _) in enumerate(cp_chunk_order(ctx.cp)) if rank == ctx.rank]
+        return torch.cat(mine, dim=0), None
+
+
+def _local_core_attention_with_mla_head_dims_and_cp() -> None:
+    # The local spec's core attention (megatron-core's DotProductAttention), widened in two ways that only
+    # TransformerEngine's DotProductAttention offers, for CPU runs (GPU runs use TE and are untouched: this
+    # class replaces the local spec's core attention only when cpu_shims.install() finds no CUDA).
+    # 1. Multi-latent attention (MLASelfAttention) builds its core attention with separate query/key and value
+    #    head sizes (k_channels = qk_head_dim + qk_pos_emb_head_dim, v_channels = v_head_dim) and its own softmax
+    #    scale; megatron-core's local one raises TypeError. The local class's math (baddbmm with the scale,
+    #    FusedScaleMaskSoftmax, dropout in the tracker's fork, bmm with the values) never assumes equal head
+    #    sizes except in the output's width; this subclass takes both sizes and sets that width to heads x
+    #    v_channels.
+    # 2. Context parallelism: the local class asserts CP = 1 ("only supported by TEDotProductAttention"). Each CP
+    #    rank holds chunks r and 2*CP-1-r of the sequence (queries, keys, values, the rotary embedding, the
+    #    dataloader's mask rows). Here the keys and values are all-gathered over the CP group and put in sequence
+    #    order (_GatherSequenceChunks, whose backward sums the keys' and values' gradients over the CP ranks and
+    #    returns each rank its own chunks), and the local class's unchanged math runs on this rank's queries
+    #    against the whole sequence, with the causal mask by global positions: the dataloader's mask rows (already
+    #    this rank's, in global key order), else one made from cp_positions. The same attention as TE's ring
+    #    (p2p), all_gather or a2a exchanges compute, whatever --cp-comm-type says (they differ in communication
+    #    only); packed sequences (THD) are refused, as by the local class.
+    # Without k/v channels and at CP = 1 it is the local class unchanged.
+    import copy
+
+    from megatron.core import parallel_state
     from megatron.core.models import backends
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.utils import divide
 
-    class DotProductAttentionWithHeadDims(DotProductAttention):
+    class LocalCoreAttention(DotProductAttention):
         def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                      softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
-            super().__init__(config, layer_number, attn_mask_type, attention_type,
+            cp_size = config.context_parallel_size
+            if cp_size > 1:  # the parent refuses CP > 1 by config: show it CP = 1, keep the real config
+                seen = copy.copy(config)
+                seen.context_parallel_size = 1
+            super().__init__(seen if cp_size > 1 else config, layer_number, attn_mask_type, attention_type,
                              attention_dropout=attention_dropout, softmax_scale=softmax_scale,
                              cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+            self.config = config
+            self.cp_group = None
+            if cp_size > 1:
+                self.cp_group = getattr(self.pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
             if k_channels is not None:
                 self.hidden_size_per_attention_head = k_channels
             if v_channels is not None:
                 self.hidden_size_per_partition = v_channels * divide(config.num_attention_heads,
                                                                      self.pg_collection.tp.size())
 
-    backends.LocalSpecProvider.core_attention = lambda self: DotProductAttentionWithHeadDims
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if self.cp_group is None or self.cp_group.size() == 1:
+                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                       attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+            if packed_seq_params is not None:
+                raise NotImplementedError("packed sequences (THD) with context parallelism need TransformerEngine")
+            cp, rank = self.cp_group.size(), self.cp_group.rank()
+            key = _GatherSequenceChunks.apply(key, self.cp_group)
+            value = _GatherSequenceChunks.apply(value, self.cp_group)
+            seq = key.size(0)
+            if attention_mask is None or attention_mask.size(-1) != seq:  # no dataloader mask: causal by position
+                rows = cp_positions(cp, rank, seq).to(query.device)
+                attention_mask = (torch.arange(seq, device=query.device)[None, :] > rows[:, None])[None, None]
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias, packed_seq_params=None)
+
+    backends.LocalSpecProvider.core_attention = lambda self: LocalCoreAttention
+
+
+def _jit_warmup_draws_independent_of_cp() -> None:
+    # Megatron-LM's warm-up of its fused kernels (initialize._warmup_jit_function, before the model is built)
+    # draws its dummy inputs with torch.rand(..., device="cuda"), sized seq_length / CP. On GPUs those draws come
+    # from the CUDA generator; on CPU from the CPU generator, which then initializes the parameters megatron-core
+    # initializes from it (learned position embeddings, the MoE router): a CPU run at CP2 would start from other
+    # weights than the same run at CP1, which no GPU run does. The warm-up runs here with the CP = 1 sizes (its
+    # inputs are dummies; only the kernels' compilation matters), so the CPU generator is drawn alike at every CP
+    # and every CP starts from the CP1 weights. At CP = 1 nothing changes (the fixtures' runs).
+    from megatron.training import get_args, initialize
+
+    original = initialize._warmup_jit_function
+
+    @functools.wraps(original)
+    def _warmup_jit_function(*args, **kwargs):
+        run_args = get_args()
+        cp = run_args.context_parallel_size
+        run_args.context_parallel_size = 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            run_args.context_parallel_size = cp
+
+    initialize._warmup_jit_function = _warmup_jit_function
+
+
+def _rotary_embedding_cp_slice_on_cpu() -> None:
+    # rope_utils.get_pos_emb_on_this_cp_rank builds its chunk index as a pinned CPU tensor moved to CUDA
+    # (.cuda()); on CPU it selects the same two chunks (r and 2*CP-1-r, as cp_chunk_order) on the embedding's own
+    # device. Patched where the rotary embeddings imported it by name.
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        cp, rank = cp_group.size(), cp_group.rank()
+        index = torch.tensor([rank, 2 * cp - rank - 1], device=pos_emb.device)
+        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[(seq_dim + 1):])
+        pos_emb = pos_emb.index_select(seq_dim, index)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[(seq_dim + 2):])
+
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
 
 
 # --- torch Adam without TE/Apex (any device) -------------------------------------------------------

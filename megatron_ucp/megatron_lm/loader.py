@@ -617,7 +617,9 @@ def _restore_rng(args, ucp, layout) -> str:
     state = None
     if not why:
         state = state_for_rank(ucp.rng_states(), pp_rank, parallel_state.get_tensor_model_parallel_rank(),
-                               parallel_state.get_data_parallel_rank(with_context_parallel=True))
+                               parallel_state.get_data_parallel_rank(),
+                               dp_cp=parallel_state.get_data_parallel_rank(with_context_parallel=True),
+                               dp_cp_size=parallel_state.get_data_parallel_world_size(with_context_parallel=True))
         live = tensor_parallel.get_cuda_rng_tracker().get_states()
         if state is None:
             why = "no RNG state was saved for this rank"

@@ -207,7 +207,30 @@ def args_defaults(argv) -> dict:
     return defaults
 
 
+# Flags of Megatron-LM this entry point cannot serve, each with why (one line at start instead of a failure later).
+UNSUPPORTED_FLAGS = {
+    # megatron-core's hybrid CP gives each packed (THD) sequence its own CP group size: it needs packed batches with
+    # cu_seqlens, which the entry point's datasets (mock, indexed, the corpus) never make. Checkpoints of such runs
+    # are laid out as any CP run's (the optimizer shards over DP x CP): megatron-ucp reads and writes them.
+    "--hybrid-context-parallel": "the entry point's datasets are not packed (THD); hybrid context parallelism "
+                                 "needs packed sequences: drop the flag (--context-parallel-size alone works)",
+}
+
+
+def unsupported_flag(argv) -> str:
+    """The first flag of `argv` the entry point refuses, as one line naming it and why ('' when none)."""
+    for arg in argv:
+        why = UNSUPPORTED_FLAGS.get(arg.split("=", 1)[0])
+        if why:
+            return f"{arg.split('=', 1)[0]}: {why}"
+    return ""
+
+
 def main():
+    problem = unsupported_flag(sys.argv[1:])
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     on_cpu = cpu_shims.install()  # before the arguments: validate_args asks for the GPU architecture
     if on_cpu:
         sys.argv[1:] = cpu_shims.with_cpu_flags(sys.argv[1:])

@@ -128,6 +128,8 @@ def layout_flags(layout: ParallelLayout, vpp_layers: Optional[int], use_distribu
                   str(layout.expert_tp)]
     if layout.sp:
         flags.append("--sequence-parallel")
+    if layout.cp > 1:
+        flags += ["--context-parallel-size", str(layout.cp)]
     if use_distributed_optimizer:
         flags.append("--use-distributed-optimizer")
     return flags

@@ -224,19 +224,20 @@ def _model_dtype(ucp, name: str) -> TorchDType:
 
 
 class _Owners:
-    """Which rank writes each item: fixed for data that lives on one DP rank, else the least-loaded DP
-    rank of its (tp, pp) group (what megatron-core's fully parallel save balances)."""
+    """Which rank writes each item: fixed for data that lives on one DP x CP rank, else the least-loaded rank of its
+    (tp, pp) rank's DP x CP group (what megatron-core's fully parallel save balances over: Megatron-LM's
+    parallelization group is the data-parallel group with context parallelism)."""
 
     def __init__(self, layout: ParallelLayout, files_per_rank: int):
         self.layout, self.files_per_rank = layout, files_per_rank
         self.items: dict[int, list] = {}
         self.load: dict[int, int] = {}
 
-    def add(self, item: Item, tp_rank: int, pp_rank: int, dp_rank: Optional[int] = None) -> None:
-        if dp_rank is None:
-            self.add_any(item, [self.layout.global_rank(tp_rank, pp_rank, d) for d in range(self.layout.dp)])
+    def add(self, item: Item, tp_rank: int, pp_rank: int, dp_cp_rank: Optional[int] = None) -> None:
+        if dp_cp_rank is None:
+            self.add_any(item, [self.layout.global_rank(tp_rank, pp_rank, d) for d in range(self.layout.dp_cp)])
         else:
-            self.add_any(item, [self.layout.global_rank(tp_rank, pp_rank, dp_rank)])
+            self.add_any(item, [self.layout.global_rank(tp_rank, pp_rank, dp_cp_rank)])
 
     def add_expert(self, item: Item, etp_rank: int, ep_rank: int, pp_rank: int) -> None:
         """A routed expert's item: written by the least loaded rank of its (expert-TP, EP, PP) rank's expert-DP
@@ -339,13 +340,13 @@ def _rerun_sharded_state(args: dict) -> dict:
 
 def _plan_rng(ucp, config: GPTModelConfig, target: WriteTarget, owners: _Owners,
               release: versions.MegatronRelease) -> None:
-    """`rng_state` objects: one per (pp, tp) rank; with expert parallelism one per (pp, tp, dp) rank where the
-    release shards it so (Megatron-LM 0.16: each DP rank has its own expert-parallel stream)."""
+    """`rng_state` objects: one per (pp, tp) rank; with expert parallelism one per (pp, tp, DP x CP) rank where the
+    release shards it so (Megatron-LM 0.16: each DP x CP rank has its own expert-parallel stream)."""
     layout = target.layout
     per_dp = bool(config.num_experts) and layout.ep > 1 and release.rng_per_dp_with_experts
     for pp_rank in range(layout.pp):
         for tp_rank in range(layout.tp):
-            for dp_rank in (range(layout.dp) if per_dp else (None,)):
+            for dp_rank in (range(layout.dp_cp) if per_dp else (None,)):
                 ep_rank = 0
                 if per_dp:
                     ep_rank = layout.expert_coordinates(layout.global_rank(tp_rank, pp_rank, dp_rank))[1]
@@ -356,7 +357,7 @@ def _plan_rng(ucp, config: GPTModelConfig, target: WriteTarget, owners: _Owners,
                                             ep_rank, tensor=SavedTensor)
                 if per_dp:
                     key = sharded_object_key(RNG_STATE_KEY, (pp_rank, tp_rank, dp_rank),
-                                             (layout.pp, layout.tp, layout.dp))
+                                             (layout.pp, layout.tp, layout.dp_cp))
                 else:
                     key = sharded_object_key(RNG_STATE_KEY, (pp_rank, tp_rank), (layout.pp, layout.tp))
                 owners.add(ObjectItem(key, value), tp_rank, pp_rank, dp_rank or 0)
@@ -469,7 +470,7 @@ def _plan_flat_buckets(ucp, config: GPTModelConfig, target: WriteTarget, shapes:
                         mp, dp_size = layout.expert_mp_rank(tp_rank, ep_rank, pp_rank), layout.expert_dp
                         ranks = [layout.expert_global_rank(tp_rank, ep_rank, d, pp_rank) for d in range(dp_size)]
                     else:
-                        mp, dp_size = layout.dense_mp_rank(tp_rank, pp_rank), layout.dp
+                        mp, dp_size = layout.dense_mp_rank(tp_rank, pp_rank), layout.dp_cp
                         ranks = [layout.global_rank(tp_rank, pp_rank, d) for d in range(dp_size)]
                     _plan_rank_buckets(ucp, config, layout, shapes, step, identities, buffers, canonical, prefix, mp,
                                        tp_rank, pp_rank, ranks, owners, _grad_scaler(ucp, target))
