@@ -41,7 +41,7 @@ FIRST_DOCS = ("docs/USAGE.md", "README.md", "docs/TRAINING.md")  # then every ot
 MARKER = "# not run by the docs test: "
 SEED = "ckpt"  # the walkthrough's Megatron checkpoint: every later heading's directory starts with a copy
 LINKED = ("pretrain_scripts", "tools", "tests")
-RUN, MARKED = 13, 5  # blocks run, blocks marked
+RUN, MARKED = 14, 5  # blocks run, blocks marked
 # A command in a fence the test does not run (```sh, ```console, no language): a block it would silently miss.
 COMMAND_LINE = re.compile(r"^\s*(megatron-ucp|torchrun|python|make)\s", re.M)
 BEGIN, END = "@@docs-test begin ", "@@docs-test end "
