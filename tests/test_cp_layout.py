@@ -120,6 +120,11 @@ def test_layout_from_megatron_lms_args():
     # what megatron-ucp did before CP was a dimension of the layout: CP dropped, EP2 carved out of one rank
     with pytest.raises(LayoutError):
         ParallelLayout(dp=1, ep=2)
+    # args whose world size is not TP x PP x CP x DP (a data_parallel_size counting CP, as no release writes it)
+    from megatron_ucp.formats.common import CheckpointFormatError
+
+    with pytest.raises(CheckpointFormatError, match=r"args.world_size=2 is not TP x PP x CP x DP = 1 x 1 x 2 x 2"):
+        layout_from_args({**args, "data_parallel_size": 2}, "common.pt")
 
 
 def test_a_sequence_2cp_does_not_divide_is_refused():

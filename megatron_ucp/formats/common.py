@@ -181,6 +181,11 @@ def layout_from_args(args: dict, source: Any = "args") -> ParallelLayout:
     pp = args.get("pipeline_model_parallel_size") or 1
     cp = args.get("context_parallel_size") or 1
     world = args.get("world_size") or tp * pp * cp
+    dp = args.get("data_parallel_size")
+    if dp and args.get("world_size") and world != tp * pp * cp * dp:
+        raise CheckpointFormatError(
+            f"{source}: args.world_size={world} is not TP x PP x CP x DP = {tp} x {pp} x {cp} x {dp} (Megatron-LM's "
+            f"data_parallel_size excludes CP); the checkpoint's args are corrupt; re-copy it from the original")
     try:
         return ParallelLayout(
             tp=tp, pp=pp, dp=args.get("data_parallel_size") or max(1, world // (tp * pp * cp)),
