@@ -170,7 +170,8 @@ def test_legacy_many_buckets_resume_with_another_bucket_count(source, legacy_sou
     def buckets(layout, size):
         params = [BufferParam(local, tuple(shape), torch.float32)
                   for local, shape, _ in parameters_for_rank(config, layout, 0, None)]
-        return bucket_count({**args, "data_parallel_size": layout.dp, "ddp_bucket_size": size}, params)
+        return bucket_count({**args, "data_parallel_size": layout.dp, "world_size": layout.world_size,
+                             "ddp_bucket_size": size}, params)
 
     at_source = buckets(ParallelLayout(tp=2, dp=2, sp=True), 4000)
     at_target = buckets(ParallelLayout(tp=2, sp=True), 2500)
