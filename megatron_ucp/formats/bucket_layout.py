@@ -21,10 +21,18 @@ core_v0.16.1), all checked against the fixtures:
   counts that alignment padding (megatron-core 0.19.2's dp_reshardable save then fails: `dp_reshardable_saveable`).
 - `numel_unpadded` of a bucket = end of its last parameter - bucket start (inner alignment padding
   counts, the bucket-end padding does not).
+- The distributed optimizer's buffer state gathered over DP (get_parameter_state_dp_zero: distrib_optim.pt,
+  dp_zero_gather_scatter, and what fully_reshardable saves from) is *compact*: the buckets' numel_unpadded
+  elements one after the other (`coalesced_offset`). megatron-core 0.15-0.19's fully_reshardable save
+  (sharded_param_state_fully_reshardable) slices it with the buffer's own offsets instead, so from bucket 1 on
+  each parameter's saved state is the compact tensor's elements at the parameter's buffer offsets, zero-padded
+  past its end (fixed on Megatron-LM main, NVIDIA/Megatron-LM#5077): `shifted_save_runs` says where each
+  parameter's true state went.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
@@ -143,6 +151,10 @@ class BufferLayout:
         removed = sum(b.numel - b.numel_unpadded for b in self.buckets[:span.bucket])
         return span.start - removed
 
+    def padding_before(self, bucket: int) -> int:
+        """Bucket-end padding of the buckets before `bucket`: what the compact (gathered) state lacks there."""
+        return sum(b.numel - b.numel_unpadded for b in self.buckets[:bucket])
+
     def offset_in_bucket(self, span: ParamSpan) -> int:
         """Offset of `span` in its bucket's flat tensor (torch_dist dp_reshardable)."""
         return span.start - self.buckets[span.bucket].start
@@ -161,6 +173,52 @@ class BufferLayout:
             if last < bucket.numel_unpadded < shard_end:
                 return index
         return None
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    """`length` elements of one parameter's true state, from element `start` of it (flat, C order of its local
+    shape): saved by the shifted save under parameter `source` from its element `source_start`, or nowhere
+    (`source` None: the shifted save put buffer padding or another parameter's state in their place)."""
+
+    start: int
+    length: int
+    source: Optional[str]
+    source_start: int = 0
+
+
+def shifted_save_runs(buffer: BufferLayout) -> dict[str, tuple[SavedRun, ...]]:
+    """Where megatron-core 0.15-0.19's fully_reshardable save put each parameter's optimizer state (module
+    docstring): parameter q's saved tensor is compact[q.start:q.end] (its buffer offsets applied to the compact
+    tensor), while q's true state is compact[q.start - padding_before(q.bucket) : ...]. For every parameter whose
+    saved state is not its own (a bucket after one with end padding), the runs of its true state in order, each
+    found in the saved tensor of the parameter whose buffer offsets cover those compact elements, or lost where
+    they fall on buffer padding. {} when no saved state is shifted."""
+    windows = sorted(buffer.params, key=lambda s: s.start)  # the saved windows, in compact coordinates
+    starts = [w.start for w in windows]
+    out: dict[str, tuple[SavedRun, ...]] = {}
+    for span in buffer.params:
+        shift = buffer.padding_before(span.bucket)
+        if shift == 0:
+            continue
+        lo, hi = span.start - shift, span.end - shift  # the true state's compact elements
+        runs: list[SavedRun] = []
+        pos = lo
+        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        while pos < hi:
+            w = windows[i] if i < len(windows) else None
+            if w is not None and w.end <= pos:
+                i += 1
+                continue
+            if w is None or w.start > pos:  # buffer padding under these compact elements: saved nowhere
+                end = min(hi, w.start if w is not None else hi)
+                runs.append(SavedRun(pos - lo, end - pos, None))
+            else:
+                end = min(hi, w.end)
+                runs.append(SavedRun(pos - lo, end - pos, w.name, pos - w.start))
+            pos = end
+        out[span.name] = tuple(runs)
+    return out
 
 
 def _round_up(n: int, divisor: int) -> int:
