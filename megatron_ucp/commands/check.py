@@ -41,10 +41,12 @@ def check(path, workers: int = 0) -> dict:
     problems += [p for p in universal_problems(ucp) if p.split(": ", 1)[0] not in known]
     problems += _rng_problems(ucp)
     seconds = report.seconds
+    # what the source's release saved wrongly and what the conversion did about it (recorded by to-universal)
+    notes = list(report.notes) + [f"source: {n}" for n in (ucp.metadata.get("source") or {}).get("notices") or []]
     return {"path": str(Path(ucp.path).resolve()), "format_version": ucp.version, "lazy": ucp.lazy_source is not None,
             "ok": not problems, "files": report.files, "blocks": report.blocks, "bytes": report.bytes,
             "seconds": round(seconds, 3), "gib_per_s": round(report.bytes / 2 ** 30 / seconds, 2) if seconds else None,
-            "checks": list(report.checks), "notes": list(report.notes), "problems": problems,
+            "checks": list(report.checks), "notes": notes, "problems": problems,
             "failures": [f.to_json() for f in report.failures]}
 
 

@@ -136,6 +136,7 @@ def describe(ckpt) -> dict:
                  "lazy_source": (meta.get("lazy") or {}).get("source"),
                  "checksums": ckpt.version >= 2}
         problems = universal_problems(ckpt)
+        notices = list((meta.get("source") or {}).get("notices") or [])
     else:
         common = ckpt.common_state()
         layout = ckpt.layout.to_dict()
@@ -143,6 +144,7 @@ def describe(ckpt) -> dict:
         optimizer_kind = ckpt.optimizer_kind
         extra = {"checkpoint_version": _json_scalar(common.get("checkpoint_version")),
                  "megatron_core": ckpt.release.label}
+        notices = ckpt.notices()
     numel = sum(r.numel for r in rows)
     return {
         "path": str(Path(ckpt.path).resolve()),
@@ -162,6 +164,8 @@ def describe(ckpt) -> dict:
         "total_bytes": disk_bytes(Path(ckpt.path)),
         "parameters": [r.to_dict() for r in rows],
         "problems": problems,
+        # what the (source's) release saved wrongly and how it is read (universal: what the conversion did)
+        "notices": notices,
     }
 
 
@@ -217,6 +221,7 @@ def format_report(info: dict) -> str:
         lines.insert(-1, f"  experts       {moe['num_experts']} routed experts (ffn {moe['moe_ffn_hidden_size']}){per_rank}"
                          f" in MoE layers {moe['moe_layers']} ({moe['dense_layers']} dense){shared}"
                          + (", router expert bias (a buffer)" if moe["router_expert_bias"] else ""))
+    lines += [f"  notice        {n}" for n in info.get("notices") or []]
     if info.get("lazy_source"):
         lines.append(f"  lazy          an index into {info['lazy_source']} (tensors are read from there; keep it "
                      f"in place and unchanged)")

@@ -29,6 +29,10 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-non-finite", action="store_true",
                    help="convert tensors holding NaN/Inf as they are (refused by default, naming them; a lazy "
                         "index does not search: `check` does)")
+    p.add_argument("--reset-lost-optimizer-state", action="store_true",
+                   help="where the source's release saved some optimizer state nowhere (megatron-core 0.15-0.19's "
+                        "fully_reshardable with several DDP buckets: docs/VERSIONS.md), reset just those elements "
+                        "(Adam moments to zero, named in the notice) instead of refusing the conversion")
     add_publication_flags(p, "universal checkpoint", "COMPLETE")
     p.add_argument("--lazy", action="store_true",
                    help="write only an index (metadata.json) of where each consolidated tensor's bytes are in SRC: "
@@ -43,12 +47,14 @@ def run_cli(args: argparse.Namespace) -> dict:
         summary = convert_distributed(args.src, args.dst, iteration=args.iteration,
                                       average_replicas=args.average_replicas, progress=not args.quiet,
                                       overwrite=args.overwrite, clean_stale=args.clean_stale,
-                                      allow_non_finite=args.allow_non_finite)
+                                      allow_non_finite=args.allow_non_finite,
+                                      reset_lost_optimizer_state=args.reset_lost_optimizer_state)
     else:
         summary = convert(args.src, args.dst, iteration=args.iteration, workers=args.workers,
                           average_replicas=args.average_replicas, progress=not args.quiet,
                           overwrite=args.overwrite, lazy=args.lazy, clean_stale=args.clean_stale,
-                          allow_non_finite=args.allow_non_finite)
+                          allow_non_finite=args.allow_non_finite,
+                          reset_lost_optimizer_state=args.reset_lost_optimizer_state)
     result = summary.to_dict()
     if not reports():
         return result  # rank 0 reports
@@ -59,4 +65,5 @@ def run_cli(args: argparse.Namespace) -> dict:
         result["message"] = (f"wrote lazy {summary.path}: an index of {summary.num_parameters} parameters into "
                              f"{summary.source} (iteration {summary.iteration}, {summary.source_format}), "
                              f"{summary.seconds:.1f} s; keep the source in place and unchanged while you use it")
+    result["message"] += "".join(f"\nnotice: {n}" for n in summary.notices)
     return result

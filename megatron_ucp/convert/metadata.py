@@ -82,6 +82,7 @@ def build_metadata(ckpt: CheckpointReader, *, average_replicas: bool) -> dict:
             "optimizer_kind": ckpt.optimizer_kind,
             "checkpoint_version": json_safe(common.get("checkpoint_version")),
             "megatron_core": ckpt.release.name,  # the release that wrote it (core/versions.py)
+            **_notices(ckpt),
         },
         "model_config": ckpt.config.to_dict(),
         "args": args,
@@ -91,6 +92,13 @@ def build_metadata(ckpt: CheckpointReader, *, average_replicas: bool) -> dict:
         "loss_scaler": _loss_scaler(ckpt),
         "conversion": {"tool": "megatron-ucp to-universal", "average_replicas": bool(average_replicas)},
     }
+
+
+def _notices(ckpt: CheckpointReader) -> dict:
+    """What the source's release saved wrongly and what the conversion did about it (CheckpointReader.notices),
+    kept as source.notices; nothing when there is nothing to say."""
+    notices = ckpt.notices()
+    return {"notices": list(notices)} if notices else {}
 
 
 # --- run state besides tensors (docs/FORMAT.md "Loss scaler", "RNG states") -------------------------

@@ -46,12 +46,13 @@ class ConversionSummary:
     seconds: float
     workers: int
     lazy: bool = False
+    notices: tuple[str, ...] = ()  # what the source's release saved wrongly and what the conversion did
 
     def to_dict(self) -> dict:
         return {"path": str(self.path), "source": self.source, "source_format": self.source_format,
                 "iteration": self.iteration, "num_parameters": self.num_parameters,
                 "bytes_written": self.bytes_written, "seconds": round(self.seconds, 3), "workers": self.workers,
-                "lazy": self.lazy}
+                "lazy": self.lazy, "notices": list(self.notices)}
 
 
 def _check_not_nested(src: Path, iter_dir: Path, dst: Path) -> None:
@@ -68,7 +69,7 @@ HALF_WRITTEN = "half-written"  # the writer's phase once half the parameters are
 def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, workers: Optional[int] = None,
             average_replicas: bool = False, progress: bool = True, overwrite: bool = False,
             lazy: bool = False, clean_stale: bool = False, report=None,
-            allow_non_finite: bool = False) -> ConversionSummary:
+            allow_non_finite: bool = False, reset_lost_optimizer_state: bool = False) -> ConversionSummary:
     """to_universal with a summary of what was written (see to_universal)."""
     start = time.perf_counter()
     if workers is not None and int(workers) < 1:
@@ -78,7 +79,7 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
                               "use one of them")
     _check_not_nested(Path(src), Path(src), Path(dst))  # before the lock and staging names appear next to DST
     with UniversalWriter(dst, overwrite=overwrite, clean_stale=clean_stale, report=report) as writer:
-        ckpt = open_checkpoint(src, iteration)
+        ckpt = open_checkpoint(src, iteration, reset_lost_optimizer_state=reset_lost_optimizer_state)
         _check_not_nested(Path(src), Path(ckpt.path), Path(dst))
         tasks = conversion_tasks(ckpt)
         metadata = build_metadata(ckpt, average_replicas=average_replicas)
@@ -113,13 +114,14 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
         path = writer.finish(metadata, expected_parameters(ckpt.config), rng=saved_rng_states(ckpt))
     return ConversionSummary(path=path, source=str(Path(ckpt.path).resolve()), source_format=ckpt.format,
                              iteration=ckpt.iteration, num_parameters=len(tasks), bytes_written=written,
-                             seconds=time.perf_counter() - start, workers=workers, lazy=lazy)
+                             seconds=time.perf_counter() - start, workers=workers, lazy=lazy,
+                             notices=tuple(ckpt.notices()))
 
 
 def convert_distributed(src: PathLike, dst: PathLike, iteration: Optional[int] = None,
                         average_replicas: bool = False, progress: bool = True,
                         overwrite: bool = False, clean_stale: bool = False,
-                        allow_non_finite: bool = False) -> ConversionSummary:
+                        allow_non_finite: bool = False, reset_lost_optimizer_state: bool = False) -> ConversionSummary:
     """to_universal across the processes of a torchrun job (e.g. one per node on a shared filesystem), as
     io/sharded_job.py runs it.
 
@@ -139,7 +141,7 @@ def convert_distributed(src: PathLike, dst: PathLike, iteration: Optional[int] =
         return writer[0].staging_dir
 
     def open_and_plan(staging_dir: Path):
-        ckpt = open_checkpoint(src, iteration)
+        ckpt = open_checkpoint(src, iteration, reset_lost_optimizer_state=reset_lost_optimizer_state)
         _check_not_nested(Path(src), Path(ckpt.path), Path(dst))
         return ckpt, conversion_tasks(ckpt), staging_dir
 
@@ -178,7 +180,7 @@ def convert_distributed(src: PathLike, dst: PathLike, iteration: Optional[int] =
     written = sum(math.prod(e["shape"]) * 4 * len(e["tensors"]) for _, e in job.share)
     return ConversionSummary(path=Path(job.result), source=str(Path(ckpt.path).resolve()), source_format=ckpt.format,
                              iteration=ckpt.iteration, num_parameters=len(tasks), bytes_written=written,
-                             seconds=time.perf_counter() - start, workers=job.world)
+                             seconds=time.perf_counter() - start, workers=job.world, notices=tuple(ckpt.notices()))
 
 
 @dataclass(frozen=True)
@@ -192,20 +194,22 @@ class SourceIndex:
     rng: Optional[bytes]
     seconds: float
     workers: int
+    notices: tuple[str, ...] = ()  # CheckpointReader.notices (also in document['source']['notices'])
 
     @property
     def source(self) -> dict:
         return self.document["source"]
 
 
-def source_index(src: PathLike, iteration: Optional[int] = None, workers: Optional[int] = None) -> SourceIndex:
+def source_index(src: PathLike, iteration: Optional[int] = None, workers: Optional[int] = None, *,
+                 reset_lost_optimizer_state: bool = False) -> SourceIndex:
     """Index the Megatron-LM checkpoint at `src` (a root or an iteration folder) as to_universal(lazy=True)
     does, with the same checks before any tensor is read (every parameter present once on every TP rank with
     its local shape, the optimizer's byte layout as each reader knows it, file sizes against what the
     checkpoint's own metadata records) and the same byte comparisons (TP replicas and a tied output-layer
     copy equal), but no checksums and no output: nothing is written, the source is only read."""
     start = time.perf_counter()
-    ckpt = open_checkpoint(src, iteration)
+    ckpt = open_checkpoint(src, iteration, reset_lost_optimizer_state=reset_lost_optimizer_state)
     tasks = conversion_tasks(ckpt)
     metadata = build_metadata(ckpt, average_replicas=False)
     metadata["conversion"] = {"tool": "megatron-ucp --universal-checkpoint (direct resume)", "lazy": True,
@@ -216,7 +220,7 @@ def source_index(src: PathLike, iteration: Optional[int] = None, workers: Option
     metadata["lazy"] = lazy_section(ckpt.path, entries, checksums=False)
     document, rng = universal_document(ckpt.path, metadata, entries, expected_parameters(ckpt.config),
                                        rng=saved_rng_states(ckpt))
-    return SourceIndex(document, rng, time.perf_counter() - start, workers)
+    return SourceIndex(document, rng, time.perf_counter() - start, workers, tuple(ckpt.notices()))
 
 
 def _convert_all(ckpt: CheckpointReader, tasks: list[ParamTask], staging_dir: Optional[Path], workers: int,
@@ -260,7 +264,8 @@ def _convert_in_threads(ckpt: CheckpointReader, tasks: list[ParamTask], staging_
 
 def to_universal(src: PathLike, dst: PathLike, iteration: Optional[int] = None, workers: Optional[int] = None,
                  average_replicas: bool = False, progress: bool = True, overwrite: bool = False,
-                 lazy: bool = False, clean_stale: bool = False, allow_non_finite: bool = False) -> Path:
+                 lazy: bool = False, clean_stale: bool = False, allow_non_finite: bool = False,
+                 reset_lost_optimizer_state: bool = False) -> Path:
     """Convert the Megatron-LM checkpoint at `src` (a checkpoint root or one iter_XXXXXXX folder, legacy
     `torch` or `torch_dist`) into a universal checkpoint at `dst` and return `dst`.
 
@@ -277,7 +282,11 @@ def to_universal(src: PathLike, dst: PathLike, iteration: Optional[int] = None, 
 
     NaN/Inf in a tensor written refuse the conversion (found while its bytes are hashed, no extra pass),
     unless `allow_non_finite`; a lazy index copies no tensor and does not search (`check` does).
+
+    A source whose release saved the optimizer state wrongly in a way the bytes undo (megatron-core 0.15-0.19's
+    multi-bucket fully_reshardable) is repaired, said in source.notices; where elements were saved nowhere the
+    conversion is refused, unless `reset_lost_optimizer_state` (just those restart: Adam moments at zero).
     """
     return convert(src, dst, iteration=iteration, workers=workers, average_replicas=average_replicas,
                    progress=progress, overwrite=overwrite, lazy=lazy, clean_stale=clean_stale,
-                   allow_non_finite=allow_non_finite).path
+                   allow_non_finite=allow_non_finite, reset_lost_optimizer_state=reset_lost_optimizer_state).path

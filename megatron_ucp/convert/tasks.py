@@ -111,7 +111,11 @@ def _param_groups(ckpt: CheckpointReader, refs: list[ShardRef], saved: Optional[
 
 def conversion_tasks(ckpt: CheckpointReader) -> list[ParamTask]:
     """One task per canonical parameter, in registration order; raises ConversionError unless every
-    expected parameter is present exactly once, on every TP rank, with its expected local shape."""
+    expected parameter is present exactly once, on every TP rank, with its expected local shape, and the reader
+    can give the true state (CheckpointReader.read_problem: e.g. optimizer state its writer saved nowhere)."""
+    problem = ckpt.read_problem()
+    if problem:
+        raise ConversionError(problem)
     config, layout = ckpt.config, ckpt.layout
     try:
         expected = dict(expected_parameters(config, layout))

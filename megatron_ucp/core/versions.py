@@ -74,6 +74,13 @@ class MegatronRelease:
     # "transformer_layer" up to 0.16, "mtp_model_layer" from 0.17 (torch_dist keys say transformer_layer in every
     # release: MultiTokenPredictionLayer.sharded_state_dict maps it back); MultiTokenPredictionLayer.__init__
     mtp_inner_module: str = "mtp_model_layer"
+    # torch_dist sharding types this release's distributed optimizer saves shifted when a DDP buffer has several
+    # buckets (--overlap-grad-reduce: formats/bucket_layout.shifted_save_runs): sharded_param_state_fully_reshardable
+    # slices the compact gathered state with the buffer's padded offsets (core_v0.15.0 to core_v0.19.0 alike, and
+    # the 0.19.2 wheel; fixed on Megatron-LM main by NVIDIA/Megatron-LM#5077, in no release yet). Its load of
+    # fully_reshardable (load_parameter_state_from_fully_reshardable, the same in all of them) reads each
+    # parameter's state by its own model key, correctly: what a writer must give it is the true layout.
+    shifted_shardings: tuple[str, ...] = ("fully_reshardable",)
 
 
 @dataclass(frozen=True)
@@ -138,7 +145,7 @@ RELEASES: tuple[MegatronRelease, ...] = (
                     rerun_state_always=False, rng_per_dp_with_experts=False,
                     distrib_optim_default="fully_sharded_model_space",
                     distrib_optim_loads=("fully_sharded_model_space", "dp_zero_gather_scatter"),
-                    mtp_inner_module="transformer_layer"),
+                    mtp_inner_module="transformer_layer", shifted_shardings=()),
     # 0.15.3: tests/fixtures/megatron-core-0.14/E15* (Megatron-LM core_v0.15.3): dp_reshardable by default
     # (fully_sharded_model_space with --dist-ckpt-save-pre-mcore-014), otherwise as 0.16.1 but for RNG states
     # with experts, per (pp, tp) as in 0.14 (core_v0.15.3 get_rng_state). Markers: the

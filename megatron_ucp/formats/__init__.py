@@ -75,15 +75,19 @@ def megatron_kind(path: Path) -> Optional[str]:
     return None
 
 
-def open_checkpoint(path: Union[str, Path], iteration: Optional[int] = None) -> CheckpointReader:
+def open_checkpoint(path: Union[str, Path], iteration: Optional[int] = None, *,
+                    reset_lost_optimizer_state: bool = False) -> CheckpointReader:
     """Open a Megatron-LM checkpoint root (reads the tracker) or one iter_XXXXXXX folder; never a staging
-    directory of an unfinished write, nor a universal checkpoint (said as such)."""
+    directory of an unfinished write, nor a universal checkpoint (said as such). reset_lost_optimizer_state:
+    the reader resets optimizer state its writer saved nowhere instead of refusing it (CheckpointReader)."""
     from megatron_ucp.io.staging import check_not_staging
 
     check_not_staging(path, error=CheckpointFormatError)
     _refuse_universal(Path(path))
     iter_dir, iteration = resolve_iteration_dir(path, iteration)
-    return detect_format(iter_dir).reader()(iter_dir, iteration)
+    reader = detect_format(iter_dir).reader()(iter_dir, iteration)
+    reader.reset_lost_optimizer_state = bool(reset_lost_optimizer_state)
+    return reader
 
 
 def _refuse_universal(path: Path) -> None:

@@ -75,6 +75,19 @@ class CheckpointReader(abc.ABC):
     layout: ParallelLayout
     config: GPTModelConfig
     optimizer_kind: str  # one of OPTIMIZER_KINDS
+    # set by open_checkpoint: optimizer state the checkpoint's writer saved nowhere is reset (Adam moments to zero,
+    # an fp32 main weight to the model weight) instead of refused (read_problem)
+    reset_lost_optimizer_state: bool = False
+
+    def notices(self) -> list[str]:
+        """What the release that wrote this checkpoint saved wrongly and what reading does about it, one line
+        each ([] when nothing: the usual case)."""
+        return []
+
+    def read_problem(self) -> Optional[str]:
+        """Why read()/locate() cannot give this checkpoint's true state, in one line naming the way out (e.g.
+        elements the writer saved nowhere, without reset_lost_optimizer_state), or None."""
+        return None
 
     @abc.abstractmethod
     def shards(self) -> list[ShardRef]:

@@ -169,6 +169,8 @@ def open_for_load(args):
               + f"; rank 0 indexed {len(ucp.parameters)} parameters in {payload['seconds']:.2f} s "
                 f"({payload['workers']} threads, begun while the model was built; the load waited {waited:.2f} s "
                 f"for it and its broadcast), no byte of it written", flush=True)
+        for notice in source.get("notices") or []:  # what the source's release saved wrongly, and what is done
+            print(f" > --universal-checkpoint: notice: {notice}", flush=True)
     return ucp
 
 
@@ -214,15 +216,17 @@ def _indexed(args) -> bytes:
 
 
 def _index_key(args) -> tuple:
-    """(--load, the iteration Megatron-LM's --ckpt-step asks for or None: the tracker's)."""
-    return str(args.load), getattr(args, "ckpt_step", None) or None
+    """(--load, the iteration Megatron-LM's --ckpt-step asks for or None: the tracker's, whether optimizer state the
+    source's release saved nowhere is reset)."""
+    return (str(args.load), getattr(args, "ckpt_step", None) or None,
+            bool(getattr(args, "universal_reset_lost_optimizer_state", False)))
 
 
-def _index_payload(load, step) -> bytes:
+def _index_payload(load, step, reset_lost_optimizer_state=False) -> bytes:
     from megatron_ucp.convert import source_index
 
     try:
-        index = source_index(load, step)
+        index = source_index(load, step, reset_lost_optimizer_state=reset_lost_optimizer_state)
     except _SOURCE_ERRORS as e:
         raise _source_error(e) from None
     return json.dumps({"document": index.document, "seconds": index.seconds, "workers": index.workers,

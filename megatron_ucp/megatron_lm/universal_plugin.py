@@ -40,6 +40,11 @@ def add_arguments(parser):
                             "or a universal checkpoint (megatron-ucp to-universal)")
     group.add_argument("--universal-allow-batch-change", action="store_true",
                        help="allow another --global-batch-size than the checkpoint's")
+    group.add_argument("--universal-reset-lost-optimizer-state", action="store_true",
+                       help="a direct resume from a Megatron-LM checkpoint whose release saved some optimizer "
+                            "state nowhere (megatron-core 0.15-0.19's fully_reshardable with several DDP buckets): "
+                            "reset just those elements (Adam moments to zero, named in one line) instead of "
+                            "refusing")
     return parser
 
 

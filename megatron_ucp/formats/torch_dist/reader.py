@@ -253,6 +253,7 @@ class TorchDistCheckpoint(CheckpointReader):
                                   group_idx=layout.expert_mp_rank(etp_rank, ep_rank, pp_rank)),
                         etp_rank, pp_rank)
         self._check_all_keys_used()
+        self._shifted = self._find_shifted()  # megatron-core 0.15-0.19's shifted fully_reshardable state
 
     # -- opening ------------------------------------------------------------------------------
 
@@ -620,19 +621,47 @@ class TorchDistCheckpoint(CheckpointReader):
                 f"describe (transformer_impl={self.args.get('transformer_impl')!r}); add them to the GPT rulebook "
                 f"(megatron_ucp/adapters/gpt.py) if the model really has them")
 
-    def _attach_buffers(self, info: _RankInfo, tp_rank: int, pp_rank: int) -> None:
-        mp, opt = info.group_idx, info.optimizer
-        where = self._describe_rank(info, tp_rank, pp_rank)
+    def _chunk_buffers(self, info: _RankInfo, pp_rank: int) -> list[list[BufferLayout]]:
+        """The DDP buffers of each of the rank's chunks, as the saving run's args and layout built them."""
         num_params = self._rank_numel(pp_rank)
-        gbuf = 0
+        out = []
         for chunk, params in enumerate(info.params):
             config = DDPBucketConfig.from_megatron_args(self.args, self.layout, pp_rank=pp_rank, vpp_chunk=chunk,
-                                                        rank_num_parameters=num_params, experts=opt == 1)
+                                                        rank_num_parameters=num_params, experts=info.optimizer == 1)
             shared = shared_embedding_names(self.args, self.layout, pp_rank=pp_rank, vpp_chunk=chunk,
                                             names=[p.name for p in params])
             params = [BufferParam(p.name, p.shape, p.dtype, shared_embedding=p.name in shared, expert=p.expert)
                       for p in params if not rulebook.is_buffer(p.name)]
-            buffers = build_chunk_buffers(params, config, experts=opt == 1) if params else []
+            out.append(build_chunk_buffers(params, config, experts=info.optimizer == 1) if params else [])
+        return out
+
+    def _find_shifted(self):
+        """megatron-core 0.15-0.19's shifted fully_reshardable state (shifted.py), or None."""
+        if self.optimizer_kind != "distributed" or self._optim_space != "model":
+            return None
+        from megatron_ucp.formats.torch_dist.shifted import ShiftedState
+
+        ranks = []
+        for key, info in self._ranks.items():
+            tp_rank, pp_rank = key[1], key[-1]
+            refs = {(chunk, p.name): ShardRef(tp_rank, pp_rank, chunk, p.name, p.shape, p.dtype, info.ep_rank)
+                    for chunk, params in enumerate(info.params) for p in params}
+            ranks.append((self._describe_rank(info, tp_rank, pp_rank).removeprefix("rank "),
+                          self._chunk_buffers(info, pp_rank), lambda chunk, name, refs=refs: refs[(chunk, name)]))
+        fp32 = all(str(p.dtype) == "torch.float32" for info in self._ranks.values() for ps in info.params for p in ps)
+        return ShiftedState.of(str(self.path), self.release, self.distrib_optim_sharding, ranks, fp32)
+
+    def notices(self) -> list[str]:
+        return [self._shifted.notice(self.reset_lost_optimizer_state)] if self._shifted else []
+
+    def read_problem(self) -> Optional[str]:
+        return self._shifted.problem(self.reset_lost_optimizer_state) if self._shifted else None
+
+    def _attach_buffers(self, info: _RankInfo, tp_rank: int, pp_rank: int) -> None:
+        mp, opt = info.group_idx, info.optimizer
+        where = self._describe_rank(info, tp_rank, pp_rank)
+        gbuf = 0
+        for chunk, buffers in enumerate(self._chunk_buffers(info, pp_rank)):
             info.gbuf_base.append(gbuf)
             info.buffers.append(buffers)
             for buf in buffers:
@@ -838,7 +867,18 @@ class TorchDistCheckpoint(CheckpointReader):
     def read(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> dict:
         """The shard's tensors: 'param' (model weight), and with optimizer state 'fp32' (main weight),
         'exp_avg', 'exp_avg_sq', 'step'. `keys` (a subset of READ_KEYS, default all) names the tensors
-        wanted; only their bytes are read ('step' comes along whenever Adam state exists)."""
+        wanted; only their bytes are read ('step' comes along whenever Adam state exists). State a release saved
+        shifted is repaired (shifted.py)."""
+        shifted = self._shifted.params.get(self._shifted.key(ref)) if self._shifted else None
+        if shifted is not None:
+            try:
+                return self._shifted.read(shifted, keys, self._read_saved, self.reset_lost_optimizer_state)
+            except ValueError as e:
+                raise CheckpointFormatError(str(e)) from None
+        return self._read_saved(ref, keys)
+
+    def _read_saved(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> dict:
+        """read() of the tensors as saved."""
         req = self._requests(ref, keys)
         got = {fqn: [self._read_box(fqn, box) for box in boxes] for fqn, boxes in req.tensors.items()}
         out = self._outputs(ref, req, got, self._assemble)
@@ -850,6 +890,13 @@ class TorchDistCheckpoint(CheckpointReader):
         """Like read(), but each tensor is a StoredTensor (where its bytes are in the .distcp files)
         and nothing but the items' pickles is read; None when some tensor is not one contiguous run of
         bytes per saved chunk (read() it then)."""
+        shifted = self._shifted.params.get(self._shifted.key(ref)) if self._shifted else None
+        if shifted is not None:
+            return self._shifted.locate(shifted, keys, self._locate_saved)
+        return self._locate_saved(ref, keys)
+
+    def _locate_saved(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> Optional[dict]:
+        """locate() of the tensors as saved."""
         req = self._requests(ref, keys)
         got = {}
         for fqn, boxes in req.tensors.items():
