@@ -194,7 +194,42 @@ def place_parameter(ckpt: CheckpointReader, task: ParamTask, files: FileHandles
             a, b = placement.regions(), copy[key].regions()
             if a is None or b is None or not regions_equal(files, a, b):
                 return None
-    return placed[0], _info(task, step)
+    info = _info(task, step)
+    zeroed = [[ckpt.zeroed(ref, keys) for ref in place] for place in task.places]
+    if any(z for place in zeroed for z in place):
+        if len(task.places) > 1:
+            return None  # a tied copy with reset elements: the tensor path compares the values
+        # elements reset to zero whatever their located bytes hold (CheckpointReader.zeroed), in global coordinates
+        info["zeroed"] = {key: zeroed_runs(placement, [z.get(key, ()) for z in zeroed[0]])
+                          for key, placement in placed[0].items() if any(z.get(key) for z in zeroed[0])}
+    return placed[0], info
+
+
+def zeroed_runs(placement: Placement, shard_runs: list) -> list[list[int]]:
+    """[[start, length], ...]: the elements (flat, C order of the global tensor) that the runs `shard_runs[t]`
+    (start, length; flat in TP shard t) of the shards become through the placement's blocks."""
+    import numpy
+
+    found = []
+    for block in placement.blocks:
+        runs = shard_runs[block.shard]
+        if not runs:
+            continue
+        flat = numpy.concatenate([numpy.arange(start, start + length) for start, length in runs])
+        coords = numpy.unravel_index(flat, placement.shards[block.shard].shape)
+        inside = numpy.ones(flat.shape, dtype=bool)
+        for c, r in zip(coords, block.src):
+            inside &= (c >= r.start) & (c < r.stop)
+        dst = tuple(c[inside] - r.start + d.start for c, r, d in zip(coords, block.src, block.dst))
+        found.append(numpy.ravel_multi_index(dst, placement.shape))
+    elements = numpy.unique(numpy.concatenate(found)) if found else numpy.empty(0, dtype=numpy.int64)
+    out: list[list[int]] = []
+    for e in elements.tolist():
+        if out and out[-1][0] + out[-1][1] == e:
+            out[-1][1] += 1
+        else:
+            out.append([e, 1])
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -217,7 +252,7 @@ def convert_parameter(ckpt: CheckpointReader, task: ParamTask, staging_dir: Path
     if not average_replicas:  # averaging computes new values: tensors needed
         with FileHandles() as files:
             placed = place_parameter(ckpt, task, files)
-            if placed is not None:
+            if placed is not None and "zeroed" not in placed[1]:  # reset elements: the tensor path writes zeros
                 return write_tensor_file_placed(staging_dir, task.name, placed[0], placed[1], files,
                                                 check_finite=check_finite)
     tensors, info = consolidate_parameter(ckpt, task, average_replicas=average_replicas)

@@ -84,6 +84,12 @@ class CheckpointReader(abc.ABC):
         each ([] when nothing: the usual case)."""
         return []
 
+    def zeroed(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> dict:
+        """{tensor: ((start, length), ...)}: runs (flat, C order of the local shape) of what locate() gives whose
+        value is zero, not the located bytes (optimizer state reset by reset_lost_optimizer_state; read() gives
+        the zeros); {} for none, the usual case."""
+        return {}
+
     def read_problem(self) -> Optional[str]:
         """Why read()/locate() cannot give this checkpoint's true state, in one line naming the way out (e.g.
         elements the writer saved nowhere, without reset_lost_optimizer_state), or None."""

@@ -23,7 +23,11 @@ if TYPE_CHECKING:
 
 FORMAT_NAME = "megatron-ucp-universal"
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1: no checksums (read, with sizes and headers checked instead)
+# a lazy checkpoint with `zeroed` entries (elements read as zero whatever their source bytes hold: optimizer state
+# its source's release saved nowhere, reset) is version 3, so that a version-2 reader refuses it instead of
+# reading those source bytes; everything else is written as version 2
+ZEROED_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # version 1: no checksums (read, with sizes and headers checked instead)
 
 METADATA_FILENAME = "metadata.json"
 COMPLETE_FILENAME = "COMPLETE"
@@ -57,6 +61,9 @@ class ParamInfo:
     step: Optional[int]  # Adam step of this parameter; None without optimizer state
     param_group: dict
     placements: Optional[dict] = None  # lazy checkpoints: key -> Placement (bytes in the source checkpoint)
+    # lazy checkpoints: key -> ((start, length), ...) element runs (flat) that read as zero whatever their source
+    # bytes hold (optimizer state the source's release saved nowhere, reset: docs/FORMAT.md "zeroed")
+    zeroed: Optional[dict] = None
     checksum: Optional[DigestRecord] = None  # block digests of the tensor file (version 2)
 
     @property

@@ -38,7 +38,7 @@ from megatron_ucp.io.byteio import (
 from megatron_ucp.io.integrity import ChecksumError, DigestRecord, SourceDigests, VerifiedBlocks
 from megatron_ucp.io.staging import check_not_staging
 from megatron_ucp.universal.format import (
-    COMPLETE_FILENAME, FORMAT_NAME, MAX_HEADER, MAX_RNG_FILE, METADATA_FILENAME, READABLE_VERSIONS, REQUIRED_METADATA,
+    ZEROED_VERSION, COMPLETE_FILENAME, FORMAT_NAME, MAX_HEADER, MAX_RNG_FILE, METADATA_FILENAME, READABLE_VERSIONS, REQUIRED_METADATA,
     RNG_FILENAME, TENSORS_DIRNAME, TENSOR_KEYS, ParamInfo, PathLike, UniversalFormatError, check_name, sha256_file,
     tensor_file)
 from megatron_ucp.universal.tensorfile import VerifiedTensorFile
@@ -103,12 +103,15 @@ def _param_info(name: str, d: Mapping[str, Any], meta_path: Path, version: int,
             raise UniversalFormatError(f"tensors {list(tensors)} must include 'fp32' and only {TENSOR_KEYS}")
         if d.get("dtype") != "float32":
             raise ValueError(f"dtype {d.get('dtype')!r}, the format stores float32")
-        placements, record = None, None
+        placements, record, zeroed = None, None, None
         if lazy_root is not None:
             placements = {key: placement_from_json(d["source_bytes"][key], str(lazy_root)) for key in tensors}
             if any(p.shape != shape for p in placements.values()):
                 raise UniversalFormatError(f"source_bytes shapes differ from {shape}")
             _check_regions(placements, lazy_root, lazy_files or {})
+            zeroed = _zeroed_runs(d.get("zeroed"), tensors, math.prod(shape))
+            if zeroed and version < ZEROED_VERSION:
+                raise ValueError(f"'zeroed' runs in a version-{version} checkpoint (they need version {ZEROED_VERSION})")
         else:
             if d["file"] != tensor_file(name):
                 raise UniversalFormatError(f"file {d['file']!r} is not {tensor_file(name)!r}")
@@ -120,9 +123,44 @@ def _param_info(name: str, d: Mapping[str, Any], meta_path: Path, version: int,
         return ParamInfo(name=name, shape=shape, dtype=d["dtype"],
                          model_dtype=d.get("model_dtype", d["dtype"]), pattern=pattern, file=d["file"],
                          tensors=tensors, step=None if d.get("step") is None else int(d["step"]),
-                         param_group=dict(d.get("param_group") or {}), placements=placements, checksum=record)
+                         param_group=dict(d.get("param_group") or {}), placements=placements, checksum=record,
+                         zeroed=zeroed)
     except (KeyError, TypeError, ValueError, PatternError, UniversalFormatError) as e:
         raise _malformed(meta_path, name, f"{type(e).__name__}: {e}") from None
+
+
+def _zero_runs(values, runs, shape: tuple, index) -> None:
+    """Zero, in `values` (the box `index` of a tensor of `shape`, as read), the elements of the flat runs."""
+    import numpy
+
+    flat = numpy.concatenate([numpy.arange(start, start + length) for start, length in runs])
+    coords = numpy.unravel_index(flat, shape)
+    box = [slice(*s.indices(n)[:2]) for s, n in zip(index or (), shape)]
+    inside = numpy.ones(flat.shape, dtype=bool)
+    for c, s in zip(coords, box):
+        inside &= (c >= s.start) & (c < s.stop)
+    local = tuple(c[inside] - (box[i].start if i < len(box) else 0) for i, c in enumerate(coords))
+    values.reshape([s.stop - s.start for s in box] + list(shape[len(box):]))[local] = 0
+
+
+def _zeroed_runs(found: Any, tensors: tuple, numel: int) -> Optional[dict]:
+    """A lazy entry's 'zeroed' section checked: {tensor key: [[start, length], ...]} with sorted, disjoint runs
+    inside the tensor (ValueError otherwise); None when absent."""
+    if found is None:
+        return None
+    if not isinstance(found, dict) or set(found) - set(tensors):
+        raise ValueError(f"'zeroed' must map some of {list(tensors)} to element runs")
+    out = {}
+    for key, runs in found.items():
+        end, checked = 0, []
+        for run in runs:
+            start, length = (int(x) for x in run)
+            if start < end or length < 1 or start + length > numel:
+                raise ValueError(f"'zeroed' {key} run {run} is not sorted, disjoint and inside {numel} elements")
+            end = start + length
+            checked.append((start, length))
+        out[key] = tuple(checked)
+    return out
 
 
 def _check_regions(placements: Mapping[str, Placement], root: Path, files: Mapping[str, Any]) -> None:
@@ -682,13 +720,16 @@ class UniversalCheckpoint:
             if self.source_digests is not None:
                 integrity.verify_box_sources(files, placement, index, self.source_digests,
                                              label=f"{info.name} [{key}] in the source checkpoint", cache=self._verified)
-            return read_box_bits(files, placement, index)
+            values = read_box_bits(files, placement, index)
         except ChecksumError as e:
             raise UniversalFormatError(f"{' '.join(str(e).split())} (read through the lazy checkpoint "
                                        f"{self.path})") from None
         except (OSError, StorageError) as e:
             raise UniversalFormatError(f"{self.path}: reading {info.name} [{key}] from the source checkpoint "
                                        f"{self.lazy_source} failed ({e}); restore the source or reconvert") from e
+        if info.zeroed and info.zeroed.get(key):
+            _zero_runs(values, info.zeroed[key], info.shape, index)
+        return values
 
     def read_local(self, name: str, key: str, tp_rank: int, tp_size: int,
                    local_box: Optional[Sequence[slice]] = None) -> "torch.Tensor":

@@ -229,6 +229,8 @@ def lazy_entry(name: str, placements: Mapping[str, Placement], info: Mapping[str
     entry = _entry(name, shape, keys, info)
     entry["file"] = None
     entry["source_bytes"] = {key: placement_to_json(placements[key], str(source_root)) for key in keys}
+    if info.get("zeroed"):  # element runs read as zero whatever those source bytes hold (docs/FORMAT.md)
+        entry["zeroed"] = {key: [[int(a), int(n)] for a, n in runs] for key, runs in info["zeroed"].items()}
     return entry
 
 

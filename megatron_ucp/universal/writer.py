@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 from megatron_ucp.io import integrity
 from megatron_ucp.io.staging import Staging, StagingError
 from megatron_ucp.universal.format import (
-    COMPLETE_FILENAME, FORMAT_NAME, FORMAT_VERSION, METADATA_FILENAME, REQUIRED_METADATA, RNG_FILENAME, TENSORS_DIRNAME,
+    COMPLETE_FILENAME, FORMAT_NAME, FORMAT_VERSION, ZEROED_VERSION, METADATA_FILENAME, REQUIRED_METADATA, RNG_FILENAME, TENSORS_DIRNAME,
     PathLike, SavedRngStates, UniversalFormatError, sha256_file, write_json)
 from megatron_ucp.universal.tensorfile import write_tensor_file
 
@@ -156,7 +156,7 @@ class UniversalWriter:
                 raise UniversalFormatError(f"{self.dst}: metadata is not plain JSON ({e})") from e
             if metadata.get("lazy") is not None:
                 (self.staging_dir / TENSORS_DIRNAME).rmdir()
-            complete = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "metadata_sha256": sha256_file(meta_path)}
+            complete = {"format": FORMAT_NAME, "version": doc["version"], "metadata_sha256": sha256_file(meta_path)}
             self._stage.publish(COMPLETE_FILENAME, complete)
         except BaseException as e:
             self._done = True
@@ -187,6 +187,8 @@ def universal_document(where: PathLike, metadata: Mapping[str, Any], parameters:
     if rng is not None and rng.states:
         rng_bytes, doc["rng"] = _rng_file(rng)
     doc["parameters"] = _in_model_order(where, parameters, expected)
+    if any(entry.get("zeroed") for entry in doc["parameters"].values()):
+        doc["version"] = ZEROED_VERSION
     return doc, rng_bytes
 
 

@@ -892,8 +892,12 @@ class TorchDistCheckpoint(CheckpointReader):
         bytes per saved chunk (read() it then)."""
         shifted = self._shifted.params.get(self._shifted.key(ref)) if self._shifted else None
         if shifted is not None:
-            return self._shifted.locate(shifted, keys, self._locate_saved)
+            return self._shifted.locate(shifted, keys, self._locate_saved, self.reset_lost_optimizer_state)
         return self._locate_saved(ref, keys)
+
+    def zeroed(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> dict:
+        shifted = self._shifted.params.get(self._shifted.key(ref)) if self._shifted else None
+        return self._shifted.zeroed(shifted, keys, self.reset_lost_optimizer_state) if shifted is not None else {}
 
     def _locate_saved(self, ref: ShardRef, keys: Optional[Collection[str]] = None) -> Optional[dict]:
         """locate() of the tensors as saved."""

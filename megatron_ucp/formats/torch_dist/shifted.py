@@ -183,9 +183,19 @@ class ShiftedState:
             out[key] = flat.view(param.ref.shape)
         return out
 
-    def locate(self, param: ShiftedParam, keys: Optional[Collection[str]], raw_locate) -> Optional[dict]:
+    def zeroed(self, param: ShiftedParam, keys: Optional[Collection[str]], reset: bool) -> dict:
+        """reader.zeroed(): with `reset`, the Adam moments' runs saved nowhere (locate() points them at the
+        parameter's own saved bytes there, which are not its state: zero is)."""
+        if not reset or not param.lost:
+            return {}
+        lost = tuple((r.start, r.length) for r in param.runs if r.source is None)
+        return {k: lost for k in ("exp_avg", "exp_avg_sq") if keys is None or k in keys}
+
+    def locate(self, param: ShiftedParam, keys: Optional[Collection[str]], raw_locate,
+               reset: bool = False) -> Optional[dict]:
         """reader.locate() of a shifted parameter: its true state as byte regions of the saved tensors holding it;
-        None when an element was saved nowhere and is not the fp32 model weight (read() resets it)."""
+        None when an element was saved nowhere and is neither the fp32 model weight nor (with `reset`) an Adam
+        moment, whose runs `zeroed` names (read() resets them)."""
         from megatron_ucp.core.dtypes import dtype_name, itemsize
         from megatron_ucp.io.byteio import StoredTensor
 
@@ -210,6 +220,9 @@ class ShiftedState:
                 if run.source is not None:
                     stored = located[run.source][key]
                     regions += stored.byte_slice(run.source_start * size, (run.source_start + run.length) * size)
+                    continue
+                if key != "fp32" and reset:  # bytes of the right size; their value is zero (zeroed)
+                    regions += out[key].byte_slice(run.start * size, (run.start + run.length) * size)
                     continue
                 if key != "fp32" or not self.fp32_weights:
                     return None
