@@ -51,6 +51,9 @@ CPA19 = "CPA19_llama_tp1cp2dp2_distopt_torch_dist"  # dp_reshardable
 CPB19 = "CPB19_llama_tp2cp2dp1_distopt_sp_torch"  # legacy torch + distrib_optim.pt
 CPC19 = "CPC19_moe_tp1cp2dp2ep2_distopt_torch_dist"  # GPT-MoE, EP2 over CP x DP
 CPD19 = "CPD19_moe_tp1cp2dp1ep2_distopt_torch_dist_fullyresh"  # GPT-MoE, EP2 over the CP ranks, fully_reshardable
+# Multi-bucket runs of the entry point (tools/make_bucket_fixtures.sh; folder README): tests/test_bucket_shift*.py
+J19 = "J19_llama_tp1dp2_buckets_distopt_torch_dist"  # 6 DDP buckets, dp_reshardable: the truth
+K19 = "K19_llama_tp1dp2_buckets_distopt_torch_dist_fullyresh"  # the same run, fully_reshardable: saved shifted
 PRETRAIN = REPO / "pretrain_scripts" / "pretrain_gpt.py"  # CPU flags: added by cpu_shims.with_cpu_flags
 TORCHRUN_TIMEOUT_S = int(os.environ.get("MEGATRON_UCP_TEST_TIMEOUT", "600"))
 
