@@ -247,4 +247,8 @@ def test_shifted_save_runs_undo_the_shifted_slicing(dp, bucket_size, dtype):
                 assert torch.equal(saved[r.source][r.source_start:r.source_start + r.length],
                                    true[r.start:r.start + r.length])
                 assert covered[start + r.start:start + r.start + r.length].all()
+    # a shift always loses elements: the saved windows reach past the compact tensor by the last bucket's shift
+    last = max(buffer.params, key=lambda s: s.end)
+    lost = sum(r.length for rs in runs.values() for r in rs if r.source is None)
+    assert lost >= buffer.padding_before(last.bucket) > 0
     assert shifted_save_runs(build_buffer_layout(params, DDPBucketConfig(dp, True, None))) == {}

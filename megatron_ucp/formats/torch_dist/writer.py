@@ -922,6 +922,13 @@ class DirectTorchDistWriter(CheckpointWriter):
 
     def plan(self, ucp, target: WriteTarget, notes: list) -> list[PlannedFile]:
         plan = self.checkpoint_plan(ucp, target)
+        if plan.optimizer in plan.release.shifted_shardings and target.args.get("overlap_grad_reduce"):
+            # what is written is the true layout, which the release's own load reads right (versions.py's row)
+            notes.append(f"megatron-core {plan.release.name} loads this {plan.optimizer} state right, but its own "
+                         f"{plan.optimizer} saves with several DDP buckets per buffer (--overlap-grad-reduce) are "
+                         f"shifted (docs/VERSIONS.md): let the resumed run save dp_reshardable (without "
+                         f"--dist-ckpt-optim-fully-reshardable), or convert its saves with megatron-ucp, which "
+                         f"repairs them")
         if target.args.get("fp16") and plan.optimizer and ucp.loss_scaler is None:
             notes.append("fp16 model: this universal checkpoint holds no loss scaler (written before version 2 "
                          "recorded it); megatron-core starts from --initial-loss-scale")
