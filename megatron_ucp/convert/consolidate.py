@@ -247,7 +247,8 @@ def convert_parameter(ckpt: CheckpointReader, task: ParamTask, staging_dir: Path
         if placed is None:
             consolidate_parameter(ckpt, task)  # raises the detailed error when a check failed
             raise ConversionError(f"{task.name}: stored in a way a lazy checkpoint cannot reference in place (e.g. "
-                                  f"16-bit weights without optimizer state); convert without --lazy")
+                                  f"16-bit weights without optimizer state, or the fp32 main weights of a 16-bit run "
+                                  f"reset from its weights); convert without --lazy")
         return lazy_entry(task.name, placed[0], placed[1], ckpt.path)
     if not average_replicas:  # averaging computes new values: tensors needed
         with FileHandles() as files:

@@ -38,7 +38,8 @@ from megatron_ucp.io.byteio import (
 from megatron_ucp.io.integrity import ChecksumError, DigestRecord, SourceDigests, VerifiedBlocks
 from megatron_ucp.io.staging import check_not_staging
 from megatron_ucp.universal.format import (
-    ZEROED_VERSION, COMPLETE_FILENAME, FORMAT_NAME, MAX_HEADER, MAX_RNG_FILE, METADATA_FILENAME, READABLE_VERSIONS, REQUIRED_METADATA,
+    ZEROED_VERSION, COMPLETE_FILENAME, FORMAT_NAME, MAX_HEADER, MAX_RNG_FILE, METADATA_FILENAME, READABLE_VERSIONS,
+    REQUIRED_METADATA,
     RNG_FILENAME, TENSORS_DIRNAME, TENSOR_KEYS, ParamInfo, PathLike, UniversalFormatError, check_name, sha256_file,
     tensor_file)
 from megatron_ucp.universal.tensorfile import VerifiedTensorFile
@@ -111,7 +112,8 @@ def _param_info(name: str, d: Mapping[str, Any], meta_path: Path, version: int,
             _check_regions(placements, lazy_root, lazy_files or {})
             zeroed = _zeroed_runs(d.get("zeroed"), tensors, math.prod(shape))
             if zeroed and version < ZEROED_VERSION:
-                raise ValueError(f"'zeroed' runs in a version-{version} checkpoint (they need version {ZEROED_VERSION})")
+                raise ValueError(f"'zeroed' runs in a version-{version} checkpoint (they need version "
+                                 f"{ZEROED_VERSION})")
         else:
             if d["file"] != tensor_file(name):
                 raise UniversalFormatError(f"file {d['file']!r} is not {tensor_file(name)!r}")

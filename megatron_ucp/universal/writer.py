@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 from megatron_ucp.io import integrity
 from megatron_ucp.io.staging import Staging, StagingError
 from megatron_ucp.universal.format import (
-    COMPLETE_FILENAME, FORMAT_NAME, FORMAT_VERSION, ZEROED_VERSION, METADATA_FILENAME, REQUIRED_METADATA, RNG_FILENAME, TENSORS_DIRNAME,
+    COMPLETE_FILENAME, FORMAT_NAME, FORMAT_VERSION, ZEROED_VERSION, METADATA_FILENAME, REQUIRED_METADATA, RNG_FILENAME,
+    TENSORS_DIRNAME,
     PathLike, SavedRngStates, UniversalFormatError, sha256_file, write_json)
 from megatron_ucp.universal.tensorfile import write_tensor_file
 
