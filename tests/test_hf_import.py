@@ -918,7 +918,7 @@ def test_refuses_deepseek_configs_megatron_cannot_express():
     base = hf_model("deepseek_v3").config.to_dict()
     yarn = base["rope_parameters"]
     cases = {
-        r"q_lora_rank=null \(a query projection without compression\)": {"q_lora_rank": None},
+        r"q_lora_rank=null \(a query projection without compression: DeepSeek-V2-Lite\)": {"q_lora_rank": None},
         "rms_norm_eps=1e-05: .*q_a_layernorm and kv_a_layernorm use eps 1e-06": {"rms_norm_eps": 1e-5},
         "norm_topk_prob=false with num_experts_per_tok=2": {"norm_topk_prob": False},
         "n_group=2, topk_group=1 with num_experts_per_tok=4.*top 2": {"num_experts_per_tok": 4},

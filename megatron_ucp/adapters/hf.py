@@ -1,7 +1,7 @@
 """The one table between Hugging Face and Megatron parameter names, used both ways (`export-hf`, `import-hf`).
 
 `FAMILIES` holds one `HFFamily` per transformers model type (llama, mistral, qwen2, qwen3, gpt2, mixtral,
-qwen2_moe, qwen3_moe, deepseek_v3; olmoe as a refusal with its reason): its tensors as rows of templates (`Row`: a
+qwen2_moe, qwen3_moe, deepseek_v3; deepseek_v2 and olmoe as refusals with their reasons): its tensors as rows of templates (`Row`: a
 Megatron canonical parameter, `{i}` the global layer and `{j}` the routed expert, the HF tensors it is made of, how
 (`Join`), when the row exists for a model config, and for which value of an HF tensor convention), and the facts of
 its config.json that decide the Megatron model (`HFConfigFacts`: which biases, QK norm, MoE keys, sliding-window
@@ -61,6 +61,15 @@ MEGATRON_MLA_YARN = {"original_max_position_embeddings": 4096, "beta_fast": 32.0
 # the epsilon of transformers' DeepseekV3 q_a_layernorm and kv_a_layernorm (DeepseekV3RMSNorm's default: they are
 # built without rms_norm_eps); megatron-core's q/kv layernorms use --norm-epsilon like every other norm
 DEEPSEEK_LATENT_NORM_EPS = 1e-6
+# Why DeepSeek's multi-latent attention without query compression (q_lora_rank null: DeepSeek-V2-Lite) is not a
+# megatron-core 0.19 model: its kv_a_layernorm is megatron-core's kv_layernorm, built only with --qk-layernorm, and
+# 0.19's MLA norm resolver (mla_qk_norm_config.QKNormConfigResolver, also on Megatron-LM main) then demands a norm
+# fused into linear_q_proj (the local spec refuses; TransformerEngine's normalizes q_proj's input, a norm DeepSeek's
+# q_proj does not have). megatron-core <= 0.18 built the kv norm alone.
+MLA_WITHOUT_Q_LORA = (
+    "megatron-core 0.19 builds DeepSeek's kv_a_layernorm only with --qk-layernorm, and its MLA norm resolver then "
+    "requires a norm fused into linear_q_proj (the local spec refuses to build; TransformerEngine's normalizes "
+    "q_proj's input, a norm this model does not have); megatron-core 0.18 and earlier built the kv norm alone")
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -394,6 +403,9 @@ FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
                  aliases={"n_routed_experts": ("num_local_experts",),
                           "num_nextn_predict_layers": ("num_mtp_layers",)}),
              conventions={"rope_interleave": True}),
+    HFFamily("deepseek_v2", "DeepseekV2ForCausalLM", H, unsupported=(
+        "megatron-ucp maps DeepSeek's multi-latent attention as deepseek_v3 (DeepSeek-V2's softmax group-limited "
+        "router is not mapped), and DeepSeek-V2-Lite (q_lora_rank null) is not computable: " + MLA_WITHOUT_Q_LORA)),
     HFFamily("olmoe", "OlmoeForCausalLM", H, unsupported=(
         "OLMoE's q_norm and k_norm normalize each token's whole query and key projections (all heads together), "
         "megatron-core 0.19's --qk-layernorm normalizes each head separately, and its GPT has no whole-projection "

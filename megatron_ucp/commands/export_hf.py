@@ -48,7 +48,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from megatron_ucp.adapters.hf import (DEEPSEEK_LATENT_NORM_EPS, FAMILIES, MEGATRON_LLAMA3_ROPE, MEGATRON_MLA_YARN,
-                                      MODEL_TYPES, HFFamily, hf_rows, to_hf, yarn_mscale)
+                                      MLA_WITHOUT_Q_LORA, MODEL_TYPES, HFFamily, hf_rows, to_hf, yarn_mscale)
 from megatron_ucp.commands.common import add_publication_flags
 from megatron_ucp.core.dtypes import PARAM_DTYPES, torch_dtype
 from megatron_ucp.core.model_config import GPTModelConfig
@@ -203,8 +203,7 @@ def _check_deepseek(config: GPTModelConfig, args: dict, model_type: str) -> None
     _need(config.multi_latent_attention, model_type, f"the attention is not multi-latent; {arch}'s is",
           f"use --model-type {_like(config)}")
     _need(config.q_lora_rank is not None, model_type, "the query has no low-rank compression (no --q-lora-rank)",
-          f"megatron-core 0.19 has DeepSeek's kv_a_layernorm only with --qk-layernorm, which without --q-lora-rank "
-          f"normalizes q_proj's input (TransformerEngine's spec), a norm {arch} does not have")
+          MLA_WITHOUT_Q_LORA)
     _need(config.qk_layernorm, model_type, "the latent query and key/value are not normalized (no --qk-layernorm)",
           f"{arch} always applies q_a_layernorm and kv_a_layernorm")
     _need(config.swiglu and config.normalization == "RMSNorm", model_type, "the MLP is not SwiGLU or the norms "

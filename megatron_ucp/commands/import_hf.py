@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from megatron_ucp.adapters.hf import (DEEPSEEK_LATENT_NORM_EPS, MEGATRON_LLAMA3_ROPE, MEGATRON_MLA_YARN, MODEL_TYPES,
-                                      VOCAB, ZERO, HFConfigFacts, HFFamily, HFRow, family, from_hf_bands, hf_rows,
+from megatron_ucp.adapters.hf import (DEEPSEEK_LATENT_NORM_EPS, MEGATRON_LLAMA3_ROPE, MEGATRON_MLA_YARN,
+                                      MLA_WITHOUT_Q_LORA, MODEL_TYPES, VOCAB, ZERO, HFConfigFacts, HFFamily, HFRow, family, from_hf_bands, hf_rows,
                                       hf_shapes, layer_of, stored_layers_and_experts, yarn_mscale)
 from megatron_ucp.commands.common import add_publication_flags
 from megatron_ucp.core.dtypes import SAFETENSORS, itemsize
@@ -512,11 +512,8 @@ def _mla_model(cfg: _Config, fam: HFFamily, vocab: int, divisible: int, args: di
         _refuse(model_type, "attention_bias=true", "megatron-core's multi-latent attention projections have no "
                 "biases but the output projection's, which --add-bias-linear gives the MLP too")
     if cfg.raw("q_lora_rank", 1) is None:  # an explicit null: DeepSeek-V2-Lite's q_proj
-        _refuse(model_type, "q_lora_rank=null (a query projection without compression)",
-                "megatron-core 0.19 builds DeepSeek's kv_a_layernorm only with --qk-layernorm, and with "
-                "--qk-layernorm but no --q-lora-rank its local layer spec refuses to build (a query norm with no "
-                "compressed query to normalize) while TransformerEngine's normalizes q_proj's input, a norm "
-                "transformers' model does not have")
+        _refuse(model_type, "q_lora_rank=null (a query projection without compression: DeepSeek-V2-Lite)",
+                MLA_WITHOUT_Q_LORA)
     eps = cfg.number("rms_norm_eps", 1e-6)
     if eps != DEEPSEEK_LATENT_NORM_EPS:
         _refuse(model_type, f"rms_norm_eps={eps}", f"transformers' q_a_layernorm and kv_a_layernorm use eps "
