@@ -48,11 +48,12 @@ PERMUTED = "permuted"  # one HF tensor, its rows reordered: Megatron's row r is 
 
 Predicate = Callable[[GPTModelConfig], bool]
 
-# transformers' llama3 RoPE (rope_type "llama3") that megatron-core 0.19's RotaryEmbedding computes with
-# --use-rope-scaling: _apply_scaling's constants, and GPTModel's default factor (Megatron-LM's GPT builder passes
-# --use-rope-scaling to the model, not --rope-scaling-factor)
-MEGATRON_LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                        "original_max_position_embeddings": 8192}
+# transformers' llama3 RoPE (rope_type "llama3") as megatron-core 0.19 computes it with --use-rope-scaling: any
+# factor (--rope-scaling-factor, which this project's entry point passes to GPTModel; Megatron-LM 0.19's own GPT
+# builder does not, so its models get GPTModel's default, MEGATRON_DEFAULT_LLAMA3_FACTOR), and the other three keys
+# fixed at RotaryEmbedding._apply_scaling's defaults (RotaryEmbedding passes it the factor only)
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+MEGATRON_DEFAULT_LLAMA3_FACTOR = 8.0
 # transformers' YaRN keys that megatron-core 0.19's multi-latent attention fixes: MLATransformerConfig's defaults,
 # which Megatron-LM's arguments never set for MLA (its --yarn-* flags only reach GPTModel's non-MLA YaRN), and the
 # correction range rounded to integers (transformers' truncate=true)

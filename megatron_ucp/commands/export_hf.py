@@ -2,8 +2,9 @@
 
 Writes `config.json` and `model.safetensors` (HF parameter names from `adapters/hf.py`'s family table, which
 `import-hf` reads the other way) for the families of that table:
-- llama, mistral, qwen2, qwen3: SwiGLU, RMSNorm, RoPE (llama3 scaling with --use-rope-scaling); Megatron's
-  per-query-group fused QKV is split into q/k/v_proj (GroupedQKV.split_qkv gives HF's head order), fc1
+- llama, mistral, qwen2, qwen3: SwiGLU, RMSNorm, RoPE (llama3 scaling with --use-rope-scaling and its
+  --rope-scaling-factor); Megatron's per-query-group fused QKV is split into q/k/v_proj (GroupedQKV.split_qkv
+  gives HF's head order), fc1
   `[gate; up]` into gate_proj / up_proj; QKV biases (qwen2 always, llama and qwen3 with attention_bias, whose
   o_proj bias is exported as zeros), per-head QK norm (qwen3: --qk-layernorm);
 - gpt2: LayerNorm, learned positions, GELU, tied embeddings, biases; HF's Conv1D stores weights
@@ -47,8 +48,9 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from megatron_ucp.adapters.hf import (DEEPSEEK_LATENT_NORM_EPS, FAMILIES, MEGATRON_LLAMA3_ROPE, MEGATRON_MLA_YARN,
-                                      MLA_WITHOUT_Q_LORA, MODEL_TYPES, HFFamily, hf_rows, to_hf, yarn_mscale)
+from megatron_ucp.adapters.hf import (DEEPSEEK_LATENT_NORM_EPS, FAMILIES, MEGATRON_DEFAULT_LLAMA3_FACTOR,
+                                      MEGATRON_LLAMA3_ROPE, MEGATRON_MLA_YARN, MLA_WITHOUT_Q_LORA, MODEL_TYPES,
+                                      HFFamily, hf_rows, to_hf, yarn_mscale)
 from megatron_ucp.commands.common import add_publication_flags
 from megatron_ucp.core.dtypes import PARAM_DTYPES, torch_dtype
 from megatron_ucp.core.model_config import GPTModelConfig
@@ -133,11 +135,6 @@ def check_exportable(config: GPTModelConfig, args: dict, model_type: str, *, dro
     _need(not args.get("rotary_seq_len_interpolation_factor"), model_type, "the run set "
           "--rotary-seq-len-interpolation-factor", "Megatron-LM's GPT builder does not pass it to the model, so "
           "what the model computed is unclear; export from a run without it")
-    factor = args.get("rope_scaling_factor")
-    _need(not args.get("use_rope_scaling") or factor in (None, MEGATRON_LLAMA3_ROPE["factor"]), model_type,
-          f"--use-rope-scaling with --rope-scaling-factor {factor}", "Megatron-LM's GPT builder does not pass the "
-          f"factor to the model, which computed llama3 scaling with factor {MEGATRON_LLAMA3_ROPE['factor']:g}; "
-          "export from a run without --rope-scaling-factor")
     _need(config.qk_layernorm == facts.qk_norm, model_type,
           "the attention normalizes q and k per head (--qk-layernorm)" if config.qk_layernorm else
           f"{FAMILIES[model_type].architecture} normalizes q and k per head, this model does not",
@@ -279,9 +276,14 @@ def _deepseek_config(config: GPTModelConfig, args: dict) -> dict:
 
 
 def _rope_config(args: dict) -> dict:
-    """transformers' RoPE fields of what megatron-core computed (MEGATRON_LLAMA3_ROPE with --use-rope-scaling)."""
+    """transformers' RoPE fields of what megatron-core computed: with --use-rope-scaling, llama3 scaling with the
+    run's --rope-scaling-factor (what this project's entry point passes to GPTModel, and the plugin checks the built
+    model computes at every load) and MEGATRON_LLAMA3_ROPE's fixed keys."""
     theta = float(args.get("rotary_base", 10000) or 10000)
-    scaling = {"rope_type": "llama3", **MEGATRON_LLAMA3_ROPE} if args.get("use_rope_scaling") else None
+    scaling = None
+    if args.get("use_rope_scaling"):
+        factor = float(args.get("rope_scaling_factor") or MEGATRON_DEFAULT_LLAMA3_FACTOR)
+        scaling = {"rope_type": "llama3", "factor": factor, **MEGATRON_LLAMA3_ROPE}
     return {"rope_theta": theta, "rope_scaling": scaling,  # transformers 4.x
             "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": theta}}  # transformers 5.x
 

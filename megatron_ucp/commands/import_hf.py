@@ -349,11 +349,13 @@ def _rope(cfg: _Config, model_type: str, max_positions: int, mla: bool = False) 
         if not (_is_number(value) and float(value) == want):
             given = f"{key}={value!r}" if key in values else f"no {key}"
             _refuse(model_type, f"RoPE scaling 'llama3' with {given} (from {source})",
-                    "megatron-core 0.19 computes llama3 scaling only with " + ", ".join(
-                        f"{k}={v:g}" for k, v in MEGATRON_LLAMA3_ROPE.items()) +
-                    ": the factor is GPTModel's default, which Megatron-LM's GPT builder does not override from "
-                    "--rope-scaling-factor")
-    return {**out, "use_rope_scaling": True, "rope_scaling_factor": MEGATRON_LLAMA3_ROPE["factor"]}
+                    "megatron-core 0.19's RotaryEmbedding takes the llama3 factor only (--rope-scaling-factor) and "
+                    "computes the rest with " + ", ".join(f"{k}={v:g}" for k, v in MEGATRON_LLAMA3_ROPE.items()))
+    factor = values.get("factor")
+    if not (_is_number(factor) and factor > 0):
+        _fail(f"config.json: RoPE scaling 'llama3' factor {factor!r} (from {source}) is not a positive number; fix "
+              f"config.json")
+    return {**out, "use_rope_scaling": True, "rope_scaling_factor": float(factor)}
 
 
 def _mla_rope(cfg: _Config, model_type: str, rope_type: str, values: dict, source: str, max_positions: int) -> dict:
