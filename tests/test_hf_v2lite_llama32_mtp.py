@@ -21,6 +21,8 @@ modules (eh_proj over [enorm(embedding of the next token); hnorm(final hidden st
 shared_head.norm, lm_head) within 1e-5 (measured 5.7e-7); eh_proj's halves swapped miss by 1.3, the hidden state
 before the final norm by 1.8e-2. Kimi-K2 (model_type kimi_k2) imports to the same tensors and exports back bit for
 bit; --drop-mtp both ways; a copy that differs, an incomplete MTP layer and an MTP export as llama are refused.
+Trained through the entry point at TP2 EP2 ETP1 SP from the import, iteration 1's mtp_1 loss equals DeepSeek's MTP
+loss of the HF weights on that batch (4.0e-9 relative).
 """
 
 import json
@@ -413,3 +415,46 @@ def test_kimi_k2_and_mtp_refusals(deepseek_mtp, tmp_path):
             "none; pass --drop-mtp to export the model without them, or use --model-type deepseek_v3 or kimi_k2"
             in proc.stderr), proc.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_imported_mtp_trains_from_deepseeks_mtp_loss(deepseek_mtp, tmp_path):
+    """The MTP import trained through the entry point (Megatron-LM 0.19's own loop, --universal-checkpoint) at TP2
+    EP2 ETP1 with sequence parallelism: iteration 1's mtp_1 loss (before any update) equals DeepSeek's MTP loss of the
+    HF weights on that global batch (_mtp_reference's logits against the token two ahead, megatron-core's average of
+    each micro-batch's token mean) within 1e-5 relative (measured 4.0e-9), and the lm loss transformers' (1.0e-8);
+    eh_proj's halves swapped miss the MTP loss by 1.0e-4 (a near-uniform tiny model's loss moves little: the MTP
+    logits themselves miss by 1.3, test above)."""
+    import transformers as tf
+    from pretrain_runs import Layout, read_records, run_pretrain
+    from test_hf_import import TRAIN, first_batch, hf_loss
+
+    from megatron_ucp.commands.import_hf import import_hf
+
+    hf, _ = deepseek_mtp
+    summary = import_hf(hf, tmp_path / "ucp", progress=False)
+    flags = [*summary["megatron_flags"], *TRAIN, "--train-iters", "2"]
+    jsonl = tmp_path / "run.jsonl"
+    run_pretrain(Layout(tp=2, ep=2, etp=1, sp=True), [*flags, "--load", str(tmp_path / "ucp"),
+                                                       "--universal-checkpoint", "--log-jsonl", str(jsonl)],
+                 tmp_path, "mtp")
+    first = read_records(jsonl)[1]
+    tokens, labels, mask = first_batch(flags)
+    micro = 2  # TRAIN's --micro-batch-size: Megatron-LM's sampler gives each micro-batch consecutive samples
+
+    def mtp_loss(**control) -> float:
+        logits = _mtp_reference(hf, tokens, **control).double()  # position i predicts labels[i + 1]
+        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:], reduction="none")
+        m = mask[:, 1:].double()
+        per_micro = [(losses[b: b + micro] * m[b: b + micro]).sum() / m[b: b + micro].sum()
+                     for b in range(0, len(tokens), micro)]
+        return torch.stack(per_micro).mean().item()
+
+    reference = mtp_loss()
+    diff = abs(first["mtp_1_loss"] - reference) / reference
+    lm = hf_loss(tf.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval(), (tokens, labels, mask))
+    lm_diff = abs(first["lm_loss"] - lm) / lm
+    broken = abs(first["mtp_1_loss"] - mtp_loss(swap_eh_halves=True)) / reference
+    assert diff <= TOL and lm_diff <= TOL, (first, reference, lm)
+    assert broken > 10 * TOL, f"eh_proj halves swapped only move the MTP loss by {broken:.2e}"
+    print(f"deepseek_v3 MTP at TP2 EP2 ETP1 SP: mtp_1 loss {diff:.2e}, lm loss {lm_diff:.2e}; eh_proj halves "
+          f"swapped {broken:.2e}")
