@@ -359,8 +359,8 @@ def test_kimi_k2_and_mtp_refusals(deepseek_mtp, tmp_path):
     """A Kimi-K2 config (model_type kimi_k2, DeepSeek-V3's layout) imports to the same universal tensors as the
     deepseek_v3 folder and exports back bit for bit as kimi_k2 (architectures DeepseekV3ForCausalLM); --drop-mtp
     leaves the MTP layer out both ways. Refused in one line, nothing written: an MTP copy of the embedding that
-    differs from model.embed_tokens, an incomplete MTP layer, and export-hf of an MTP model as a family without MTP
-    layers (llama)."""
+    differs from model.embed_tokens, an incomplete MTP layer, export-hf of an MTP model as a family without MTP
+    layers (llama), and GLM-4.5 (glm4_moe: not mapped)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -407,6 +407,11 @@ def test_kimi_k2_and_mtp_refusals(deepseek_mtp, tmp_path):
     tensors["model.layers.2.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     _one_line_refusal(bad, tmp_path / "out", "1 tensor(s) missing, e.g. model.layers.2.eh_proj.weight")
+    glm = tmp_path / "glm"
+    glm.mkdir()
+    (glm / "config.json").write_text(json.dumps({"model_type": "glm4_moe", "num_nextn_predict_layers": 1}))
+    _one_line_refusal(glm, tmp_path / "out", "model type 'glm4_moe' cannot be a Megatron GPT: megatron-ucp does not "
+                      "map GLM-4.5 yet")
     proc = subprocess.run([sys.executable, "-m", "megatron_ucp.cli", "export-hf", str(tmp_path / "ucp_v3"),
                            str(tmp_path / "x"), "--model-type", "llama"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)

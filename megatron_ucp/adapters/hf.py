@@ -1,8 +1,8 @@
 """The one table between Hugging Face and Megatron parameter names, used both ways (`export-hf`, `import-hf`).
 
 `FAMILIES` holds one `HFFamily` per transformers model type (llama, mistral, qwen2, qwen3, gpt2, mixtral,
-qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2 (DeepSeek-V3's layout); deepseek_v2 and olmoe as refusals with their
-reasons): its tensors as rows of templates (`Row`: a Megatron canonical parameter, `{i}` the global layer, `{j}` the
+qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2 (DeepSeek-V3's layout); deepseek_v2, glm4_moe and olmoe as refusals with
+their reasons): its tensors as rows of templates (`Row`: a Megatron canonical parameter, `{i}` the global layer, `{j}` the
 routed expert and `{k}` the multi-token prediction layer, the HF tensors it is made of, how (`Join`), when the row
 exists for a model config, and for which value of an HF tensor convention), and the facts of its config.json that
 decide the Megatron model (`HFConfigFacts`: which biases, QK norm, MoE keys, sliding-window keys, multi-latent
@@ -448,6 +448,10 @@ FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
     HFFamily("deepseek_v2", "DeepseekV2ForCausalLM", H, unsupported=(
         "megatron-ucp maps DeepSeek's multi-latent attention as deepseek_v3 (DeepSeek-V2's softmax group-limited "
         "router is not mapped), and DeepSeek-V2-Lite (q_lora_rank null) is not computable: " + MLA_WITHOUT_Q_LORA)),
+    HFFamily("glm4_moe", "Glm4MoeForCausalLM", H, unsupported=(
+        "megatron-ucp does not map GLM-4.5 yet: megatron-core's GPTModel looks able to compute it (partial RoPE as "
+        "--rotary-percent, QKV biases, DeepSeek's sigmoid router, MTP layers like DeepSeek-V3's), but no rows for its "
+        "tensors are written or tested against transformers' Glm4MoeForCausalLM")),
     HFFamily("olmoe", "OlmoeForCausalLM", H, unsupported=(
         "OLMoE's q_norm and k_norm normalize each token's whole query and key projections (all heads together), "
         "megatron-core 0.19's --qk-layernorm normalizes each head separately, and its GPT has no whole-projection "
