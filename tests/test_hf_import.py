@@ -722,9 +722,10 @@ def _corrupt(hf: Path, case: str) -> tuple[str, dict]:
     if case == "pickle only":
         weights.rename(hf / "pytorch_model.bin")
         return "has only pickled weights (pytorch_model.bin); they are never loaded", {}
-    if case == "llama3 factor 32":  # Llama 3.2's: megatron-core's GPT computes factor 8 only
-        _set_config(hf, rope_parameters={**LLAMA3, "factor": 32.0})
-        return "RoPE scaling 'llama3' with factor=32.0 (from rope_parameters): Megatron's GPT cannot express it", {}
+    if case == "llama3 high_freq_factor 8":  # any factor is megatron-core's (Llama 3.2's 32 too), not this
+        _set_config(hf, rope_parameters={**LLAMA3, "high_freq_factor": 8.0})
+        return ("RoPE scaling 'llama3' with high_freq_factor=8.0 (from rope_parameters): Megatron's GPT cannot "
+                "express it", {})
     if case == "legacy rope_scaling":  # transformers 5 reads rope_scaling before rope_parameters: linear
         _set_config(hf, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                     rope_scaling={"type": "linear", "factor": 2.0})
@@ -766,8 +767,8 @@ def _corrupt(hf: Path, case: str) -> tuple[str, dict]:
 
 
 CASES = ["missing tensor", "shape mismatch", "untied without lm_head", "tied but lm_head differs", "integer dtype",
-         "index outside the folder", "symlink outside the folder", "truncated file", "pickle only", "llama3 factor 32",
-         "legacy rope_scaling", "layers beyond the weights", "fractional hidden size", "hidden size as text",
+         "index outside the folder", "symlink outside the folder", "truncated file", "pickle only",
+         "llama3 high_freq_factor 8", "legacy rope_scaling", "layers beyond the weights", "fractional hidden size", "hidden size as text",
          "nested config", "nested header", "huge header length", "vocabulary multiple", "unsupported family",
          "tokenizer beyond the vocabulary", "non-finite weight"]
 
