@@ -51,8 +51,11 @@ def gpt_args(flags: Sequence[str], padded_vocab_size: int):
     return args
 
 
-def build_gpt(args, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    """The GPTModel Megatron-LM's model provider builds for `args` (by default the whole model)."""
+def build_gpt(args, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None,
+              megatron_lm_builder=False):
+    """The GPTModel the entry point's model provider builds for `args` (by default the whole model); with
+    `megatron_lm_builder` as Megatron-LM 0.19's own gpt_builders.py builds it: without --rope-scaling-factor
+    (GPTModel's default llama3 factor, 8)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs,
                                                           get_gpt_layer_local_spec, get_gpt_mtp_block_spec)
@@ -75,7 +78,8 @@ def build_gpt(args, pre_process=True, post_process=True, vp_stage=None, config=N
                     post_process=post_process, vp_stage=vp_stage, pg_collection=pg_collection,
                     parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-                    rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, mtp_block_spec=mtp_spec)
+                    rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, mtp_block_spec=mtp_spec,
+                    **({} if megatron_lm_builder else {"rope_scaling_factor": args.rope_scaling_factor}))
 
 
 def fill_from_universal(model, ucp) -> None:
@@ -110,13 +114,18 @@ def causal_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 def universal_logits(jobs: Sequence[dict]) -> list:
     """Each job {"ucp": dir, "flags": Megatron-LM flags, "tokens": [b, s]}: the GPTModel Megatron-LM builds from the
     flags (the run's check_compatible accepting the checkpoint), filled from the universal checkpoint, and its
-    logits on the tokens. Call it in a child process (single_process patches the process)."""
-    from megatron_ucp.megatron_lm.loader import check_compatible
+    logits on the tokens. Call it in a child process (single_process patches the process).
+    Optional keys: "builder": "entry_point" (the entry point's own model_provider, global args set as Megatron-LM
+    sets them) or "megatron_lm" (as Megatron-LM 0.19's gpt_builders.py: no --rope-scaling-factor) instead of
+    build_gpt; "rope_check": the loader's check_rotary_frequencies first, its refusal (a string) the job's result
+    when it refuses; "mtp": the result is (logits, the MTP layers' logits [b, s, padded vocabulary] each)."""
+    from megatron_ucp.megatron_lm.loader import UniversalLoadError, check_compatible, check_rotary_frequencies
     from megatron_ucp.universal import UniversalCheckpoint
 
     results = []
     with single_process():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        from megatron.training.global_vars import set_args
 
         for job in jobs:
             ucp = UniversalCheckpoint.open(job["ucp"])
@@ -124,9 +133,34 @@ def universal_logits(jobs: Sequence[dict]) -> list:
             args = gpt_args([*job["flags"], "--seq-length", str(job["tokens"].shape[1]), "--micro-batch-size", "1",
                              "--train-iters", "1", "--lr", "1e-4", "--mock-data"], ucp.config.padded_vocab_size)
             check_compatible(ucp, args)
-            model = build_gpt(args)
+            builder = job.get("builder")
+            if builder == "entry_point":
+                from megatron_ucp.megatron_lm import pretrain_gpt
+
+                set_args(args)
+                model = pretrain_gpt.model_provider()
+            else:
+                model = build_gpt(args, megatron_lm_builder=builder == "megatron_lm")
+            if job.get("rope_check"):
+                try:
+                    check_rotary_frequencies(ucp, args, [model])
+                except UniversalLoadError as e:
+                    results.append(str(e))
+                    continue
             fill_from_universal(model, ucp)
-            results.append(causal_logits(model, job["tokens"]))
+            if not job.get("mtp"):
+                results.append(causal_logits(model, job["tokens"]))
+                continue
+            captured = []
+            hook = model.mtp.register_forward_hook(lambda module, inputs, output: captured.append(output))
+            logits = causal_logits(model, job["tokens"])
+            hook.remove()
+            output_weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights \
+                else None
+            with torch.no_grad():  # the MTP block returns [decoder; MTP layer 1; ...] hidden states on dim 0
+                chunks = torch.chunk(captured[0], 1 + args.mtp_num_layers, dim=0)[1:]
+                mtp = [model.output_layer(h, weight=output_weight)[0].transpose(0, 1) for h in chunks]
+            results.append((logits, mtp))
     return results
 
 

@@ -30,8 +30,8 @@ plain RoPE for YaRN or the correction bias zeroed miss by 0.36, 0.84, 0.95; prin
 `export-hf` (fp32) of each import writes the original tensors bit for bit (deepseek_v3: the config transformers
 reads back too, but token ids and initializer_range; the halves variant in DeepSeek's interleaved layout, its
 RoPE rows permuted, logits equal), and transformers loads it as the same class computing the same logits bitwise.
-MTP layers (DeepSeek's, stored after the decoder's; a universal checkpoint's --mtp-num-layers) are refused both
-ways and left out with --drop-mtp.
+MTP layers (DeepSeek's, stored after the decoder's; a universal checkpoint's --mtp-num-layers) are left out with
+--drop-mtp both ways (tests/test_hf_v2lite_llama32_mtp.py maps them).
 
 End to end (tests/pretrain_runs, torchrun, gloo, CPU): the llama, gpt2, qwen2_moe and deepseek_v3 imports are loaded
 with `--universal-checkpoint` at TP2 PP2 (qwen2_moe: EP2 ETP1, sequence parallel; deepseek_v3: TP2 PP1 EP2 ETP1
@@ -401,11 +401,12 @@ def with_mtp_layer(ucp_dir: Path, dst: Path) -> Path:
                              expected_parameters(config))
 
 
-def test_deepseek_mtp_layers_are_refused_or_dropped(imported, tmp_path):
-    """MTP layers have no transformers counterpart. import-hf: a DeepSeek folder with its MTP layer stored after the
-    decoder's (layer 2 of 2, num_nextn_predict_layers=1) is refused naming --drop-mtp, and with it imported as the
-    folder without that layer (every tensor equal). export-hf of a model with an MTP layer: exit 1 in one line
-    naming --drop-mtp, nothing written; with it the export of the model without MTP, bit for bit."""
+def test_deepseek_mtp_layers_are_dropped_or_incomplete_refused(imported, tmp_path):
+    """import-hf: a DeepSeek folder with an incomplete MTP layer stored after the decoder's (layer 2 of 2,
+    num_nextn_predict_layers=1; tests/test_hf_v2lite_llama32_mtp.py imports and checks complete ones) is refused
+    naming a missing tensor, and with --drop-mtp imported as the folder without that layer (every tensor equal).
+    export-hf of a model with an MTP layer as a family without MTP layers: exit 1 in one line naming --drop-mtp,
+    nothing written; with --drop-mtp the export of the model without MTP, bit for bit."""
     from safetensors.torch import load_file, save_file
 
     from megatron_ucp.commands.import_hf import HFImportError, import_hf
@@ -422,8 +423,7 @@ def test_deepseek_mtp_layers_are_refused_or_dropped(imported, tmp_path):
                           ("mlp.experts.0.up_proj.weight", (32, 48))):
         tensors[f"model.layers.2.{suffix}"] = torch.randn(shape, generator=g)
     save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(HFImportError, match=r"layers 2-2 are multi-token prediction layers \(num_nextn_predict_layers"
-                                            r"=1\).*pass --drop-mtp"):
+    with pytest.raises(HFImportError, match=r"tensor\(s\) missing, e.g. model.layers.2.input_layernorm.weight"):
         import_hf(hf, tmp_path / "refused", progress=False)
     assert not (tmp_path / "refused").exists()
     summary = import_hf(hf, tmp_path / "dropped", progress=False, drop_mtp=True)
@@ -434,7 +434,7 @@ def test_deepseek_mtp_layers_are_refused_or_dropped(imported, tmp_path):
 
     mtp = with_mtp_layer(ucp_dir, tmp_path / "ucp_mtp")
     proc = subprocess.run([sys.executable, "-m", "megatron_ucp.cli", "export-hf", mtp, tmp_path / "x", "--model-type",
-                           "deepseek_v3"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                           "qwen3_moe"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "1 multi-token prediction layer(s)" in proc.stderr and "pass --drop-mtp" in proc.stderr
     assert not (tmp_path / "x").exists()
@@ -475,7 +475,6 @@ def test_deepseek_export_refuses_what_transformers_does_not_compute(imported):
     no_sigmoid = without("--moe-router-score-function", "--moe-router-enable-expert-bias", values=0)
     no_sigmoid.remove("sigmoid")
     cases = {
-        "1 multi-token prediction layer(s)": [*flags, "--mtp-num-layers", "1"],
         "norm_epsilon=1e-05; DeepseekV3ForCausalLM's q_a_layernorm": [*flags, "--norm-epsilon", "1e-5"],
         "no low-rank compression (no --q-lora-rank)": without("--q-lora-rank", values=1),
         "not normalized (no --qk-layernorm)": without("--qk-layernorm"),
@@ -723,9 +722,10 @@ def _corrupt(hf: Path, case: str) -> tuple[str, dict]:
     if case == "pickle only":
         weights.rename(hf / "pytorch_model.bin")
         return "has only pickled weights (pytorch_model.bin); they are never loaded", {}
-    if case == "llama3 factor 32":  # Llama 3.2's: megatron-core's GPT computes factor 8 only
-        _set_config(hf, rope_parameters={**LLAMA3, "factor": 32.0})
-        return "RoPE scaling 'llama3' with factor=32.0 (from rope_parameters): Megatron's GPT cannot express it", {}
+    if case == "llama3 high_freq_factor 8":  # any factor is megatron-core's (Llama 3.2's 32 too), not this
+        _set_config(hf, rope_parameters={**LLAMA3, "high_freq_factor": 8.0})
+        return ("RoPE scaling 'llama3' with high_freq_factor=8.0 (from rope_parameters): Megatron's GPT cannot "
+                "express it", {})
     if case == "legacy rope_scaling":  # transformers 5 reads rope_scaling before rope_parameters: linear
         _set_config(hf, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                     rope_scaling={"type": "linear", "factor": 2.0})
@@ -767,8 +767,8 @@ def _corrupt(hf: Path, case: str) -> tuple[str, dict]:
 
 
 CASES = ["missing tensor", "shape mismatch", "untied without lm_head", "tied but lm_head differs", "integer dtype",
-         "index outside the folder", "symlink outside the folder", "truncated file", "pickle only", "llama3 factor 32",
-         "legacy rope_scaling", "layers beyond the weights", "fractional hidden size", "hidden size as text",
+         "index outside the folder", "symlink outside the folder", "truncated file", "pickle only",
+         "llama3 high_freq_factor 8", "legacy rope_scaling", "layers beyond the weights", "fractional hidden size", "hidden size as text",
          "nested config", "nested header", "huge header length", "vocabulary multiple", "unsupported family",
          "tokenizer beyond the vocabulary", "non-finite weight"]
 
@@ -918,7 +918,7 @@ def test_refuses_deepseek_configs_megatron_cannot_express():
     base = hf_model("deepseek_v3").config.to_dict()
     yarn = base["rope_parameters"]
     cases = {
-        r"q_lora_rank=null \(a query projection without compression\)": {"q_lora_rank": None},
+        r"q_lora_rank=null \(a query projection without compression: DeepSeek-V2-Lite\)": {"q_lora_rank": None},
         "rms_norm_eps=1e-05: .*q_a_layernorm and kv_a_layernorm use eps 1e-06": {"rms_norm_eps": 1e-5},
         "norm_topk_prob=false with num_experts_per_tok=2": {"norm_topk_prob": False},
         "n_group=2, topk_group=1 with num_experts_per_tok=4.*top 2": {"num_experts_per_tok": 4},
@@ -950,7 +950,8 @@ def test_refuses_deepseek_configs_megatron_cannot_express():
 
 
 @pytest.mark.parametrize("model_type", ["llama", "llama_biases", "gpt2", "mistral", "qwen2", "qwen3", "mixtral",
-                                        "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_halves"])
+                                        "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_halves",
+                                        "kimi_k2_halves"])
 def test_name_table_directions_are_inverses(model_type):
     """adapters/hf: to_hf then from_hf (and from_hf_bands in small bands) gives every Megatron tensor back bit for
     bit (true vocabulary rows), for every row of every family and convention; ZERO rows export zeros; PERMUTED
@@ -980,13 +981,18 @@ def test_name_table_directions_are_inverses(model_type):
         "qwen3_moe": GPTModelConfig(**base, **rope, **moe, qk_layernorm=True, moe_layer_freq=(0, 1)),
         "deepseek_v3": GPTModelConfig(**mla, **rope, **moe, moe_router_enable_expert_bias=True),
         "deepseek_v3_halves": GPTModelConfig(**mla, **rope, **moe),  # no expert bias: HF's correction bias is zero
+        # with an MTP layer (HF layer 2: its transformer layer's rows, the MTP rows, the embedding / head copies)
+        "kimi_k2_halves": GPTModelConfig(**mla, **rope, **moe, mtp_num_layers=1),
     }[model_type]
     family = model_type.split("_biases")[0].split("_halves")[0]
     conventions = {"rope_interleave": False} if model_type.endswith("_halves") else None
     shapes = dict(expected_parameters(config))
     g = torch.Generator().manual_seed(0)
     covered, zeros, permuted = set(), 0, 0
-    for row in hf_rows(config, family, conventions):
+    rows = hf_rows(config, family, conventions)
+    names = [n for row in rows for n in row.hf]
+    assert len(names) == len(set(names))  # every HF tensor in one row
+    for row in rows:
         original = torch.randn(shapes[row.megatron], generator=g) if row.megatron else None
         if row.join == PERMUTED:  # a permutation of the rows that keeps each head's (q_b_proj: 24 rows) in place
             order = torch.tensor(row.permutation)
@@ -1007,5 +1013,6 @@ def test_name_table_directions_are_inverses(model_type):
         assert torch.equal(torch.cat(list(banded)), want), row
     assert covered == set(shapes), set(shapes) ^ covered  # the table names every Megatron parameter once
     # qwen3's attention_bias: o_proj's, one per layer; DeepSeek's correction bias of a router without expert bias
-    assert zeros == {"qwen3": 2, "deepseek_v3_halves": 1}.get(model_type, 0)
-    assert permuted == (4 if model_type == "deepseek_v3_halves" else 0)  # q_b_proj, kv_a_proj_with_mqa per layer
+    assert zeros == {"qwen3": 2, "deepseek_v3_halves": 1, "kimi_k2_halves": 2}.get(model_type, 0)
+    # q_b_proj, kv_a_proj_with_mqa per layer (the MTP layer's too)
+    assert permuted == {"deepseek_v3_halves": 4, "kimi_k2_halves": 6}.get(model_type, 0)

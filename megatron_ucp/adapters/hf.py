@@ -1,11 +1,15 @@
 """The one table between Hugging Face and Megatron parameter names, used both ways (`export-hf`, `import-hf`).
 
 `FAMILIES` holds one `HFFamily` per transformers model type (llama, mistral, qwen2, qwen3, gpt2, mixtral,
-qwen2_moe, qwen3_moe, deepseek_v3; olmoe as a refusal with its reason): its tensors as rows of templates (`Row`: a
-Megatron canonical parameter, `{i}` the global layer and `{j}` the routed expert, the HF tensors it is made of, how
-(`Join`), when the row exists for a model config, and for which value of an HF tensor convention), and the facts of
-its config.json that decide the Megatron model (`HFConfigFacts`: which biases, QK norm, MoE keys, sliding-window
-keys, multi-latent attention, transformers' defaults). A new family is a new entry of rows and facts;
+qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2 (DeepSeek-V3's layout); deepseek_v2, glm4_moe and olmoe as refusals with
+their reasons): its tensors as rows of templates (`Row`: a Megatron canonical parameter, `{i}` the global layer, `{j}` the
+routed expert and `{k}` the multi-token prediction layer, the HF tensors it is made of, how (`Join`), when the row
+exists for a model config, and for which value of an HF tensor convention), and the facts of its config.json that
+decide the Megatron model (`HFConfigFacts`: which biases, QK norm, MoE keys, sliding-window keys, multi-latent
+attention, MTP layers, transformers' defaults). DeepSeek's MTP layer k is HF layer num_hidden_layers + k (as
+Megatron-Bridge maps it): a decoder layer's rows for its transformer layer (Megatron's
+mtp.layers.<k>.mtp_model_layer), enorm, hnorm, eh_proj, shared_head.norm (its final_layernorm) and the copies of the
+embedding and output layer DeepSeek stores there (`duplicate` rows). A new family is a new entry of rows and facts;
 `hf_rows(config, model_type, conventions)` expands a family for a model.
 
 Conventions are HF config keys that choose how the same function is stored, not what it computes (DeepSeek-V3's
@@ -25,12 +29,15 @@ the project spells an HF name.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
+from megatron_ucp.adapters.gpt import MTP_INNER
+from megatron_ucp.adapters.gpt import MTP_PREFIX as MTP
 from megatron_ucp.core.model_config import GPTModelConfig
 
 if TYPE_CHECKING:
@@ -48,11 +55,12 @@ PERMUTED = "permuted"  # one HF tensor, its rows reordered: Megatron's row r is 
 
 Predicate = Callable[[GPTModelConfig], bool]
 
-# transformers' llama3 RoPE (rope_type "llama3") that megatron-core 0.19's RotaryEmbedding computes with
-# --use-rope-scaling: _apply_scaling's constants, and GPTModel's default factor (Megatron-LM's GPT builder passes
-# --use-rope-scaling to the model, not --rope-scaling-factor)
-MEGATRON_LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                        "original_max_position_embeddings": 8192}
+# transformers' llama3 RoPE (rope_type "llama3") as megatron-core 0.19 computes it with --use-rope-scaling: any
+# factor (--rope-scaling-factor, which this project's entry point passes to GPTModel; Megatron-LM 0.19's own GPT
+# builder does not, so its models get GPTModel's default, MEGATRON_DEFAULT_LLAMA3_FACTOR), and the other three keys
+# fixed at RotaryEmbedding._apply_scaling's defaults (RotaryEmbedding passes it the factor only)
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+MEGATRON_DEFAULT_LLAMA3_FACTOR = 8.0
 # transformers' YaRN keys that megatron-core 0.19's multi-latent attention fixes: MLATransformerConfig's defaults,
 # which Megatron-LM's arguments never set for MLA (its --yarn-* flags only reach GPTModel's non-MLA YaRN), and the
 # correction range rounded to integers (transformers' truncate=true)
@@ -61,6 +69,15 @@ MEGATRON_MLA_YARN = {"original_max_position_embeddings": 4096, "beta_fast": 32.0
 # the epsilon of transformers' DeepseekV3 q_a_layernorm and kv_a_layernorm (DeepseekV3RMSNorm's default: they are
 # built without rms_norm_eps); megatron-core's q/kv layernorms use --norm-epsilon like every other norm
 DEEPSEEK_LATENT_NORM_EPS = 1e-6
+# Why DeepSeek's multi-latent attention without query compression (q_lora_rank null: DeepSeek-V2-Lite) is not a
+# megatron-core 0.19 model: its kv_a_layernorm is megatron-core's kv_layernorm, built only with --qk-layernorm, and
+# 0.19's MLA norm resolver (mla_qk_norm_config.QKNormConfigResolver, also on Megatron-LM main) then demands a norm
+# fused into linear_q_proj (the local spec refuses; TransformerEngine's normalizes q_proj's input, a norm DeepSeek's
+# q_proj does not have). megatron-core <= 0.18 built the kv norm alone.
+MLA_WITHOUT_Q_LORA = (
+    "megatron-core 0.19 builds DeepSeek's kv_a_layernorm only with --qk-layernorm, and its MLA norm resolver then "
+    "requires a norm fused into linear_q_proj (the local spec refuses to build; TransformerEngine's normalizes "
+    "q_proj's input, a norm this model does not have); megatron-core 0.18 and earlier built the kv norm alone")
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -80,6 +97,9 @@ class HFRow:
     zero_shape: Optional[tuple[int, ...]] = None
     permutation: Optional[tuple[int, ...]] = None  # PERMUTED rows: Megatron's row r is HF's row permutation[r]
     keep_fp32: bool = False  # transformers keeps the tensor in fp32 whatever the model's dtype
+    # an HF copy of a parameter another row maps (DeepSeek's MTP layers store the embedding and output layer again):
+    # export writes it, import checks it equals that row's HF tensor bit for bit (it may be absent)
+    duplicate: bool = False
 
 
 def _always(config: GPTModelConfig) -> bool:
@@ -100,12 +120,18 @@ class Row:
     convention: Optional[tuple[str, Any]] = None  # (HF config key, value): the row exists only for that value
     permutation: Optional[Callable[[GPTModelConfig], tuple[int, ...]]] = None
     keep_fp32: bool = False
+    duplicate: bool = False
 
-    def expand(self, config: GPTModelConfig, **index: int) -> HFRow:
-        return HFRow(self.megatron.format(**index) if self.megatron else None,
+    def expand(self, config: GPTModelConfig, megatron_layer: Optional[str] = None, **index: int) -> HFRow:
+        """The row of layer `i`, expert `j`, MTP layer `k`; `megatron_layer`: the Megatron prefix that replaces
+        the decoder layer's (an MTP layer's transformer layer)."""
+        megatron = self.megatron
+        if megatron and megatron_layer is not None and megatron.startswith(L):
+            megatron = megatron_layer + megatron[len(L):]
+        return HFRow(megatron.format(**index) if megatron else None,
                      tuple(n.format(**index) for n in self.hf), self.join,
                      self.zero_shape(config) if self.zero_shape else None,
-                     self.permutation(config) if self.permutation else None, self.keep_fp32)
+                     self.permutation(config) if self.permutation else None, self.keep_fp32, self.duplicate)
 
 
 @dataclass(frozen=True)
@@ -138,7 +164,8 @@ class HFConfigFacts:
     sliding_switch: Optional[str] = None  # key that turns sliding_window on (Qwen's use_sliding_window)
     moe: Optional[MoEKeys] = None
     # DeepSeek's multi-latent attention (q_lora_rank, kv_lora_rank, qk_nope/rope_head_dim, v_head_dim) and its key
-    # of the MTP layers its checkpoints carry after the decoder's (transformers builds none and ignores them)
+    # of the MTP layers its checkpoints carry after the decoder's (transformers builds none and ignores them; they
+    # map to Megatron's mtp.layers.<k>: the family's `mtp` rows and a decoder layer's rows)
     mla: bool = False
     mtp_layers: Optional[str] = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
@@ -159,6 +186,9 @@ class HFFamily:
     expert: tuple[Row, ...] = ()  # routed expert {j}'s rows
     expert_prefix: str = ""  # HF prefix of expert {j} of layer {i}
     facts: HFConfigFacts = HFConfigFacts()
+    # a multi-token prediction layer's rows besides its transformer layer's (`{k}`: the MTP layer, `{i}` its HF
+    # layer, the decoder's layer count + k); its transformer layer has a decoder layer's rows at HF layer {i}
+    mtp: tuple[Row, ...] = ()
     unsupported: Optional[str] = None  # why Megatron's GPT cannot compute the family
     # HF config keys that choose how tensors are stored (not what the model computes), with the value export writes
     conventions: Mapping[str, Any] = field(default_factory=dict)
@@ -330,6 +360,22 @@ DEEPSEEK_MOE = (
 )
 
 
+# DeepSeek's MTP layer k is HF layer L + k (Megatron-Bridge's mapping): enorm, hnorm and eh_proj as they are, its
+# shared_head.norm Megatron's final_layernorm of the MTP layer, and copies of the embedding and the output layer
+# (DeepSeek-V3's own checkpoints store them; megatron-core's MTP layers use the model's own)
+M = MTP + "{k}."
+DEEPSEEK_MTP = (
+    Row(M + "enorm.weight", (H + "enorm.weight",)),
+    Row(M + "hnorm.weight", (H + "hnorm.weight",)),
+    Row(M + "eh_proj.weight", (H + "eh_proj.weight",)),  # [embedding; hidden state] both
+    Row(M + "final_layernorm.weight", (H + "shared_head.norm.weight",)),
+    Row("embedding.word_embeddings.weight", (H + "embed_tokens.weight",), VOCAB, duplicate=True),
+    Row("output_layer.weight", (H + "shared_head.head.weight",), VOCAB, _untied, duplicate=True),
+    Row("embedding.word_embeddings.weight", (H + "shared_head.head.weight",), VOCAB, lambda c: c.tied,
+        duplicate=True),
+)
+
+
 def _llama_like(model_type: str, architecture: str, facts: HFConfigFacts, *, moe: tuple[Row, ...] = (),
                 expert: tuple[Row, ...] = (), expert_prefix: str = "") -> HFFamily:
     attention = LLAMA_ATTENTION + (ATTENTION_BIAS_O_PROJ if facts.qkv_bias_with_o_proj else ())
@@ -348,6 +394,17 @@ _DEEPSEEK_V3_DEFAULTS = {
     "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
     "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-6, "rope_interleave": True, "attention_bias": False, "num_nextn_predict_layers": 1}
+
+# DeepSeek-V3: multi-latent attention, the first layers dense, MoE with ungated shared experts and the sigmoid
+# router, MTP layers after the decoder's
+DEEPSEEK_V3 = HFFamily(
+    "deepseek_v3", "DeepseekV3ForCausalLM", H, MLA_ATTENTION, LLAMA_MLP, LLAMA_MODEL, DEEPSEEK_MOE, QWEN_EXPERT,
+    H + "mlp.experts.{j}.", mtp=DEEPSEEK_MTP, conventions={"rope_interleave": True}, facts=HFConfigFacts(
+        mla=True, mtp_layers="num_nextn_predict_layers",
+        moe=MoEKeys("n_routed_experts", "moe_intermediate_size", norm_topk="norm_topk_prob",
+                    shared_count="n_shared_experts", first_dense="first_k_dense_replace", sigmoid_router=True),
+        defaults=_DEEPSEEK_V3_DEFAULTS,
+        aliases={"n_routed_experts": ("num_local_experts",), "num_nextn_predict_layers": ("num_mtp_layers",)}))
 
 FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
     _llama_like("llama", "LlamaForCausalLM", HFConfigFacts(
@@ -384,16 +441,17 @@ FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
         defaults={"rms_norm_eps": 1e-6, "num_key_value_heads": 4, "max_position_embeddings": 32768,
                   "norm_topk_prob": False, **_QWEN_SLIDING}, aliases={"num_experts": ("num_local_experts",)}),
         moe=QWEN_ROUTER, expert=QWEN_EXPERT, expert_prefix=H + "mlp.experts.{j}."),
-    HFFamily("deepseek_v3", "DeepseekV3ForCausalLM", H, MLA_ATTENTION, LLAMA_MLP, LLAMA_MODEL, DEEPSEEK_MOE,
-             QWEN_EXPERT, H + "mlp.experts.{j}.", HFConfigFacts(
-                 mla=True, mtp_layers="num_nextn_predict_layers",
-                 moe=MoEKeys("n_routed_experts", "moe_intermediate_size", norm_topk="norm_topk_prob",
-                             shared_count="n_shared_experts", first_dense="first_k_dense_replace",
-                             sigmoid_router=True),
-                 defaults=_DEEPSEEK_V3_DEFAULTS,
-                 aliases={"n_routed_experts": ("num_local_experts",),
-                          "num_nextn_predict_layers": ("num_mtp_layers",)}),
-             conventions={"rope_interleave": True}),
+    DEEPSEEK_V3,
+    # Kimi-K2: config.json of model_type kimi_k2 in DeepSeek-V3's architecture and tensor names (its remote code's
+    # class is DeepseekV3ForCausalLM, which export-hf names)
+    dataclasses.replace(DEEPSEEK_V3, model_type="kimi_k2"),
+    HFFamily("deepseek_v2", "DeepseekV2ForCausalLM", H, unsupported=(
+        "megatron-ucp maps DeepSeek's multi-latent attention as deepseek_v3 (DeepSeek-V2's softmax group-limited "
+        "router is not mapped), and DeepSeek-V2-Lite (q_lora_rank null) is not computable: " + MLA_WITHOUT_Q_LORA)),
+    HFFamily("glm4_moe", "Glm4MoeForCausalLM", H, unsupported=(
+        "megatron-ucp does not map GLM-4.5 yet: megatron-core's GPTModel looks able to compute it (partial RoPE as "
+        "--rotary-percent, QKV biases, DeepSeek's sigmoid router, MTP layers like DeepSeek-V3's), but no rows for its "
+        "tensors are written or tested against transformers' Glm4MoeForCausalLM")),
     HFFamily("olmoe", "OlmoeForCausalLM", H, unsupported=(
         "OLMoE's q_norm and k_norm normalize each token's whole query and key projections (all heads together), "
         "megatron-core 0.19's --qk-layernorm normalizes each head separately, and its GPT has no whole-projection "
@@ -416,7 +474,9 @@ def family(model_type: str) -> HFFamily:
 def hf_rows(config: GPTModelConfig, model_type: str, conventions: Optional[Mapping[str, Any]] = None
             ) -> list[HFRow]:
     """Every row of the model, layer by layer (routed experts by global index), then the embeddings, final norm
-    and output layer; rows of a convention for its value in `conventions` (config.json's), else the family's."""
+    and output layer, then each multi-token prediction layer's (its transformer layer's, then the family's MTP
+    rows; a family without MTP rows has none: export-hf refuses such a model); rows of a convention for its value
+    in `conventions` (config.json's), else the family's."""
     fam = family(model_type)
     chosen = {**fam.conventions, **{k: v for k, v in (conventions or {}).items() if k in fam.conventions}}
 
@@ -435,6 +495,15 @@ def hf_rows(config: GPTModelConfig, model_type: str, conventions: Optional[Mappi
         else:
             rows += [r.expand(config, i=i) for r in dense]
     rows += [r.expand(config) for r in fam.model if exists(r)]
+    for k in range(config.mtp_num_layers or 0):  # MTP layer k: HF layer L + k, built like the decoder's last layer
+        i, inner = config.num_layers + k, f"{MTP}{k}.{MTP_INNER}."
+        rows += [r.expand(config, inner, i=i) for r in attention]
+        if moe_layers[-1]:
+            rows += [r.expand(config, inner, i=i) for r in moe]
+            rows += [r.expand(config, inner, i=i, j=j) for j in range(config.num_experts) for r in expert]
+        else:
+            rows += [r.expand(config, inner, i=i) for r in dense]
+        rows += [r.expand(config, i=i, k=k) for r in fam.mtp if exists(r)]
     return rows
 
 

@@ -2,8 +2,9 @@
 
 Writes `config.json` and `model.safetensors` (HF parameter names from `adapters/hf.py`'s family table, which
 `import-hf` reads the other way) for the families of that table:
-- llama, mistral, qwen2, qwen3: SwiGLU, RMSNorm, RoPE (llama3 scaling with --use-rope-scaling); Megatron's
-  per-query-group fused QKV is split into q/k/v_proj (GroupedQKV.split_qkv gives HF's head order), fc1
+- llama, mistral, qwen2, qwen3: SwiGLU, RMSNorm, RoPE (llama3 scaling with --use-rope-scaling and its
+  --rope-scaling-factor); Megatron's per-query-group fused QKV is split into q/k/v_proj (GroupedQKV.split_qkv
+  gives HF's head order), fc1
   `[gate; up]` into gate_proj / up_proj; QKV biases (qwen2 always, llama and qwen3 with attention_bias, whose
   o_proj bias is exported as zeros), per-head QK norm (qwen3: --qk-layernorm);
 - gpt2: LayerNorm, learned positions, GELU, tied embeddings, biases; HF's Conv1D stores weights
@@ -22,8 +23,10 @@ Writes `config.json` and `model.safetensors` (HF parameter names from `adapters/
   -> routed_scaling_factor, --moe-router-num-groups / --moe-router-group-topk -> n_group / topk_group, renormalized
   for top-k > 1 -> norm_topk_prob); --norm-epsilon must be 1e-6 (transformers' latent norms use it whatever
   rms_norm_eps says).
-Multi-token prediction layers have no transformers counterpart: a model with them is refused, or exported without
-them with --drop-mtp.
+Multi-token prediction layers (--mtp-num-layers): for deepseek_v3 and kimi_k2 as DeepSeek's checkpoints store them,
+layer num_hidden_layers + k (num_nextn_predict_layers; transformers builds none and ignores them): its transformer
+layer's tensors, enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding and output layer
+(embed_tokens, shared_head.head); other families have no MTP layers: refused, or left out with --drop-mtp.
 Megatron's router (softmax score, top-k of the logits, then softmax over the k: the same as the families'
 normalized top-k of the full softmax) is checked to be the default one; with --moe-router-pre-softmax (top-k of
 the full softmax, not renormalized) it is Qwen-MoE's norm_topk_prob=false. What a family cannot express (biases
@@ -39,6 +42,7 @@ Needs only torch and safetensors; transformers is needed to load the result, not
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -47,8 +51,9 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from megatron_ucp.adapters.hf import (DEEPSEEK_LATENT_NORM_EPS, FAMILIES, MEGATRON_LLAMA3_ROPE, MEGATRON_MLA_YARN,
-                                      MODEL_TYPES, HFFamily, hf_rows, to_hf, yarn_mscale)
+from megatron_ucp.adapters.hf import (DEEPSEEK_LATENT_NORM_EPS, FAMILIES, MEGATRON_DEFAULT_LLAMA3_FACTOR,
+                                      MEGATRON_LLAMA3_ROPE, MEGATRON_MLA_YARN, MLA_WITHOUT_Q_LORA, MODEL_TYPES,
+                                      HFFamily, hf_rows, to_hf, yarn_mscale)
 from megatron_ucp.commands.common import add_publication_flags
 from megatron_ucp.core.dtypes import PARAM_DTYPES, torch_dtype
 from megatron_ucp.core.model_config import GPTModelConfig
@@ -86,9 +91,10 @@ def check_exportable(config: GPTModelConfig, args: dict, model_type: str, *, dro
     if model_type not in MODEL_TYPES:
         raise ExportError(f"--model-type {model_type!r} is not supported; choose one of {', '.join(MODEL_TYPES)}")
     facts = FAMILIES[model_type].facts
-    _need(not config.mtp_num_layers or drop_mtp, model_type, f"the model has {config.mtp_num_layers} multi-token "
-          f"prediction layer(s) (--mtp-num-layers); {FAMILIES[model_type].architecture} has none (transformers "
-          "ignores the MTP layers DeepSeek's checkpoints carry)", "pass --drop-mtp to export the model without them")
+    _need(not config.mtp_num_layers or drop_mtp or bool(FAMILIES[model_type].mtp), model_type,
+          f"the model has {config.mtp_num_layers} multi-token prediction layer(s) (--mtp-num-layers); "
+          f"{FAMILIES[model_type].architecture} checkpoints have none", "pass --drop-mtp to export the model without "
+          f"them, or use --model-type {_families_with(lambda f: bool(f.mtp))}")
     mla = "the attention is multi-latent (--multi-latent-attention)"
     if facts.mla:
         _check_deepseek(config, args, model_type)
@@ -133,11 +139,6 @@ def check_exportable(config: GPTModelConfig, args: dict, model_type: str, *, dro
     _need(not args.get("rotary_seq_len_interpolation_factor"), model_type, "the run set "
           "--rotary-seq-len-interpolation-factor", "Megatron-LM's GPT builder does not pass it to the model, so "
           "what the model computed is unclear; export from a run without it")
-    factor = args.get("rope_scaling_factor")
-    _need(not args.get("use_rope_scaling") or factor in (None, MEGATRON_LLAMA3_ROPE["factor"]), model_type,
-          f"--use-rope-scaling with --rope-scaling-factor {factor}", "Megatron-LM's GPT builder does not pass the "
-          f"factor to the model, which computed llama3 scaling with factor {MEGATRON_LLAMA3_ROPE['factor']:g}; "
-          "export from a run without --rope-scaling-factor")
     _need(config.qk_layernorm == facts.qk_norm, model_type,
           "the attention normalizes q and k per head (--qk-layernorm)" if config.qk_layernorm else
           f"{FAMILIES[model_type].architecture} normalizes q and k per head, this model does not",
@@ -203,8 +204,7 @@ def _check_deepseek(config: GPTModelConfig, args: dict, model_type: str) -> None
     _need(config.multi_latent_attention, model_type, f"the attention is not multi-latent; {arch}'s is",
           f"use --model-type {_like(config)}")
     _need(config.q_lora_rank is not None, model_type, "the query has no low-rank compression (no --q-lora-rank)",
-          f"megatron-core 0.19 has DeepSeek's kv_a_layernorm only with --qk-layernorm, which without --q-lora-rank "
-          f"normalizes q_proj's input (TransformerEngine's spec), a norm {arch} does not have")
+          MLA_WITHOUT_Q_LORA)
     _need(config.qk_layernorm, model_type, "the latent query and key/value are not normalized (no --qk-layernorm)",
           f"{arch} always applies q_a_layernorm and kv_a_layernorm")
     _need(config.swiglu and config.normalization == "RMSNorm", model_type, "the MLP is not SwiGLU or the norms "
@@ -275,14 +275,19 @@ def _deepseek_config(config: GPTModelConfig, args: dict) -> dict:
         "first_k_dense_replace": config.moe_layers.index(True),
         "routed_scaling_factor": float(args.get("moe_router_topk_scaling_factor") or 1.0),
         "n_group": groups if limited else 1, "topk_group": chosen if limited else 1, "norm_topk_prob": topk > 1,
-        "attention_bias": False, "num_nextn_predict_layers": 0, "pretraining_tp": 1,
+        "attention_bias": False, "num_nextn_predict_layers": config.mtp_num_layers or 0, "pretraining_tp": 1,
     }
 
 
 def _rope_config(args: dict) -> dict:
-    """transformers' RoPE fields of what megatron-core computed (MEGATRON_LLAMA3_ROPE with --use-rope-scaling)."""
+    """transformers' RoPE fields of what megatron-core computed: with --use-rope-scaling, llama3 scaling with the
+    run's --rope-scaling-factor (what this project's entry point passes to GPTModel, and the plugin checks the built
+    model computes at every load) and MEGATRON_LLAMA3_ROPE's fixed keys."""
     theta = float(args.get("rotary_base", 10000) or 10000)
-    scaling = {"rope_type": "llama3", **MEGATRON_LLAMA3_ROPE} if args.get("use_rope_scaling") else None
+    scaling = None
+    if args.get("use_rope_scaling"):
+        factor = float(args.get("rope_scaling_factor") or MEGATRON_DEFAULT_LLAMA3_FACTOR)
+        scaling = {"rope_type": "llama3", "factor": factor, **MEGATRON_LLAMA3_ROPE}
     return {"rope_theta": theta, "rope_scaling": scaling,  # transformers 4.x
             "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": theta}}  # transformers 5.x
 
@@ -395,6 +400,9 @@ def export_hf(src: PathLike, dst: PathLike, model_type: str, *, dtype: Optional[
                                   f"(megatron-ucp to-universal {src} UCP_DIR) and export UCP_DIR")
             config = ucp.config
             check_exportable(config, ucp.args, model_type, drop_mtp=drop_mtp)
+            dropped_mtp = (config.mtp_num_layers or 0) if drop_mtp else 0
+            if dropped_mtp:
+                config = dataclasses.replace(config, mtp_num_layers=None)
             if dtype in (None, "auto"):
                 dtypes = {p.model_dtype for p in ucp.parameters.values()}
                 dtype = dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes), None) in DTYPES else "float32"
@@ -428,7 +436,7 @@ def export_hf(src: PathLike, dst: PathLike, model_type: str, *, dtype: Optional[
             "iteration": ucp.iteration, "vocab_size": config.vocab_size,
             "dropped_padding_rows": config.padded_vocab_size - config.vocab_size,
             "num_tensors": len(tensors), "bytes_written": nbytes,
-            "dropped_mtp_layers": config.mtp_num_layers or 0}
+            "dropped_mtp_layers": dropped_mtp, "mtp_layers": config.mtp_num_layers or 0}
 
 
 def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
@@ -439,16 +447,18 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
                     "(+ QKV bias), qwen3 (+ QK norm), gpt2 (GELU, LayerNorm, learned positions, tied), mixtral (MoE, "
                     "routed experts only), qwen2_moe (MoE with a gated shared expert, dense layers allowed), "
                     "qwen3_moe (MoE, QK norm) or deepseek_v3 (multi-latent attention, leading dense layers, MoE with "
-                    "shared experts and the sigmoid router with its expert bias). Vocabulary padding rows are "
-                    "dropped; multi-token prediction layers only with --drop-mtp.")
+                    "shared experts and the sigmoid router with its expert bias; its MTP layers too; kimi_k2: the "
+                    "same in Kimi-K2's config). Vocabulary padding rows are dropped; --drop-mtp leaves out "
+                    "multi-token prediction layers.")
     p.add_argument("src", help="universal checkpoint directory (megatron-ucp to-universal's DST)")
     p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
     p.add_argument("--model-type", required=True, choices=MODEL_TYPES)
     p.add_argument("--dtype", default="auto", choices=("auto",) + tuple(DTYPES),
                    help="dtype of the exported weights (default: the model's training dtype)")
     p.add_argument("--drop-mtp", action="store_true",
-                   help="leave out the model's multi-token prediction layers (no transformers class computes them; "
-                        "without this flag a model with MTP layers is refused)")
+                   help="leave out the model's multi-token prediction layers (deepseek_v3 and kimi_k2 store them "
+                        "after the decoder's layers; other families have none, and a model with them is refused "
+                        "without this flag)")
     p.add_argument("--allow-non-finite", action="store_true",
                    help="export weights holding NaN/Inf as they are (refused by default, naming them)")
     add_publication_flags(p, "export", "megatron-ucp.json")

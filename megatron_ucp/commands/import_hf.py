@@ -11,7 +11,8 @@ whole) is in memory at a time, so memory stays bounded whatever the model size.
 `adapters/hf.py` is the mapping (the same table `export-hf` uses) and the per-family facts of config.json:
 Megatron's fused QKV per query group, SwiGLU `[gate; up]`, routed experts by global index, DeepSeek-V3's
 multi-latent attention (RoPE rows permuted when config.json's rope_interleave is false), its router's correction
-bias as megatron-core's expert_bias buffer, its MTP layers refused or, with --drop-mtp, left out. config.json is read
+bias as megatron-core's expert_bias buffer, its MTP layers (stored after the decoder's) as Megatron's
+mtp.layers.<k> (--mtp-num-layers) or, with --drop-mtp, left out. config.json is read
 as transformers 5 reads it (its config classes' defaults, its RoPE parameters: `rope_scaling` before
 `rope_parameters`), every value type-checked. Weights are widened to fp32 exactly (bf16 and fp16 are subsets of
 fp32); the vocabulary is padded to Megatron-LM's rule at TP1 (`--make-vocab-size-divisible-by`, the padding rows
@@ -25,6 +26,7 @@ it fits the free space at DST.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -34,8 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from megatron_ucp.adapters.hf import (DEEPSEEK_LATENT_NORM_EPS, MEGATRON_LLAMA3_ROPE, MEGATRON_MLA_YARN, MODEL_TYPES,
-                                      VOCAB, ZERO, HFConfigFacts, HFFamily, HFRow, family, from_hf_bands, hf_rows,
+from megatron_ucp.adapters.hf import (DEEPSEEK_LATENT_NORM_EPS, MEGATRON_LLAMA3_ROPE, MEGATRON_MLA_YARN,
+                                      MLA_WITHOUT_Q_LORA, MODEL_TYPES, VOCAB, ZERO, HFConfigFacts, HFFamily, HFRow,
+                                      family, from_hf_bands, hf_rows,
                                       hf_shapes, layer_of, stored_layers_and_experts, yarn_mscale)
 from megatron_ucp.commands.common import add_publication_flags
 from megatron_ucp.core.dtypes import SAFETENSORS, itemsize
@@ -349,11 +352,13 @@ def _rope(cfg: _Config, model_type: str, max_positions: int, mla: bool = False) 
         if not (_is_number(value) and float(value) == want):
             given = f"{key}={value!r}" if key in values else f"no {key}"
             _refuse(model_type, f"RoPE scaling 'llama3' with {given} (from {source})",
-                    "megatron-core 0.19 computes llama3 scaling only with " + ", ".join(
-                        f"{k}={v:g}" for k, v in MEGATRON_LLAMA3_ROPE.items()) +
-                    ": the factor is GPTModel's default, which Megatron-LM's GPT builder does not override from "
-                    "--rope-scaling-factor")
-    return {**out, "use_rope_scaling": True, "rope_scaling_factor": MEGATRON_LLAMA3_ROPE["factor"]}
+                    "megatron-core 0.19's RotaryEmbedding takes the llama3 factor only (--rope-scaling-factor) and "
+                    "computes the rest with " + ", ".join(f"{k}={v:g}" for k, v in MEGATRON_LLAMA3_ROPE.items()))
+    factor = values.get("factor")
+    if not (_is_number(factor) and factor > 0):
+        _fail(f"config.json: RoPE scaling 'llama3' factor {factor!r} (from {source}) is not a positive number; fix "
+              f"config.json")
+    return {**out, "use_rope_scaling": True, "rope_scaling_factor": float(factor)}
 
 
 def _mla_rope(cfg: _Config, model_type: str, rope_type: str, values: dict, source: str, max_positions: int) -> dict:
@@ -512,11 +517,8 @@ def _mla_model(cfg: _Config, fam: HFFamily, vocab: int, divisible: int, args: di
         _refuse(model_type, "attention_bias=true", "megatron-core's multi-latent attention projections have no "
                 "biases but the output projection's, which --add-bias-linear gives the MLP too")
     if cfg.raw("q_lora_rank", 1) is None:  # an explicit null: DeepSeek-V2-Lite's q_proj
-        _refuse(model_type, "q_lora_rank=null (a query projection without compression)",
-                "megatron-core 0.19 builds DeepSeek's kv_a_layernorm only with --qk-layernorm, and with "
-                "--qk-layernorm but no --q-lora-rank its local layer spec refuses to build (a query norm with no "
-                "compressed query to normalize) while TransformerEngine's normalizes q_proj's input, a norm "
-                "transformers' model does not have")
+        _refuse(model_type, "q_lora_rank=null (a query projection without compression: DeepSeek-V2-Lite)",
+                MLA_WITHOUT_Q_LORA)
     eps = cfg.number("rms_norm_eps", 1e-6)
     if eps != DEEPSEEK_LATENT_NORM_EPS:
         _refuse(model_type, f"rms_norm_eps={eps}", f"transformers' q_a_layernorm and kv_a_layernorm use eps "
@@ -599,10 +601,11 @@ def _family(model_type: Any, path: Union[str, Path] = "config.json") -> HFFamily
         _fail(f"{path}: {e}")
 
 
-def megatron_model(cfg: dict, model_type: str, make_vocab_size_divisible_by: int = 128
+def megatron_model(cfg: dict, model_type: str, make_vocab_size_divisible_by: int = 128, mtp_layers: int = 0
                    ) -> tuple[GPTModelConfig, dict]:
     """The Megatron model config and Megatron-LM args (names and values as Megatron-LM's argparse keeps them) of
-    an HF config; refuses what the GPT model cannot compute exactly."""
+    an HF config, with `mtp_layers` multi-token prediction layers (--mtp-num-layers); refuses what the GPT model
+    cannot compute exactly."""
     fam = _family(model_type)
     reader = _Config(cfg, fam.facts)
     vocab = reader.int("vocab_size")
@@ -616,6 +619,8 @@ def megatron_model(cfg: dict, model_type: str, make_vocab_size_divisible_by: int
         config = _mla_model(reader, fam, vocab, make_vocab_size_divisible_by, args)
     else:
         config = _llama_like_model(reader, fam, vocab, make_vocab_size_divisible_by, args)
+    if mtp_layers:
+        config = dataclasses.replace(config, mtp_num_layers=mtp_layers)
     args.update({k: v for k, v in config.to_dict().items() if k not in ("vocab_size",)})
     args["group_query_attention"] = config.num_query_groups != config.num_attention_heads
     args["seq_length"] = config.max_position_embeddings
@@ -657,6 +662,8 @@ def megatron_flags(config: GPTModelConfig, args: dict, release: MegatronRelease 
     flags += ["--disable-bias-linear"] * (not c.add_bias_linear) + ["--add-qkv-bias"] * (c.add_qkv_bias
                                                                                           and not c.add_bias_linear)
     flags += ["--qk-layernorm"] * c.qk_layernorm
+    if c.mtp_num_layers:
+        flags += ["--mtp-num-layers", c.mtp_num_layers]
     if c.num_experts:
         freq = c.moe_layer_freq
         flags += ["--num-experts", c.num_experts, "--moe-ffn-hidden-size", c.moe_ffn_hidden_size,
@@ -689,14 +696,14 @@ def detect_model_type(cfg: dict, path: Path) -> str:
 # The import
 
 
-def _check_counts(cfg: dict, model_type: str, stored: dict[str, StoredTensor], root: Path) -> None:
-    """config.json's layer and expert counts against the layers and experts the tensors hold, before any work
-    that grows with them."""
+def _check_counts(cfg: dict, model_type: str, stored: dict[str, StoredTensor], root: Path, mtp: int = 0) -> None:
+    """config.json's layer and expert counts against the layers and experts the tensors hold (and the `mtp` MTP
+    layers after the decoder's), before any work that grows with them."""
     fam = _family(model_type, root / "config.json")
     reader = _Config(cfg, fam.facts)
     layers = reader.int(fam.facts.num_layers)
     held, experts = stored_layers_and_experts(model_type, list(stored))
-    if held != set(range(layers)):
+    if held != set(range(layers + mtp)):
         have = f"layers {min(held)}-{max(held)} ({len(held)} layers)" if held else "no layers"
         _fail(f"{root / 'config.json'}: says {layers} layers but the weights hold {have}; config.json does not "
               f"match the weights")
@@ -708,12 +715,10 @@ def _check_counts(cfg: dict, model_type: str, stored: dict[str, StoredTensor], r
                   f"config.json does not match the weights")
 
 
-def _mtp_tensors(cfg: dict, model_type: str, stored: dict[str, StoredTensor], root: Path, drop_mtp: bool
-                 ) -> list[str]:
-    """The tensors of DeepSeek's multi-token prediction layers (its checkpoints store them as layers after the
-    decoder's, num_nextn_predict_layers of them; transformers builds none and ignores them): refused, or with
-    `drop_mtp` returned to be left out. Never mapped to Megatron's MTP: no transformers model computes them, so no
-    mapping could be checked against one."""
+def _mtp_layers(cfg: dict, model_type: str, stored: dict[str, StoredTensor], root: Path) -> list[int]:
+    """The HF layers of a DeepSeek checkpoint's multi-token prediction layers: stored after the decoder's, at most
+    num_nextn_predict_layers of them (transformers builds none and ignores them). They map to Megatron's
+    mtp.layers.<k> (the family's MTP rows and a decoder layer's, adapters/hf.hf_rows)."""
     fam = _family(model_type, root / "config.json")
     if not fam.facts.mtp_layers:
         return []
@@ -722,12 +727,7 @@ def _mtp_tensors(cfg: dict, model_type: str, stored: dict[str, StoredTensor], ro
     beyond = {layer_of(model_type, n) for n in stored} - {None} - set(range(layers))
     if not beyond or beyond != set(range(layers, layers + len(beyond))) or len(beyond) > declared:
         return []  # not MTP layers: the layer count check names the mismatch
-    if not drop_mtp:
-        _fail(f"{root}: layers {min(beyond)}-{max(beyond)} are multi-token prediction layers "
-              f"({fam.facts.mtp_layers}={declared}); transformers' {fam.architecture} ignores them and import-hf does "
-              f"not map them to Megatron's MTP (no transformers model computes them to check a mapping against); pass "
-              f"--drop-mtp to import the model without them")
-    return sorted(n for n in stored if layer_of(model_type, n) in beyond)
+    return sorted(beyond)
 
 
 def _check_tensors(rows: list[HFRow], stored: dict[str, StoredTensor], config: GPTModelConfig,
@@ -736,14 +736,15 @@ def _check_tensors(rows: list[HFRow], stored: dict[str, StoredTensor], config: G
     for row in rows:
         shape = expected.get(row.megatron) if row.megatron else None
         wanted.update(zip(row.hf, hf_shapes(row, config, shape)))
-    missing = [n for n in wanted if n not in stored]
+    optional = {n for row in rows if row.duplicate for n in row.hf}  # copies some folders leave out
+    missing = [n for n in wanted if n not in stored and n not in optional]
     if missing:
         hint = ("the weights do not belong to this config.json, or a shard is missing" if missing != ["lm_head.weight"]
                 else "config.json says the embeddings are untied (tie_word_embeddings=false) but there is no "
                      "lm_head.weight; set tie_word_embeddings to true if the model ties them")
         _fail(f"{root}: {len(missing)} tensor(s) missing, e.g. {missing[0]}; {hint}")
     for name, shape in wanted.items():
-        if stored[name].shape != tuple(shape):
+        if name in stored and stored[name].shape != tuple(shape):
             _fail(f"{stored[name].file}: {name} has shape {list(stored[name].shape)}, config.json implies "
                   f"{list(shape)}; the weights do not match config.json")
     extra = [n for n in stored if n not in wanted and not n.endswith(_DERIVED)]
@@ -758,6 +759,14 @@ def _check_tensors(rows: list[HFRow], stored: dict[str, StoredTensor], config: G
         if a.dtype != b.dtype or a.shape != b.shape or not _same_bytes(a, b):
             _fail(f"{a.file}: tie_word_embeddings=true but lm_head.weight differs from {embed}; the weights "
                   f"are untied: set tie_word_embeddings to false in config.json (GPT-2 always ties: not importable)")
+    mapped = {r.megatron: r.hf[0] for r in rows if r.megatron and not r.duplicate}
+    for row in rows:  # an MTP layer's copies of the embedding and output layer: Megatron's MTP uses the model's own
+        copy = stored.get(row.hf[0]) if row.duplicate else None
+        if copy is not None and not (copy.dtype == stored[mapped[row.megatron]].dtype
+                                     and _same_bytes(copy, stored[mapped[row.megatron]])):
+            _fail(f"{copy.file}: {row.hf[0]} differs from {mapped[row.megatron]}; megatron-core's multi-token "
+                  f"prediction layers use the model's own {'embedding' if 'embed' in row.hf[0] else 'output layer'}, "
+                  f"so the copy must equal it (pass --drop-mtp to import the model without its MTP layers)")
 
 
 def _same_bytes(a: StoredTensor, b: StoredTensor) -> bool:
@@ -823,8 +832,8 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
               clean_stale: bool = False, make_vocab_size_divisible_by: int = 128, progress: bool = True,
               drop_mtp: bool = False, allow_non_finite: bool = False) -> dict:
     """Write the universal checkpoint `dst` from the HF model directory `src`; returns a summary. `drop_mtp`:
-    leave out the multi-token prediction layers a DeepSeek checkpoint carries (refused otherwise). NaN/Inf in a
-    weight are refused (found while the written bytes are hashed) unless `allow_non_finite`."""
+    leave out the multi-token prediction layers a DeepSeek checkpoint carries (Megatron's MTP layers otherwise).
+    NaN/Inf in a weight are refused (found while the written bytes are hashed) unless `allow_non_finite`."""
     import sys
 
     from tqdm import tqdm
@@ -856,12 +865,14 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
             if name in stored:
                 _fail(f"{f}: tensor {name} is also in {stored[name].file.name}; keep one copy of each tensor")
             stored[name] = t
-    dropped = _mtp_tensors(cfg, detected, stored, root, drop_mtp)
+    mtp_layers = _mtp_layers(cfg, detected, stored, root)
+    dropped = sorted(n for n in stored if layer_of(detected, n) in mtp_layers) if drop_mtp else []
     for name in dropped:
         del stored[name]
-    _check_counts(cfg, detected, stored, root)
+    mtp = 0 if drop_mtp else len(mtp_layers)
+    _check_counts(cfg, detected, stored, root, mtp)
     try:
-        config, args = megatron_model(cfg, detected, make_vocab_size_divisible_by)
+        config, args = megatron_model(cfg, detected, make_vocab_size_divisible_by, mtp_layers=mtp)
         expected = dict(expected_parameters(config))
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, HFImportError):
@@ -888,6 +899,8 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
     try:
         with UniversalWriter(dst, overwrite=overwrite, clean_stale=clean_stale, command="import-hf") as writer:
             for row in rows:
+                if row.duplicate:  # checked equal to the tensor its parameter is written from (_check_tensors)
+                    continue
                 parts = [stored[n] for n in row.hf]
                 if row.join == ZERO:
                     if read_tensor(parts[0]).abs().max().item() != 0:
@@ -918,6 +931,7 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
                 "optimizer": {"type": None, "param_groups": []}, "scheduler": {}, "loss_scaler": None,
                 "conversion": {"tool": "megatron-ucp import-hf", "model_type": detected, "hf_dtypes": float_dtypes,
                                "hf_conventions": conventions, "dropped_mtp_tensors": len(dropped),
+                               "mtp_layers": mtp,
                                "megatron_flags": flags},
             }
             writer.finish(metadata, list(expected.items()))
@@ -928,7 +942,7 @@ def import_hf(src: PathLike, dst: PathLike, *, model_type: Optional[str] = None,
     return {"path": str(Path(dst).absolute()), "source": str(root), "model_type": detected,
             "num_parameters": len(expected), "elements": sum(math.prod(s) for s in expected.values()),
             "hf_dtypes": float_dtypes, "vocab_size": config.vocab_size, "tokenizer": tokenizer,
-            "padded_vocab_size": config.padded_vocab_size, "dropped_mtp_tensors": len(dropped),
+            "padded_vocab_size": config.padded_vocab_size, "dropped_mtp_tensors": len(dropped), "mtp_layers": mtp,
             "megatron_flags": flags}
 
 
@@ -949,7 +963,7 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
                    help=f"Megatron-LM's vocabulary padding multiple (default 128, at most {MAX_VOCAB_MULTIPLE})")
     p.add_argument("--drop-mtp", action="store_true",
                    help="leave out the multi-token prediction layers a DeepSeek checkpoint stores after the decoder's "
-                        "(transformers ignores them; without this flag they are refused)")
+                        "(transformers ignores them; without this flag they become Megatron's --mtp-num-layers)")
     p.add_argument("--allow-non-finite", action="store_true",
                    help="import weights holding NaN/Inf as they are (refused by default, naming them)")
     add_publication_flags(p, "universal checkpoint", "COMPLETE")
@@ -967,6 +981,8 @@ def run_cli(args: argparse.Namespace) -> dict:
                          f"masters), iteration 0, no optimizer state, vocab {result['vocab_size']} padded to "
                          f"{result['padded_vocab_size']}, {tokenizer}"
                          + (f", {result['dropped_mtp_tensors']} MTP tensors left out" if result["dropped_mtp_tensors"]
+                            else "")
+                         + (f", {result['mtp_layers']} multi-token prediction layer(s)" if result["mtp_layers"]
                             else "") + ".\nTrain from it with: pretrain_gpt.py "
                          + " ".join(result["megatron_flags"])
                          + " --load " + result["path"] + " --universal-checkpoint")

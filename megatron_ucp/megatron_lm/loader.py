@@ -336,6 +336,49 @@ def check_compatible(ucp, args) -> None:
                                  f"{args.train_iters}; raise --train-iters")
 
 
+def check_rotary_frequencies(ucp, args, model) -> None:
+    """The checkpoint's llama3 RoPE scaling (--use-rope-scaling, --rope-scaling-factor) against this run's flags,
+    then the built model's RoPE inverse frequencies (GPTModel.rotary_pos_emb.inv_freq, every chunk) against those
+    megatron-core's RotaryEmbedding computes from the run's flags: a model that differs comes from a model builder
+    that drops a flag. Megatron-LM 0.19's gpt_builders.py passes --use-rope-scaling to GPTModel but never
+    --rope-scaling-factor (GPTModel's default 8 then), which makes a Llama 3.2 checkpoint (factor 32) another model.
+    (--rotary-base may change at a resume: context extension.)"""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.utils import unwrap_model
+
+    rotaries = [r for r in (getattr(unwrap_model(chunk), "rotary_pos_emb", None) for chunk in model)
+                if isinstance(r, RotaryEmbedding)]  # none under MLA (its RoPE is inside the attention) or without RoPE
+    if not rotaries:
+        return
+    scaled, factor = bool(ucp.args.get("use_rope_scaling")), float(ucp.args.get("rope_scaling_factor") or 8.0)
+    if scaled != bool(args.use_rope_scaling) or (scaled and factor != float(args.rope_scaling_factor)):
+        want = f"--use-rope-scaling --rope-scaling-factor {factor:g}" if scaled else "no --use-rope-scaling"
+        raise UniversalLoadError(f"{ucp.path}: the checkpoint's RoPE is {'llama3 scaling' if scaled else 'unscaled'}"
+                                 f" ({want}), this run's {'llama3 scaling' if args.use_rope_scaling else 'unscaled'}"
+                                 f"; pass {want} as the checkpoint's model was trained")
+
+    def frequencies(scaling_factor: float) -> torch.Tensor:
+        return RotaryEmbedding(args.kv_channels, args.rotary_percent, rotary_base=args.rotary_base,
+                               rope_scaling=args.use_rope_scaling, rope_scaling_factor=scaling_factor,
+                               use_cpu_initialization=True).inv_freq.double()
+
+    want = frequencies(float(args.rope_scaling_factor))
+    for rotary in rotaries:
+        built = rotary.inv_freq.detach().double().cpu()
+        if built.shape == want.shape and torch.allclose(built, want, rtol=1e-6, atol=0):
+            continue
+        dropped = args.use_rope_scaling and built.shape == want.shape and \
+            torch.allclose(built, frequencies(8.0), rtol=1e-6, atol=0)
+        raise UniversalLoadError(
+            f"{ucp.path}: the model this run built computes other RoPE frequencies than its flags say ("
+            + (f"llama3 scaling with factor 8, GPTModel's default, for --rope-scaling-factor {factor:g}): its model "
+               "builder does not pass the factor on (Megatron-LM 0.19's gpt_builders.py passes rope_scaling only); add "
+               "`rope_scaling_factor=args.rope_scaling_factor,` to the GPTModel(...) call of the model provider, or "
+               "train with megatron-ucp's pretrain_scripts/pretrain_gpt.py" if dropped else
+               "megatron-core's RotaryEmbedding of --rotary-base, --rotary-percent, --use-rope-scaling and "
+               "--rope-scaling-factor): its model builder does not pass them on to GPTModel"))
+
+
 # --- reading slices ---------------------------------------------------------------------------
 
 def _split_rank(name: str, layout, parallel_state) -> Tuple[int, int]:
@@ -426,6 +469,7 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
         ucp = open_for_run(args)
     try:
         check_compatible(ucp, args)
+        check_rotary_frequencies(ucp, args, model)
         problem = None
     except UniversalLoadError as e:
         problem = str(e)
