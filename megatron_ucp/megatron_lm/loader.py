@@ -498,6 +498,7 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
         _load_tensors(ucp, model, layout, pp_rank, ep_rank, target_padded, mains, gather_params, parallel_state)
     except (UniversalLoadError, UniversalFormatError, LayoutError) as e:
         problem = " ".join(str(e).split())
+    _return_freed_heap()
     _agree(problem)  # before the first collective below: a rank that cannot load stops them all
 
     if gather_params:
@@ -521,6 +522,24 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
               + ("" if load_optim else " without optimizer state")
               + f"; all ranks read {int(bytes_read.item())} bytes of tensors", flush=True)
     return ucp.iteration
+
+
+def _return_freed_heap() -> None:
+    """Give the operating system back the heap the tensor reads freed. Their staging buffers (~100 MiB per rank
+    at the 100m benchmark) are freed by the time the reads finish, but glibc keeps freed chunks in its arenas, so
+    the rank trained on with them resident: that was the direct resume's +130 MiB per rank over Megatron-LM's
+    own load (benchmarks/README.md, "Where the direct resume's memory went"). glibc's malloc_trim returns them;
+    elsewhere (musl, macOS) there is nothing to call and nothing is done."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()  # tensors held only by reference cycles are freed first
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def _load_tensors(ucp, model, layout, pp_rank: int, ep_rank: int, target_padded: int, mains: dict,
