@@ -54,6 +54,9 @@ CPD19 = "CPD19_moe_tp1cp2dp1ep2_distopt_torch_dist_fullyresh"  # GPT-MoE, EP2 ov
 # Multi-bucket runs of the entry point (tools/make_bucket_fixtures.sh; folder README): tests/test_bucket_shift*.py
 J19 = "J19_llama_tp1dp2_buckets_distopt_torch_dist"  # 6 DDP buckets, dp_reshardable: the truth
 K19 = "K19_llama_tp1dp2_buckets_distopt_torch_dist_fullyresh"  # the same run, fully_reshardable: saved shifted
+# Optimizers other than Adam (tools/make_optim_fixtures.sh; folder README): SGD momentum 0.9, fp32, no distributed optimizer
+SGA19 = "SGA19_llama_tp2pp2dp1_sgd_torch_dist"  # torch_dist: optimizer.state.momentum_buffer.<param>
+SGB19 = "SGB19_llama_tp2pp2dp1_sgd_torch"  # the same run, legacy torch
 PRETRAIN = REPO / "pretrain_scripts" / "pretrain_gpt.py"  # CPU flags: added by cpu_shims.with_cpu_flags
 TORCHRUN_TIMEOUT_S = int(os.environ.get("MEGATRON_UCP_TEST_TIMEOUT", "600"))
 
