@@ -182,6 +182,12 @@ def plan_target(ucp: UniversalCheckpoint, layout: ParallelLayout, *, vpp_layers:
         if why:
             raise FromUniversalError(f"{where}: --rng-state source: {why}; the stored RNG states mean nothing "
                                      f"elsewhere, use --rng-state cuda or cpu (fresh deterministic states)")
+    if ckpt_format == "torch_dist" and ucp.has_optimizer_state and ucp.optimizer_type != "adam":
+        warnings.append(f"megatron-core 0.19's own --load cannot resume a torch_dist checkpoint of {ucp.optimizer_type} "
+                        f"(FP32Optimizer / Float16Optimizer.sharded_state_dict call its init_state_fn, None for "
+                        f"{ucp.optimizer_type}: "
+                        f"a TypeError, its own saves included); resume this one with --universal-checkpoint, or "
+                        f"write --ckpt-format torch for Megatron-LM's own --load (docs/VERSIONS.md)")
     if not ucp.has_optimizer_state:
         warnings.append("the universal checkpoint holds no optimizer state: only model weights are written; resume "
                         "with --no-load-optim (or --finetune)")

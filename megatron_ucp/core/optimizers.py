@@ -34,16 +34,18 @@ OPTIMIZERS: dict[str, OptimizerStates] = {
     # torch.optim.SGD keeps 'momentum_buffer' only with --sgd-momentum != 0 (megatron-core's default is 0.9)
     "sgd": OptimizerStates("sgd", ("momentum_buffer",), step=False,
                            torch_class="torch.optim.SGD (TE / Apex FusedSGD on GPUs)"),
+    # emerging_optimizers' Lion (megatron-core 0.19 builds it with an init_state_fn allocating 'exp_avg'; no step)
+    "lion": OptimizerStates("lion", ("exp_avg",), step=False, torch_class="emerging_optimizers.scalar_optimizers.Lion"),
 }
 
 # Megatron-LM 0.19's other --optimizer choices: refused in one line by every path until their state is mapped
 NOT_SUPPORTED = {
-    "lion": "Lion (emerging_optimizers' Lion: state 'exp_avg')",
-    "muon": "Muon (emerging_optimizers' orthogonalized optimizer, its non-matrix parameters under "
-            "--muon-scalar-optimizer, the layer-wise distributed optimizer)",
+    "muon": "Muon (emerging_optimizers' orthogonalized optimizer: 'momentum_buffer' on matrix parameters, its "
+            "non-matrix parameters under --muon-scalar-optimizer's state)",
     "dist_muon": "dist_muon (Muon under the layer-wise distributed optimizer)",
-    "soap": "SOAP (emerging_optimizers' preconditioner state)",
-    "adaptive_muon": "adaptive Muon",
+    "soap": "SOAP (emerging_optimizers' Kronecker-factored preconditioner state, not elementwise)",
+    "adaptive_muon": "adaptive Muon (emerging_optimizers' AdaptiveMuon: momentum_buffer and a moment2_buffer of its "
+                     "own shape)",
 }
 
 # every state name any row knows, in the order tensor files store them (after 'fp32')
@@ -66,7 +68,13 @@ def refusal(name: Optional[str]) -> Optional[str]:
         return (f"optimizer {name!r} is not one megatron-ucp knows ({', '.join(OPTIMIZERS)} are supported, "
                 f"{', '.join(NOT_SUPPORTED)} not yet)")
     return (f"--optimizer {name}: {what} is not supported yet; megatron-ucp converts and loads the state of "
-            f"{' and '.join(OPTIMIZERS)} only (load its weights alone with --no-load-optim)")
+            f"{', '.join(OPTIMIZERS)} only (load its weights alone with --no-load-optim)")
+
+
+LAYER_WISE_REFUSAL = ("the layer-wise distributed optimizer's state (megatron-core 0.19 runs --optimizer lion / muon "
+                      "with --use-distributed-optimizer as LayerWiseDistributedOptimizer: whole parameters per DP "
+                      "rank) is not supported yet; train without --use-distributed-optimizer, or load the weights "
+                      "alone with --no-load-optim")
 
 
 def optimizer_states(name: str) -> OptimizerStates:

@@ -215,6 +215,8 @@ def optimizer_row(args: dict, source: Any, *, distributed: bool):
     why = optimizers.refusal(name)
     if why is not None:
         raise CheckpointFormatError(f"{source}: args.optimizer={name!r}: {why}")
+    if args.get("use_layer_wise_distributed_optimizer"):
+        raise CheckpointFormatError(f"{source}: args.optimizer={name!r}: {optimizers.LAYER_WISE_REFUSAL}")
     if distributed and name != "adam":
         raise CheckpointFormatError(
             f"{source}: args.optimizer={name!r} with the distributed optimizer's state; megatron-core 0.19 builds "

@@ -340,6 +340,23 @@ def check_compatible(ucp, args) -> None:
     check_optimizer(ucp, args)
 
 
+def check_run_optimizer(args) -> None:
+    """At argument time (universal_plugin's validate_args hook), before anything is built: an --optimizer whose
+    state megatron-ucp does not map (core/optimizers.py: Lion, Muon, SOAP, adaptive Muon) when the run loads
+    optimizer state, and SGD under --use-distributed-optimizer, which megatron-core 0.19 cannot build (its
+    DistributedOptimizer asserts Adam or an init_state_fn; its SGD has none), each refused in one line."""
+    ours = getattr(args, "optimizer", "adam")
+    if ours == "sgd" and getattr(args, "use_distributed_optimizer", False):
+        raise UniversalLoadError("--optimizer sgd with --use-distributed-optimizer: megatron-core 0.19 cannot build "
+                                 "it (its DistributedOptimizer takes Adam or an optimizer with an init_state_fn, and "
+                                 "SGD has none); drop --use-distributed-optimizer")
+    why = optimizers.refusal(ours)
+    if why is None and getattr(args, "use_layer_wise_distributed_optimizer", False):
+        why = f"--optimizer {ours}: {optimizers.LAYER_WISE_REFUSAL}"
+    if why is not None and loads_optimizer_state(args):
+        raise UniversalLoadError(f"this run's {why}")
+
+
 def check_optimizer(ucp, args) -> None:
     """This run's --optimizer against the optimizer whose state the checkpoint holds (universal, or the run's own
     Megatron-LM checkpoint indexed directly): another optimizer's state is never put into this one's (SGD would

@@ -943,8 +943,10 @@ class DirectTorchDistWriter(CheckpointWriter):
     def describe(self, ucp, target: WriteTarget) -> list[str]:
         plan = self.checkpoint_plan(ucp, target)
         items = sum(len(f.items) for f in plan.files)
-        what = {"adam": f"{ucp.optimizer_type} ({', '.join(ucp.optimizer_state_keys)}), no distributed optimizer"}
-        return [f"optimizer state: {what.get(plan.optimizer, plan.optimizer) or 'none (weights only)'}",
+        what = plan.optimizer  # 'adam': the torch optimizer's own state; another optimizer's named as such
+        if what == "adam" and ucp.optimizer_type != "adam":
+            what = f"{ucp.optimizer_type} ({', '.join(ucp.optimizer_state_keys)})"
+        return [f"optimizer state: {what or 'none (weights only)'}",
                 f"as megatron-core {plan.release.name} saves it",
                 f"written directly: {items} items in {len(plan.files)} files, {self.workers} writer threads"]
 
