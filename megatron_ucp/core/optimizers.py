@@ -34,12 +34,15 @@ OPTIMIZERS: dict[str, OptimizerStates] = {
     # torch.optim.SGD keeps 'momentum_buffer' only with --sgd-momentum != 0 (megatron-core's default is 0.9)
     "sgd": OptimizerStates("sgd", ("momentum_buffer",), step=False,
                            torch_class="torch.optim.SGD (TE / Apex FusedSGD on GPUs)"),
-    # emerging_optimizers' Lion (megatron-core 0.19 builds it with an init_state_fn allocating 'exp_avg'; no step)
-    "lion": OptimizerStates("lion", ("exp_avg",), step=False, torch_class="emerging_optimizers.scalar_optimizers.Lion"),
 }
 
 # Megatron-LM 0.19's other --optimizer choices: refused in one line by every path until their state is mapped
 NOT_SUPPORTED = {
+    # megatron-core 0.19 builds every optimizer but adam and sgd through its emerging-optimizer path, whose default
+    # overrides give the embeddings, output layer and every non-2-D parameter Adam (or Muon's scalar optimizer):
+    # one checkpoint holds two optimizers' states, per parameter group, which the format does not map yet
+    "lion": "Lion (emerging_optimizers' Lion on the 2-D weights, 'exp_avg'; megatron-core 0.19 gives the other "
+            "parameters Adam: two optimizers' state in one checkpoint)",
     "muon": "Muon (emerging_optimizers' orthogonalized optimizer: 'momentum_buffer' on matrix parameters, its "
             "non-matrix parameters under --muon-scalar-optimizer's state)",
     "dist_muon": "dist_muon (Muon under the layer-wise distributed optimizer)",
