@@ -121,11 +121,12 @@ def test_inspect_table_and_errors(ucp, tmp_path, capsys):
     assert "not a checkpoint" in CLI.readouterr().err
     assert CLI.main(["inspect", str(A), "--iteration", "5"]) == 1
     assert "iter_0000005: missing" in CLI.readouterr().err
-    # a universal checkpoint from a newer megatron-ucp (version 4, consistent marker; 3 is a lazy one with 'zeroed')
+    # a universal checkpoint from a newer megatron-ucp (version 5, consistent marker; 3 is a lazy one with 'zeroed',
+    # 4 one with another optimizer's state than Adam's)
     newer = tmp_path / "newer"
     shutil.copytree(ucp["C8"], newer)
     meta = json.loads((newer / "metadata.json").read_text())
-    meta["version"] = 4
+    meta["version"] = 5
     (newer / "metadata.json").write_text(json.dumps(meta))
     import hashlib
     marker = json.loads((newer / "COMPLETE").read_text())
@@ -133,7 +134,7 @@ def test_inspect_table_and_errors(ucp, tmp_path, capsys):
     (newer / "COMPLETE").write_text(json.dumps(marker))
     assert CLI.main(["inspect", str(newer), "--json"]) == 1
     captured = CLI.readouterr()
-    assert "format version 4" in captured.err and "upgrade megatron-ucp" in captured.err
+    assert "format version 5" in captured.err and "upgrade megatron-ucp" in captured.err
     assert json.loads(captured.out)["ok"] is False
 
 

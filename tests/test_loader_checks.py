@@ -11,6 +11,7 @@ from megatron_lm_args import megatron_lm_args
 from pretrain_runs import FIXTURES
 
 from megatron_ucp.convert import to_universal
+from megatron_ucp.convert.runner import source_index
 from megatron_ucp.megatron_lm.loader import UniversalLoadError, check_compatible
 from megatron_ucp.universal import UniversalCheckpoint
 
@@ -60,6 +61,30 @@ def test_global_batch_change_needs_the_flag(ucp):
 def test_train_iters_before_checkpoint_is_refused(ucp):
     with pytest.raises(UniversalLoadError, match="raise --train-iters"):
         check_compatible(ucp, args_for("--train-iters", "2"))
+
+
+def test_another_optimizer_is_refused_universal_and_direct(ucp):
+    """An Adam checkpoint under --optimizer sgd: Adam's moments are never put into SGD's state (its momentum would be
+    silently dropped). Refused in one line naming both optimizers and both ways out, for the universal checkpoint and
+    for a direct resume's index of the run's own Megatron-LM checkpoint; --no-load-optim (weights only) passes."""
+    index = source_index(FIXTURES / "A_llama_tp2pp2dp2_distopt_sp_torch" / "ckpt" / "iter_0000004")
+    direct = UniversalCheckpoint.from_source_index(index.document, index.rng)
+    for checkpoint in (ucp, direct):
+        assert checkpoint.optimizer_type == "adam" and checkpoint.optimizer_state_keys == ("exp_avg", "exp_avg_sq")
+        with pytest.raises(UniversalLoadError) as e:
+            check_compatible(checkpoint, args_for("--optimizer", "sgd"))
+        line = str(e.value)
+        assert "\n" not in line and "holds adam optimizer state (exp_avg, exp_avg_sq)" in line
+        assert "--optimizer sgd, which keeps momentum_buffer" in line and "pass --optimizer adam" in line
+        assert "--no-load-optim" in line
+        check_compatible(checkpoint, args_for("--optimizer", "sgd", "--no-load-optim"))
+
+
+@pytest.mark.parametrize("optimizer", ["lion", "muon", "soap", "adaptive_muon"])
+def test_unmapped_optimizers_are_refused_in_one_line(ucp, optimizer):
+    with pytest.raises(UniversalLoadError, match=f"--optimizer {optimizer}: .* is not supported yet") as e:
+        check_compatible(ucp, args_for("--optimizer", optimizer))
+    assert "\n" not in str(e.value)
 
 
 def test_plugin_sets_the_padded_vocabulary_before_the_model_is_built_and_needs_load(ucp, capsys, tmp_path):

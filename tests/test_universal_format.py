@@ -191,12 +191,12 @@ def test_edited_metadata_or_newer_version_is_refused(written, tmp_path):
     newer = tmp_path / "newer"
     shutil.copytree(written[0], newer)
     meta = json.loads((newer / METADATA_FILENAME).read_text())
-    meta["version"] = FORMAT_VERSION + 2  # 3 is a lazy checkpoint with 'zeroed' runs (FORMAT.md); 4 is unknown
+    meta["version"] = FORMAT_VERSION + 3  # 3: lazy 'zeroed' runs, 4: optimizer state by name (FORMAT.md); 5 is unknown
     (newer / METADATA_FILENAME).write_text(json.dumps(meta))
     marker = json.loads((newer / COMPLETE_FILENAME).read_text())
     marker["metadata_sha256"] = hashlib.sha256((newer / METADATA_FILENAME).read_bytes()).hexdigest()
     (newer / COMPLETE_FILENAME).write_text(json.dumps(marker))
-    with pytest.raises(UniversalFormatError, match="version 4, this megatron-ucp reads versions 1, 2, 3; upgrade"):
+    with pytest.raises(UniversalFormatError, match="version 5, this megatron-ucp reads versions 1, 2, 3, 4; upgrade"):
         UniversalCheckpoint.open(newer)
 
 

@@ -166,6 +166,11 @@ def plan_target(ucp: UniversalCheckpoint, layout: ParallelLayout, *, vpp_layers:
     if layout.vpp and mbs and gbs and (gbs // (mbs * layout.dp)) % layout.pp:
         raise FromUniversalError(f"{where}: the interleaved schedule needs the number of micro-batches "
                                  f"({gbs // (mbs * layout.dp)}) divisible by PP={layout.pp}; change DP or drop VPP")
+    if use_distributed_optimizer and ucp.has_optimizer_state and ucp.optimizer_type != "adam":
+        raise FromUniversalError(
+            f"{where}: holds {ucp.optimizer_type} optimizer state, which megatron-core 0.19 keeps without the "
+            f"distributed optimizer only (its DistributedOptimizer takes Adam or an optimizer with an init_state_fn); "
+            f"drop --use-distributed-optimizer")
     if use_distributed_optimizer:
         steps = {info.step for name, info in ucp.parameters.items() if not is_buffer(name)}
         if len(steps) > 1:
@@ -177,8 +182,13 @@ def plan_target(ucp: UniversalCheckpoint, layout: ParallelLayout, *, vpp_layers:
         if why:
             raise FromUniversalError(f"{where}: --rng-state source: {why}; the stored RNG states mean nothing "
                                      f"elsewhere, use --rng-state cuda or cpu (fresh deterministic states)")
-    has_moments = all("exp_avg" in info.tensors for name, info in ucp.parameters.items() if not is_buffer(name))
-    if not has_moments:
+    if ckpt_format == "torch_dist" and ucp.has_optimizer_state and ucp.optimizer_type != "adam":
+        warnings.append(f"megatron-core 0.19's own --load cannot resume a torch_dist checkpoint of {ucp.optimizer_type} "
+                        f"(FP32Optimizer / Float16Optimizer.sharded_state_dict call its init_state_fn, None for "
+                        f"{ucp.optimizer_type}: "
+                        f"a TypeError, its own saves included); resume this one with --universal-checkpoint, or "
+                        f"write --ckpt-format torch for Megatron-LM's own --load (docs/VERSIONS.md)")
+    if not ucp.has_optimizer_state:
         warnings.append("the universal checkpoint holds no optimizer state: only model weights are written; resume "
                         "with --no-load-optim (or --finetune)")
     release, why = choose_release(ucp, megatron_core_version, via_megatron_lm)

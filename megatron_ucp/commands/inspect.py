@@ -55,7 +55,7 @@ class ParameterRow:
     shape: tuple[int, ...]
     dtype: str  # the model parameter's dtype during training
     pattern: dict
-    tensors: tuple[str, ...]  # consolidated fp32 tensors it has: fp32 [, exp_avg, exp_avg_sq]
+    tensors: tuple[str, ...]  # consolidated fp32 tensors it has: fp32 [, its optimizer's states by name]
 
     @property
     def numel(self) -> int:
@@ -98,7 +98,7 @@ def parameter_rows(ckpt) -> list[ParameterRow]:
     if missing:
         raise CheckpointFormatError(f"{ckpt.path}: missing parameters {missing[:5]}; the checkpoint is incomplete "
                                     f"or does not match its args")
-    tensors = ("fp32",) if ckpt.optimizer_kind == "none" else ("fp32", "exp_avg", "exp_avg_sq")
+    tensors = ("fp32", *ckpt.state_keys)  # the optimizer's states by name (core/optimizers.py)
     return [ParameterRow(n, tuple(s), dtypes[n], pattern_for(n, config).to_json(),
                          ("fp32",) if is_buffer(n) else tensors) for n, s in expected]
 
@@ -118,6 +118,11 @@ def moe_summary(config, layout: Optional[dict] = None) -> Optional[dict]:
         ep = layout.get("ep") or 1
         out["experts_per_ep_rank"] = config.num_experts // ep if config.num_experts % ep == 0 else None
     return out
+
+
+# how the source's optimizer kept its state (CheckpointReader.optimizer_kind), in the table's words
+_KIND_WORDS = {"adam": "fp32 torch optimizer", "mixed_precision": "Float16 optimizer, fp32 main weights",
+               "distributed": "distributed optimizer"}
 
 
 def describe(ckpt) -> dict:
@@ -143,7 +148,7 @@ def describe(ckpt) -> dict:
         consumed = int(common.get("consumed_train_samples") or 0)
         optimizer_kind = ckpt.optimizer_kind
         extra = {"checkpoint_version": _json_scalar(common.get("checkpoint_version")),
-                 "megatron_core": ckpt.release.label}
+                 "megatron_core": ckpt.release.label, "optimizer_type": ckpt.optimizer_name}
         notices = ckpt.notices()
     numel = sum(r.numel for r in rows)
     return {
@@ -156,7 +161,8 @@ def describe(ckpt) -> dict:
         "model_config": ckpt.config.to_dict(),
         "moe": moe_summary(ckpt.config, layout),
         "optimizer_kind": optimizer_kind,
-        "has_optimizer_state": all(len(r.tensors) == 3 for r in rows if r.kind != "buffer"),
+        "has_optimizer_state": bool(rows) and all(len(r.tensors) > 1 for r in rows if r.kind != "buffer"),
+        "optimizer_states": next((list(r.tensors[1:]) for r in rows if len(r.tensors) > 1), []),
         "num_parameters": len(rows),
         "num_elements": numel,
         "model_bytes": sum(r.numel * ITEMSIZE.get(r.dtype, 4) for r in rows),
@@ -210,7 +216,10 @@ def format_report(info: dict) -> str:
         f"{'biases' if c['add_bias_linear'] else 'no biases'}{', QKV bias' if c['add_qkv_bias'] else ''}"
         + (f", {c['mtp_num_layers']} multi-token prediction layer{'s' if c['mtp_num_layers'] > 1 else ''} (MTP)"
            if c.get("mtp_num_layers") else ""),
-        f"  optimizer     {info['optimizer_kind']}" + ("" if info["has_optimizer_state"] else " (no Adam state)"),
+        f"  optimizer     {info.get('optimizer_type') or 'none'}"
+        + (f" ({_KIND_WORDS.get(info['optimizer_kind'], info['optimizer_kind'])})" if info.get("optimizer_type") else "")
+        + (f": {', '.join(info['optimizer_states'])} per parameter" if info["has_optimizer_state"]
+           else " (no optimizer state)"),
     ]
     moe = info.get("moe")
     if moe:

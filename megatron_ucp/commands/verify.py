@@ -1,7 +1,7 @@
 """`megatron-ucp verify`: are two checkpoints the same training state, whatever their formats and layouts?
 
 Both sides are reduced to consolidated tensors (the TP1 global tensor of each canonical parameter, with
-its fp32 master weight, Adam moments and step when present) and compared one parameter at a time, so
+its fp32 master weight and optimizer state by name when present) and compared one parameter at a time, so
 memory stays bounded by two parameters. A universal checkpoint is read as stored; a Megatron-LM one is
 consolidated with the converter's own `conversion_tasks` / `consolidate_parameter`.
 
@@ -25,8 +25,7 @@ from megatron_ucp.commands.common import checkpoint_format, is_universal, open_a
 from megatron_ucp.core.patterns import VocabSharded
 from megatron_ucp.io.byteio import FileHandles, read_box
 
-TENSOR_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
-KEY_LABELS = {"fp32": "weight", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "step": "step"}
+KEY_LABELS = {"fp32": "weight"}  # every other key (an optimizer state's torch name, 'step') as itself
 
 
 class ConsolidatedSource:
@@ -47,7 +46,7 @@ class ConsolidatedSource:
             self._tasks = {t.name: t for t in conversion_tasks(ckpt)}  # checks completeness, reads no tensor
             self.shapes = {n: t.shape for n, t in self._tasks.items()}
             self.patterns = {n: t.pattern for n, t in self._tasks.items()}
-            keys = ("fp32",) if ckpt.optimizer_kind == "none" else TENSOR_KEYS
+            keys = ("fp32", *ckpt.state_keys)
             self.keys = {n: ("fp32",) if t.buffer else keys for n, t in self._tasks.items()}
         self._files: Optional[FileHandles] = None
         self._current = None  # the parameter open_parameter prepared: ("placed", placements) or ("tensors", ...)
@@ -58,10 +57,18 @@ class ConsolidatedSource:
 
     @property
     def has_moments(self) -> bool:
-        """Adam state for every parameter (persistent buffers, the router's expert_bias, have none)."""
+        """Optimizer state for every parameter (persistent buffers, the router's expert_bias, have none)."""
         from megatron_ucp.adapters.gpt import is_buffer
 
-        return all("exp_avg" in k for n, k in self.keys.items() if not is_buffer(n))
+        stateful = [len(k) > 1 for n, k in self.keys.items() if not is_buffer(n)]
+        return bool(stateful) and all(stateful)
+
+    @property
+    def optimizer(self) -> Optional[str]:
+        """The optimizer whose state it holds (core/optimizers.py's name), None without any."""
+        if not self.has_moments:
+            return None
+        return self.ckpt.optimizer_type if self._tasks is None else self.ckpt.optimizer_name
 
     def read(self, name: str, keys) -> tuple[dict[str, torch.Tensor], Optional[int]]:
         """({key: global fp32 tensor}, Adam step or None) of one parameter."""
@@ -112,7 +119,8 @@ class ConsolidatedSource:
 
     def describe(self) -> dict:
         return {"path": str(Path(self.ckpt.path).resolve()), "format": self.format,
-                "iteration": int(self.ckpt.iteration), "optimizer_state": self.has_moments}
+                "iteration": int(self.ckpt.iteration), "optimizer_state": self.has_moments,
+                "optimizer": self.optimizer}
 
 
 @dataclass
@@ -201,9 +209,14 @@ def verify(path_a, path_b, *, atol: float = 0.0, rtol: float = 0.0, iteration_a:
     if atol < 0 or rtol < 0:
         raise ValueError(f"--atol {atol} / --rtol {rtol}: tolerances must be >= 0")
     a, b = ConsolidatedSource(open_any(path_a, iteration_a)), ConsolidatedSource(open_any(path_b, iteration_b))
-    keys = ("fp32", "exp_avg", "exp_avg_sq") if a.has_moments and b.has_moments else ("fp32",)
+    from megatron_ucp.core.optimizers import OPTIMIZERS
+
+    # the optimizer states by name when both hold the same optimizer's (core/optimizers.py), else the weights
+    same = a.optimizer is not None and a.optimizer == b.optimizer
+    row = OPTIMIZERS[a.optimizer] if same else None
+    keys = ("fp32", *row.states) if row else ("fp32",)
     result = VerifyResult(a.describe(), b.describe(), atol, rtol,
-                          compared_keys=keys + (("step",) if "exp_avg" in keys else ()))
+                          compared_keys=keys + (("step",) if row and row.step else ()))
     ca, cb = a.config.to_dict(), b.config.to_dict()
     padding_only = ("padded_vocab_size", "make_vocab_size_divisible_by")
     result.config_differences = [f"{k}: {ca[k]!r} vs {cb[k]!r}" for k in ca
@@ -240,7 +253,7 @@ def verify(path_a, path_b, *, atol: float = 0.0, rtol: float = 0.0, iteration_a:
             step_a, step_b = a.open_parameter(name), b.open_parameter(name)
             for key in name_keys:
                 result.diffs.append(_compare_rows(a, b, name, key, shape_a, rows, atol, rtol))
-            if "exp_avg" in name_keys:
+            if row and row.step and len(name_keys) > 1:
                 result.diffs.append(_compare_steps(name, step_a, step_b))
             bar.update(cost(name))
     finally:
@@ -281,10 +294,12 @@ def format_report(result: VerifyResult, top: int) -> str:
     a, b = result.a, result.b
     lines = [f"A: {a['path']} ({a['format']}, iteration {a['iteration']})",
              f"B: {b['path']} ({b['format']}, iteration {b['iteration']})",
-             f"compared: {', '.join(KEY_LABELS[k] for k in result.compared_keys)}"
-             + ("" if "exp_avg" in result.compared_keys else
+             f"compared: {', '.join(KEY_LABELS.get(k, k) for k in result.compared_keys)}"
+             + ("" if len(result.compared_keys) > 1 else
                 " (optimizer state not compared: " + ("neither has it" if not (a["optimizer_state"] or
                                                                               b["optimizer_state"])
+                                                      else f"A holds {a['optimizer']}'s, B {b['optimizer']}'s"
+                                                      if a["optimizer_state"] and b["optimizer_state"]
                                                       else ("B" if a["optimizer_state"] else "A") + " has none") + ")")]
     if result.config_differences:
         lines.append("model config differs: " + "; ".join(result.config_differences))
@@ -318,7 +333,8 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p = subparsers.add_parser(
         "verify", parents=[common], help="compare two checkpoints of any formats and layouts",
         description="Compare two checkpoints (universal, legacy torch or torch_dist, any TP/PP/DP) by their "
-                    "consolidated tensors: weights, and Adam exp_avg / exp_avg_sq / step when both have them. "
+                    "consolidated tensors: weights, and the optimizer state by name (Adam exp_avg / exp_avg_sq / "
+                    "step, SGD momentum_buffer) when both hold the same optimizer's. "
                     "Exit status 0 when equal within tolerance, 1 when they differ.")
     p.add_argument("a", help="first checkpoint")
     p.add_argument("b", help="second checkpoint")

@@ -12,13 +12,13 @@ and moments, not the model weight.
 """
 
 from megatron_ucp.convert.consolidate import (
-    OPTIMIZER_KEYS, consolidate_parameter, convert_parameter, place_parameter, placement_for, source_keys)
+    consolidate_parameter, convert_parameter, place_parameter, placement_for, source_keys)
 from megatron_ucp.convert.metadata import build_metadata, json_safe
 from megatron_ucp.convert.runner import (
     ConversionSummary, SourceIndex, convert, convert_distributed, default_workers, source_index, to_universal)
 from megatron_ucp.convert.tasks import ConversionError, ParamTask, conversion_tasks
 
-__all__ = ["OPTIMIZER_KEYS", "ConversionError", "ConversionSummary", "ParamTask", "build_metadata",
+__all__ = ["ConversionError", "ConversionSummary", "ParamTask", "build_metadata",
            "consolidate_parameter", "conversion_tasks", "convert", "convert_distributed", "convert_parameter",
            "default_workers", "json_safe", "place_parameter", "placement_for", "source_index", "source_keys",
            "SourceIndex", "to_universal"]

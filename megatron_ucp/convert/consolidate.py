@@ -28,14 +28,15 @@ if TYPE_CHECKING:
     import torch
 
 PathLike = Union[str, os.PathLike]
-OPTIMIZER_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 
 
 def source_keys(ckpt: CheckpointReader, task: Optional[ParamTask] = None) -> tuple[str, ...]:
     """What to ask the reader for: with optimizer state the fp32 main weight (which is the weight itself in
     fp32 training) and moments, not the model weight; without, and for a persistent buffer (the router's
-    expert_bias: no optimizer state), the model weight."""
-    return ("param",) if ckpt.optimizer_kind == "none" or (task is not None and task.buffer) else OPTIMIZER_KEYS
+    expert_bias: no optimizer state), the model weight. The states are the optimizer's, by name (core/optimizers.py)."""
+    if ckpt.optimizer_kind == "none" or (task is not None and task.buffer):
+        return ("param",)
+    return ("fp32", *ckpt.state_keys)
 
 
 def _step(task: ParamTask, states: list[dict], where: str) -> Optional[int]:
@@ -59,7 +60,7 @@ def _validate(task: ParamTask, places_states: list[list[dict]]) -> tuple[list[di
     steps, out = [], []
     for place, states in zip(task.places, places_states):
         where = f"TP ranks of {place[0].local_name} on pp={place[0].pp_rank}"
-        keys = [tuple(sorted(k for k in s if k in OPTIMIZER_KEYS)) for s in states]
+        keys = [tuple(sorted(k for k in s if k != "param" and k != "step")) for s in states]
         if len(set(keys)) != 1:
             raise ConversionError(f"{task.name}: TP ranks hold different optimizer state {keys}; the checkpoint "
                                   f"is inconsistent")
@@ -93,7 +94,8 @@ def _info(task: ParamTask, step: Optional[int]) -> dict:
 
 def consolidate_parameter(ckpt: CheckpointReader, task: ParamTask, *, average_replicas: bool = False
                           ) -> tuple[dict[str, "torch.Tensor"], dict]:
-    """Read the parameter's shards and return ({'fp32', 'exp_avg', 'exp_avg_sq'} global fp32 tensors, info)."""
+    """Read the parameter's shards and return ({'fp32', and the optimizer's states by name} global fp32 tensors,
+    info)."""
     import torch
 
     keys = source_keys(ckpt, task)

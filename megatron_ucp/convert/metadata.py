@@ -12,6 +12,7 @@ from typing import Any
 
 from megatron_ucp.convert.tasks import ConversionError
 from megatron_ucp.formats import CheckpointReader, PickledEnum
+from megatron_ucp.universal.format import optimizer_section
 
 
 _DROP = object()
@@ -87,7 +88,7 @@ def build_metadata(ckpt: CheckpointReader, *, average_replicas: bool) -> dict:
         "model_config": ckpt.config.to_dict(),
         "args": args,
         "args_dropped": dropped,
-        "optimizer": {"type": "adam" if ckpt.optimizer_kind != "none" else None, "param_groups": param_groups},
+        "optimizer": optimizer_section(ckpt.optimizer_name, param_groups),
         "scheduler": scheduler,
         "loss_scaler": _loss_scaler(ckpt),
         "conversion": {"tool": "megatron-ucp to-universal", "average_replicas": bool(average_replicas)},

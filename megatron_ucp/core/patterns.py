@@ -506,7 +506,8 @@ def resize_vocab(full: torch.Tensor, new_padded_rows: int, true_vocab_size: int,
 def repadded_shard(full: torch.Tensor, pattern: Pattern, new_padded_rows: int, true_vocab_size: int, key: str,
                    tp_rank: int, tp_size: int, *, name: Optional[str] = None) -> torch.Tensor:
     """TP rank's shard of a vocabulary tensor re-padded to `new_padded_rows` (resize_vocab, weights filled
-    with the mean padding row, optimizer moments ('exp_avg', 'exp_avg_sq') with zeros)."""
-    fill = "zeros" if key in ("exp_avg", "exp_avg_sq") else "mean_padding"
+    with the mean padding row, the optimizer's states (Adam's moments, SGD's momentum: any key but 'fp32') with
+    zeros)."""
+    fill = "mean_padding" if key == "fp32" else "zeros"
     resized, _ = resize_vocab(full, new_padded_rows, true_vocab_size, fill=fill)
     return pattern.slice_for_rank(resized, tp_rank, tp_size, name=name)

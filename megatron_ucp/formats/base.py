@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Collection, Optional
 
+from megatron_ucp.core.optimizers import STATE_ORDER
 from megatron_ucp.core.versions import MegatronRelease
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
@@ -28,9 +29,10 @@ from megatron_ucp.core.model_config import GPTModelConfig
 if TYPE_CHECKING:
     from megatron_ucp.core.run_state import LossScalerState, RankRngState
 
-# Tensors a reader can return for a shard, besides the Adam 'step': the model weight ('param'), the
-# fp32 main weight ('fp32'; the weight itself when the optimizer steps it directly) and Adam's moments.
-READ_KEYS = ("param", "fp32", "exp_avg", "exp_avg_sq")
+# Tensors a reader can return for a shard, besides a per-parameter 'step' (Adam's): the model weight ('param'), the
+# fp32 main weight ('fp32'; the weight itself when the optimizer steps it directly) and the optimizer's per-parameter
+# states by their torch names (core/optimizers.py: Adam's exp_avg, exp_avg_sq; SGD's momentum_buffer).
+READ_KEYS = ("param", "fp32") + STATE_ORDER
 OPTIMIZER_KINDS = ("distributed", "adam", "mixed_precision", "none")
 
 
@@ -78,6 +80,23 @@ class CheckpointReader(abc.ABC):
     # set by open_checkpoint: optimizer state the checkpoint's writer saved nowhere is reset (Adam moments to zero,
     # an fp32 main weight to the model weight) instead of refused (read_problem)
     reset_lost_optimizer_state: bool = False
+
+    @property
+    def optimizer_name(self) -> Optional[str]:
+        """Which optimizer's state the checkpoint holds: Megatron-LM's --optimizer as its args record it (the rows of
+        core/optimizers.py; readers refuse the others at open), None without optimizer state."""
+        if self.optimizer_kind == "none":
+            return None
+        return self.args.get("optimizer", "adam")
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        """The per-parameter optimizer states read() gives besides 'fp32' (the optimizer's torch names; () without
+        optimizer state)."""
+        from megatron_ucp.core import optimizers
+
+        name = self.optimizer_name
+        return () if name is None else optimizers.optimizer_states(name).states
 
     def notices(self) -> list[str]:
         """What the release that wrote this checkpoint saved wrongly and what reading does about it, one line

@@ -204,6 +204,27 @@ def layout_from_args(args: dict, source: Any = "args") -> ParallelLayout:
         raise CheckpointFormatError(f"{source}: {e}") from e
 
 
+def optimizer_row(args: dict, source: Any, *, distributed: bool):
+    """The core/optimizers.py row of the optimizer whose state a checkpoint holds (args.optimizer, Adam by default);
+    CheckpointFormatError in one line for one whose state is not mapped (yet), and for state a megatron-core release
+    cannot have saved (SGD under the distributed optimizer: 0.19's DistributedOptimizer takes Adam or an optimizer
+    with an init_state_fn, and its SGD has none)."""
+    from megatron_ucp.core import optimizers
+
+    name = args.get("optimizer", "adam")
+    why = optimizers.refusal(name)
+    if why is not None:
+        raise CheckpointFormatError(f"{source}: args.optimizer={name!r}: {why}")
+    if args.get("use_layer_wise_distributed_optimizer"):
+        raise CheckpointFormatError(f"{source}: args.optimizer={name!r}: {optimizers.LAYER_WISE_REFUSAL}")
+    if distributed and name != "adam":
+        raise CheckpointFormatError(
+            f"{source}: args.optimizer={name!r} with the distributed optimizer's state; megatron-core 0.19 builds "
+            f"{name} without --use-distributed-optimizer only (its DistributedOptimizer asserts Adam or an "
+            f"init_state_fn), so megatron-ucp does not read this state; the checkpoint's args do not match its files")
+    return optimizers.OPTIMIZERS[name]
+
+
 def model_config_from_args(args: dict, source: Any):
     """The GPT model config of a checkpoint's args, or one CheckpointFormatError naming the file."""
     from megatron_ucp.core.model_config import GPTModelConfig

@@ -653,8 +653,9 @@ def _distopt_unshare_step_after_load() -> None:
     DistributedOptimizer.load_state_dict = load_state_dict
 
 
-def init_adam_state_for_loading(optimizer) -> None:
-    """Allocate torch Adam's per-parameter state (zeros, own `step` 0) where it is still empty.
+def init_adam_state_for_loading(optimizer, states: tuple = ("exp_avg", "exp_avg_sq"), step: bool = True) -> None:
+    """Allocate torch Adam's per-parameter state (zeros, own `step` 0) where it is still empty; `states` / `step`:
+    another torch optimizer's (core/optimizers.py's row: SGD's momentum_buffer, no step).
 
     For a load into a fresh optimizer: DistributedOptimizer's state_dict() / sharded_state_dict(is_loading=True)
     read `step` from that state, which torch Adam creates only at its first step. Megatron-LM's own
@@ -669,9 +670,10 @@ def init_adam_state_for_loading(optimizer) -> None:
             for param in group["params"]:
                 state = inner.state[param]
                 if len(state) == 0:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    if step:
+                        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    for key in states:
+                        state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 # --- the command line on CPU -------------------------------------------------------------------------

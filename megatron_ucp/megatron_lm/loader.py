@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from megatron_ucp.adapters import gpt as rulebook
+from megatron_ucp.core import optimizers
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.core.patterns import repadded_shard
 from megatron_ucp.formats.common import layout_from_args
@@ -283,15 +284,17 @@ def _broadcast_bytes(payload: bytes, src: int) -> bytes:
     return bytes(data.cpu().numpy())
 
 
-def _check_values(ucp, name: str, key: str, values: torch.Tensor) -> None:
-    """Values Adam's state cannot hold (a NaN or an infinity, a negative second moment) mean a damaged checkpoint
-    (a flipped sign or exponent bit): refused, since nothing but such a check sees them without checksums."""
+def _check_values(ucp, name: str, key: str, values: torch.Tensor, row=None) -> None:
+    """Values the optimizer's state cannot hold (a NaN or an infinity, a negative second moment: `row`'s
+    nonnegative states) mean a damaged checkpoint (a flipped sign or exponent bit): refused, since nothing but such a
+    check sees them without checksums."""
     bad = ~torch.isfinite(values)
-    if key == "exp_avg_sq":
+    nonnegative = row is not None and key in row.nonnegative
+    if nonnegative:
         bad |= values < 0
     count = int(bad.sum())
     if count:
-        what = "negative or non-finite" if key == "exp_avg_sq" else "non-finite"
+        what = "negative or non-finite" if nonnegative else "non-finite"
         raise UniversalLoadError(
             f"{ucp.path}: {name} [{key}] holds {count} {what} value(s) (first: {values.reshape(-1)[bad.reshape(-1)][0]}"
             f"), which training never writes: the checkpoint is damaged (a flipped bit?); restore it from a copy")
@@ -334,6 +337,43 @@ def check_compatible(ucp, args) -> None:
     if ucp.iteration > args.train_iters:
         raise UniversalLoadError(f"{ucp.path}: checkpoint is at iteration {ucp.iteration} but --train-iters is "
                                  f"{args.train_iters}; raise --train-iters")
+    check_optimizer(ucp, args)
+
+
+def check_run_optimizer(args) -> None:
+    """At argument time (universal_plugin's validate_args hook), before anything is built: an --optimizer whose
+    state megatron-ucp does not map (core/optimizers.py: Lion, Muon, SOAP, adaptive Muon) when the run loads
+    optimizer state, and SGD under --use-distributed-optimizer, which megatron-core 0.19 cannot build (its
+    DistributedOptimizer asserts Adam or an init_state_fn; its SGD has none), each refused in one line."""
+    ours = getattr(args, "optimizer", "adam")
+    if ours == "sgd" and getattr(args, "use_distributed_optimizer", False):
+        raise UniversalLoadError("--optimizer sgd with --use-distributed-optimizer: megatron-core 0.19 cannot build "
+                                 "it (its DistributedOptimizer takes Adam or an optimizer with an init_state_fn, and "
+                                 "SGD has none); drop --use-distributed-optimizer")
+    why = optimizers.refusal(ours)
+    if why is None and getattr(args, "use_layer_wise_distributed_optimizer", False):
+        why = f"--optimizer {ours}: {optimizers.LAYER_WISE_REFUSAL}"
+    if why is not None and loads_optimizer_state(args):
+        raise UniversalLoadError(f"this run's {why}")
+
+
+def check_optimizer(ucp, args) -> None:
+    """This run's --optimizer against the optimizer whose state the checkpoint holds (universal, or the run's own
+    Megatron-LM checkpoint indexed directly): another optimizer's state is never put into this one's (SGD would
+    take Adam's keys and drop the momentum), and an optimizer whose state megatron-ucp does not map is refused
+    (core/optimizers.py). Nothing to check with --no-load-optim / --finetune, or a checkpoint without state."""
+    if not loads_optimizer_state(args) or not ucp.has_optimizer_state:
+        return
+    ours = getattr(args, "optimizer", "adam")
+    why = optimizers.refusal(ours)
+    if why is not None:
+        raise UniversalLoadError(f"this run's {why}")
+    theirs = ucp.optimizer_type
+    if theirs != ours:
+        raise UniversalLoadError(
+            f"{ucp.path}: holds {theirs} optimizer state ({', '.join(ucp.optimizer_state_keys)}), but this run uses "
+            f"--optimizer {ours}, which keeps {', '.join(optimizers.OPTIMIZERS[ours].states) or 'no state'}: pass "
+            f"--optimizer {theirs} to continue with it, or --no-load-optim to start {ours} from zero (weights only)")
 
 
 def check_rotary_frequencies(ucp, args, model) -> None:
@@ -486,8 +526,9 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
         if torch.distributed.get_rank() == 0:
             print("WARNING: the universal checkpoint holds no optimizer state; starting Adam from zero", flush=True)
         load_optim = False
+    row = optimizers.OPTIMIZERS[ucp.optimizer_type] if load_optim else None  # check_optimizer: this run's
     if load_optim:
-        init_adam_state_for_loading(optimizer)
+        init_adam_state_for_loading(optimizer, row.states, row.step)
     mains = _main_params(optimizer) if load_optim else {}
     # With the distributed optimizer each DP rank reads only its own range; the param all-gather
     # below fills in the rest of every model weight.
@@ -495,7 +536,8 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
 
     problem = None
     try:
-        _load_tensors(ucp, model, layout, pp_rank, ep_rank, target_padded, mains, gather_params, parallel_state)
+        _load_tensors(ucp, model, layout, pp_rank, ep_rank, target_padded, mains, gather_params, parallel_state,
+                      row)
     except (UniversalLoadError, UniversalFormatError, LayoutError) as e:
         problem = " ".join(str(e).split())
     _return_freed_heap()
@@ -543,12 +585,14 @@ def _return_freed_heap() -> None:
 
 
 def _load_tensors(ucp, model, layout, pp_rank: int, ep_rank: int, target_padded: int, mains: dict,
-                  gather_params: bool, parallel_state) -> None:
+                  gather_params: bool, parallel_state, row=None) -> None:
     """This rank's slices of every parameter and buffer of its model chunks, into the model and the optimizer's
-    main parameters and state (no collective: the caller completes the weights with the param all-gather)."""
+    main parameters and state, by name (`row`: the optimizer's core/optimizers.py row; None without optimizer
+    state) (no collective: the caller completes the weights with the param all-gather)."""
     from megatron.core.utils import unwrap_model
 
     config = ucp.config
+    keys = ("fp32", *row.states) if row is not None else ("fp32",)
     for vpp_chunk, chunk in enumerate(model):
         module = unwrap_model(chunk)  # the GPTModel inside DDP / Float16Module: checkpoints hold its names
         _load_buffers(ucp, module, layout, pp_rank, vpp_chunk, ep_rank, parallel_state, target_padded)
@@ -572,18 +616,19 @@ def _load_tensors(ucp, model, layout, pp_rank: int, ep_rank: int, target_padded:
                 if main is None:
                     continue  # no element of it in this DP rank's shard: the all-gather brings it
                 start, end = main.flat_range
-                for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                for key in keys:
                     values = read_local_flat_range(ucp, name, key, tp_rank, tp, start, end)
-                    _check_values(ucp, name, key, values)
+                    _check_values(ucp, name, key, values, row)
                     if key == "fp32":
                         param.view(-1)[start:end].copy_(values.to(param.dtype))
                     target = main.main if key == "fp32" else main.state[key]
                     target.copy_(values.view_as(target).to(target.dtype))
-                main.state["step"] = torch.tensor(float(info.step or 0), dtype=torch.float32)
+                if row.step:
+                    main.state["step"] = torch.tensor(float(info.step or 0), dtype=torch.float32)
                 continue
             if resize:
                 local_tensors = _resized_local(ucp, name, info, target_padded, config.vocab_size,
-                                               tp_rank, tp, with_moments=main is not None)
+                                               tp_rank, tp, keys if main is not None else ("fp32",))
                 weight = local_tensors["fp32"]
             else:
                 weight = ucp.read_local(name, "fp32", tp_rank, tp)
@@ -596,7 +641,7 @@ def _load_tensors(ucp, model, layout, pp_rank: int, ep_rank: int, target_padded:
             if main is None:
                 continue
             start, end = main.flat_range if main.flat_range else (0, param.numel())
-            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            for key in keys:
                 if resize:
                     values = local_tensors[key].reshape(-1)[start:end]
                 elif key == "fp32":
@@ -604,10 +649,11 @@ def _load_tensors(ucp, model, layout, pp_rank: int, ep_rank: int, target_padded:
                 else:
                     values = read_local_flat_range(ucp, name, key, tp_rank, tp, start, end)
                 if key != "fp32":  # the weight was checked above
-                    _check_values(ucp, name, key, values)
+                    _check_values(ucp, name, key, values, row)
                 target = main.main if key == "fp32" else main.state[key]
                 target.copy_(values.view_as(target).to(target.dtype))
-            main.state["step"] = torch.tensor(float(info.step or 0), dtype=torch.float32)
+            if row.step:
+                main.state["step"] = torch.tensor(float(info.step or 0), dtype=torch.float32)
 
 
 def _load_buffers(ucp, module, layout, pp_rank: int, vpp_chunk: int, ep_rank: int, parallel_state,
@@ -631,9 +677,8 @@ def _load_buffers(ucp, module, layout, pp_rank: int, vpp_chunk: int, ep_rank: in
         buffer.copy_(value.to(buffer.dtype))
 
 
-def _resized_local(ucp, name, info, target_padded, true_vocab, tp_rank, tp, with_moments):
+def _resized_local(ucp, name, info, target_padded, true_vocab, tp_rank, tp, keys):
     """Vocab re-padding: read the global tensor, re-pad rows deterministically, take this rank's slice."""
-    keys = ("fp32", "exp_avg", "exp_avg_sq") if with_moments else ("fp32",)
     return {key: repadded_shard(ucp.read(name, key), info.pattern, target_padded, true_vocab, key, tp_rank, tp,
                                 name=name) for key in keys}
 

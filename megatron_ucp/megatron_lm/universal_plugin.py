@@ -75,11 +75,19 @@ def install() -> None:
     def validate_args(args, *rest, **kwargs):
         result = validate(args, *rest, **kwargs)
         if getattr(args, "universal_checkpoint", False):
+            _stop_on_user_error(loader_check_run_optimizer, args)
             _stop_on_user_error(set_padded_vocab_size, args)
             _stop_on_user_error(check_schedule, args)
         return result
 
     arguments.validate_args = validate_args  # parse_and_validate_args looks it up in its module
+
+
+def loader_check_run_optimizer(args) -> None:
+    """This run's --optimizer, at argument time (loader.check_run_optimizer)."""
+    from megatron_ucp.megatron_lm import loader
+
+    loader.check_run_optimizer(args)
 
 
 def set_padded_vocab_size(args) -> None:

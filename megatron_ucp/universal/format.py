@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from megatron_ucp.core import optimizers
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.io import integrity
 from megatron_ucp.io.integrity import DigestRecord
@@ -27,12 +28,16 @@ FORMAT_VERSION = 2
 # its source's release saved nowhere, reset) is version 3, so that a version-2 reader refuses it instead of
 # reading those source bytes; everything else is written as version 2
 ZEROED_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # version 1: no checksums (read, with sizes and headers checked instead)
+# a checkpoint holding another optimizer's state than Adam's (optimizer.type other than "adam", its per-parameter
+# state by name in optimizer.states: docs/FORMAT.md "Optimizer state by name") is version 4, so that older readers,
+# which know Adam's keys only, refuse it; an Adam checkpoint is written exactly as before (version 2 or 3)
+OPTIMIZER_STATES_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)  # version 1: no checksums (read, with sizes and headers checked instead)
 
 METADATA_FILENAME = "metadata.json"
 COMPLETE_FILENAME = "COMPLETE"
 TENSORS_DIRNAME = "tensors"
-TENSOR_KEYS = ("fp32", "exp_avg", "exp_avg_sq")  # file order; `fp32` is always present
+TENSOR_KEYS = ("fp32", "exp_avg", "exp_avg_sq")  # an Adam checkpoint's tensors, file order; `fp32` is always present
 REQUIRED_METADATA = ("iteration", "consumed_train_samples", "source", "model_config", "args", "optimizer",
                      "scheduler")
 MAX_HEADER = integrity.MAX_HEADER  # bytes a tensor file's safetensors header may take
@@ -58,7 +63,7 @@ class ParamInfo:
     pattern: "Pattern"
     file: Optional[str]  # relative to the checkpoint directory (None in a lazy checkpoint)
     tensors: tuple[str, ...]
-    step: Optional[int]  # Adam step of this parameter; None without optimizer state
+    step: Optional[int]  # the optimizer's per-parameter step (Adam's); None without one
     param_group: dict
     placements: Optional[dict] = None  # lazy checkpoints: key -> Placement (bytes in the source checkpoint)
     # lazy checkpoints: key -> ((start, length), ...) element runs (flat) that read as zero whatever their source
@@ -70,6 +75,57 @@ class ParamInfo:
     def data_bytes(self) -> int:
         """Bytes of tensor data the parameter's file holds (every key, float32)."""
         return math.prod(self.shape) * 4 * len(self.tensors)
+
+
+def tensor_keys(optimizer_type: Optional[str]) -> tuple[str, ...]:
+    """A parameter's tensors with its optimizer's state, in file order: 'fp32', then the optimizer's state names
+    (core/optimizers.py's table; none for None: no optimizer state)."""
+    if optimizer_type is None:
+        return ("fp32",)
+    try:
+        return ("fp32",) + optimizers.optimizer_states(optimizer_type).states
+    except optimizers.OptimizerNotSupported as e:
+        raise UniversalFormatError(str(e)) from None
+
+
+def ordered_keys(keys) -> tuple[str, ...]:
+    """A parameter's tensor keys in file order ('fp32' first, then core/optimizers.py's STATE_ORDER); every key
+    checked (a checkpoint's state names are data) and the set one an optimizer has: 'fp32' alone (a buffer, a
+    weights-only checkpoint) or 'fp32' with all of one optimizer's states."""
+    keys = set(keys)
+    try:
+        states = sorted((optimizers.check_state_name(k) for k in keys - {"fp32"}), key=optimizers.STATE_ORDER.index)
+    except ValueError as e:
+        raise UniversalFormatError(str(e)) from None
+    if "fp32" not in keys:
+        raise UniversalFormatError(f"tensors {sorted(keys)}: a parameter needs 'fp32'")
+    if states and not any(set(states) == set(row.states) for row in optimizers.OPTIMIZERS.values()):
+        raise UniversalFormatError(
+            f"tensors {sorted(keys)}: no optimizer keeps exactly the states {states} ("
+            + "; ".join(f"{row.name}: {', '.join(row.states)}" for row in optimizers.OPTIMIZERS.values()) + ")")
+    return ("fp32", *states)
+
+
+def optimizer_section(optimizer_type: Optional[str], param_groups: list) -> dict:
+    """metadata.json's `optimizer`: the type (core/optimizers.py's name, None without optimizer state), the param
+    groups' hyper-parameters as saved and, for any type but Adam's (whose checkpoints stay as versions 1-3 wrote
+    them), its per-parameter states by name with their patterns (all elementwise: sharded as their parameter)."""
+    doc: dict = {"type": optimizer_type, "param_groups": param_groups}
+    if optimizer_type not in (None, "adam"):
+        doc["states"] = {key: "elementwise" for key in tensor_keys(optimizer_type)[1:]}
+    return doc
+
+
+def document_version(doc: dict) -> int:
+    """The version a metadata.json document is written as: FORMAT_VERSION, ZEROED_VERSION with lazy 'zeroed'
+    entries, OPTIMIZER_STATES_VERSION with another optimizer's state than Adam's."""
+    version = FORMAT_VERSION
+    if any(entry.get("zeroed") for entry in doc.get("parameters", {}).values()):
+        version = ZEROED_VERSION
+    optimizer = doc.get("optimizer")
+    if isinstance(optimizer, dict) and optimizer.get("type") not in (None, "adam"):
+        version = OPTIMIZER_STATES_VERSION
+    return version
 
 
 def tensor_file(name: str) -> str:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
 from megatron_ucp.core.dtypes import to_torch
+from megatron_ucp.core.optimizers import refusal
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.formats import megatron_kind
@@ -38,10 +39,10 @@ from megatron_ucp.io.byteio import (
 from megatron_ucp.io.integrity import ChecksumError, DigestRecord, SourceDigests, VerifiedBlocks
 from megatron_ucp.io.staging import check_not_staging
 from megatron_ucp.universal.format import (
-    ZEROED_VERSION, COMPLETE_FILENAME, FORMAT_NAME, MAX_HEADER, MAX_RNG_FILE, METADATA_FILENAME, READABLE_VERSIONS,
+    OPTIMIZER_STATES_VERSION, ZEROED_VERSION, COMPLETE_FILENAME, FORMAT_NAME, MAX_HEADER, MAX_RNG_FILE, METADATA_FILENAME, READABLE_VERSIONS,
     REQUIRED_METADATA,
     RNG_FILENAME, TENSORS_DIRNAME, TENSOR_KEYS, ParamInfo, PathLike, UniversalFormatError, check_name, sha256_file,
-    tensor_file)
+    tensor_file, tensor_keys)
 from megatron_ucp.universal.tensorfile import VerifiedTensorFile
 
 if TYPE_CHECKING:
@@ -90,7 +91,8 @@ def _check_record(name: str, shape: tuple[int, ...], tensors: tuple[str, ...], r
 
 
 def _param_info(name: str, d: Mapping[str, Any], meta_path: Path, version: int,
-                lazy_root: Optional[Path] = None, lazy_files: Optional[Mapping[str, Any]] = None) -> ParamInfo:
+                lazy_root: Optional[Path] = None, lazy_files: Optional[Mapping[str, Any]] = None,
+                keys: tuple[str, ...] = TENSOR_KEYS) -> ParamInfo:
     from megatron_ucp.core.patterns import PatternError, pattern_from_json
 
     try:
@@ -100,8 +102,11 @@ def _param_info(name: str, d: Mapping[str, Any], meta_path: Path, version: int,
         shape = tuple(int(s) for s in d["shape"])
         if any(n < 0 for n in shape):
             raise ValueError(f"negative dimension in shape {list(shape)}")
-        if "fp32" not in tensors or set(tensors) - set(TENSOR_KEYS) or len(set(tensors)) != len(tensors):
-            raise UniversalFormatError(f"tensors {list(tensors)} must include 'fp32' and only {TENSOR_KEYS}")
+        # `keys`: 'fp32' and the checkpoint's optimizer's states by name (tensor_keys); a parameter holds all or
+        # only 'fp32' (a buffer)
+        if not all(isinstance(k, str) for k in tensors) or len(set(tensors)) != len(tensors) or (
+                tensors != ("fp32",) and set(tensors) != set(keys)):
+            raise UniversalFormatError(f"tensors {list(tensors)} must be {list(keys)} (or 'fp32' alone)")
         if d.get("dtype") != "float32":
             raise ValueError(f"dtype {d.get('dtype')!r}, the format stores float32")
         placements, record, zeroed = None, None, None
@@ -129,6 +134,32 @@ def _param_info(name: str, d: Mapping[str, Any], meta_path: Path, version: int,
                          zeroed=zeroed)
     except (KeyError, TypeError, ValueError, PatternError, UniversalFormatError) as e:
         raise _malformed(meta_path, name, f"{type(e).__name__}: {e}") from None
+
+
+def _optimizer_states(optimizer: Any, meta_path: Path, version: int) -> tuple[Optional[str], tuple[str, ...]]:
+    """metadata.json's optimizer type and the tensor keys its parameters may hold ('fp32' and the type's state
+    names, core/optimizers.py's table). Adam's checkpoints of versions 1-3 name no states (Adam's, TENSOR_KEYS); any
+    other type is version 4 and declares its states by name, each with its pattern ("elementwise": sharded as its
+    parameter), which must be the table's."""
+    kind = optimizer.get("type") if isinstance(optimizer, dict) else None
+    if kind in (None, "adam"):
+        declared = optimizer.get("states") if isinstance(optimizer, dict) else None
+        if declared is not None and declared != {k: "elementwise" for k in TENSOR_KEYS[1:]}:
+            raise UniversalFormatError(f"{meta_path}: optimizer.states {declared!r} are not Adam's; metadata.json "
+                                       f"was edited, reconvert")
+        return kind, TENSOR_KEYS
+    if not isinstance(kind, str) or version < OPTIMIZER_STATES_VERSION:
+        raise UniversalFormatError(f"{meta_path}: optimizer.type {kind!r} in a version-{version} checkpoint (state "
+                                   f"other than Adam's needs version {OPTIMIZER_STATES_VERSION}); reconvert")
+    why = refusal(kind)
+    if why is not None:
+        raise UniversalFormatError(f"{meta_path}: {why}")
+    keys = tensor_keys(kind)
+    declared = optimizer.get("states")
+    if declared != {k: "elementwise" for k in keys[1:]}:
+        raise UniversalFormatError(f"{meta_path}: optimizer.states {declared!r} are not {kind}'s "
+                                   f"({', '.join(keys[1:])}, elementwise); metadata.json was edited, reconvert")
+    return kind, keys
 
 
 def _zero_runs(values, runs, shape: tuple, index) -> None:
@@ -337,6 +368,8 @@ class UniversalCheckpoint:
         optimizer = metadata.get("optimizer")
         groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
         self.param_groups: list[dict] = list(groups) if isinstance(groups, list) else []
+        # the optimizer whose state the parameters hold, by name (None: none, or Adam's before version 4)
+        self.optimizer_type, keys = _optimizer_states(optimizer, meta_path, self.version)
         lazy = metadata.get("lazy")
         self.lazy_source: Optional[Path] = None
         self.source_digests: Optional[SourceDigests] = None
@@ -348,8 +381,10 @@ class UniversalCheckpoint:
             raise UniversalFormatError(f"{meta_path}: 'parameters' is not an object; reconvert")
         self._expected = _model_parameters(self.config, metadata["parameters"], meta_path)
         self.parameters: dict[str, ParamInfo] = {
-            name: _param_info(name, d, meta_path, self.version, self.lazy_source, lazy_files)
+            name: _param_info(name, d, meta_path, self.version, self.lazy_source, lazy_files, keys)
             for name, d in metadata["parameters"].items()}
+        if self.optimizer_type is None and self.has_optimizer_state:
+            self.optimizer_type = "adam"  # written before the type was checked: Adam's keys are all it could hold
         self.bytes_read = 0
         self._files = threading.local()  # lazy reads: source descriptors per thread
         self._verified = VerifiedBlocks()  # blocks already checked by this reader
@@ -800,10 +835,16 @@ class UniversalCheckpoint:
 
     @property
     def has_optimizer_state(self) -> bool:
-        """Whether every parameter has its Adam moments (persistent buffers, e.g. MoE's expert_bias, have none)."""
+        """Whether every parameter has its optimizer's state (persistent buffers, e.g. MoE's expert_bias, have none)."""
         from megatron_ucp.adapters.gpt import is_buffer
 
-        return all("exp_avg" in info.tensors for name, info in self.parameters.items() if not is_buffer(name))
+        stateful = [len(info.tensors) > 1 for name, info in self.parameters.items() if not is_buffer(name)]
+        return bool(stateful) and all(stateful)
+
+    @property
+    def optimizer_state_keys(self) -> tuple[str, ...]:
+        """The state names every parameter with optimizer state holds besides 'fp32' (() without any)."""
+        return tensor_keys(self.optimizer_type)[1:] if self.has_optimizer_state else ()
 
     @property
     def num_floating_point_operations_so_far(self) -> float:

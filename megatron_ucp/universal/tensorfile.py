@@ -1,5 +1,5 @@
 """One parameter's tensor file (docs/FORMAT.md, "Tensor files"): a safetensors file of float32 tensors
-(`fp32`, `exp_avg`, `exp_avg_sq`). Its header is written by `safetensors_header` and parsed by
+(`fp32` and its optimizer's states by name: Adam's `exp_avg`, `exp_avg_sq`, SGD's `momentum_buffer`). Its header is written by `safetensors_header` and parsed by
 `parse_header`, the one parser both the verified reader (`VerifiedTensorFile`) and `check` use; the
 three write paths (tensors, dim-0 bands, byte placements copied from a Megatron checkpoint) write the
 same bytes for the same tensors and digest every byte as it is written (and, asked to, count NaN/Inf in the
@@ -22,7 +22,7 @@ from megatron_ucp.io.byteio import FileHandles, Placement, placement_to_json, wr
 from megatron_ucp.io.integrity import (
     FILE_REMEDY, ChecksumError, DigestRecord, VerifiedBlocks, remedy_clause, verified_pread, verified_view)
 from megatron_ucp.universal.format import (
-    FORMAT_NAME, FORMAT_VERSION, MAX_HEADER, TENSOR_KEYS, PathLike, UniversalFormatError, check_name, tensor_file)
+    FORMAT_NAME, FORMAT_VERSION, MAX_HEADER, PathLike, UniversalFormatError, check_name, ordered_keys, tensor_file)
 
 if TYPE_CHECKING:
     import torch
@@ -32,12 +32,10 @@ if TYPE_CHECKING:
 def _check_tensors(name: str, tensors: Mapping[str, tuple[tuple[int, ...], Any]]) -> tuple[int, ...]:
     """Refuse a parameter whose tensors (key -> (shape, dtype)) the format cannot hold; returns the shape."""
     check_name(name)
-    unknown = sorted(set(tensors) - set(TENSOR_KEYS))
-    if unknown or "fp32" not in tensors:
-        raise UniversalFormatError(f"{name}: tensors {sorted(tensors)}; a parameter needs 'fp32' and may add "
-                                   f"'exp_avg', 'exp_avg_sq' (unknown: {unknown})")
-    if ("exp_avg" in tensors) != ("exp_avg_sq" in tensors):
-        raise UniversalFormatError(f"{name}: has only one of exp_avg / exp_avg_sq; Adam needs both")
+    try:
+        ordered_keys(tensors)  # 'fp32' and one optimizer's whole state, by name (core/optimizers.py)
+    except UniversalFormatError as e:
+        raise UniversalFormatError(f"{name}: {e}") from None
     shape = tuple(tensors["fp32"][0])
     for key, (s, dtype) in tensors.items():
         if dtype_name(dtype) != "float32" or tuple(s) != shape:
@@ -111,7 +109,7 @@ def _refuse_non_finite(name: str, hasher: integrity.BlockHasher) -> None:
     """NonFiniteTensorError naming the parameter and each state holding NaN/Inf (FiniteBlockHasher's counts)."""
     found = hasher.non_finite if isinstance(hasher, integrity.FiniteBlockHasher) else None
     if found:
-        states = ", ".join(f"{integrity.state_word(k)} ({found[k]})" for k in TENSOR_KEYS if k in found)
+        states = ", ".join(f"{integrity.state_word(k)} ({found[k]})" for k in sorted(found, key=lambda k: (k != "fp32", k)))
         raise NonFiniteTensorError(
             f"{name}: {states} hold(s) non-finite values (NaN/Inf), refused; {integrity.NON_FINITE_REMEDY}, or "
             f"pass --allow-non-finite to convert them as they are")
@@ -131,7 +129,7 @@ def write_tensor_file(staging_dir: PathLike, name: str, tensors: Mapping[str, "t
     import torch
 
     shape = _check_tensors(name, {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()})
-    ordered = {key: tensors[key].detach().to("cpu").contiguous() for key in TENSOR_KEYS if key in tensors}
+    ordered = {key: tensors[key].detach().to("cpu").contiguous() for key in ordered_keys(tensors)}
     entry = _entry(name, shape, list(ordered), info)
     target = Path(staging_dir) / entry["file"]
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -154,13 +152,13 @@ def write_tensor_file_streamed(staging_dir: PathLike, name: str, shape: Sequence
     """write_tensor_file for a parameter whose tensors come as consecutive dim-0 bands (so only one band is
     in memory: `import-hf` widens a vocabulary band by band; benchmarks/bench_scale.py generates a 1.3B
     checkpoint with its Adam moments). `bands`: the fp32 tensor's bands, or {key: its bands} for several of
-    TENSOR_KEYS. The file is byte for byte what write_tensor_file writes for the bands' concatenations."""
+    ordered_keys. The file is byte for byte what write_tensor_file writes for the bands' concatenations."""
     import torch
 
     shape = tuple(int(n) for n in shape)
     by_key = dict(bands) if isinstance(bands, Mapping) else {"fp32": bands}
     _check_tensors(name, {key: (shape, torch.float32) for key in by_key})
-    keys = [key for key in TENSOR_KEYS if key in by_key]
+    keys = list(ordered_keys(by_key))
     entry = _entry(name, shape, keys, info)
     target = Path(staging_dir) / entry["file"]
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -199,7 +197,7 @@ def write_tensor_file_placed(staging_dir: PathLike, name: str, placements: Mappi
     file is sized, its header written, and each tensor's bytes copied straight into place (see
     byteio.write_placement), so no tensor is materialised. Every byte is digested as it is written."""
     shape = _check_tensors(name, {k: (p.shape, p.dtype) for k, p in placements.items()})
-    keys = [key for key in TENSOR_KEYS if key in placements]
+    keys = list(ordered_keys(placements))
     entry = _entry(name, shape, keys, info)
     target = Path(staging_dir) / entry["file"]
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -225,7 +223,7 @@ def lazy_entry(name: str, placements: Mapping[str, Placement], info: Mapping[str
     """A lazy checkpoint's metadata entry: instead of a tensor file, where each consolidated tensor's bytes
     are in the source checkpoint (paths relative to `source_root`, its iteration folder)."""
     shape = _check_tensors(name, {k: (p.shape, p.dtype) for k, p in placements.items()})
-    keys = [key for key in TENSOR_KEYS if key in placements]
+    keys = list(ordered_keys(placements))
     entry = _entry(name, shape, keys, info)
     entry["file"] = None
     entry["source_bytes"] = {key: placement_to_json(placements[key], str(source_root)) for key in keys}

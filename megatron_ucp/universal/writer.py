@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 from megatron_ucp.io import integrity
 from megatron_ucp.io.staging import Staging, StagingError
 from megatron_ucp.universal.format import (
-    COMPLETE_FILENAME, FORMAT_NAME, FORMAT_VERSION, ZEROED_VERSION, METADATA_FILENAME, REQUIRED_METADATA, RNG_FILENAME,
+    COMPLETE_FILENAME, FORMAT_NAME, FORMAT_VERSION, METADATA_FILENAME, REQUIRED_METADATA, RNG_FILENAME,
     TENSORS_DIRNAME,
-    PathLike, SavedRngStates, UniversalFormatError, sha256_file, write_json)
+    PathLike, SavedRngStates, UniversalFormatError, document_version, sha256_file, write_json)
 from megatron_ucp.universal.tensorfile import write_tensor_file
 
 if TYPE_CHECKING:
@@ -188,8 +188,7 @@ def universal_document(where: PathLike, metadata: Mapping[str, Any], parameters:
     if rng is not None and rng.states:
         rng_bytes, doc["rng"] = _rng_file(rng)
     doc["parameters"] = _in_model_order(where, parameters, expected)
-    if any(entry.get("zeroed") for entry in doc["parameters"].values()):
-        doc["version"] = ZEROED_VERSION
+    doc["version"] = document_version(doc)
     return doc, rng_bytes
 
 

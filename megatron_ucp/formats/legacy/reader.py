@@ -8,8 +8,9 @@ folder holds distrib_optim.pt: {'buckets_coalesced': True, gbuf_idx: {(param dty
 buffer gathered over DP with only the bucket-end padding removed (see bucket_layout.py), and the
 Adam step in `optimizer['optimizer']['param_groups'][*]['step']`.
 Without it `optimizer` is the torch optimizer state dict (FP32Optimizer), or
-{'optimizer': ..., 'fp32_from_fp16_params': ...} (Float16OptimizerWithFloat16Params); state
-indices run group by group over Megatron's param groups (adapters.gpt.megatron_param_groups).
+{'optimizer': ..., 'fp32_from_fp16_params': ...} (Float16OptimizerWithFloat16Params), whose per-parameter
+state holds the torch optimizer's own names (core/optimizers.py: Adam's exp_avg, exp_avg_sq, step; SGD's
+momentum_buffer); state indices run group by group over Megatron's param groups (adapters.gpt.megatron_param_groups).
 
 Opening parses every rank's files once through the allow-list (serialization/safe_pickle.py: the pickles only,
 without torch; nothing in them runs) and checks iterations, structure, dtypes, shapes and buffer sizes;
@@ -48,13 +49,13 @@ from megatron_ucp.formats.bucket_layout import BufferLayout, BufferParam
 from megatron_ucp.formats.coalesced import coalesced_buffers, coalesced_records
 from megatron_ucp.formats.common import (
     STATE_DTYPE, CheckpointFormatError, args_to_dict, build_common_state, check_dtype, entry, inside, layout_from_args,
-    load_archive_file, model_config_from_args, read_tensor, scalar, structure_error)
+    load_archive_file, model_config_from_args, optimizer_row, read_tensor, scalar, structure_error)
 from megatron_ucp.formats.legacy.names import (
     DISTRIB_OPTIM_FILENAME, FIRST_RANK_DIRS, MODEL_FILENAME, RANK_DIR_PREFIX, rank_dir_name)
 from megatron_ucp.serialization.records import stored_tensor
 from megatron_ucp.serialization.safe_pickle import TensorRecord, TorchDType
 
-_TENSOR_KEYS = ("param", "fp32", "exp_avg", "exp_avg_sq")
+_TENSOR_KEYS = READ_KEYS
 
 
 def model_chunk_keys(state: Mapping[str, Any]) -> list[str]:
@@ -173,8 +174,9 @@ class LegacyCheckpoint(CheckpointReader):
                 f"{first}: 'optimizer' has keys {sorted(map(str, opt)) if isinstance(opt, dict) else type(opt).__name__}; "
                 f"only the distributed optimizer, FP32Optimizer and Float16Optimizer (chained [dense, expert] with "
                 f"experts) are supported.")
-        if self.optimizer_kind in ("adam", "mixed_precision", "distributed") and self.args.get("optimizer", "adam") != "adam":
-            raise CheckpointFormatError(f"{first}: args.optimizer={self.args.get('optimizer')!r}; only Adam state is supported.")
+        # the optimizer's per-parameter state by name (core/optimizers.py; refused in one line if not mapped)
+        self._row = (None if self.optimizer_kind == "none" else
+                     optimizer_row(self.args, first, distributed=self.optimizer_kind == "distributed"))
         self._ranks: dict[tuple[int, int, int], _RankMeta] = {}
         self._param_groups: dict[int, list] = {}  # optimizer index -> its param groups (hyper-parameters)
         self._scan()
@@ -392,15 +394,18 @@ class LegacyCheckpoint(CheckpointReader):
                 st = states.get(idx)
                 if st is not None:  # no state before the first optimizer step
                     what = f"optimizer state {idx} ({ref[1]})"
-                    if not isinstance(st, dict) or "step" not in st:
-                        raise structure_error(file, f"{what}: exp_avg, exp_avg_sq and step", st)
-                    for name in ("exp_avg", "exp_avg_sq"):
+                    row = self._row
+                    if not isinstance(st, dict) or row.step and "step" not in st or not set(row.states) <= set(st):
+                        raise structure_error(
+                            file, f"{what}: {row.name}'s {', '.join(row.states + (('step',) if row.step else ()))}", st)
+                    for name in row.states:
                         rec = check_dtype(st.get(name), (STATE_DTYPE,), path=file, what=f"{what} {name}")
                         if tuple(rec.shape) != spec.shape:
                             raise CheckpointFormatError(
                                 f"{file}: {what} has {name} of shape {tuple(rec.shape)} but maps to {ref[1]} of "
                                 f"shape {spec.shape}; the param-group order does not match.")
-                    scalar(st["step"], path=file, what=f"{what} step")
+                    if row.step:
+                        scalar(st["step"], path=file, what=f"{what} step")
                 half = None
                 if self.optimizer_kind == "mixed_precision" and spec.dtype.name in ("float16", "bfloat16"):
                     half, halves = halves, halves + 1
@@ -438,7 +443,7 @@ class LegacyCheckpoint(CheckpointReader):
         elif self.optimizer_kind == "distributed":
             out.update(self._distributed_records(meta, ref))
         elif self.optimizer_kind in ("adam", "mixed_precision"):
-            out.update(self._adam_records(meta, ref, param))
+            out.update(self._torch_records(meta, ref, param))
         return out
 
     def _distributed_records(self, meta: _RankMeta, ref: ShardRef) -> dict:
@@ -452,7 +457,7 @@ class LegacyCheckpoint(CheckpointReader):
                                     f"{self._where(ref.tp_rank, ref.pp_rank, ref.ep_rank)}; the file does not match "
                                     f"the model.")
 
-    def _adam_records(self, meta: _RankMeta, ref: ShardRef, param: TensorRecord) -> dict:
+    def _torch_records(self, meta: _RankMeta, ref: ShardRef, param: TensorRecord) -> dict:
         group, idx, half = meta.state_index[(ref.vpp_chunk, ref.local_name)]
         opt = meta.optims[_optimizer_index(ref.local_name, self._chained)].state
         inner = opt["optimizer"] if self.optimizer_kind == "mixed_precision" else opt
@@ -460,7 +465,9 @@ class LegacyCheckpoint(CheckpointReader):
         out = {"fp32": opt["fp32_from_fp16_params"][group][half] if half is not None else param}
         st = inner["state"].get(idx)
         if st is not None:  # no state before the first optimizer step
-            out.update(exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"], step=st["step"])
+            out.update({name: st[name] for name in self._row.states})
+            if self._row.step:
+                out["step"] = st["step"]
         return out
 
     def _step(self, meta_step: Any, ref: ShardRef, *, tensor: bool = True):

@@ -264,7 +264,7 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
     tensors = _RankTensors(sources, config, layout, tp_rank, where)
 
     # Model (and, for the optimizer, each parameter's fp32 master and moments).
-    masters: list[dict] = []  # per chunk: local -> {'fp32', 'exp_avg', 'exp_avg_sq'}
+    masters: list[dict] = []  # per chunk: local -> {'fp32', and the optimizer's states by name}
     model_chunks = []
     for chunk_index, chunk in enumerate(chunks):
         weights, state = {}, {}
@@ -274,8 +274,8 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
             weights[local] = fp32 if dtype == _F32 else tensors.shard(canonical, shape, "fp32", dtype)
             entry = {"fp32": fp32}
             if with_optim and not is_buffer(canonical):
-                entry["exp_avg"] = tensors.shard(canonical, shape, "exp_avg", _F32)
-                entry["exp_avg_sq"] = tensors.shard(canonical, shape, "exp_avg_sq", _F32)
+                for key in ucp.optimizer_state_keys:  # by name: Adam's moments, SGD's momentum_buffer
+                    entry[key] = tensors.shard(canonical, shape, key, _F32)
             state[local] = entry
         last = layout.is_last_chunk(pp_rank, chunk_index if layout.vpp else None)
         model_chunks.append(_model_state(chunk, weights, last=last, mtp_inner=target.release.mtp_inner_module))
@@ -309,7 +309,7 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
                 distribs.append(_distrib_optim(target, pp_rank, chunks, tensors, ucp, experts=index == 1)
                                 if index == 1 or ep_rank == 0 else None)
             else:
-                optimizers.append(_torch_adam_state(ucp, rank_groups, mine, masters, identities))
+                optimizers.append(_torch_state(ucp, rank_groups, mine, masters, identities))
         sd["optimizer"] = optimizers if len(optimizers) > 1 else optimizers[0]
         if target.use_distributed_optimizer:
             distrib = distribs if len(distribs) > 1 else distribs[0]
@@ -327,9 +327,13 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
     return sd, distrib
 
 
-def _torch_adam_state(ucp, rank_groups, canonicals, masters, identities) -> dict:
-    """torch Adam state_dict (FP32Optimizer), or Float16OptimizerWithFloat16Params' wrapper for 16-bit
-    models; state indices run group by group, every parameter with its own step."""
+def _torch_state(ucp, rank_groups, canonicals, masters, identities) -> dict:
+    """The torch optimizer's state_dict (FP32Optimizer), or Float16OptimizerWithFloat16Params' wrapper for 16-bit
+    models; state indices run group by group, each parameter's state by its torch names (Adam: its own step, then
+    exp_avg, exp_avg_sq; SGD: momentum_buffer)."""
+    from megatron_ucp.core.optimizers import OPTIMIZERS
+
+    row = OPTIMIZERS[ucp.optimizer_type]
     dtypes = {(c, local): _model_dtype(ucp, canonical) for (c, local), canonical in canonicals.items()}
     mixed = any(d != _F32 for d in dtypes.values())
     state, param_groups, fp32_from_16 = {}, [], []
@@ -340,9 +344,11 @@ def _torch_adam_state(ucp, rank_groups, canonicals, masters, identities) -> dict
             chunk, local = ref
             entry = masters[chunk][local]
             info = ucp.parameters[canonicals[ref]]
-            if info.step is not None:  # torch Adam's step: a float32 scalar tensor
+            if not row.step:
+                state[index] = {key: entry[key] for key in row.states}
+            elif info.step is not None:  # torch Adam's step: a float32 scalar tensor
                 state[index] = {"step": SavedTensor(struct.pack("<f", float(info.step)), "float32", ()),
-                                "exp_avg": entry["exp_avg"], "exp_avg_sq": entry["exp_avg_sq"]}
+                                **{key: entry[key] for key in row.states}}
             if dtypes[ref] != _F32:
                 halves.append(entry["fp32"])
             ids.append(index)

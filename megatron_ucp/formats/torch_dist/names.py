@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple, Optional
 
+from megatron_ucp.core.optimizers import STATE_ORDER
+
 COMMON_FILENAME = "common.pt"  # megatron-core <= 0.18; from 0.19 the ShardedObject versions.COMMON_STATE_ITEM
 DCP_METADATA_FILENAME = ".metadata"
 METADATA_JSON_FILENAME = "metadata.json"
@@ -29,7 +31,9 @@ OPTIMIZER_PREFIXES = ("optimizer.", "chained_")  # every key of optimizer state 
 _DISTCP = re.compile(r"__(\d+)_(\d+)\.distcp")
 DATA_FILE = _DISTCP  # a data file of the format, relative to the iteration folder
 _CHAINED = r"(?:chained_(\d+)\.)?"
-_MODEL_SPACE = re.compile(r"^" + _CHAINED + r"optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
+# what: the main weight ('param' fully_reshardable, 'fp32_param' Float16 optimizer) or a state by its torch name
+_MODEL_SPACE = re.compile(r"^" + _CHAINED + r"optimizer\.state\.(" + "|".join(("param", "fp32_param", *STATE_ORDER))
+                          + r")\.(.+)$")
 _BUCKET = re.compile(r"^" + _CHAINED + r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+), "
                      r"(.+)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
 _DISTRIBUTED = re.compile(r"^" + _CHAINED + r"optimizer\.distributed\.")

@@ -89,7 +89,7 @@ from megatron_ucp.formats.bucket_layout import (
 from megatron_ucp.formats.pickles import MEGATRON
 from megatron_ucp.formats.common import (
     STATE_DTYPE, CheckpointFormatError, args_to_dict, build_common_state, inside, layout_from_args, load_archive_file,
-    model_config_from_args, read_tensor, scalar, structure_error)
+    model_config_from_args, optimizer_row, read_tensor, scalar, structure_error)
 from megatron_ucp.formats.coalesced import coalesced_buffers, coalesced_records
 from megatron_ucp.serialization.safe_pickle import (
     DcpBytesMeta, DcpIndex, DcpTensorMeta, SafeLoadError, TensorRecord, TorchDType, load_dcp_item, load_dcp_metadata)
@@ -217,6 +217,7 @@ class TorchDistCheckpoint(CheckpointReader):
         # the distributed optimizer's recorded sharding type (a key of versions.OPTIMIZER_SHARDINGS), else None
         self.distrib_optim_sharding: Optional[str] = None
         self._optim_layout: Optional[versions.OptimizerSharding] = None  # what that sharding type means
+        self._row = None  # the optimizer's core/optimizers.py row (None without optimizer state)
         self.optimizer_kind = self._detect_optimizer()
         self._flat_buckets = self._optim_space == "buckets"
         # fully_sharded_model_space state keys -> the TP-local fragment shape each flattened range indexes, and
@@ -328,10 +329,10 @@ class TorchDistCheckpoint(CheckpointReader):
             raise structure_error(self._common_file, "'content_metadata' (a dict)", content)
         sharding = content.get("distrib_optim_sharding_type")
         common_file = self._common_file
-        if self.args.get("optimizer", "adam") != "adam":
-            raise CheckpointFormatError(f"{common_file}: args.optimizer={self.args.get('optimizer')!r}; only Adam "
-                                        f"state (exp_avg, exp_avg_sq) can be read.")
         layout = versions.optimizer_sharding(sharding)
+        # the optimizer's per-parameter state by name (core/optimizers.py; refused in one line if not mapped)
+        self._row = optimizer_row(self.args, common_file, distributed=layout is not None or bool(
+            self.args.get("use_distributed_optimizer")))
         if any(names.is_distributed_optimizer_key(k) for k in opt_keys) and layout is None:
             raise CheckpointFormatError(
                 f"{common_file}: distrib_optim_sharding_type={sharding!r} with flat-bucket optimizer keys; "
@@ -398,12 +399,12 @@ class TorchDistCheckpoint(CheckpointReader):
                 raise CheckpointFormatError(f"{self._dcp_index}: {what} state of {model_key} is saved "
                                             f"twice ({out[model_key][what]}, {key}).")
             out[model_key][what] = key
-        expected = {"exp_avg", "exp_avg_sq"} | ({self._optim_layout.main_param} if self._optim_layout else set())
+        expected = set(self._row.states) | ({self._optim_layout.main_param} if self._optim_layout else set())
         for model_key, found in out.items():
             if not expected <= set(found):
                 raise CheckpointFormatError(
                     f"{self._dcp_index}: optimizer state of {model_key} has {sorted(found)}, expected "
-                    f"{sorted(expected)}; the checkpoint is incomplete or not an Adam checkpoint.")
+                    f"{sorted(expected)}; the checkpoint is incomplete or not {self._row.name}'s state.")
         if not out and self._optim_layout:
             raise CheckpointFormatError(f"{self._dcp_index}: distrib_optim_sharding_type="
                                         f"{self.distrib_optim_sharding!r} but no optimizer.state."
@@ -722,7 +723,7 @@ class TorchDistCheckpoint(CheckpointReader):
                 continue
             if not found and not self._state_keys:
                 continue
-            need = {"exp_avg", "exp_avg_sq"}
+            need = set(self._row.states)
             if self._optim_layout:
                 need.add(self._optim_layout.main_param)
             elif self._keys[piece.key].dtype in ("float16", "bfloat16"):
@@ -860,7 +861,8 @@ class TorchDistCheckpoint(CheckpointReader):
             if req.weight_is_main and "fp32" in want:
                 out["fp32"] = out["param"] if "param" in out else assemble(got[piece.key], piece)
             out.update({name: assemble(got[key], piece) for name, key in req.states.items()})
-            if "exp_avg" in self._state_keys.get(piece.key, {}) and self._model_space_step is not None:
+            if self._row.step and self._row.states[0] in self._state_keys.get(piece.key, {}) and (
+                    self._model_space_step is not None):
                 out["step"] = step_value(self._model_space_step)
         return out
 

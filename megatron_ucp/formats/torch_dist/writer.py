@@ -36,7 +36,8 @@ Entries (formats/torch_dist/reader.py documents them as the reader sees them):
     `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>` in megatron-core's nd-flattened form
     (shape (*fragments, shard numel)), each TP shard one chunk at range start 0 (a DP rank's range loads from
     it), `.metadata` with `mcore_data` (each key's original global shape); param groups in common.pt.
-  - "adam" (no distributed optimizer): `optimizer.state.{exp_avg,exp_avg_sq}.<model key>` (+ `fp32_param`
+  - "adam" (no distributed optimizer, any torch optimizer): `optimizer.state.<state>.<model key>` for each of the
+    optimizer's states by its torch name (Adam: exp_avg, exp_avg_sq; SGD: momentum_buffer) (+ `fp32_param`
     for bf16/fp16 models); common.pt holds the param groups and `common_step`.
   - None: weights only (args.no_save_optim), when the universal checkpoint has no Adam state.
 - `rng_state/shard_<pp>.<tp>_<PP>.<TP>`: a fresh deterministic state per (pp, tp) rank, as the legacy
@@ -396,7 +397,7 @@ def _plan_model(ucp, config: GPTModelConfig, layout: ParallelLayout, opt: Option
                 states.append((model_space_state_key(main, key), "fp32"))
             elif dtype != _F32:
                 states.append((model_space_state_key("fp32_param", key), "fp32"))
-            states += [(model_space_state_key(s, key), s) for s in ("exp_avg", "exp_avg_sq")]
+            states += [(model_space_state_key(s, key), s) for s in ucp.optimizer_state_keys]  # by name
         pattern, tp = pattern_for(name, config), tp_size_of(name, layout)
         ep_rank = expert_location(lead[-1], config, layout)[0] if is_expert(name) else None
 
@@ -942,7 +943,10 @@ class DirectTorchDistWriter(CheckpointWriter):
     def describe(self, ucp, target: WriteTarget) -> list[str]:
         plan = self.checkpoint_plan(ucp, target)
         items = sum(len(f.items) for f in plan.files)
-        return [f"optimizer state: {plan.optimizer or 'none (weights only)'}",
+        what = plan.optimizer  # 'adam': the torch optimizer's own state; another optimizer's named as such
+        if what == "adam" and ucp.optimizer_type != "adam":
+            what = f"{ucp.optimizer_type} ({', '.join(ucp.optimizer_state_keys)})"
+        return [f"optimizer state: {what or 'none (weights only)'}",
                 f"as megatron-core {plan.release.name} saves it",
                 f"written directly: {items} items in {len(plan.files)} files, {self.workers} writer threads"]
 

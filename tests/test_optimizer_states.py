@@ -1,0 +1,130 @@
+"""The optimizer's state by name (core/optimizers.py, docs/FORMAT.md "Optimizer state by name"), without training:
+a synthetic SGD universal checkpoint round-trips (version 4, its states declared, Adam checkpoints unchanged), state
+names from a checkpoint are checked before they name anything, and every optimizer megatron-ucp does not map (Muon,
+dist_muon, SOAP, adaptive Muon, the layer-wise distributed optimizer, SGD under the distributed optimizer) is refused
+in one line naming it, at conversion time (the readers' optimizer_row) and at argument time (the loader).
+"""
+
+import hashlib
+import json
+import shutil
+
+import pytest
+import torch
+
+from megatron_ucp.adapters.gpt import expected_parameters, pattern_for
+from megatron_ucp.core import optimizers
+from megatron_ucp.formats.common import CheckpointFormatError, optimizer_row
+from megatron_ucp.universal import COMPLETE_FILENAME, METADATA_FILENAME, UniversalCheckpoint, UniversalFormatError
+from megatron_ucp.universal import UniversalWriter
+from megatron_ucp.universal.format import optimizer_section
+
+from test_universal_format import CONFIG, metadata, write_all
+
+
+def write_sgd(dst, momentum_key="momentum_buffer"):
+    written = {}
+    meta = metadata()
+    meta["optimizer"] = optimizer_section("sgd", [{"lr": 1e-2, "weight_decay": 0.1, "momentum": 0.9},
+                                                  {"lr": 1e-2, "weight_decay": 0.0, "momentum": 0.9}])
+    with UniversalWriter(dst) as writer:
+        for seed, (name, shape) in enumerate(expected_parameters(CONFIG)):
+            g = torch.Generator().manual_seed(seed)
+            written[name] = {"fp32": torch.randn(shape, generator=g), momentum_key: torch.randn(shape, generator=g)}
+            writer.write_parameter(name, written[name], {
+                "model_dtype": torch.float32, "pattern": pattern_for(name, CONFIG), "step": None,
+                "param_group": {"index": int(len(shape) == 1), "wd_mult": 0.0 if len(shape) == 1 else 1.0}})
+        path = writer.finish(meta, expected_parameters(CONFIG))
+    return path, written
+
+
+def reseal(path):
+    """The COMPLETE marker made consistent with an edited metadata.json (an edit, not damage)."""
+    marker = json.loads((path / COMPLETE_FILENAME).read_text())
+    marker["metadata_sha256"] = hashlib.sha256((path / METADATA_FILENAME).read_bytes()).hexdigest()
+    (path / COMPLETE_FILENAME).write_text(json.dumps(marker))
+
+
+def test_sgd_round_trip_is_version_4_and_adam_stays_as_it_was(tmp_path):
+    path, written = write_sgd(tmp_path / "sgd")
+    ucp = UniversalCheckpoint.open(path)
+    assert ucp.version == 4 and ucp.optimizer_type == "sgd" and ucp.has_optimizer_state
+    assert ucp.optimizer_state_keys == ("momentum_buffer",)
+    assert ucp.metadata["optimizer"]["states"] == {"momentum_buffer": "elementwise"}
+    for name, tensors in written.items():
+        assert ucp.parameters[name].tensors == ("fp32", "momentum_buffer") and ucp.parameters[name].step is None
+        assert torch.equal(ucp.read(name, "momentum_buffer"), tensors["momentum_buffer"])
+    adam, _ = write_all(tmp_path / "adam")
+    meta = json.loads((adam / METADATA_FILENAME).read_text())
+    assert meta["version"] == 2 and "states" not in meta["optimizer"]  # written exactly as before
+    assert UniversalCheckpoint.open(adam).optimizer_state_keys == ("exp_avg", "exp_avg_sq")
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda m: m["optimizer"].update(states={"../../etc/passwd": "elementwise"}), "are not sgd's"),
+    (lambda m: m["optimizer"].update(states={"momentum_buffer": "rowwise"}), "are not sgd's"),
+    (lambda m: m["optimizer"].pop("states"), "are not sgd's"),
+    (lambda m: m.update(version=3), "needs version 4"),
+    (lambda m: m["optimizer"].update(type="soap"), "SOAP .* is not supported yet"),
+    (lambda m: m["optimizer"].update(type="adam"), "must be \\['fp32', 'exp_avg', 'exp_avg_sq'\\]"),
+])
+def test_edited_optimizer_sections_are_refused_in_one_line(tmp_path, edit, why):
+    path, _ = write_sgd(tmp_path / "sgd")
+    meta = json.loads((path / METADATA_FILENAME).read_text())
+    edit(meta)
+    if meta["optimizer"]["type"] == "adam":
+        meta["optimizer"].pop("states")
+    (path / METADATA_FILENAME).write_text(json.dumps(meta))
+    reseal(path)
+    with pytest.raises(UniversalFormatError, match=why) as e:
+        UniversalCheckpoint.open(path)
+    assert "\n" not in str(e.value)
+
+
+def test_state_names_are_checked_before_they_name_a_key(tmp_path):
+    for bad in ("../x", "Exp_avg", "exp avg", "", "a" * 80, 3, "moment2_buffer"):
+        with pytest.raises(ValueError):
+            optimizers.check_state_name(bad)
+    with pytest.raises(UniversalFormatError, match="not one megatron-ucp knows"):
+        write_sgd(tmp_path / "evil", momentum_key="__metadata__")
+
+
+@pytest.mark.parametrize("name, words", [
+    ("lion", "two optimizers' state"), ("muon", "Muon"), ("dist_muon", "dist_muon"), ("soap", "SOAP"), ("adaptive_muon", "adaptive Muon"),
+    ("shampoo", "is not one megatron-ucp knows")])
+def test_unmapped_optimizers_are_refused_at_conversion_time(name, words):
+    with pytest.raises(CheckpointFormatError) as e:
+        optimizer_row({"optimizer": name}, "ckpt/common.pt", distributed=False)
+    line = str(e.value)
+    assert "\n" not in line and f"args.optimizer={name!r}" in line and words in line
+    if name != "shampoo":
+        assert "is not supported yet" in line and "--no-load-optim" in line
+
+
+def test_layer_wise_and_distributed_sgd_are_refused_and_the_rows_are_read():
+    assert optimizer_row({"optimizer": "sgd"}, "x", distributed=False).states == ("momentum_buffer",)
+    assert optimizer_row({}, "x", distributed=True).states == ("exp_avg", "exp_avg_sq")
+    with pytest.raises(CheckpointFormatError, match="megatron-core 0.19 builds sgd without --use-distributed"):
+        optimizer_row({"optimizer": "sgd"}, "x", distributed=True)
+    with pytest.raises(CheckpointFormatError, match="layer-wise distributed optimizer's state .* not supported yet"):
+        optimizer_row({"optimizer": "sgd", "use_layer_wise_distributed_optimizer": True}, "x", distributed=False)
+
+
+def test_the_loader_refuses_at_argument_time():
+    import types
+
+    from megatron_ucp.megatron_lm.loader import UniversalLoadError, check_run_optimizer
+
+    def args(**kw):
+        return types.SimpleNamespace(**{"optimizer": "adam", "use_distributed_optimizer": False,
+                                        "no_load_optim": False, "finetune": False, **kw})
+
+    check_run_optimizer(args(optimizer="sgd"))
+    with pytest.raises(UniversalLoadError, match="--optimizer sgd with --use-distributed-optimizer: megatron-core"):
+        check_run_optimizer(args(optimizer="sgd", use_distributed_optimizer=True))
+    for name in ("lion", "muon", "soap", "adaptive_muon"):
+        with pytest.raises(UniversalLoadError, match=f"--optimizer {name}: .* is not supported yet"):
+            check_run_optimizer(args(optimizer=name))
+        check_run_optimizer(args(optimizer=name, no_load_optim=True))  # weights only: nothing to map
+    with pytest.raises(UniversalLoadError, match="layer-wise distributed optimizer"):
+        check_run_optimizer(args(optimizer="sgd", use_layer_wise_distributed_optimizer=True))
