@@ -33,6 +33,10 @@ def add_cli_parser(subparsers, common: argparse.ArgumentParser) -> None:
                    help="where the source's release saved some optimizer state nowhere (megatron-core 0.15-0.19's "
                         "fully_reshardable with several DDP buckets: docs/VERSIONS.md), reset just those elements "
                         "(Adam moments to zero, named in the notice) instead of refusing the conversion")
+    p.add_argument("--weights-only", action="store_true",
+                   help="leave the source's optimizer state out (weights, schedule and RNG state only; the resume "
+                        "starts the optimizer from zero): the way to another layout for Lion or Muon, whose state "
+                        "megatron-ucp does not convert yet")
     add_publication_flags(p, "universal checkpoint", "COMPLETE")
     p.add_argument("--lazy", action="store_true",
                    help="write only an index (metadata.json) of where each consolidated tensor's bytes are in SRC: "
@@ -48,13 +52,15 @@ def run_cli(args: argparse.Namespace) -> dict:
                                       average_replicas=args.average_replicas, progress=not args.quiet,
                                       overwrite=args.overwrite, clean_stale=args.clean_stale,
                                       allow_non_finite=args.allow_non_finite,
-                                      reset_lost_optimizer_state=args.reset_lost_optimizer_state)
+                                      reset_lost_optimizer_state=args.reset_lost_optimizer_state,
+                          weights_only=args.weights_only)
     else:
         summary = convert(args.src, args.dst, iteration=args.iteration, workers=args.workers,
                           average_replicas=args.average_replicas, progress=not args.quiet,
                           overwrite=args.overwrite, lazy=args.lazy, clean_stale=args.clean_stale,
                           allow_non_finite=args.allow_non_finite,
-                          reset_lost_optimizer_state=args.reset_lost_optimizer_state)
+                          reset_lost_optimizer_state=args.reset_lost_optimizer_state,
+                          weights_only=args.weights_only)
     result = summary.to_dict()
     if not reports():
         return result  # rank 0 reports

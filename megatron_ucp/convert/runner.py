@@ -69,7 +69,8 @@ HALF_WRITTEN = "half-written"  # the writer's phase once half the parameters are
 def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, workers: Optional[int] = None,
             average_replicas: bool = False, progress: bool = True, overwrite: bool = False,
             lazy: bool = False, clean_stale: bool = False, report=None,
-            allow_non_finite: bool = False, reset_lost_optimizer_state: bool = False) -> ConversionSummary:
+            allow_non_finite: bool = False, reset_lost_optimizer_state: bool = False,
+            weights_only: bool = False) -> ConversionSummary:
     """to_universal with a summary of what was written (see to_universal)."""
     start = time.perf_counter()
     if workers is not None and int(workers) < 1:
@@ -79,10 +80,13 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
                               "use one of them")
     _check_not_nested(Path(src), Path(src), Path(dst))  # before the lock and staging names appear next to DST
     with UniversalWriter(dst, overwrite=overwrite, clean_stale=clean_stale, report=report) as writer:
-        ckpt = open_checkpoint(src, iteration, reset_lost_optimizer_state=reset_lost_optimizer_state)
+        ckpt = open_checkpoint(src, iteration, reset_lost_optimizer_state=reset_lost_optimizer_state,
+                               weights_only=weights_only)
         _check_not_nested(Path(src), Path(ckpt.path), Path(dst))
         tasks = conversion_tasks(ckpt)
         metadata = build_metadata(ckpt, average_replicas=average_replicas)
+        if ckpt.skipped_optimizer:  # --weights-only: the source's optimizer state, left out
+            metadata["conversion"]["optimizer_left_out"] = ckpt.skipped_optimizer
         total = sum(t.nbytes * len(source_keys(ckpt, t)) for t in tasks)
         if lazy:
             metadata["conversion"]["lazy"] = True
@@ -121,7 +125,8 @@ def convert(src: PathLike, dst: PathLike, iteration: Optional[int] = None, worke
 def convert_distributed(src: PathLike, dst: PathLike, iteration: Optional[int] = None,
                         average_replicas: bool = False, progress: bool = True,
                         overwrite: bool = False, clean_stale: bool = False,
-                        allow_non_finite: bool = False, reset_lost_optimizer_state: bool = False) -> ConversionSummary:
+                        allow_non_finite: bool = False, reset_lost_optimizer_state: bool = False,
+            weights_only: bool = False) -> ConversionSummary:
     """to_universal across the processes of a torchrun job (e.g. one per node on a shared filesystem), as
     io/sharded_job.py runs it.
 
@@ -141,7 +146,8 @@ def convert_distributed(src: PathLike, dst: PathLike, iteration: Optional[int] =
         return writer[0].staging_dir
 
     def open_and_plan(staging_dir: Path):
-        ckpt = open_checkpoint(src, iteration, reset_lost_optimizer_state=reset_lost_optimizer_state)
+        ckpt = open_checkpoint(src, iteration, reset_lost_optimizer_state=reset_lost_optimizer_state,
+                               weights_only=weights_only)
         _check_not_nested(Path(src), Path(ckpt.path), Path(dst))
         return ckpt, conversion_tasks(ckpt), staging_dir
 
@@ -202,18 +208,21 @@ class SourceIndex:
 
 
 def source_index(src: PathLike, iteration: Optional[int] = None, workers: Optional[int] = None, *,
-                 reset_lost_optimizer_state: bool = False) -> SourceIndex:
+                 reset_lost_optimizer_state: bool = False, weights_only: bool = False) -> SourceIndex:
     """Index the Megatron-LM checkpoint at `src` (a root or an iteration folder) as to_universal(lazy=True)
     does, with the same checks before any tensor is read (every parameter present once on every TP rank with
     its local shape, the optimizer's byte layout as each reader knows it, file sizes against what the
     checkpoint's own metadata records) and the same byte comparisons (TP replicas and a tied output-layer
     copy equal), but no checksums and no output: nothing is written, the source is only read."""
     start = time.perf_counter()
-    ckpt = open_checkpoint(src, iteration, reset_lost_optimizer_state=reset_lost_optimizer_state)
+    ckpt = open_checkpoint(src, iteration, reset_lost_optimizer_state=reset_lost_optimizer_state,
+                               weights_only=weights_only)
     tasks = conversion_tasks(ckpt)
     metadata = build_metadata(ckpt, average_replicas=False)
     metadata["conversion"] = {"tool": "megatron-ucp --universal-checkpoint (direct resume)", "lazy": True,
                               "average_replicas": False}
+    if ckpt.skipped_optimizer:
+        metadata["conversion"]["optimizer_left_out"] = ckpt.skipped_optimizer
     workers = 1 if not ckpt.thread_safe_reads else max(1, min(int(workers or default_workers()), len(tasks)))
     entries: dict = {}
     _convert_all(ckpt, tasks, None, workers, False, entries.__setitem__, lazy=True)
@@ -265,7 +274,7 @@ def _convert_in_threads(ckpt: CheckpointReader, tasks: list[ParamTask], staging_
 def to_universal(src: PathLike, dst: PathLike, iteration: Optional[int] = None, workers: Optional[int] = None,
                  average_replicas: bool = False, progress: bool = True, overwrite: bool = False,
                  lazy: bool = False, clean_stale: bool = False, allow_non_finite: bool = False,
-                 reset_lost_optimizer_state: bool = False) -> Path:
+                 reset_lost_optimizer_state: bool = False, weights_only: bool = False) -> Path:
     """Convert the Megatron-LM checkpoint at `src` (a checkpoint root or one iter_XXXXXXX folder, legacy
     `torch` or `torch_dist`) into a universal checkpoint at `dst` and return `dst`.
 
@@ -286,7 +295,11 @@ def to_universal(src: PathLike, dst: PathLike, iteration: Optional[int] = None, 
     A source whose release saved the optimizer state wrongly in a way the bytes undo (megatron-core 0.15-0.19's
     multi-bucket fully_reshardable) is repaired, said in source.notices; where elements were saved nowhere the
     conversion is refused, unless `reset_lost_optimizer_state` (just those restart: Adam moments at zero).
+
+    weights_only: the source's optimizer state is not read (the weights as the model holds them, the schedule, the
+    RNG state): the way to another layout for an optimizer whose state megatron-ucp does not map (Lion, Muon).
     """
     return convert(src, dst, iteration=iteration, workers=workers, average_replicas=average_replicas,
                    progress=progress, overwrite=overwrite, lazy=lazy, clean_stale=clean_stale,
-                   allow_non_finite=allow_non_finite, reset_lost_optimizer_state=reset_lost_optimizer_state).path
+                   allow_non_finite=allow_non_finite, reset_lost_optimizer_state=reset_lost_optimizer_state,
+                   weights_only=weights_only).path

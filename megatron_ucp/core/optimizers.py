@@ -71,13 +71,14 @@ def refusal(name: Optional[str]) -> Optional[str]:
         return (f"optimizer {name!r} is not one megatron-ucp knows ({', '.join(OPTIMIZERS)} are supported, "
                 f"{', '.join(NOT_SUPPORTED)} not yet)")
     return (f"--optimizer {name}: {what} is not supported yet; megatron-ucp converts and loads the state of "
-            f"{', '.join(OPTIMIZERS)} only (load its weights alone with --no-load-optim)")
+            f"{', '.join(OPTIMIZERS)} only (move its weights alone: to-universal --weights-only, or "
+            f"--universal-checkpoint with --no-load-optim)")
 
 
 LAYER_WISE_REFUSAL = ("the layer-wise distributed optimizer's state (megatron-core 0.19 runs --optimizer lion / muon "
                       "with --use-distributed-optimizer as LayerWiseDistributedOptimizer: whole parameters per DP "
-                      "rank) is not supported yet; train without --use-distributed-optimizer, or load the weights "
-                      "alone with --no-load-optim")
+                      "rank) is not supported yet; train without --use-distributed-optimizer, or move the weights "
+                      "alone: to-universal --weights-only, or --universal-checkpoint with --no-load-optim")
 
 
 def optimizer_states(name: str) -> OptimizerStates:

@@ -76,16 +76,17 @@ def megatron_kind(path: Path) -> Optional[str]:
 
 
 def open_checkpoint(path: Union[str, Path], iteration: Optional[int] = None, *,
-                    reset_lost_optimizer_state: bool = False) -> CheckpointReader:
+                    reset_lost_optimizer_state: bool = False, weights_only: bool = False) -> CheckpointReader:
     """Open a Megatron-LM checkpoint root (reads the tracker) or one iter_XXXXXXX folder; never a staging
     directory of an unfinished write, nor a universal checkpoint (said as such). reset_lost_optimizer_state:
-    the reader resets optimizer state its writer saved nowhere instead of refusing it (CheckpointReader)."""
+    the reader resets optimizer state its writer saved nowhere instead of refusing it; weights_only: the
+    optimizer's state is left unread (CheckpointReader)."""
     from megatron_ucp.io.staging import check_not_staging
 
     check_not_staging(path, error=CheckpointFormatError)
     _refuse_universal(Path(path))
     iter_dir, iteration = resolve_iteration_dir(path, iteration)
-    reader = detect_format(iter_dir).reader()(iter_dir, iteration)
+    reader = detect_format(iter_dir).reader()(iter_dir, iteration, weights_only=weights_only)
     reader.reset_lost_optimizer_state = bool(reset_lost_optimizer_state)
     return reader
 

@@ -80,6 +80,12 @@ class CheckpointReader(abc.ABC):
     # set by open_checkpoint: optimizer state the checkpoint's writer saved nowhere is reset (Adam moments to zero,
     # an fp32 main weight to the model weight) instead of refused (read_problem)
     reset_lost_optimizer_state: bool = False
+    # set at construction (open_checkpoint(weights_only=True)): the optimizer's state is not read, not even looked
+    # at, so the weights, the schedule and the RNG state of a checkpoint whose optimizer megatron-ucp does not map
+    # (core/optimizers.py: Lion, Muon, layer-wise) can move to another layout; optimizer_kind is then "none"
+    weights_only: bool = False
+    # the optimizer whose state a weights_only reader left unread (args.optimizer), None otherwise
+    skipped_optimizer: Optional[str] = None
 
     @property
     def optimizer_name(self) -> Optional[str]:

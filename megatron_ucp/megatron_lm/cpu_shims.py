@@ -11,7 +11,8 @@ the rotary embedding's CP slice without CUDA, and a fused-kernel warm-up whose C
 CP (tests/test_mla_mtp.py, tests/test_context_parallel.py: a CP2 run trains as the CP1 run).
 
 Two kinds:
-- before `import megatron` (`install_import_patches`): Python 3.11, triton absent;
+- before `import megatron` (`install_import_patches`): Python 3.11, triton absent (megatron-core's paged stash,
+  emerging-optimizers' kernels);
 - after (`install`): CUDA absent, and megatron-core's torch-Adam distributed-optimizer resume bugs.
 The CUDA patches are installed only when CUDA is absent; the torch-Adam ones act only on torch Adam's
 per-parameter `step` (no TransformerEngine/Apex), and are inert otherwise. Other megatron-core versions are refused
@@ -88,6 +89,28 @@ def _stub_triton_only_modules() -> None:
     stub.paged_stash_copy_kernel = Kernel()
     stub.paged_stash_pop_kernel = Kernel()
     stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+    sys.modules[name] = stub
+    _stub_emerging_optimizers_triton_kernels()
+
+
+def _stub_emerging_optimizers_triton_kernels() -> None:
+    # emerging-optimizers 0.3.0 (megatron-core 0.19's Lion, Muon, SOAP) imports its triton kernels at module
+    # level (orthogonalized_optimizers/muon_utils.py -> triton_kernels/syrk.py -> `import triton`); megatron-core
+    # catches the ImportError and refuses `--optimizer lion/muon` ("emerging-optimizers package is required").
+    # The kernels serve only use_syrk (bf16 Newton-Schulz on SM 8.0-10.3 GPUs). The stand-in answers
+    # HAS_TRITON_340 = False, which emerging-optimizers itself answers with use_syrk = False; its kernels refuse
+    # to launch. Installed only when triton is absent and emerging-optimizers is present; numerics untouched.
+    name = "emerging_optimizers.triton_kernels"
+    if importlib.util.find_spec("triton") is not None or importlib.util.find_spec("emerging_optimizers") is None:
+        return
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("emerging-optimizers' triton kernels (use_syrk) need triton, a GPU package")
+
+    stub = types.ModuleType(name)
+    stub.HAS_TRITON_340 = False
+    stub.tsyrk_ex = stub.tsyrk_ex_small_matrix = refuse
+    stub.__all__ = ["tsyrk_ex", "tsyrk_ex_small_matrix", "HAS_TRITON_340"]
     sys.modules[name] = stub
 
 

@@ -125,7 +125,8 @@ def _at_argument_time(args, of_universal, of_source):
     if not is_direct(args):
         return of_universal(UniversalCheckpoint.open(args.load))
     try:
-        return of_source(open_checkpoint(args.load, getattr(args, "ckpt_step", None) or None))
+        return of_source(open_checkpoint(args.load, getattr(args, "ckpt_step", None) or None,
+                                         weights_only=not loads_optimizer_state(args)))
     except UniversalFormatError:
         raise
     except _SOURCE_ERRORS as e:
@@ -218,16 +219,18 @@ def _indexed(args) -> bytes:
 
 def _index_key(args) -> tuple:
     """(--load, the iteration Megatron-LM's --ckpt-step asks for or None: the tracker's, whether optimizer state the
-    source's release saved nowhere is reset)."""
+    source's release saved nowhere is reset, whether the optimizer's state is left unread: --no-load-optim /
+    --finetune, which is also how the weights of a Lion or Muon run move to another layout)."""
     return (str(args.load), getattr(args, "ckpt_step", None) or None,
-            bool(getattr(args, "universal_reset_lost_optimizer_state", False)))
+            bool(getattr(args, "universal_reset_lost_optimizer_state", False)), not loads_optimizer_state(args))
 
 
-def _index_payload(load, step, reset_lost_optimizer_state=False) -> bytes:
+def _index_payload(load, step, reset_lost_optimizer_state=False, weights_only=False) -> bytes:
     from megatron_ucp.convert import source_index
 
     try:
-        index = source_index(load, step, reset_lost_optimizer_state=reset_lost_optimizer_state)
+        index = source_index(load, step, reset_lost_optimizer_state=reset_lost_optimizer_state,
+                             weights_only=weights_only)
     except _SOURCE_ERRORS as e:
         raise _source_error(e) from None
     return json.dumps({"document": index.document, "seconds": index.seconds, "workers": index.workers,

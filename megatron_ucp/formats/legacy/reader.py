@@ -130,9 +130,10 @@ class LegacyCheckpoint(CheckpointReader):
     # everything is parsed at open and only read afterwards; read() returns new tensors
     thread_safe_reads = True
 
-    def __init__(self, iter_dir: Path, iteration: int):
+    def __init__(self, iter_dir: Path, iteration: int, *, weights_only: bool = False):
         self.path = Path(iter_dir)
         self.iteration = iteration
+        self.weights_only = bool(weights_only)
         self._parsed: dict[Path, dict] = {}
         first = self._first_dir() / MODEL_FILENAME
         state = self._parse(first, what="the first rank's model/optimizer file",
@@ -154,6 +155,10 @@ class LegacyCheckpoint(CheckpointReader):
         self._scheduler = state.get("opt_param_scheduler")
         self._num_flops = state.get("num_floating_point_operations_so_far")
         opt = state.get("optimizer")
+        if self.weights_only and opt is not None:
+            self.skipped_optimizer, opt = str(self.args.get("optimizer", "adam")), None
+        if opt is not None:  # an optimizer whose state is not mapped is refused by name before its structure is read
+            optimizer_row(self.args, first, distributed=bool(self.args.get("use_distributed_optimizer")))
         if self._chained and opt is not None:
             if not (isinstance(opt, list) and len(opt) == 2):
                 raise CheckpointFormatError(
@@ -534,6 +539,8 @@ class LegacyCheckpoint(CheckpointReader):
         """model_optim_rng.pt['optimizer']['grad_scaler'] (the same in every rank's file: checked)."""
         from megatron_ucp.core.run_state import LossScalerState, RunStateError
 
+        if self.weights_only:
+            return None  # part of the optimizer's state
         found = {}
         for (t, p, e), meta in sorted(self._ranks.items()):
             opt = meta.state.get("optimizer")

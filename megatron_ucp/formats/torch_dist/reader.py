@@ -194,9 +194,10 @@ class TorchDistCheckpoint(CheckpointReader):
     # everything is parsed at open; reads only fill caches of verified item records: threads may share one
     thread_safe_reads = True
 
-    def __init__(self, iter_dir: Path, iteration: int):
+    def __init__(self, iter_dir: Path, iteration: int, *, weights_only: bool = False):
         self.path = Path(iter_dir)
         self.iteration = iteration
+        self.weights_only = bool(weights_only)
         self._check_backend()
         self._metadata = self._open_dcp()
         self._keys = self._metadata.state_dict_metadata
@@ -323,6 +324,9 @@ class TorchDistCheckpoint(CheckpointReader):
         opt_keys = [k for k in self._keys if k.startswith(names.OPTIMIZER_PREFIXES)]
         opt_common = self._common.get("optimizer")
         if not opt_keys and opt_common is None:
+            return "none"
+        if self.weights_only:
+            self.skipped_optimizer = str(self.args.get("optimizer", "adam"))
             return "none"
         content = self._common.get("content_metadata") or {}
         if not isinstance(content, dict):
@@ -1098,6 +1102,8 @@ class TorchDistCheckpoint(CheckpointReader):
         model-parallel rank m (all equal: checked); otherwise common.pt['optimizer']['grad_scaler']."""
         from megatron_ucp.core.run_state import LossScalerState, RunStateError
 
+        if self.weights_only:
+            return None  # part of the optimizer's state
         found = {}
         try:
             for key, md in self._keys.items():
