@@ -1,8 +1,10 @@
 """The optimizer's state by name (core/optimizers.py, docs/FORMAT.md "Optimizer state by name"), without training:
 a synthetic SGD universal checkpoint round-trips (version 4, its states declared, Adam checkpoints unchanged), state
-names from a checkpoint are checked before they name anything, and every optimizer megatron-ucp does not map (Muon,
-dist_muon, SOAP, adaptive Muon, the layer-wise distributed optimizer, SGD under the distributed optimizer) is refused
-in one line naming it, at conversion time (the readers' optimizer_row) and at argument time (the loader).
+names from a checkpoint are checked before they name anything, Lion's and Muon's parameters take the rows megatron-core
+0.19 gives them (the emerging optimizer on the matrices, its scalar optimizer on the rest), and every optimizer
+megatron-ucp does not map (dist_muon, SOAP, adaptive Muon, the layer-wise distributed optimizer, SGD under the
+distributed optimizer, a scalar optimizer megatron-core does not build) is refused in one line naming it, at conversion
+time (the readers' optimizer_row) and at argument time (the loader).
 """
 
 import hashlib
@@ -90,7 +92,7 @@ def test_state_names_are_checked_before_they_name_a_key(tmp_path):
 
 
 @pytest.mark.parametrize("name, words", [
-    ("lion", "two optimizers' state"), ("muon", "Muon"), ("dist_muon", "dist_muon"), ("soap", "SOAP"), ("adaptive_muon", "adaptive Muon"),
+    ("dist_muon", "dist_muon"), ("soap", "SOAP"), ("adaptive_muon", "adaptive Muon"),
     ("shampoo", "is not one megatron-ucp knows")])
 def test_unmapped_optimizers_are_refused_at_conversion_time(name, words):
     with pytest.raises(CheckpointFormatError) as e:
@@ -99,6 +101,27 @@ def test_unmapped_optimizers_are_refused_at_conversion_time(name, words):
     assert "\n" not in line and f"args.optimizer={name!r}" in line and words in line
     if name != "shampoo":
         assert "is not supported yet" in line and "--no-load-optim" in line
+
+
+def test_lion_and_muon_give_each_parameter_megatron_cores_row():
+    """megatron-core 0.19's split (_is_nonlinear_or_embedding): 2-D weights but the embedding and the output layer
+    take the emerging optimizer, the rest its scalar optimizer (Lion: Adam; Muon: --muon-scalar-optimizer)."""
+    from megatron_ucp.adapters.gpt import parameter_optimizer
+
+    qkv, norm = "decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.input_layernorm.weight"
+    for run, scalar in (("lion", "adam"), ("muon", "adam")):
+        args = {"optimizer": run}
+        assert parameter_optimizer(qkv, (64, 32), args) == run
+        assert parameter_optimizer(norm, (32,), args) == scalar
+        assert parameter_optimizer("embedding.word_embeddings.weight", (256, 32), args) == scalar
+        assert parameter_optimizer("output_layer.weight", (256, 32), args) == scalar
+        assert optimizers.run_optimizers(run, args) == (run, scalar)
+    assert parameter_optimizer(norm, (32,), {"optimizer": "muon", "muon_scalar_optimizer": "lion"}) == "lion"
+    assert optimizers.run_states("muon", {"muon_scalar_optimizer": "lion"}) == ("exp_avg", "momentum_buffer")
+    assert optimizers.run_states("lion", {}) == ("exp_avg", "exp_avg_sq")
+    assert parameter_optimizer(qkv, (64, 32), {"optimizer": "adam"}) == "adam"
+    with pytest.raises(CheckpointFormatError, match="--muon-scalar-optimizer 'sgd': megatron-core 0.19 builds adam"):
+        optimizer_row({"optimizer": "muon", "muon_scalar_optimizer": "sgd"}, "x", distributed=False)
 
 
 def test_layer_wise_and_distributed_sgd_are_refused_and_the_rows_are_read():
@@ -122,9 +145,13 @@ def test_the_loader_refuses_at_argument_time():
     check_run_optimizer(args(optimizer="sgd"))
     with pytest.raises(UniversalLoadError, match="--optimizer sgd with --use-distributed-optimizer: megatron-core"):
         check_run_optimizer(args(optimizer="sgd", use_distributed_optimizer=True))
-    for name in ("lion", "muon", "soap", "adaptive_muon"):
+    for name in ("dist_muon", "soap", "adaptive_muon"):
         with pytest.raises(UniversalLoadError, match=f"--optimizer {name}: .* is not supported yet"):
             check_run_optimizer(args(optimizer=name))
         check_run_optimizer(args(optimizer=name, no_load_optim=True))  # weights only: nothing to map
+    for name in ("lion", "muon"):
+        check_run_optimizer(args(optimizer=name))
+        with pytest.raises(UniversalLoadError, match="layer-wise distributed optimizer"):
+            check_run_optimizer(args(optimizer=name, use_layer_wise_distributed_optimizer=True))
     with pytest.raises(UniversalLoadError, match="layer-wise distributed optimizer"):
         check_run_optimizer(args(optimizer="sgd", use_layer_wise_distributed_optimizer=True))

@@ -42,6 +42,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from megatron_ucp.core import optimizers
 from megatron_ucp.core.placement import PipelineSplit, PlacementError, chunk_placement
 from megatron_ucp.core.placement import layer_location as split_layer_location
 from megatron_ucp.core.placement import validate as validate_split
@@ -981,13 +982,29 @@ def padded_vocab_at(config: GPTModelConfig, tp: int) -> int:
 # overrides of get_standard_config_overrides, as megatron/training/training.py uses them)
 
 
+def emerging_matrix(local: str, shape: Sequence[int]) -> bool:
+    """Whether an emerging optimizer (Lion, Muon) steps this parameter itself: megatron-core 0.19 gives its scalar
+    optimizer every parameter that is not 2-D and the embedding and output weights (is_embedding_or_output_parameter:
+    language_module.py; `_is_nonlinear_or_embedding` in optimizer/emerging_optimizers.py)."""
+    return len(shape) == 2 and not rule_for(local).decoupled_lr
+
+
+def parameter_optimizer(local: str, shape: Sequence[int], args: Mapping[str, Any]) -> str:
+    """The core/optimizers.py row megatron-core 0.19 gives one parameter of a run with these args."""
+    return optimizers.parameter_optimizer(args.get("optimizer") or "adam", args, matrix=emerging_matrix(local, shape))
+
+
 def group_override(local: str, shape: Sequence[int], args: Mapping[str, Any], *, first_chunk: bool,
                    last_chunk: bool) -> Optional[tuple]:
     """The merged override Megatron's grouping keys a parameter by (None: no override): no weight decay
     for biases and 1-D parameters (except q/k layernorms with --apply-wd-to-qk-layernorm), the decoupled
-    LR for the embedding (first chunk) and the output weight (last chunk)."""
+    LR for the embedding (first chunk) and the output weight (last chunk), and under an emerging optimizer the
+    scalar optimizer of its non-matrix parameters ('optimizer': megatron-core 0.19's default override)."""
     rule = rule_for(local)
     override: dict = {}
+    run = args.get("optimizer") or "adam"
+    if optimizers.scalar_optimizer(run, args) is not None and not emerging_matrix(local, shape):
+        override["optimizer"] = optimizers.scalar_optimizer(run, args)
     if args.get("apply_wd_to_qk_layernorm"):
         no_wd = (len(shape) == 1 or local.endswith(".bias")) and not (
             "q_layernorm." in local or "k_layernorm." in local)
@@ -1006,7 +1023,12 @@ def group_override(local: str, shape: Sequence[int], args: Mapping[str, Any], *,
 
 
 def _group_order(keys) -> list:
-    return sorted(keys, key=lambda k: (k is not None, k or ()))
+    """megatron-core's order of param groups: sorted, no override first; under an emerging optimizer its
+    ChainedOptimizer lists each optimizer's groups together, optimizers in the order their first group comes."""
+    ordered = sorted(keys, key=lambda k: (k is not None, k or ()))
+    kinds = [dict(k or ()).get("optimizer") for k in ordered]
+    first = {kind: kinds.index(kind) for kind in kinds}
+    return sorted(ordered, key=lambda k: first[dict(k or ()).get("optimizer")])
 
 
 def experts_in_own_optimizer(config: GPTModelConfig, layout: ParallelLayout) -> bool:
@@ -1055,7 +1077,7 @@ def megatron_param_groups(rank_chunks: Mapping[tuple, Sequence[Sequence[Any]]], 
 def group_identity(override: Optional[tuple], *, expert: bool = False) -> dict:
     """What identifies a group in the universal metadata (megatron-core's ParamKey fields) for an override."""
     rule = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": expert, "is_decoupled_lr": False}
-    rule.update({k: v for k, v in (override or ()) if k in rule})
+    rule.update({k: v for k, v in (override or ()) if k in rule or k == "optimizer"})
     if override and any(k in ("max_lr", "min_lr") for k, _ in override):
         rule["is_decoupled_lr"] = True
     return rule

@@ -182,7 +182,7 @@ def plan_target(ucp: UniversalCheckpoint, layout: ParallelLayout, *, vpp_layers:
         if why:
             raise FromUniversalError(f"{where}: --rng-state source: {why}; the stored RNG states mean nothing "
                                      f"elsewhere, use --rng-state cuda or cpu (fresh deterministic states)")
-    if ckpt_format == "torch_dist" and ucp.has_optimizer_state and ucp.optimizer_type != "adam":
+    if ckpt_format == "torch_dist" and ucp.has_optimizer_state and ucp.optimizer_type == "sgd":
         warnings.append(f"megatron-core 0.19's own --load cannot resume a torch_dist checkpoint of {ucp.optimizer_type} "
                         f"(FP32Optimizer / Float16Optimizer.sharded_state_dict call its init_state_fn, None for "
                         f"{ucp.optimizer_type}: "

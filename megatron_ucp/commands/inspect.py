@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections import Counter
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,19 +89,21 @@ def parameter_rows(ckpt) -> list[ParameterRow]:
         expected = expected_parameters(config, layout)
     except (LayoutError, NotImplementedError, ValueError) as e:
         raise CheckpointFormatError(f"{ckpt.path}: {e}") from e
-    dtypes = {}
+    dtypes, tensors = {}, {}
     for ref in ckpt.shards():  # shard metadata only (names, shapes, dtypes)
         name = canonical_name(ref.local_name, layout, ref.pp_rank, ref.vpp_chunk, config.num_layers,
                               tied=config.tied, config=config, ep_rank=ref.ep_rank)
         if name is not None:
             dtypes.setdefault(name, dtype_name(ref.dtype))
+            # the optimizer's states by name (core/optimizers.py), the row of the optimizer stepping it
+            tensors.setdefault(name, ("fp32",) if ckpt.optimizer_kind == "none" else (
+                "fp32", *ckpt.parameter_row(ref.local_name, ref.shape).states))
     missing = [n for n, _ in expected if n not in dtypes]
     if missing:
         raise CheckpointFormatError(f"{ckpt.path}: missing parameters {missing[:5]}; the checkpoint is incomplete "
                                     f"or does not match its args")
-    tensors = ("fp32", *ckpt.state_keys)  # the optimizer's states by name (core/optimizers.py)
     return [ParameterRow(n, tuple(s), dtypes[n], pattern_for(n, config).to_json(),
-                         ("fp32",) if is_buffer(n) else tensors) for n, s in expected]
+                         ("fp32",) if is_buffer(n) else tensors[n]) for n, s in expected]
 
 
 def moe_summary(config, layout: Optional[dict] = None) -> Optional[dict]:
@@ -162,7 +165,10 @@ def describe(ckpt) -> dict:
         "moe": moe_summary(ckpt.config, layout),
         "optimizer_kind": optimizer_kind,
         "has_optimizer_state": bool(rows) and all(len(r.tensors) > 1 for r in rows if r.kind != "buffer"),
-        "optimizer_states": next((list(r.tensors[1:]) for r in rows if len(r.tensors) > 1), []),
+        # each set of states parameters hold (one; an emerging optimizer's and its scalar optimizer's: two), with
+        # how many parameters hold it
+        "optimizer_states": [{"states": list(states), "parameters": count} for states, count in Counter(
+            r.tensors[1:] for r in rows if len(r.tensors) > 1).items()],
         "num_parameters": len(rows),
         "num_elements": numel,
         "model_bytes": sum(r.numel * ITEMSIZE.get(r.dtype, 4) for r in rows),
@@ -218,7 +224,8 @@ def format_report(info: dict) -> str:
            if c.get("mtp_num_layers") else ""),
         f"  optimizer     {info.get('optimizer_type') or 'none'}"
         + (f" ({_KIND_WORDS.get(info['optimizer_kind'], info['optimizer_kind'])})" if info.get("optimizer_type") else "")
-        + (f": {', '.join(info['optimizer_states'])} per parameter" if info["has_optimizer_state"]
+        + (": " + "; ".join(f"{', '.join(o['states'])} on {o['parameters']} parameter{'s' * (o['parameters'] > 1)}"
+                            for o in info["optimizer_states"]) if info["has_optimizer_state"]
            else " (no optimizer state)"),
     ]
     moe = info.get("moe")

@@ -46,8 +46,10 @@ class ConsolidatedSource:
             self._tasks = {t.name: t for t in conversion_tasks(ckpt)}  # checks completeness, reads no tensor
             self.shapes = {n: t.shape for n, t in self._tasks.items()}
             self.patterns = {n: t.pattern for n, t in self._tasks.items()}
-            keys = ("fp32", *ckpt.state_keys)
-            self.keys = {n: ("fp32",) if t.buffer else keys for n, t in self._tasks.items()}
+            # each parameter's own optimizer's states (an emerging optimizer's or its scalar optimizer's)
+            self.keys = {n: ("fp32",) if t.buffer or ckpt.optimizer_kind == "none" else (
+                "fp32", *ckpt.parameter_row(t.places[0][0].local_name, t.places[0][0].shape).states)
+                for n, t in self._tasks.items()}
         self._files: Optional[FileHandles] = None
         self._current = None  # the parameter open_parameter prepared: ("placed", placements) or ("tensors", ...)
 
@@ -209,14 +211,16 @@ def verify(path_a, path_b, *, atol: float = 0.0, rtol: float = 0.0, iteration_a:
     if atol < 0 or rtol < 0:
         raise ValueError(f"--atol {atol} / --rtol {rtol}: tolerances must be >= 0")
     a, b = ConsolidatedSource(open_any(path_a, iteration_a)), ConsolidatedSource(open_any(path_b, iteration_b))
-    from megatron_ucp.core.optimizers import OPTIMIZERS
+    from megatron_ucp.core.optimizers import OPTIMIZERS, run_optimizers, run_states
 
-    # the optimizer states by name when both hold the same optimizer's (core/optimizers.py), else the weights
+    # the optimizer states by name when both hold the same optimizer's (core/optimizers.py: every row the run gives
+    # parameters), else the weights
     same = a.optimizer is not None and a.optimizer == b.optimizer
-    row = OPTIMIZERS[a.optimizer] if same else None
-    keys = ("fp32", *row.states) if row else ("fp32",)
+    opt_rows = [OPTIMIZERS[r] for r in run_optimizers(a.optimizer, a.ckpt.args)] if same else []
+    keys = ("fp32", *run_states(a.optimizer, a.ckpt.args)) if same else ("fp32",)
+    stepped = any(r.step for r in opt_rows)
     result = VerifyResult(a.describe(), b.describe(), atol, rtol,
-                          compared_keys=keys + (("step",) if row and row.step else ()))
+                          compared_keys=keys + (("step",) if stepped else ()))
     ca, cb = a.config.to_dict(), b.config.to_dict()
     padding_only = ("padded_vocab_size", "make_vocab_size_divisible_by")
     result.config_differences = [f"{k}: {ca[k]!r} vs {cb[k]!r}" for k in ca
@@ -250,10 +254,13 @@ def verify(path_a, path_b, *, atol: float = 0.0, rtol: float = 0.0, iteration_a:
                 result.vocab_padding = {"a_rows": shape_a[0], "b_rows": shape_b[0], "compared_rows": rows,
                                         "true_vocab_size": a.config.vocab_size}
             name_keys = tuple(k for k in keys if k in a.keys[name] and k in b.keys[name])  # buffers: fp32 only
+            if same and set(a.keys[name]) != set(b.keys[name]):
+                result.diffs.append(TensorDiff(name, "state", False, math.inf, math.inf,
+                                               note=f"{list(a.keys[name])} vs {list(b.keys[name])}"))
             step_a, step_b = a.open_parameter(name), b.open_parameter(name)
             for key in name_keys:
                 result.diffs.append(_compare_rows(a, b, name, key, shape_a, rows, atol, rtol))
-            if row and row.step and len(name_keys) > 1:
+            if stepped and len(name_keys) > 1 and (step_a is not None or step_b is not None):
                 result.diffs.append(_compare_steps(name, step_a, step_b))
             bar.update(cost(name))
     finally:

@@ -88,7 +88,7 @@ def build_metadata(ckpt: CheckpointReader, *, average_replicas: bool) -> dict:
         "model_config": ckpt.config.to_dict(),
         "args": args,
         "args_dropped": dropped,
-        "optimizer": optimizer_section(ckpt.optimizer_name, param_groups),
+        "optimizer": optimizer_section(ckpt.optimizer_name, param_groups, ckpt.args),
         "scheduler": scheduler,
         "loss_scaler": _loss_scaler(ckpt),
         "conversion": {"tool": "megatron-ucp to-universal", "average_replicas": bool(average_replicas)},

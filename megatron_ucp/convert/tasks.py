@@ -24,7 +24,7 @@ from megatron_ucp.core.layout import LayoutError
 from megatron_ucp.core.patterns import Pattern
 
 # Keys that decide which Megatron param group a parameter belongs to (megatron-core's ParamKey fields).
-GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "optimizer")
 
 
 class ConversionError(ValueError):
@@ -94,12 +94,14 @@ def _param_groups(ckpt: CheckpointReader, refs: list[ShardRef], saved: Optional[
                 continue
             group = saved[offset + index]
             if float(group.get("wd_mult", 1.0)) != float(rule["wd_mult"]) or bool(
-                    group.get("is_expert_parallel", False)) != experts:
+                    group.get("is_expert_parallel", False)) != experts or group.get("optimizer") != rule.get(
+                    "optimizer"):
                 raise ConversionError(
                     f"{ckpt.path}: optimizer param group {offset + index} has wd_mult={group.get('wd_mult')}, "
-                    f"is_expert_parallel={group.get('is_expert_parallel')} but Megatron's grouping rule puts "
-                    f"parameters with wd_mult={rule['wd_mult']}, is_expert_parallel={experts} there; the checkpoint "
-                    f"was written with custom param-group overrides, which are not supported")
+                    f"is_expert_parallel={group.get('is_expert_parallel')}, optimizer={group.get('optimizer')} but "
+                    f"Megatron's grouping rule puts parameters with wd_mult={rule['wd_mult']}, is_expert_parallel="
+                    f"{experts}, optimizer={rule.get('optimizer')} there; the checkpoint was written with custom "
+                    f"param-group overrides, which are not supported")
             entries[offset + index] = {"index": offset + index,
                                        **{k: group[k] for k in GROUP_IDENTITY if k in group}}
         offset += len(overrides)

@@ -1,11 +1,17 @@
 """Which optimizer keeps which per-parameter state: the one table every reader, writer, the universal format and
 the loader take an optimizer's state names from (docs/FORMAT.md "Optimizer state by name").
 
-A row is an optimizer as megatron-core 0.19 builds it for Megatron-LM's `--optimizer`: the torch state names of its
+A row is a torch optimizer as megatron-core 0.19 builds it for a parameter: the torch state names of its
 per-parameter tensors (every one elementwise: shaped and sharded exactly as its parameter, so it takes the
 parameter's pattern), whether torch keeps a per-parameter scalar `step`, and which of its tensors training never
 makes negative (checked on load: a flipped sign bit). The names are data read from checkpoints too: `check_state_name`
 is the one test a name passes before it names anything (a safetensors key, a JSON key).
+
+A run's `--optimizer` is one row (adam, sgd) or an *emerging* one (lion, muon): megatron-core 0.19 gives that
+optimizer the matrix parameters and a scalar optimizer the rest (the embedding, the output layer, every parameter
+that is not 2-D: Adam for Lion, --muon-scalar-optimizer for Muon), a ChainedOptimizer of two rows; each parameter
+group records which (`group_optimizer`), and `run_optimizers` lists a run's rows in megatron-core's chain order.
+Which parameter is a matrix is the rulebook's (adapters/gpt.py `emerging_matrix`).
 
 Pure: no I/O, no torch.
 """
@@ -26,6 +32,9 @@ class OptimizerStates:
     step: bool  # torch keeps a per-parameter scalar 'step'
     nonnegative: tuple[str, ...] = ()  # states training never makes negative
     torch_class: str = ""  # the torch optimizer megatron-core 0.19 builds (for messages and docs)
+    # an emerging optimizer (megatron-core's emerging-optimizer path): the args key naming the optimizer of its
+    # non-matrix parameters, or that optimizer itself (Lion: "adam"); None for adam and sgd
+    scalar: Optional[str] = None
 
 
 OPTIMIZERS: dict[str, OptimizerStates] = {
@@ -34,18 +43,21 @@ OPTIMIZERS: dict[str, OptimizerStates] = {
     # torch.optim.SGD keeps 'momentum_buffer' only with --sgd-momentum != 0 (megatron-core's default is 0.9)
     "sgd": OptimizerStates("sgd", ("momentum_buffer",), step=False,
                            torch_class="torch.optim.SGD (TE / Apex FusedSGD on GPUs)"),
+    # emerging_optimizers 0.3.0's Lion keeps one moment and no step; megatron-core gives the rest Adam
+    "lion": OptimizerStates("lion", ("exp_avg",), step=False, scalar="adam",
+                            torch_class="emerging_optimizers' Lion"),
+    # emerging_optimizers 0.3.0's orthogonalized optimizer keeps the momentum only (no step); the rest take
+    # --muon-scalar-optimizer (adam or lion)
+    "muon": OptimizerStates("muon", ("momentum_buffer",), step=False, scalar="muon_scalar_optimizer",
+                            torch_class="megatron-core's TensorParallelMuon (emerging_optimizers' Muon)"),
 }
+
+# the optimizers an emerging optimizer's non-matrix parameters may take (megatron-core 0.19: --muon-scalar-optimizer)
+SCALAR_OPTIMIZERS = ("adam", "lion")
 
 # Megatron-LM 0.19's other --optimizer choices: refused in one line by every path until their state is mapped
 NOT_SUPPORTED = {
-    # megatron-core 0.19 builds every optimizer but adam and sgd through its emerging-optimizer path, whose default
-    # overrides give the embeddings, output layer and every non-2-D parameter Adam (or Muon's scalar optimizer):
-    # one checkpoint holds two optimizers' states, per parameter group, which the format does not map yet
-    "lion": "Lion (emerging_optimizers' Lion on the 2-D weights, 'exp_avg'; megatron-core 0.19 gives the other "
-            "parameters Adam: two optimizers' state in one checkpoint)",
-    "muon": "Muon (emerging_optimizers' orthogonalized optimizer: 'momentum_buffer' on matrix parameters, its "
-            "non-matrix parameters under --muon-scalar-optimizer's state)",
-    "dist_muon": "dist_muon (Muon under the layer-wise distributed optimizer)",
+    "dist_muon": "dist_muon (Muon under the layer-wise distributed optimizer: whole parameters per DP rank)",
     "soap": "SOAP (emerging_optimizers' Kronecker-factored preconditioner state, not elementwise)",
     "adaptive_muon": "adaptive Muon (emerging_optimizers' AdaptiveMuon: momentum_buffer and a moment2_buffer of its "
                      "own shape)",
@@ -77,8 +89,9 @@ def refusal(name: Optional[str]) -> Optional[str]:
 
 LAYER_WISE_REFUSAL = ("the layer-wise distributed optimizer's state (megatron-core 0.19 runs --optimizer lion / muon "
                       "with --use-distributed-optimizer as LayerWiseDistributedOptimizer: whole parameters per DP "
-                      "rank) is not supported yet; train without --use-distributed-optimizer, or move the weights "
-                      "alone: to-universal --weights-only, or --universal-checkpoint with --no-load-optim")
+                      "rank) is not supported yet; train without --use-distributed-optimizer (Lion's and Muon's "
+                      "state then converts), or move the weights alone: to-universal --weights-only, or "
+                      "--universal-checkpoint with --no-load-optim")
 
 
 def optimizer_states(name: str) -> OptimizerStates:
@@ -87,6 +100,52 @@ def optimizer_states(name: str) -> OptimizerStates:
     if why is not None or name is None:
         raise OptimizerNotSupported(why or "no optimizer")
     return OPTIMIZERS[name]
+
+
+def scalar_optimizer(name: str, args) -> Optional[str]:
+    """The optimizer megatron-core 0.19 gives an emerging optimizer's non-matrix parameters (None for adam, sgd):
+    Lion's Adam, Muon's --muon-scalar-optimizer (`args`: a dict of Megatron-LM's args). OptimizerNotSupported
+    for a scalar optimizer megatron-core does not build."""
+    row = optimizer_states(name)
+    if row.scalar is None:
+        return None
+    scalar = row.scalar if row.scalar in OPTIMIZERS else (args.get(row.scalar) or "adam")
+    if scalar not in SCALAR_OPTIMIZERS:
+        raise OptimizerNotSupported(f"--{row.scalar.replace('_', '-')} {scalar!r}: megatron-core 0.19 builds "
+                                    f"{', '.join(SCALAR_OPTIMIZERS)} only")
+    return scalar
+
+
+def run_optimizers(name: Optional[str], args) -> tuple[str, ...]:
+    """The rows a run's --optimizer gives its parameters, in megatron-core 0.19's chain order: (name,) for adam and
+    sgd; (the emerging optimizer, its scalar optimizer) for lion and muon. () for None (no optimizer state)."""
+    if name is None:
+        return ()
+    scalar = scalar_optimizer(name, args)
+    return (name,) if scalar is None or scalar == name else (name, scalar)
+
+
+def parameter_optimizer(name: str, args, *, matrix: bool) -> str:
+    """The row of one parameter under --optimizer `name`: the emerging optimizer for a matrix parameter, its scalar
+    optimizer for the rest (megatron-core 0.19's `_is_nonlinear_or_embedding` override); `name` itself otherwise."""
+    scalar = scalar_optimizer(name, args)
+    return name if scalar is None or matrix else scalar
+
+
+def group_optimizer(group: dict, run: str) -> str:
+    """Which row a saved param group's parameters take: megatron-core 0.19's own rule (its emerging-optimizer
+    path buckets groups by `group.get('optimizer', config.optimizer)`); a name no row has is refused."""
+    kind = group.get("optimizer", run) if isinstance(group, dict) else run
+    if kind not in OPTIMIZERS:
+        raise OptimizerNotSupported(f"a param group's optimizer {kind!r} is not one megatron-ucp knows "
+                                    f"({', '.join(OPTIMIZERS)})")
+    return kind
+
+
+def run_states(name: Optional[str], args) -> tuple[str, ...]:
+    """Every state a run's parameters hold (the union over run_optimizers, in STATE_ORDER)."""
+    found = {s for row in run_optimizers(name, args) for s in OPTIMIZERS[row].states}
+    return tuple(s for s in STATE_ORDER if s in found)
 
 
 def check_state_name(name) -> str:

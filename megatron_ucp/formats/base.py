@@ -97,12 +97,20 @@ class CheckpointReader(abc.ABC):
 
     @property
     def state_keys(self) -> tuple[str, ...]:
-        """The per-parameter optimizer states read() gives besides 'fp32' (the optimizer's torch names; () without
-        optimizer state)."""
+        """The per-parameter optimizer states read() may give besides 'fp32' (the optimizer's torch names, every
+        row the run gives a parameter: Lion's and Muon's with their scalar optimizer's; () without optimizer
+        state). A parameter has those of its own row (`parameter_row`)."""
         from megatron_ucp.core import optimizers
 
-        name = self.optimizer_name
-        return () if name is None else optimizers.optimizer_states(name).states
+        return optimizers.run_states(self.optimizer_name, self.args)
+
+    def parameter_row(self, local: str, shape) -> "optimizers.OptimizerStates":
+        """The core/optimizers.py row of the optimizer that steps one parameter (local name, local shape) in
+        this checkpoint's run: its --optimizer's, or under an emerging one (Lion, Muon) the rulebook's split."""
+        from megatron_ucp.adapters import gpt
+        from megatron_ucp.core import optimizers
+
+        return optimizers.OPTIMIZERS[gpt.parameter_optimizer(local, shape, self.args)]
 
     def notices(self) -> list[str]:
         """What the release that wrote this checkpoint saved wrongly and what reading does about it, one line

@@ -222,6 +222,10 @@ def optimizer_row(args: dict, source: Any, *, distributed: bool):
             f"{source}: args.optimizer={name!r} with the distributed optimizer's state; megatron-core 0.19 builds "
             f"{name} without --use-distributed-optimizer only (its DistributedOptimizer asserts Adam or an "
             f"init_state_fn), so megatron-ucp does not read this state; the checkpoint's args do not match its files")
+    try:
+        optimizers.scalar_optimizer(name, args)
+    except optimizers.OptimizerNotSupported as e:
+        raise CheckpointFormatError(f"{source}: args.optimizer={name!r}: {e}") from None
     return optimizers.OPTIMIZERS[name]
 
 

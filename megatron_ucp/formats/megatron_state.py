@@ -152,8 +152,10 @@ def chunk_buffers(target: WriteTarget, pp_rank: int, chunks: list[list[BufferPar
 
 
 def group_key(group: Mapping[str, Any]) -> tuple:
-    """What makes two param groups the same group across layouts (megatron-core's ParamKey overrides)."""
-    return (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)), bool(group.get("is_decoupled_lr")))
+    """What makes two param groups the same group across layouts (megatron-core's ParamKey overrides; under an
+    emerging optimizer the scalar optimizer's groups name it: 'optimizer')."""
+    return (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)), bool(group.get("is_decoupled_lr")),
+            group.get("optimizer"))
 
 
 def _stored_key(ucp, entry: Mapping[str, Any]) -> Optional[tuple]:
@@ -204,7 +206,7 @@ def param_groups_by_rank(ucp, config: GPTModelConfig, target: WriteTarget) -> Ta
                     if stored is not None and stored != group_key(identity):
                         raise MegatronStateError(
                             f"{ucp.path}: {names[ref]} is in a param group with {stored} but Megatron's grouping rule "
-                            f"puts it in one with {group_key(identity)} (wd_mult, lr_mult, decoupled LR); custom "
+                            f"puts it in one with {group_key(identity)} (wd_mult, lr_mult, decoupled LR, optimizer); custom "
                             f"param-group overrides are not supported")
         missing = [i for i in identities[index] if group_key(i) not in saved]
         if ucp.param_groups and missing:

@@ -676,26 +676,30 @@ def _distopt_unshare_step_after_load() -> None:
     DistributedOptimizer.load_state_dict = load_state_dict
 
 
-def init_adam_state_for_loading(optimizer, states: tuple = ("exp_avg", "exp_avg_sq"), step: bool = True) -> None:
-    """Allocate torch Adam's per-parameter state (zeros, own `step` 0) where it is still empty; `states` / `step`:
-    another torch optimizer's (core/optimizers.py's row: SGD's momentum_buffer, no step).
+def init_adam_state_for_loading(optimizer, run: str = "adam") -> None:
+    """Allocate each torch optimizer's per-parameter state (zeros, Adam's own `step` 0) where it is still empty:
+    the states of its param group's row in core/optimizers.py (`run`: the run's --optimizer; an emerging
+    optimizer's scalar groups name theirs: Lion's exp_avg, Muon's momentum_buffer, SGD's, Adam's).
 
     For a load into a fresh optimizer: DistributedOptimizer's state_dict() / sharded_state_dict(is_loading=True)
     read `step` from that state, which torch Adam creates only at its first step. Megatron-LM's own
     dummy-step initialisation would run an AdamW step (weight decay moves the parameters); here the state is
     only allocated, and the load overwrites it. `optimizer`: a megatron optimizer or a ChainedOptimizer.
     """
+    from megatron_ucp.core import optimizers
+
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
         if not isinstance(inner, torch.optim.Optimizer):
             continue
         for group in inner.param_groups:
+            row = optimizers.OPTIMIZERS[optimizers.group_optimizer(group, run)]
             for param in group["params"]:
                 state = inner.state[param]
                 if len(state) == 0:
-                    if step:
+                    if row.step:
                         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    for key in states:
+                    for key in row.states:
                         state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 

@@ -36,7 +36,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -369,6 +369,8 @@ def check_optimizer(ucp, args) -> None:
         return
     ours = getattr(args, "optimizer", "adam")
     why = optimizers.refusal(ours)
+    if why is None and getattr(args, "use_layer_wise_distributed_optimizer", False):
+        why = f"--optimizer {ours}: {optimizers.LAYER_WISE_REFUSAL}"
     if why is not None:
         raise UniversalLoadError(f"this run's {why}")
     theirs = ucp.optimizer_type
@@ -377,6 +379,11 @@ def check_optimizer(ucp, args) -> None:
             f"{ucp.path}: holds {theirs} optimizer state ({', '.join(ucp.optimizer_state_keys)}), but this run uses "
             f"--optimizer {ours}, which keeps {', '.join(optimizers.OPTIMIZERS[ours].states) or 'no state'}: pass "
             f"--optimizer {theirs} to continue with it, or --no-load-optim to start {ours} from zero (weights only)")
+    saved, mine = optimizers.scalar_optimizer(theirs, ucp.args), optimizers.scalar_optimizer(ours, vars(args))
+    if saved != mine:  # Muon's non-matrix parameters: another optimizer's state would be put into this one's
+        raise UniversalLoadError(
+            f"{ucp.path}: its {theirs} run gave the non-matrix parameters {saved}, this run gives them {mine}: pass "
+            f"--muon-scalar-optimizer {saved} to continue with it, or --no-load-optim (weights only)")
 
 
 def check_rotary_frequencies(ucp, args, model) -> None:
@@ -449,6 +456,7 @@ class _MainParam:
     main: torch.Tensor  # the tensor the torch optimizer steps (a shard with the distributed optimizer)
     state: dict
     flat_range: Optional[Tuple[int, int]]  # range of the flattened model param it covers (None: whole)
+    row: Any = None  # the core/optimizers.py row of the (sub-)optimizer stepping it
 
 
 def _sub_optimizers(optimizer):
@@ -462,9 +470,13 @@ def _is_distributed(optimizer) -> bool:
     return bool(subs) and all(isinstance(opt, DistributedOptimizer) for opt in subs)
 
 
-def _main_params(optimizer) -> Dict[int, _MainParam]:
-    """id(model param) -> the optimizer's main parameter for it on this rank."""
+def _main_params(optimizer, run: str = "adam") -> Dict[int, _MainParam]:
+    """id(model param) -> the optimizer's main parameter for it on this rank, with the row of the optimizer whose
+    param group holds it (`run`: this run's --optimizer; an emerging optimizer's scalar groups name theirs)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    def row(group) -> Any:
+        return optimizers.OPTIMIZERS[optimizers.group_optimizer(group, run)]
 
     found: Dict[int, _MainParam] = {}
     for opt in _sub_optimizers(optimizer):
@@ -473,19 +485,31 @@ def _main_params(optimizer) -> Dict[int, _MainParam]:
             for model_param, (gi, go) in opt.model_param_group_index_map.items():
                 main = inner.param_groups[gi]["params"][go]
                 r = opt._get_model_param_range_map(model_param)["param"]
-                found[id(model_param)] = _MainParam(main, inner.state[main], (r.start, r.end))
+                found[id(model_param)] = _MainParam(main, inner.state[main], (r.start, r.end), row(inner.param_groups[gi]))
         elif hasattr(opt, "float16_groups"):  # Float16OptimizerWithFloat16Params
-            for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+            for gi, (model_group, main_group) in enumerate(zip(opt.float16_groups, opt.fp32_from_float16_groups)):
                 for model_param, main in zip(model_group, main_group):
-                    found[id(model_param)] = _MainParam(main, inner.state[main], None)
-            for group in opt.fp32_from_fp32_groups:
+                    found[id(model_param)] = _MainParam(main, inner.state[main], None, row(inner.param_groups[gi]))
+            for gi, group in enumerate(opt.fp32_from_fp32_groups):
                 for p in group:
-                    found[id(p)] = _MainParam(p, inner.state[p], None)
+                    found[id(p)] = _MainParam(p, inner.state[p], None, row(inner.param_groups[gi]))
         else:  # FP32Optimizer: the model params are the optimizer's params
             for group in inner.param_groups:
                 for p in group["params"]:
-                    found[id(p)] = _MainParam(p, inner.state[p], None)
+                    found[id(p)] = _MainParam(p, inner.state[p], None, row(group))
     return found
+
+
+def _note_muon_tp(ucp, args, layout) -> None:
+    """Muon with --muon-tp-mode blockwise orthogonalizes each TP shard of a matrix on its own: at another TP than
+    the saved one the state loads exactly but the updates are not the old run's (nor are they at another TP
+    under Megatron-LM's own load); said once, on rank 0."""
+    saved_tp = ucp.source_layout.tp
+    if (getattr(args, "optimizer", "") == "muon" and getattr(args, "muon_tp_mode", "blockwise") == "blockwise"
+            and layout.tp != saved_tp and torch.distributed.get_rank() == 0):
+        print(f"NOTE: Muon with --muon-tp-mode blockwise orthogonalizes each TP shard: at TP={layout.tp} (saved at "
+              f"TP={saved_tp}) its momentum is the checkpoint's, exactly, but its updates differ from a continuation "
+              f"at TP={saved_tp} (--muon-tp-mode duplicated orthogonalizes whole matrices at any TP)", flush=True)
 
 
 # --- the load ---------------------------------------------------------------------------------
@@ -529,18 +553,18 @@ def load_universal_checkpoint(args, model, optimizer, scheduler, ucp=None) -> in
         if torch.distributed.get_rank() == 0:
             print("WARNING: the universal checkpoint holds no optimizer state; starting Adam from zero", flush=True)
         load_optim = False
-    row = optimizers.OPTIMIZERS[ucp.optimizer_type] if load_optim else None  # check_optimizer: this run's
+    run = getattr(args, "optimizer", "adam")  # check_optimizer: the checkpoint's
     if load_optim:
-        init_adam_state_for_loading(optimizer, row.states, row.step)
-    mains = _main_params(optimizer) if load_optim else {}
+        init_adam_state_for_loading(optimizer, run)
+        _note_muon_tp(ucp, args, layout)
+    mains = _main_params(optimizer, run) if load_optim else {}
     # With the distributed optimizer each DP rank reads only its own range; the param all-gather
     # below fills in the rest of every model weight.
     gather_params = load_optim and _is_distributed(optimizer)
 
     problem = None
     try:
-        _load_tensors(ucp, model, layout, pp_rank, ep_rank, target_padded, mains, gather_params, parallel_state,
-                      row)
+        _load_tensors(ucp, model, layout, pp_rank, ep_rank, target_padded, mains, gather_params, parallel_state)
     except (UniversalLoadError, UniversalFormatError, LayoutError) as e:
         problem = " ".join(str(e).split())
     _return_freed_heap()
@@ -588,14 +612,14 @@ def _return_freed_heap() -> None:
 
 
 def _load_tensors(ucp, model, layout, pp_rank: int, ep_rank: int, target_padded: int, mains: dict,
-                  gather_params: bool, parallel_state, row=None) -> None:
+                  gather_params: bool, parallel_state) -> None:
     """This rank's slices of every parameter and buffer of its model chunks, into the model and the optimizer's
-    main parameters and state, by name (`row`: the optimizer's core/optimizers.py row; None without optimizer
-    state) (no collective: the caller completes the weights with the param all-gather)."""
+    main parameters and state, by name (each main parameter's row: the states of the optimizer stepping it; no
+    main parameters without optimizer state) (no collective: the caller completes the weights with the param
+    all-gather)."""
     from megatron.core.utils import unwrap_model
 
     config = ucp.config
-    keys = ("fp32", *row.states) if row is not None else ("fp32",)
     for vpp_chunk, chunk in enumerate(model):
         module = unwrap_model(chunk)  # the GPTModel inside DDP / Float16Module: checkpoints hold its names
         _load_buffers(ucp, module, layout, pp_rank, vpp_chunk, ep_rank, parallel_state, target_padded)
@@ -610,6 +634,13 @@ def _load_tensors(ucp, model, layout, pp_rank: int, ep_rank: int, target_padded:
             tp_rank, tp = _split_rank(name, layout, parallel_state)
             resize = rulebook.is_vocab_parameter(name) and info.shape[0] != target_padded
             main = mains.get(id(param))
+            row = main.row if main is not None else None
+            keys = ("fp32", *row.states) if row is not None else ("fp32",)
+            if not set(keys) <= set(info.tensors):
+                raise UniversalLoadError(
+                    f"{ucp.path}: {name} holds {', '.join(info.tensors)}, but this run's {row.name} optimizer steps it "
+                    f"and keeps {', '.join(row.states)}; the checkpoint's optimizer split is not this run's "
+                    f"(--no-load-optim loads the weights alone)")
 
             if gather_params and not resize:
                 local_shape = info.pattern.local_shape(info.shape, tp, name=name)

@@ -106,13 +106,18 @@ def ordered_keys(keys) -> tuple[str, ...]:
     return ("fp32", *states)
 
 
-def optimizer_section(optimizer_type: Optional[str], param_groups: list) -> dict:
+def optimizer_section(optimizer_type: Optional[str], param_groups: list, args: Optional[dict] = None) -> dict:
     """metadata.json's `optimizer`: the type (core/optimizers.py's name, None without optimizer state), the param
     groups' hyper-parameters as saved and, for any type but Adam's (whose checkpoints stay as versions 1-3 wrote
-    them), its per-parameter states by name with their patterns (all elementwise: sharded as their parameter)."""
+    them), the per-parameter states by name of every optimizer the run gives parameters (an emerging optimizer's
+    and its scalar optimizer's: `args`) with their patterns (all elementwise: sharded as their parameter)."""
     doc: dict = {"type": optimizer_type, "param_groups": param_groups}
     if optimizer_type not in (None, "adam"):
-        doc["states"] = {key: "elementwise" for key in tensor_keys(optimizer_type)[1:]}
+        try:
+            states = optimizers.run_states(optimizer_type, args or {})
+        except optimizers.OptimizerNotSupported as e:
+            raise UniversalFormatError(str(e)) from None
+        doc["states"] = {key: "elementwise" for key in states}
     return doc
 
 

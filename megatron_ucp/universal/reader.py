@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
 from megatron_ucp.core.dtypes import to_torch
+from megatron_ucp.core import optimizers
 from megatron_ucp.core.optimizers import refusal
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
@@ -92,7 +93,7 @@ def _check_record(name: str, shape: tuple[int, ...], tensors: tuple[str, ...], r
 
 def _param_info(name: str, d: Mapping[str, Any], meta_path: Path, version: int,
                 lazy_root: Optional[Path] = None, lazy_files: Optional[Mapping[str, Any]] = None,
-                keys: tuple[str, ...] = TENSOR_KEYS) -> ParamInfo:
+                keys: tuple[tuple[str, ...], ...] = (TENSOR_KEYS,)) -> ParamInfo:
     from megatron_ucp.core.patterns import PatternError, pattern_from_json
 
     try:
@@ -102,11 +103,12 @@ def _param_info(name: str, d: Mapping[str, Any], meta_path: Path, version: int,
         shape = tuple(int(s) for s in d["shape"])
         if any(n < 0 for n in shape):
             raise ValueError(f"negative dimension in shape {list(shape)}")
-        # `keys`: 'fp32' and the checkpoint's optimizer's states by name (tensor_keys); a parameter holds all or
-        # only 'fp32' (a buffer)
+        # `keys`: per optimizer the run gives parameters, 'fp32' and its states by name (tensor_keys); a parameter
+        # holds all of one or only 'fp32' (a buffer)
         if not all(isinstance(k, str) for k in tensors) or len(set(tensors)) != len(tensors) or (
-                tensors != ("fp32",) and set(tensors) != set(keys)):
-            raise UniversalFormatError(f"tensors {list(tensors)} must be {list(keys)} (or 'fp32' alone)")
+                tensors != ("fp32",) and set(tensors) not in [set(k) for k in keys]):
+            raise UniversalFormatError(f"tensors {list(tensors)} must be {' or '.join(str(list(k)) for k in keys)} "
+                                       f"(or 'fp32' alone)")
         if d.get("dtype") != "float32":
             raise ValueError(f"dtype {d.get('dtype')!r}, the format stores float32")
         placements, record, zeroed = None, None, None
@@ -136,10 +138,12 @@ def _param_info(name: str, d: Mapping[str, Any], meta_path: Path, version: int,
         raise _malformed(meta_path, name, f"{type(e).__name__}: {e}") from None
 
 
-def _optimizer_states(optimizer: Any, meta_path: Path, version: int) -> tuple[Optional[str], tuple[str, ...]]:
-    """metadata.json's optimizer type and the tensor keys its parameters may hold ('fp32' and the type's state
-    names, core/optimizers.py's table). Adam's checkpoints of versions 1-3 name no states (Adam's, TENSOR_KEYS); any
-    other type is version 4 and declares its states by name, each with its pattern ("elementwise": sharded as its
+def _optimizer_states(optimizer: Any, meta_path: Path, version: int, args: Mapping[str, Any]
+                      ) -> tuple[Optional[str], tuple[tuple[str, ...], ...]]:
+    """metadata.json's optimizer type and, per optimizer its run gives parameters (core/optimizers.py
+    run_optimizers: one, or an emerging optimizer's two), the tensor keys a parameter of it holds ('fp32' and the
+    row's state names). Adam's checkpoints of versions 1-3 name no states (Adam's, TENSOR_KEYS); any other type is
+    version 4 and declares the states of all its rows by name, each with its pattern ("elementwise": sharded as its
     parameter), which must be the table's."""
     kind = optimizer.get("type") if isinstance(optimizer, dict) else None
     if kind in (None, "adam"):
@@ -147,19 +151,42 @@ def _optimizer_states(optimizer: Any, meta_path: Path, version: int) -> tuple[Op
         if declared is not None and declared != {k: "elementwise" for k in TENSOR_KEYS[1:]}:
             raise UniversalFormatError(f"{meta_path}: optimizer.states {declared!r} are not Adam's; metadata.json "
                                        f"was edited, reconvert")
-        return kind, TENSOR_KEYS
+        return kind, (TENSOR_KEYS,)
     if not isinstance(kind, str) or version < OPTIMIZER_STATES_VERSION:
         raise UniversalFormatError(f"{meta_path}: optimizer.type {kind!r} in a version-{version} checkpoint (state "
                                    f"other than Adam's needs version {OPTIMIZER_STATES_VERSION}); reconvert")
     why = refusal(kind)
     if why is not None:
         raise UniversalFormatError(f"{meta_path}: {why}")
-    keys = tensor_keys(kind)
+    try:
+        rows = optimizers.run_optimizers(kind, args if isinstance(args, Mapping) else {})
+    except optimizers.OptimizerNotSupported as e:
+        raise UniversalFormatError(f"{meta_path}: {e}") from None
+    keys = tuple(tensor_keys(row) for row in rows)
+    states = optimizers.run_states(kind, args if isinstance(args, Mapping) else {})
     declared = optimizer.get("states")
-    if declared != {k: "elementwise" for k in keys[1:]}:
+    if declared != {k: "elementwise" for k in states}:
         raise UniversalFormatError(f"{meta_path}: optimizer.states {declared!r} are not {kind}'s "
-                                   f"({', '.join(keys[1:])}, elementwise); metadata.json was edited, reconvert")
+                                   f"({', '.join(states)}, elementwise); metadata.json was edited, reconvert")
     return kind, keys
+
+
+def _check_group_optimizers(parameters: Mapping[str, ParamInfo], groups: list, kind: Optional[str],
+                            meta_path: Path) -> None:
+    """Under an emerging optimizer (two rows), each parameter holds the states of its own param group's optimizer
+    (core/optimizers.py group_optimizer: megatron-core's rule), not the other row's."""
+    for name, info in parameters.items():
+        index = info.param_group.get("index")
+        if len(info.tensors) == 1 or not _is_int(index) or not 0 <= index < len(groups):
+            continue  # a buffer or weights alone; a bad index is refused with the other problems
+        try:
+            row = optimizers.OPTIMIZERS[optimizers.group_optimizer(groups[index], kind)]
+        except optimizers.OptimizerNotSupported as e:
+            raise UniversalFormatError(f"{meta_path}: optimizer.param_groups[{index}]: {e}") from None
+        if set(info.tensors) != {"fp32", *row.states}:
+            raise UniversalFormatError(
+                f"{meta_path}: {name} holds {list(info.tensors)} but its param group {index} is {row.name}'s "
+                f"({', '.join(('fp32',) + row.states)}); metadata.json was edited, reconvert")
 
 
 def _zero_runs(values, runs, shape: tuple, index) -> None:
@@ -369,7 +396,7 @@ class UniversalCheckpoint:
         groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
         self.param_groups: list[dict] = list(groups) if isinstance(groups, list) else []
         # the optimizer whose state the parameters hold, by name (None: none, or Adam's before version 4)
-        self.optimizer_type, keys = _optimizer_states(optimizer, meta_path, self.version)
+        self.optimizer_type, keys = _optimizer_states(optimizer, meta_path, self.version, self.args)
         lazy = metadata.get("lazy")
         self.lazy_source: Optional[Path] = None
         self.source_digests: Optional[SourceDigests] = None
@@ -385,6 +412,8 @@ class UniversalCheckpoint:
             for name, d in metadata["parameters"].items()}
         if self.optimizer_type is None and self.has_optimizer_state:
             self.optimizer_type = "adam"  # written before the type was checked: Adam's keys are all it could hold
+        if len(keys) > 1:
+            _check_group_optimizers(self.parameters, self.param_groups, self.optimizer_type, meta_path)
         self.bytes_read = 0
         self._files = threading.local()  # lazy reads: source descriptors per thread
         self._verified = VerifiedBlocks()  # blocks already checked by this reader
@@ -843,8 +872,9 @@ class UniversalCheckpoint:
 
     @property
     def optimizer_state_keys(self) -> tuple[str, ...]:
-        """The state names every parameter with optimizer state holds besides 'fp32' (() without any)."""
-        return tensor_keys(self.optimizer_type)[1:] if self.has_optimizer_state else ()
+        """The state names the parameters hold besides 'fp32' (() without any): every one under adam and sgd, those
+        of its own row under an emerging optimizer (Lion, Muon: a parameter's `tensors`)."""
+        return optimizers.run_states(self.optimizer_type, self.args) if self.has_optimizer_state else ()
 
     @property
     def num_floating_point_operations_so_far(self) -> float:

@@ -40,8 +40,8 @@ from typing import Any, Collection, Mapping, Optional
 
 from megatron_ucp.adapters.gpt import (
     UnknownParameterError, canonical_name, experts_in_own_optimizer, is_buffer, is_expert, is_ignorable,
-    local_spelling, megatron_param_groups, parameters_for_rank)
-from megatron_ucp.core import versions
+    group_overrides, local_spelling, megatron_param_groups, parameters_for_rank)
+from megatron_ucp.core import optimizers, versions
 from megatron_ucp.core.dtypes import PARAM_DTYPES
 from megatron_ucp.core.layout import LayoutError
 from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef, unknown_shard
@@ -151,6 +151,8 @@ class LegacyCheckpoint(CheckpointReader):
                 f"rank but lets expert-DP rank 0 write them, so some ranks' experts were never written; resave with "
                 f"--ckpt-format torch_dist (or ETP = TP) and convert that.")
         self._chained = experts_in_own_optimizer(self.config, self.layout)
+        # an emerging optimizer's chain [its own, its scalar optimizer] (core/optimizers.py), () otherwise
+        self._kinds: tuple[str, ...] = ()
         self._checkpoint_version = state.get("checkpoint_version")
         self._scheduler = state.get("opt_param_scheduler")
         self._num_flops = state.get("num_floating_point_operations_so_far")
@@ -159,7 +161,19 @@ class LegacyCheckpoint(CheckpointReader):
             self.skipped_optimizer, opt = str(self.args.get("optimizer", "adam")), None
         if opt is not None:  # an optimizer whose state is not mapped is refused by name before its structure is read
             optimizer_row(self.args, first, distributed=bool(self.args.get("use_distributed_optimizer")))
-        if self._chained and opt is not None:
+            kinds = optimizers.run_optimizers(self.args.get("optimizer", "adam"), self.args)
+            self._kinds = kinds if len(kinds) > 1 else ()
+        if self._kinds and opt is not None:
+            if self._chained:
+                raise CheckpointFormatError(
+                    f"{first}: --optimizer {self.args.get('optimizer')} with experts in their own optimizer (EP > 1 or "
+                    f"ETP != TP) chains four optimizers, which megatron-ucp does not map yet; move the weights alone: "
+                    f"to-universal --weights-only, or --universal-checkpoint with --no-load-optim")
+            if not (isinstance(opt, list) and len(opt) == len(self._kinds)):
+                raise structure_error(first, f"'optimizer' (a list of the {len(self._kinds)} chained optimizers "
+                                             f"{', '.join(self._kinds)})", opt)
+            opt = opt[0]
+        elif self._chained and opt is not None:
             if not (isinstance(opt, list) and len(opt) == 2):
                 raise CheckpointFormatError(
                     f"{first}: 'optimizer' is {type(opt).__name__ if not isinstance(opt, list) else f'a list of {len(opt)}'}"
@@ -239,6 +253,11 @@ class LegacyCheckpoint(CheckpointReader):
 
     def _sub_optimizer(self, value: Any, index: int, file: Path, what: str) -> Any:
         """Optimizer `index`'s entry of a (possibly chained) 'optimizer' / distrib_optim.pt value."""
+        if self._kinds:
+            if not isinstance(value, list) or len(value) != len(self._kinds):
+                raise structure_error(file, f"{what} (a list of the chained optimizers {', '.join(self._kinds)})",
+                                      value)
+            return value[index]
         if not self._chained:
             return value
         if not isinstance(value, list) or len(value) != 2:
@@ -319,7 +338,10 @@ class LegacyCheckpoint(CheckpointReader):
 
     def _optimizer_indices(self, ep_rank: int) -> tuple[int, ...]:
         """The optimizers whose state this EP folder provides: the dense one only in EP folder 0 (DP rank 0 of
-        the dense group wrote it), the expert one in every EP folder when chained."""
+        the dense group wrote it), the expert one in every EP folder when chained; an emerging optimizer's
+        chain (its own, its scalar optimizer: dense models only) in every folder."""
+        if self._kinds:
+            return tuple(range(len(self._kinds)))
         if not self._chained:
             return (0,)
         return (0, 1) if ep_rank == 0 else (1,)
@@ -363,7 +385,24 @@ class LegacyCheckpoint(CheckpointReader):
                                         f"the file is corrupt, re-copy it.")
         view.step = steps.pop() if steps else None
 
+    def _view_index(self, ref_name: str, shape) -> int:
+        """Which optimizer of the chain holds a parameter: the expert one for a routed expert when chained, the
+        row of its kind under an emerging optimizer, else 0."""
+        if self._kinds:
+            return self._kinds.index(self.parameter_row(ref_name, shape).name)
+        return _optimizer_index(ref_name, self._chained)
+
     def _map_optimizer_indices(self) -> None:
+        if self._kinds:  # megatron's groups of all parameters, each chained optimizer holding those of its kind
+            chunks = {(t, e, p): meta.chunks for (t, p, e), meta in self._ranks.items()}
+            groups_by_rank = megatron_param_groups(chunks, self.args)
+            run = self.args.get("optimizer")
+            kinds = [dict(o or ()).get("optimizer", run) for o in group_overrides(chunks, self.args)]
+            for (t, p, e), meta in self._ranks.items():
+                for index, kind in enumerate(self._kinds):
+                    mine = [g for g, k in zip(groups_by_rank[(t, e, p)], kinds) if k == kind]
+                    self._map_rank_indices(meta, meta.optims[index], mine, optimizers.OPTIMIZERS[kind])
+            return
         for index in ((0, 1) if self._chained else (0,)):
             metas = {k: m for k, m in self._ranks.items() if index in m.optims}
             # the optimizer rank: (tp, pp) for the dense one, (etp = tp, ep, pp) for the expert one
@@ -372,7 +411,7 @@ class LegacyCheckpoint(CheckpointReader):
             for (t, p, e), meta in metas.items():
                 self._map_rank_indices(meta, meta.optims[index], groups_by_rank[(t, e, p)])
 
-    def _map_rank_indices(self, meta: _RankMeta, view: _OptimView, mine: list) -> None:
+    def _map_rank_indices(self, meta: _RankMeta, view: _OptimView, mine: list, row=None) -> None:
         file = meta.model_file
         opt = view.state
         if self.optimizer_kind == "mixed_precision":
@@ -399,7 +438,7 @@ class LegacyCheckpoint(CheckpointReader):
                 st = states.get(idx)
                 if st is not None:  # no state before the first optimizer step
                     what = f"optimizer state {idx} ({ref[1]})"
-                    row = self._row
+                    row = row or self._row
                     if not isinstance(st, dict) or row.step and "step" not in st or not set(row.states) <= set(st):
                         raise structure_error(
                             file, f"{what}: {row.name}'s {', '.join(row.states + (('step',) if row.step else ()))}", st)
@@ -452,7 +491,7 @@ class LegacyCheckpoint(CheckpointReader):
         return out
 
     def _distributed_records(self, meta: _RankMeta, ref: ShardRef) -> dict:
-        view = meta.optims[_optimizer_index(ref.local_name, self._chained)]
+        view = meta.optims[self._view_index(ref.local_name, ref.shape)]
         out = coalesced_records(view.distopt, view.gbuf_base, view.buffers, ref.vpp_chunk, ref.local_name)
         if out is not None:
             if view.step is not None:
@@ -464,14 +503,16 @@ class LegacyCheckpoint(CheckpointReader):
 
     def _torch_records(self, meta: _RankMeta, ref: ShardRef, param: TensorRecord) -> dict:
         group, idx, half = meta.state_index[(ref.vpp_chunk, ref.local_name)]
-        opt = meta.optims[_optimizer_index(ref.local_name, self._chained)].state
+        index = self._view_index(ref.local_name, ref.shape)
+        opt = meta.optims[index].state
         inner = opt["optimizer"] if self.optimizer_kind == "mixed_precision" else opt
         # FP32Optimizer and fp32 params of Float16Optimizer step the model weight itself
         out = {"fp32": opt["fp32_from_fp16_params"][group][half] if half is not None else param}
         st = inner["state"].get(idx)
         if st is not None:  # no state before the first optimizer step
-            out.update({name: st[name] for name in self._row.states})
-            if self._row.step:
+            row = optimizers.OPTIMIZERS[self._kinds[index]] if self._kinds else self._row
+            out.update({name: st[name] for name in row.states})
+            if row.step:
                 out["step"] = st["step"]
         return out
 

@@ -70,6 +70,7 @@ from megatron_ucp.adapters.gpt import (MTP_INNER, MTP_PREFIX, expected_parameter
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.core import versions
+from megatron_ucp.core.optimizers import OPTIMIZERS, group_optimizer, run_optimizers
 from megatron_ucp.formats.bucket_layout import BufferParam
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
 from megatron_ucp.formats.legacy.names import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, rank_dir_name
@@ -274,7 +275,7 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
             weights[local] = fp32 if dtype == _F32 else tensors.shard(canonical, shape, "fp32", dtype)
             entry = {"fp32": fp32}
             if with_optim and not is_buffer(canonical):
-                for key in ucp.optimizer_state_keys:  # by name: Adam's moments, SGD's momentum_buffer
+                for key in ucp.parameters[canonical].tensors[1:]:  # by name: its own optimizer's states
                     entry[key] = tensors.shard(canonical, shape, key, _F32)
             state[local] = entry
         last = layout.is_last_chunk(pp_rank, chunk_index if layout.vpp else None)
@@ -308,8 +309,17 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
                 # written by DP rank 0 of each optimizer's group: the dense one's in EP folder 0 only
                 distribs.append(_distrib_optim(target, pp_rank, chunks, tensors, ucp, experts=index == 1)
                                 if index == 1 or ep_rank == 0 else None)
-            else:
-                optimizers.append(_torch_state(ucp, rank_groups, mine, masters, identities))
+            else:  # an emerging optimizer's chain: each of its optimizers with its own groups (core/optimizers.py)
+                kinds = run_optimizers(ucp.optimizer_type, ucp.args)
+                if len(kinds) > 1 and any(_model_dtype(ucp, c) != _F32 for c in mine.values()):
+                    raise LegacyWriteError(f"{ucp.path}: {ucp.optimizer_type} state of a 16-bit model: megatron-ucp "
+                                           f"writes the emerging optimizers' chain for fp32 models only (no 16-bit "
+                                           f"fixture measured it); resume it with --universal-checkpoint")
+                for kind in kinds:
+                    own = [g for g, identity in enumerate(identities[:len(rank_groups)])
+                           if group_optimizer(identity, ucp.optimizer_type) == kind]
+                    optimizers.append(_torch_state(ucp, [rank_groups[g] for g in own], mine, masters,
+                                                   [identities[g] for g in own], OPTIMIZERS[kind]))
         sd["optimizer"] = optimizers if len(optimizers) > 1 else optimizers[0]
         if target.use_distributed_optimizer:
             distrib = distribs if len(distribs) > 1 else distribs[0]
@@ -327,13 +337,10 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
     return sd, distrib
 
 
-def _torch_state(ucp, rank_groups, canonicals, masters, identities) -> dict:
-    """The torch optimizer's state_dict (FP32Optimizer), or Float16OptimizerWithFloat16Params' wrapper for 16-bit
-    models; state indices run group by group, each parameter's state by its torch names (Adam: its own step, then
-    exp_avg, exp_avg_sq; SGD: momentum_buffer)."""
-    from megatron_ucp.core.optimizers import OPTIMIZERS
-
-    row = OPTIMIZERS[ucp.optimizer_type]
+def _torch_state(ucp, rank_groups, canonicals, masters, identities, row) -> dict:
+    """One torch optimizer's state_dict (FP32Optimizer), or Float16OptimizerWithFloat16Params' wrapper for 16-bit
+    models; state indices run group by group, each parameter's state by its torch names (`row`, core/optimizers.py:
+    Adam: its own step, then exp_avg, exp_avg_sq; SGD's and Muon's momentum_buffer; Lion's exp_avg)."""
     dtypes = {(c, local): _model_dtype(ucp, canonical) for (c, local), canonical in canonicals.items()}
     mixed = any(d != _F32 for d in dtypes.values())
     state, param_groups, fp32_from_16 = {}, [], []

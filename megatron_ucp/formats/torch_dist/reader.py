@@ -81,7 +81,7 @@ from typing import Collection, Optional
 from megatron_ucp.adapters import gpt as rulebook
 from megatron_ucp.core.dtypes import PARAM_DTYPES
 from megatron_ucp.core.layout import LayoutError
-from megatron_ucp.core import versions
+from megatron_ucp.core import optimizers, versions
 from megatron_ucp.serialization.records import box_record, stored_tensor, torch_dtype
 from megatron_ucp.formats.base import READ_KEYS, CheckpointReader, ShardRef, unknown_shard
 from megatron_ucp.formats.bucket_layout import (
@@ -403,12 +403,14 @@ class TorchDistCheckpoint(CheckpointReader):
                 raise CheckpointFormatError(f"{self._dcp_index}: {what} state of {model_key} is saved "
                                             f"twice ({out[model_key][what]}, {key}).")
             out[model_key][what] = key
-        expected = set(self._row.states) | ({self._optim_layout.main_param} if self._optim_layout else set())
+        main = {self._optim_layout.main_param} if self._optim_layout else set()
+        rows = [optimizers.OPTIMIZERS[r] for r in optimizers.run_optimizers(self._row.name, self.args)]
         for model_key, found in out.items():
-            if not expected <= set(found):
+            if not any(set(r.states) | main <= set(found) for r in rows):
+                expected = " or ".join(str(sorted(set(r.states) | main)) for r in rows)
                 raise CheckpointFormatError(
                     f"{self._dcp_index}: optimizer state of {model_key} has {sorted(found)}, expected "
-                    f"{sorted(expected)}; the checkpoint is incomplete or not {self._row.name}'s state.")
+                    f"{expected}; the checkpoint is incomplete or not {self._row.name}'s state.")
         if not out and self._optim_layout:
             raise CheckpointFormatError(f"{self._dcp_index}: distrib_optim_sharding_type="
                                         f"{self.distrib_optim_sharding!r} but no optimizer.state."
@@ -513,6 +515,19 @@ class TorchDistCheckpoint(CheckpointReader):
     def _check_chaining(self) -> None:
         """The saved optimizer has the dense/expert structure megatron-core builds at the saved layout."""
         if self.optimizer_kind == "none":
+            return
+        kinds = optimizers.run_optimizers(self._row.name, self.args)
+        if len(kinds) > 1:  # an emerging optimizer: megatron-core chains [its own, its scalar optimizer]
+            if self._chained:
+                raise CheckpointFormatError(
+                    f"{self.path}: --optimizer {self._row.name} with experts in their own optimizer (EP > 1 or ETP "
+                    f"!= TP) chains four optimizers, which megatron-ucp does not map yet; move the weights alone: "
+                    f"to-universal --weights-only, or --universal-checkpoint with --no-load-optim")
+            parts = len(self._optimizer_common_parts())
+            if parts != len(kinds):
+                raise CheckpointFormatError(
+                    f"{self._common_file}: 'optimizer' holds {parts} optimizer(s) but --optimizer {self._row.name} "
+                    f"chains {len(kinds)} ({', '.join(kinds)}); the common state does not match its args.")
             return
         if self._flat_buckets:
             saved = any(k.startswith(names.chained_prefix(1)) for k in self._keys)
@@ -718,6 +733,7 @@ class TorchDistCheckpoint(CheckpointReader):
     def _check_model_space_state(self, info: _RankInfo, tp_rank: int, pp_rank: int) -> None:
         """Every parameter has Adam state (or none has: saved before the first step), and 16-bit ones
         their fp32 main weight; persistent buffers have none."""
+        shapes = {(chunk, p.name): p.shape for chunk, params in enumerate(info.params) for p in params}
         for (chunk, name), piece in info.sources.items():
             found = self._state_keys.get(piece.key, {})
             if rulebook.is_buffer(name):
@@ -727,16 +743,18 @@ class TorchDistCheckpoint(CheckpointReader):
                 continue
             if not found and not self._state_keys:
                 continue
-            need = set(self._row.states)
+            row = self.parameter_row(name, shapes[(chunk, name)])
+            need = set(row.states)
             if self._optim_layout:
                 need.add(self._optim_layout.main_param)
             elif self._keys[piece.key].dtype in ("float16", "bfloat16"):
                 need.add("fp32_param")
-            if not need <= set(found):
+            others = set(self.state_keys) - set(row.states)
+            if not need <= set(found) or others & set(found):
                 raise CheckpointFormatError(
                     f"{self._dcp_index}: {name} ({self._describe_rank(info, tp_rank, pp_rank)} chunk={chunk}, "
-                    f"saved as {piece.key}) has optimizer state {sorted(found)}, expected {sorted(need)}; the checkpoint is "
-                    f"incomplete.")
+                    f"saved as {piece.key}) has optimizer state {sorted(found)}, expected {sorted(need)} ({row.name}'s "
+                    f"under --optimizer {self._row.name}); the checkpoint is incomplete or not this run's.")
 
     def _check_dtype(self, key: str, allowed: tuple) -> None:
         dtype = self._keys[key].dtype
@@ -865,7 +883,8 @@ class TorchDistCheckpoint(CheckpointReader):
             if req.weight_is_main and "fp32" in want:
                 out["fp32"] = out["param"] if "param" in out else assemble(got[piece.key], piece)
             out.update({name: assemble(got[key], piece) for name, key in req.states.items()})
-            if self._row.step and self._row.states[0] in self._state_keys.get(piece.key, {}) and (
+            row = self.parameter_row(ref.local_name, ref.shape)
+            if row.step and row.states[0] in self._state_keys.get(piece.key, {}) and (
                     self._model_space_step is not None):
                 out["step"] = step_value(self._model_space_step)
         return out

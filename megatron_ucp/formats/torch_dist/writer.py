@@ -96,6 +96,7 @@ from megatron_ucp.adapters.gpt import (
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.core import versions
+from megatron_ucp.core.optimizers import OPTIMIZERS, group_optimizer, run_optimizers
 from megatron_ucp.formats.common import TRACKER_FILENAME, iteration_dir_name
 from megatron_ucp.formats.megatron_state import (
     CHECKPOINT_VERSION, MODEL_DTYPES, TargetGroups, args_values, chunk_buffers, fresh_rng_state, group_hyper,
@@ -365,7 +366,10 @@ def _plan_rng(ucp, config: GPTModelConfig, target: WriteTarget, owners: _Owners,
 
 
 def _single_step(ucp) -> Optional[int]:
-    steps = {info.step for name, info in ucp.parameters.items() if not is_buffer(name)}  # buffers: no Adam state
+    # buffers: no Adam state; under an emerging optimizer its own parameters keep no step, its scalar Adam's do
+    emerging = len(run_optimizers(ucp.optimizer_type, ucp.args)) > 1
+    steps = {info.step for name, info in ucp.parameters.items()
+             if not is_buffer(name) and not (emerging and info.step is None)} or {None}
     if len(steps) > 1:
         raise TorchDistWriteError(
             f"{ucp.path}: parameters have different Adam steps {sorted(s for s in steps if s is not None)}; "
@@ -397,7 +401,8 @@ def _plan_model(ucp, config: GPTModelConfig, layout: ParallelLayout, opt: Option
                 states.append((model_space_state_key(main, key), "fp32"))
             elif dtype != _F32:
                 states.append((model_space_state_key("fp32_param", key), "fp32"))
-            states += [(model_space_state_key(s, key), s) for s in ucp.optimizer_state_keys]  # by name
+            # by name: the states of the optimizer stepping it (an emerging optimizer's or its scalar one's)
+            states += [(model_space_state_key(s, key), s) for s in ucp.parameters[name].tensors[1:]]
         pattern, tp = pattern_for(name, config), tp_size_of(name, layout)
         ep_rank = expert_location(lead[-1], config, layout)[0] if is_expert(name) else None
 
@@ -579,6 +584,24 @@ def _optimizer_common(ucp, target: WriteTarget, opt: str, step, groups: TargetGr
     return out
 
 
+def _emerging_common(ucp, target: WriteTarget, step, groups: TargetGroups, kind: str, mixed: bool) -> dict:
+    """One optimizer of an emerging optimizer's chain as megatron-core 0.19 keeps it in the common state: its
+    param groups (those of its kind), and for Adam the shared step; the emerging optimizer itself keeps no 'state'
+    (LIA19, MUA19)."""
+    identities = groups.identities[0][:len(groups.members[0][(0, 0, 0)])]
+    hyper = [group_hyper(ucp, i) for i in identities if group_optimizer(i, ucp.optimizer_type) == kind]
+    inner: dict = {"param_groups": hyper}
+    if OPTIMIZERS[kind].step:
+        inner = {"state": {}, "param_groups": hyper}
+        if step:  # megatron-core saves the shared step only when non-zero
+            inner["state"]["common_step"] = SavedTensor(struct.pack("<f", float(step)), "float32", ())
+    if mixed:
+        raise TorchDistWriteError(f"{ucp.path}: {ucp.optimizer_type} state of a 16-bit model: megatron-ucp writes "
+                                  f"the emerging optimizers' chain for fp32 models only (no 16-bit fixture measured "
+                                  f"it); resume it with --universal-checkpoint")
+    return inner
+
+
 def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: Optional[TargetGroups],
                   release: versions.MegatronRelease) -> dict:
     """The common state (common.pt or the ShardedObject 'common_state'): what dist_checkpointing.save keeps of
@@ -595,9 +618,14 @@ def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: Op
     if opt is not None:
         chained = experts_in_own_optimizer(ucp.config, target.layout)
         mixed = any(_model_dtype(ucp, n) != _F32 for n in ucp.parameters)
-        states = [_optimizer_common(ucp, target, opt, step, groups, index, mixed)
-                  for index in ((0, 1) if chained else (0,))]
-        common["optimizer"] = dict(enumerate(states)) if chained else states[0]  # ChainedOptimizer: {0: .., 1: ..}
+        kinds = run_optimizers(ucp.optimizer_type, ucp.args)
+        if len(kinds) > 1:  # an emerging optimizer's ChainedOptimizer: {0: its own, 1: its scalar optimizer}
+            common["optimizer"] = dict(enumerate(_emerging_common(ucp, target, step, groups, kind, mixed)
+                                                 for kind in kinds))
+        else:
+            states = [_optimizer_common(ucp, target, opt, step, groups, index, mixed)
+                      for index in ((0, 1) if chained else (0,))]
+            common["optimizer"] = dict(enumerate(states)) if chained else states[0]  # ChainedOptimizer: {0: .., 1: ..}
         common["opt_param_scheduler"] = dict(ucp.scheduler_state)
     if versions.saves_rerun_state(release, args):  # mode from --rerun-mode; NOT_RUNNING_YET (0) between iterations
         common["rerun_state_machine"] = {
