@@ -94,6 +94,12 @@ LAYER_WISE_REFUSAL = ("the layer-wise distributed optimizer's state (megatron-co
                       "--universal-checkpoint with --no-load-optim")
 
 
+EMERGING_WITH_EXPERTS_REFUSAL = (
+    "with experts in their own optimizer (EP > 1 or ETP != TP) megatron-core chains four optimizers, which "
+    "megatron-ucp does not map yet; move the weights alone: to-universal --weights-only, or --universal-checkpoint "
+    "with --no-load-optim")
+
+
 def optimizer_states(name: str) -> OptimizerStates:
     """The row of a supported optimizer (OptimizerNotSupported otherwise)."""
     why = refusal(name)

@@ -166,9 +166,7 @@ class LegacyCheckpoint(CheckpointReader):
         if self._kinds and opt is not None:
             if self._chained:
                 raise CheckpointFormatError(
-                    f"{first}: --optimizer {self.args.get('optimizer')} with experts in their own optimizer (EP > 1 or "
-                    f"ETP != TP) chains four optimizers, which megatron-ucp does not map yet; move the weights alone: "
-                    f"to-universal --weights-only, or --universal-checkpoint with --no-load-optim")
+                    f"{first}: --optimizer {self.args.get('optimizer')}: {optimizers.EMERGING_WITH_EXPERTS_REFUSAL}")
             if not (isinstance(opt, list) and len(opt) == len(self._kinds)):
                 raise structure_error(first, f"'optimizer' (a list of the {len(self._kinds)} chained optimizers "
                                              f"{', '.join(self._kinds)})", opt)
@@ -397,7 +395,7 @@ class LegacyCheckpoint(CheckpointReader):
             chunks = {(t, e, p): meta.chunks for (t, p, e), meta in self._ranks.items()}
             groups_by_rank = megatron_param_groups(chunks, self.args)
             run = self.args.get("optimizer")
-            kinds = [dict(o or ()).get("optimizer", run) for o in group_overrides(chunks, self.args)]
+            kinds = [optimizers.group_optimizer(dict(o or ()), run) for o in group_overrides(chunks, self.args)]
             for (t, p, e), meta in self._ranks.items():
                 for index, kind in enumerate(self._kinds):
                     mine = [g for g, k in zip(groups_by_rank[(t, e, p)], kinds) if k == kind]
@@ -414,6 +412,7 @@ class LegacyCheckpoint(CheckpointReader):
     def _map_rank_indices(self, meta: _RankMeta, view: _OptimView, mine: list, row=None) -> None:
         file = meta.model_file
         opt = view.state
+        row = row or self._row  # the row of this view's optimizer (an emerging chain's), else the run's
         if self.optimizer_kind == "mixed_precision":
             inner = entry(opt, "optimizer", dict, path=file, what="the Float16 optimizer's 'optimizer'")
             masters = entry(opt, "fp32_from_fp16_params", list, path=file, what="'fp32_from_fp16_params'")
@@ -438,7 +437,6 @@ class LegacyCheckpoint(CheckpointReader):
                 st = states.get(idx)
                 if st is not None:  # no state before the first optimizer step
                     what = f"optimizer state {idx} ({ref[1]})"
-                    row = row or self._row
                     if not isinstance(st, dict) or row.step and "step" not in st or not set(row.states) <= set(st):
                         raise structure_error(
                             file, f"{what}: {row.name}'s {', '.join(row.states + (('step',) if row.step else ()))}", st)

@@ -520,9 +520,7 @@ class TorchDistCheckpoint(CheckpointReader):
         if len(kinds) > 1:  # an emerging optimizer: megatron-core chains [its own, its scalar optimizer]
             if self._chained:
                 raise CheckpointFormatError(
-                    f"{self.path}: --optimizer {self._row.name} with experts in their own optimizer (EP > 1 or ETP "
-                    f"!= TP) chains four optimizers, which megatron-ucp does not map yet; move the weights alone: "
-                    f"to-universal --weights-only, or --universal-checkpoint with --no-load-optim")
+                    f"{self.path}: --optimizer {self._row.name}: {optimizers.EMERGING_WITH_EXPERTS_REFUSAL}")
             parts = len(self._optimizer_common_parts())
             if parts != len(kinds):
                 raise CheckpointFormatError(
