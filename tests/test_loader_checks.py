@@ -81,12 +81,20 @@ def test_another_optimizer_is_refused_universal_and_direct(ucp):
 
 
 @pytest.mark.parametrize("optimizer, said", [
-    ("soap", "--optimizer soap: SOAP"), ("adaptive_muon", "--optimizer adaptive_muon: adaptive Muon"),
-    # Megatron-LM's parser makes dist_muon muon under the layer-wise distributed optimizer
-    ("dist_muon", "--optimizer muon: the layer-wise distributed optimizer's state")])
+    ("soap", "--optimizer soap: SOAP"), ("adaptive_muon", "--optimizer adaptive_muon: adaptive Muon")])
 def test_unmapped_optimizers_are_refused_in_one_line(ucp, optimizer, said):
     with pytest.raises(UniversalLoadError, match=f"{said} .* is not supported yet") as e:
         check_compatible(ucp, args_for("--optimizer", optimizer))
+    assert "\n" not in str(e.value)
+
+
+def test_dist_muon_is_muon_under_the_layer_wise_distributed_optimizer(ucp):
+    """Megatron-LM 0.19's parser turns the deprecated --optimizer dist_muon into muon under the layer-wise distributed
+    optimizer, which megatron-ucp loads: an Adam checkpoint is then refused as another optimizer's state, naming both."""
+    args = args_for("--optimizer", "dist_muon")
+    assert args.optimizer == "muon" and args.use_layer_wise_distributed_optimizer
+    with pytest.raises(UniversalLoadError, match="holds adam optimizer state .* this run uses --optimizer muon") as e:
+        check_compatible(ucp, args)
     assert "\n" not in str(e.value)
 
 

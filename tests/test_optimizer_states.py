@@ -2,8 +2,8 @@
 a synthetic SGD universal checkpoint round-trips (version 4, its states declared, Adam checkpoints unchanged), state
 names from a checkpoint are checked before they name anything, Lion's and Muon's parameters take the rows megatron-core
 0.19 gives them (the emerging optimizer on the matrices, its scalar optimizer on the rest), and every optimizer
-megatron-ucp does not map (dist_muon, SOAP, adaptive Muon, the layer-wise distributed optimizer, SGD under the
-distributed optimizer, a scalar optimizer megatron-core does not build) is refused in one line naming it, at conversion
+megatron-ucp does not map (dist_muon's raw name, SOAP, adaptive Muon, the layer-wise distributed optimizer outside
+torch_dist's dp_reshardable saves, SGD under the distributed optimizer, a scalar optimizer megatron-core does not build) is refused in one line naming it, at conversion
 time (the readers' optimizer_row) and at argument time (the loader).
 """
 
@@ -96,7 +96,7 @@ def test_state_names_are_checked_before_they_name_a_key(tmp_path):
     ("shampoo", "is not one megatron-ucp knows")])
 def test_unmapped_optimizers_are_refused_at_conversion_time(name, words):
     with pytest.raises(CheckpointFormatError) as e:
-        optimizer_row({"optimizer": name}, "ckpt/common.pt", distributed=False)
+        optimizer_row({"optimizer": name}, "ckpt/common.pt", distributed=False, layer_wise=None)
     line = str(e.value)
     assert "\n" not in line and f"args.optimizer={name!r}" in line and words in line
     if name != "shampoo":
@@ -121,16 +121,33 @@ def test_lion_and_muon_give_each_parameter_megatron_cores_row():
     assert optimizers.run_states("lion", {}) == ("exp_avg", "exp_avg_sq")
     assert parameter_optimizer(qkv, (64, 32), {"optimizer": "adam"}) == "adam"
     with pytest.raises(CheckpointFormatError, match="--muon-scalar-optimizer 'sgd': megatron-core 0.19 builds adam"):
-        optimizer_row({"optimizer": "muon", "muon_scalar_optimizer": "sgd"}, "x", distributed=False)
+        optimizer_row({"optimizer": "muon", "muon_scalar_optimizer": "sgd"}, "x", distributed=False, layer_wise=None)
 
 
 def test_layer_wise_and_distributed_sgd_are_refused_and_the_rows_are_read():
-    assert optimizer_row({"optimizer": "sgd"}, "x", distributed=False).states == ("momentum_buffer",)
-    assert optimizer_row({}, "x", distributed=True).states == ("exp_avg", "exp_avg_sq")
+    """The layer-wise distributed optimizer is read where its reader maps it (torch_dist dp_reshardable:
+    tests/test_optim_lion_muon_resume.py); elsewhere (a legacy save, another sharding type, none of them measured) it
+    is refused in one line naming the way out, and with an optimizer megatron-core never runs under it the args are
+    inconsistent."""
+    def row(args, distributed=False, layer_wise=None):
+        return optimizer_row(args, "x", distributed=distributed, layer_wise=layer_wise)
+
+    assert row({"optimizer": "sgd"}).states == ("momentum_buffer",)
+    assert row({}, distributed=True).states == ("exp_avg", "exp_avg_sq")
     with pytest.raises(CheckpointFormatError, match="megatron-core 0.19 builds sgd without --use-distributed"):
-        optimizer_row({"optimizer": "sgd"}, "x", distributed=True)
-    with pytest.raises(CheckpointFormatError, match="layer-wise distributed optimizer's state .* not supported yet"):
-        optimizer_row({"optimizer": "sgd", "use_layer_wise_distributed_optimizer": True}, "x", distributed=False)
+        row({"optimizer": "sgd"}, distributed=True)
+    layer_wise = {"optimizer": "muon", "use_layer_wise_distributed_optimizer": True}
+    assert row(layer_wise, distributed=True).name == "muon"
+    for why in (optimizers.LAYER_WISE_LEGACY_REFUSAL, optimizers.layer_wise_sharding_refusal("fully_reshardable")):
+        with pytest.raises(CheckpointFormatError) as e:
+            row(layer_wise, distributed=True, layer_wise=why)
+        line = str(e.value)
+        assert "\n" not in line and "layer-wise distributed optimizer's state" in line and "not supported" in line
+        assert "to-universal --weights-only" in line and "--no-load-optim" in line, line
+    with pytest.raises(CheckpointFormatError, match=r"for the emerging optimizers \(lion, muon\) only"):
+        row({"optimizer": "sgd", "use_layer_wise_distributed_optimizer": True})
+    with pytest.raises(CheckpointFormatError, match="with lion for the scalar parameters .* cannot save it"):
+        row({**layer_wise, "muon_scalar_optimizer": "lion"}, distributed=True)
 
 
 def test_the_loader_refuses_at_argument_time():
@@ -151,7 +168,6 @@ def test_the_loader_refuses_at_argument_time():
         check_run_optimizer(args(optimizer=name, no_load_optim=True))  # weights only: nothing to map
     for name in ("lion", "muon"):
         check_run_optimizer(args(optimizer=name))
-        with pytest.raises(UniversalLoadError, match="layer-wise distributed optimizer"):
-            check_run_optimizer(args(optimizer=name, use_layer_wise_distributed_optimizer=True))
-    with pytest.raises(UniversalLoadError, match="layer-wise distributed optimizer"):
-        check_run_optimizer(args(optimizer="sgd", use_layer_wise_distributed_optimizer=True))
+        check_run_optimizer(args(optimizer=name, use_layer_wise_distributed_optimizer=True))
+    with pytest.raises(UniversalLoadError, match="with lion for the scalar parameters under the layer-wise"):
+        check_run_optimizer(args(optimizer="muon", muon_scalar_optimizer="lion", use_layer_wise_distributed_optimizer=True))

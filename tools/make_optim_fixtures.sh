@@ -16,14 +16,17 @@
 #                ChainedOptimizer([LayerWise, DistOpt]) of the default layer-wise param layout asserts equal configs,
 #                optimizer.py:1440), TP2 DP2, torch_dist
 #   MUC19:       MUA19's run saved in legacy torch
-# megatron-ucp converts none of LIA19/MUA19/MUB19/MUC19's optimizer state yet (issue 40): tests/test_optimizer_refusals.py proves every path
-# refuses them in one line. cpu_shims stands in for emerging-optimizers' triton kernels on CPU.
-#   tools/make_optim_fixtures.sh OUT_DIR [SGA19 SGB19 LIA19 MUA19 MUB19 MUC19]
+#   MUD19:       MUB19's run (layer-wise distributed optimizer, bf16) at TP1 PP2 DP2
+#   LIB19:       LIA19's run under the layer-wise distributed optimizer, bf16, TP2 DP2
+# (MUB19's run with --muon-scalar-optimizer lion cannot be made: megatron-core 0.19.2's DistributedOptimizer save of
+#  the Lion scalars reads Adam's per-parameter 'step', KeyError at the first save)
+# cpu_shims stands in for emerging-optimizers' triton kernels on CPU.
+#   tools/make_optim_fixtures.sh OUT_DIR [SGA19 SGB19 LIA19 MUA19 MUB19 MUC19 MUD19 LIB19]
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${1:?OUT_DIR}
 shift
-WHICH=${*:-SGA19 SGB19 LIA19 MUA19 MUB19 MUC19}
+WHICH=${*:-SGA19 SGB19 LIA19 MUA19 MUB19 MUC19 MUD19 LIB19}
 PY=${PYTHON:-$REPO/.venv/bin/python}
 
 COMMON="--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
@@ -42,13 +45,17 @@ FLAGS[LIA19]="--optimizer lion --lr 1e-4 --min-lr 1e-5 --tensor-model-parallel-s
 FLAGS[MUA19]="$MUON --tensor-model-parallel-size 2 --ckpt-format torch_dist"
 FLAGS[MUC19]="$MUON --tensor-model-parallel-size 2 --ckpt-format torch"
 FLAGS[MUB19]="$MUON --use-distributed-optimizer --bf16 --tensor-model-parallel-size 2 --ckpt-format torch_dist"
-NPROC[SGA19]=4; NPROC[SGB19]=4; NPROC[LIA19]=4; NPROC[MUA19]=4; NPROC[MUB19]=4; NPROC[MUC19]=4
+FLAGS[MUD19]="$MUON --use-distributed-optimizer --bf16 --pipeline-model-parallel-size 2 --ckpt-format torch_dist"
+FLAGS[LIB19]="--optimizer lion --lr 1e-4 --min-lr 1e-5 --use-distributed-optimizer --bf16 --tensor-model-parallel-size 2 --ckpt-format torch_dist"
+NPROC[SGA19]=4; NPROC[MUD19]=4; NPROC[LIB19]=4; NPROC[SGB19]=4; NPROC[LIA19]=4; NPROC[MUA19]=4; NPROC[MUB19]=4; NPROC[MUC19]=4
 NAME[SGA19]=SGA19_llama_tp2pp2dp1_sgd_torch_dist
 NAME[SGB19]=SGB19_llama_tp2pp2dp1_sgd_torch
 NAME[LIA19]=LIA19_llama_tp2dp2_lion_torch_dist
 NAME[MUA19]=MUA19_llama_tp2dp2_muon_torch_dist
 NAME[MUB19]=MUB19_llama_tp2dp2_muon_layerwise_bf16_torch_dist
 NAME[MUC19]=MUC19_llama_tp2dp2_muon_torch
+NAME[MUD19]=MUD19_llama_tp1pp2dp2_muon_layerwise_bf16_torch_dist
+NAME[LIB19]=LIB19_llama_tp2dp2_lion_layerwise_bf16_torch_dist
 
 for f in $WHICH; do
   dir="$OUT/${NAME[$f]}"

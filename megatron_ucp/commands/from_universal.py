@@ -44,7 +44,7 @@ from megatron_ucp.commands.common import add_publication_flags, add_target_layou
 from megatron_ucp.core.layout import LayoutError, ParallelLayout
 from megatron_ucp.core.patterns import PatternError
 from megatron_ucp.core.placement import PlacementError, resolve_vpp, split_options
-from megatron_ucp.core import versions
+from megatron_ucp.core import optimizers, versions
 from megatron_ucp.core.versions import NEWEST as _NEWEST
 from megatron_ucp.core.versions import SUPPORTED as SUPPORTED_RELEASES
 from megatron_ucp.formats.common import TRACKER_FILENAME
@@ -166,13 +166,20 @@ def plan_target(ucp: UniversalCheckpoint, layout: ParallelLayout, *, vpp_layers:
     if layout.vpp and mbs and gbs and (gbs // (mbs * layout.dp)) % layout.pp:
         raise FromUniversalError(f"{where}: the interleaved schedule needs the number of micro-batches "
                                  f"({gbs // (mbs * layout.dp)}) divisible by PP={layout.pp}; change DP or drop VPP")
-    if use_distributed_optimizer and ucp.has_optimizer_state and ucp.optimizer_type != "adam":
+    layer_wise = use_distributed_optimizer and len(optimizers.run_optimizers(ucp.optimizer_type, ucp.args)) > 1
+    if layer_wise and ucp.has_optimizer_state:  # megatron-core 0.19's layer-wise distributed optimizer
+        why = optimizers.layer_wise_refusal(ucp.optimizer_type, ucp.args) or (
+            optimizers.LAYER_WISE_LEGACY_REFUSAL if ckpt_format == "torch" else None)
+        if why:
+            raise FromUniversalError(f"{where}: {why}")
+    elif use_distributed_optimizer and ucp.has_optimizer_state and ucp.optimizer_type != "adam":
         raise FromUniversalError(
             f"{where}: holds {ucp.optimizer_type} optimizer state, which megatron-core 0.19 keeps without the "
             f"distributed optimizer only (its DistributedOptimizer takes Adam or an optimizer with an init_state_fn); "
             f"drop --use-distributed-optimizer")
     if use_distributed_optimizer:
-        steps = {info.step for name, info in ucp.parameters.items() if not is_buffer(name)}
+        steps = {info.step for name, info in ucp.parameters.items()  # the emerging optimizer's own keep none
+                 if not is_buffer(name) and not (layer_wise and info.step is None)}
         if len(steps) > 1:
             raise FromUniversalError(
                 f"{where}: parameters have different Adam steps {sorted(s for s in steps if s is not None)}, but "

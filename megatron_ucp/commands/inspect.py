@@ -128,6 +128,14 @@ _KIND_WORDS = {"adam": "fp32 torch optimizer", "mixed_precision": "Float16 optim
                "distributed": "distributed optimizer"}
 
 
+def _optimizer_layout(kind: Optional[str], args) -> Optional[str]:
+    """How the source's optimizer kept its state, in the table's words (megatron-core 0.19 runs Lion / Muon with
+    --use-distributed-optimizer as its layer-wise distributed optimizer)."""
+    if kind == "distributed" and (args or {}).get("use_layer_wise_distributed_optimizer"):
+        return "layer-wise distributed optimizer"
+    return _KIND_WORDS.get(kind, kind)
+
+
 def describe(ckpt) -> dict:
     """Everything `inspect` reports, as a JSON-safe dict."""
     rows = parameter_rows(ckpt)
@@ -164,6 +172,7 @@ def describe(ckpt) -> dict:
         "model_config": ckpt.config.to_dict(),
         "moe": moe_summary(ckpt.config, layout),
         "optimizer_kind": optimizer_kind,
+        "optimizer_layout": _optimizer_layout(optimizer_kind, getattr(ckpt, "args", None)),
         "has_optimizer_state": bool(rows) and all(len(r.tensors) > 1 for r in rows if r.kind != "buffer"),
         # each set of states parameters hold (one; an emerging optimizer's and its scalar optimizer's: two), with
         # how many parameters hold it
@@ -223,7 +232,7 @@ def format_report(info: dict) -> str:
         + (f", {c['mtp_num_layers']} multi-token prediction layer{'s' if c['mtp_num_layers'] > 1 else ''} (MTP)"
            if c.get("mtp_num_layers") else ""),
         f"  optimizer     {info.get('optimizer_type') or 'none'}"
-        + (f" ({_KIND_WORDS.get(info['optimizer_kind'], info['optimizer_kind'])})" if info.get("optimizer_type") else "")
+        + (f" ({info['optimizer_layout']})" if info.get("optimizer_type") else "")
         + (": " + "; ".join(f"{', '.join(o['states'])} on {o['parameters']} parameter{'s' * (o['parameters'] > 1)}"
                             for o in info["optimizer_states"]) if info["has_optimizer_state"]
            else " (no optimizer state)"),

@@ -87,17 +87,44 @@ def refusal(name: Optional[str]) -> Optional[str]:
             f"--universal-checkpoint with --no-load-optim)")
 
 
-LAYER_WISE_REFUSAL = ("the layer-wise distributed optimizer's state (megatron-core 0.19 runs --optimizer lion / muon "
-                      "with --use-distributed-optimizer as LayerWiseDistributedOptimizer: whole parameters per DP "
-                      "rank) is not supported yet; train without --use-distributed-optimizer (Lion's and Muon's "
-                      "state then converts), or move the weights alone: to-universal --weights-only, or "
-                      "--universal-checkpoint with --no-load-optim")
+_WEIGHTS_ALONE = ("move the weights alone: to-universal --weights-only, or --universal-checkpoint with "
+                  "--no-load-optim")
+
+# megatron-core 0.19 runs --optimizer lion / muon with --use-distributed-optimizer as LayerWiseDistributedOptimizer:
+# whole matrices per DP rank (model-space state) chained with a DistributedOptimizer of the scalar parameters' own
+# DDP buffer. megatron-ucp reads and loads it from torch_dist's default dp_reshardable saves (the measured ones).
+LAYER_WISE_LEGACY_REFUSAL = (
+    "the layer-wise distributed optimizer's state in a --ckpt-format torch checkpoint (distrib_optim.pt of a "
+    "LayerWiseDistributedOptimizer) is not supported; megatron-ucp reads it from --ckpt-format torch_dist saves "
+    "(Megatron-LM's default), or " + _WEIGHTS_ALONE)
+
+
+def layer_wise_refusal(name: Optional[str], args) -> Optional[str]:
+    """Why a run of --optimizer `name` under the layer-wise distributed optimizer has state megatron-ucp does not map,
+    one line; None where it does (Muon or Lion with Adam for the scalar parameters). Lion scalars: megatron-core
+    0.19.2 cannot save them (its DistributedOptimizer's save reads Adam's per-parameter 'step': KeyError at the first
+    save), so no such checkpoint exists to measure."""
+    scalar = scalar_optimizer(name, args) if name in OPTIMIZERS else None
+    if scalar in (None, name):
+        return (f"--optimizer {name} under the layer-wise distributed optimizer: megatron-core 0.19 builds it for the "
+                f"emerging optimizers (lion, muon) only")
+    if scalar != "adam":
+        return (f"--optimizer {name} with {scalar} for the scalar parameters under the layer-wise distributed optimizer "
+                f"is not supported (megatron-core 0.19.2 cannot save it: its DistributedOptimizer reads Adam's 'step'); "
+                f"use --muon-scalar-optimizer adam, or " + _WEIGHTS_ALONE)
+    return None
+
+
+def layer_wise_sharding_refusal(sharding) -> str:
+    """Why the layer-wise distributed optimizer's state saved with this distrib_optim_sharding_type is not read."""
+    return (f"the layer-wise distributed optimizer's state saved with distrib_optim_sharding_type={sharding!r} is not "
+            f"supported (megatron-ucp reads its 'dp_reshardable' saves, Megatron-LM's default: drop "
+            f"--dist-ckpt-optim-fully-reshardable), or " + _WEIGHTS_ALONE)
 
 
 EMERGING_WITH_EXPERTS_REFUSAL = (
     "with experts in their own optimizer (EP > 1 or ETP != TP) megatron-core chains four optimizers, which "
-    "megatron-ucp does not map yet; move the weights alone: to-universal --weights-only, or --universal-checkpoint "
-    "with --no-load-optim")
+    "megatron-ucp does not map yet; " + _WEIGHTS_ALONE)
 
 
 def optimizer_states(name: str) -> OptimizerStates:

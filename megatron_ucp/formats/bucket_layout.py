@@ -94,7 +94,11 @@ class DDPBucketConfig:
                 bucket_size = max(DEFAULT_BUCKET_SIZE, DEFAULT_BUCKET_SIZE_PER_DP_RANK * layout.dp_cp)
         return cls(
             dp_size=group,
-            use_distributed_optimizer=bool(args.get("use_distributed_optimizer")),
+            # the layer-wise distributed optimizer (megatron-core 0.19's Lion / Muon with --use-distributed-optimizer)
+            # lays out its scalar parameters' buffers for their DistributedOptimizer (the matrices' buffers are its
+            # own and hold no checkpointed state)
+            use_distributed_optimizer=bool(args.get("use_distributed_optimizer")
+                                           or args.get("use_layer_wise_distributed_optimizer")),
             bucket_size=bucket_size,
             pad_buckets_for_high_nccl_busbw=bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")),
             grad_reduce_in_fp32=bool(args.get("accumulate_allreduce_grads_in_fp32")),

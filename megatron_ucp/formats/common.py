@@ -204,11 +204,12 @@ def layout_from_args(args: dict, source: Any = "args") -> ParallelLayout:
         raise CheckpointFormatError(f"{source}: {e}") from e
 
 
-def optimizer_row(args: dict, source: Any, *, distributed: bool):
+def optimizer_row(args: dict, source: Any, *, distributed: bool, layer_wise: Optional[str]):
     """The core/optimizers.py row of the optimizer whose state a checkpoint holds (args.optimizer, Adam by default);
     CheckpointFormatError in one line for one whose state is not mapped (yet), and for state a megatron-core release
     cannot have saved (SGD under the distributed optimizer: 0.19's DistributedOptimizer takes Adam or an optimizer
-    with an init_state_fn, and its SGD has none)."""
+    with an init_state_fn, and its SGD has none). `layer_wise`: why the caller cannot read this checkpoint's
+    layer-wise distributed optimizer state (core/optimizers.py), None where it can."""
     from megatron_ucp.core import optimizers
 
     name = args.get("optimizer", "adam")
@@ -216,7 +217,15 @@ def optimizer_row(args: dict, source: Any, *, distributed: bool):
     if why is not None:
         raise CheckpointFormatError(f"{source}: args.optimizer={name!r}: {why}")
     if args.get("use_layer_wise_distributed_optimizer"):
-        raise CheckpointFormatError(f"{source}: args.optimizer={name!r}: {optimizers.LAYER_WISE_REFUSAL}")
+        try:
+            unmapped = optimizers.layer_wise_refusal(name, args)
+        except optimizers.OptimizerNotSupported as e:
+            raise CheckpointFormatError(f"{source}: args.optimizer={name!r}: {e}") from None
+        if unmapped is not None:
+            raise CheckpointFormatError(f"{source}: {unmapped}")
+        if layer_wise is not None:
+            raise CheckpointFormatError(f"{source}: args.optimizer={name!r}: {layer_wise}")
+        distributed = False  # the distributed optimizer of its scalar parameters is the reader's to map
     if distributed and name != "adam":
         raise CheckpointFormatError(
             f"{source}: args.optimizer={name!r} with the distributed optimizer's state; megatron-core 0.19 builds "

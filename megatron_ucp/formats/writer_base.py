@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Optional
 
-from megatron_ucp.core import versions
+from megatron_ucp.core import optimizers, versions
 from megatron_ucp.core.layout import ParallelLayout
 
 
@@ -64,6 +64,7 @@ def target_args(metadata: Mapping[str, Any], layout: ParallelLayout, *, use_dist
                 padded_vocab_size: int, ckpt_format: str, vpp_layers: Optional[int]) -> dict:
     """The universal checkpoint's Megatron args with the target layout's values (JSON values)."""
     args = dict(metadata.get("args") or {})
+    emerging = len(optimizers.run_optimizers(args.get("optimizer") or "adam", args)) > 1
     args.update(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -82,7 +83,9 @@ def target_args(metadata: Mapping[str, Any], layout: ParallelLayout, *, use_dist
         context_parallel_size=layout.cp,
         world_size=layout.world_size,
         sequence_parallel=bool(layout.sp),
-        use_distributed_optimizer=bool(use_distributed_optimizer),
+        use_distributed_optimizer=bool(use_distributed_optimizer) and not emerging,
+        # megatron-core 0.19 runs Lion / Muon with --use-distributed-optimizer as its layer-wise distributed optimizer
+        use_layer_wise_distributed_optimizer=bool(use_distributed_optimizer) and emerging,
         padded_vocab_size=int(padded_vocab_size),
         ckpt_format=ckpt_format,
         use_dist_ckpt=ckpt_format != "torch",

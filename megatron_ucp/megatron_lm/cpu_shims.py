@@ -676,6 +676,17 @@ def _distopt_unshare_step_after_load() -> None:
     DistributedOptimizer.load_state_dict = load_state_dict
 
 
+def leaf_optimizers(optimizer) -> list:
+    """The megatron optimizers that each wrap one torch optimizer, in chain order: a ChainedOptimizer's, recursively
+    (megatron-core 0.19's layer-wise distributed optimizer chains [LayerWiseDistributedOptimizer([its emerging
+    optimizer]), the scalar parameters' DistributedOptimizer], and LayerWiseDistributedOptimizer is itself a
+    ChainedOptimizer)."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is None:
+        return [optimizer]
+    return [leaf for opt in chained for leaf in leaf_optimizers(opt)]
+
+
 def init_adam_state_for_loading(optimizer, run: str = "adam") -> None:
     """Allocate each torch optimizer's per-parameter state (zeros, Adam's own `step` 0) where it is still empty:
     the states of its param group's row in core/optimizers.py (`run`: the run's --optimizer; an emerging
@@ -688,7 +699,7 @@ def init_adam_state_for_loading(optimizer, run: str = "adam") -> None:
     """
     from megatron_ucp.core import optimizers
 
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in leaf_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if not isinstance(inner, torch.optim.Optimizer):
             continue

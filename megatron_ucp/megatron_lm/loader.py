@@ -46,7 +46,7 @@ from megatron_ucp.core import optimizers
 from megatron_ucp.core.model_config import GPTModelConfig
 from megatron_ucp.core.patterns import repadded_shard
 from megatron_ucp.formats.common import layout_from_args
-from megatron_ucp.megatron_lm.cpu_shims import device, init_adam_state_for_loading
+from megatron_ucp.megatron_lm.cpu_shims import device, init_adam_state_for_loading, leaf_optimizers
 
 # Model-config fields that must match between the universal checkpoint and the run.
 MUST_MATCH = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -355,7 +355,7 @@ def check_run_optimizer(args) -> None:
                                  "SGD has none); drop --use-distributed-optimizer")
     why = optimizers.refusal(ours)
     if why is None and getattr(args, "use_layer_wise_distributed_optimizer", False):
-        why = f"--optimizer {ours}: {optimizers.LAYER_WISE_REFUSAL}"
+        why = optimizers.layer_wise_refusal(ours, vars(args))
     if why is not None and loads_optimizer_state(args):
         raise UniversalLoadError(f"this run's {why}")
 
@@ -370,7 +370,7 @@ def check_optimizer(ucp, args) -> None:
     ours = getattr(args, "optimizer", "adam")
     why = optimizers.refusal(ours)
     if why is None and getattr(args, "use_layer_wise_distributed_optimizer", False):
-        why = f"--optimizer {ours}: {optimizers.LAYER_WISE_REFUSAL}"
+        why = optimizers.layer_wise_refusal(ours, vars(args))
     if why is not None:
         raise UniversalLoadError(f"this run's {why}")
     theirs = ucp.optimizer_type
@@ -460,7 +460,7 @@ class _MainParam:
 
 
 def _sub_optimizers(optimizer):
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    return leaf_optimizers(optimizer)
 
 
 def _is_distributed(optimizer) -> bool:

@@ -160,7 +160,8 @@ class LegacyCheckpoint(CheckpointReader):
         if self.weights_only and opt is not None:
             self.skipped_optimizer, opt = str(self.args.get("optimizer", "adam")), None
         if opt is not None:  # an optimizer whose state is not mapped is refused by name before its structure is read
-            optimizer_row(self.args, first, distributed=bool(self.args.get("use_distributed_optimizer")))
+            optimizer_row(self.args, first, distributed=bool(self.args.get("use_distributed_optimizer")),
+                          layer_wise=optimizers.LAYER_WISE_LEGACY_REFUSAL)
             kinds = optimizers.run_optimizers(self.args.get("optimizer", "adam"), self.args)
             self._kinds = kinds if len(kinds) > 1 else ()
         if self._kinds and opt is not None:
@@ -193,7 +194,8 @@ class LegacyCheckpoint(CheckpointReader):
                 f"experts) are supported.")
         # the optimizer's per-parameter state by name (core/optimizers.py; refused in one line if not mapped)
         self._row = (None if self.optimizer_kind == "none" else
-                     optimizer_row(self.args, first, distributed=self.optimizer_kind == "distributed"))
+                     optimizer_row(self.args, first, distributed=self.optimizer_kind == "distributed",
+                                  layer_wise=optimizers.LAYER_WISE_LEGACY_REFUSAL))
         self._ranks: dict[tuple[int, int, int], _RankMeta] = {}
         self._param_groups: dict[int, list] = {}  # optimizer index -> its param groups (hyper-parameters)
         self._scan()

@@ -314,7 +314,9 @@ def build_rank_state(ucp, config: GPTModelConfig, target: WriteTarget, groups: O
                 if len(kinds) > 1 and any(_model_dtype(ucp, c) != _F32 for c in mine.values()):
                     raise LegacyWriteError(f"{ucp.path}: {ucp.optimizer_type} state of a 16-bit model: megatron-ucp "
                                            f"writes the emerging optimizers' chain for fp32 models only (no 16-bit "
-                                           f"fixture measured it); resume it with --universal-checkpoint")
+                                           f"fixture measured it); write --ckpt-format torch_dist "
+                                           f"--use-distributed-optimizer (megatron-core 0.19's layer-wise distributed "
+                                           f"optimizer), or resume it with --universal-checkpoint")
                 for kind in kinds:
                     own = [g for g, identity in enumerate(identities[:len(rank_groups)])
                            if group_optimizer(identity, ucp.optimizer_type) == kind]

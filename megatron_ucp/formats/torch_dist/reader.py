@@ -53,6 +53,14 @@ bucket-end padding excluded), saved as DP shards; 'optimizer.distributed.dp_grou
   The per-parameter Adam step is saved once as common.pt['optimizer']['state']['common_step']
   (FP32Optimizer) or common.pt['optimizer']['optimizer']['state']['common_step'] (Float16), next to
   'param_groups' (without 'params'). FP32Optimizer steps the model weight itself, so 'fp32' is the weight.
+- The layer-wise distributed optimizer (megatron-core 0.19's Lion / Muon with --use-distributed-optimizer:
+  ChainedOptimizer [LayerWiseDistributedOptimizer([Float16(the emerging optimizer)]), the scalar parameters'
+  DistributedOptimizer]), read from its dp_reshardable saves: each matrix (the rulebook's emerging_matrix) in model
+  space, 'chained_0.optimizer.state.{fp32_param,<its states>}.<model key>' (whole on the DP rank owning it, the
+  model's chunks); the scalar parameters in 'chained_1.optimizer.distributed.dp_group_idx_<m>...' flat buckets of
+  their own DDP buffers (the matrices' buffers are the layer-wise optimizer's and save nothing), their groups and
+  step in 'chained_1....optimizer'; common.pt['optimizer'] = {0: the matrices' groups, 1: {'param_state_sharding_
+  type'}}. Its legacy saves and other shardings are refused (core/optimizers.py).
 With tied embeddings and PP > 1 the last stage's output-layer state is saved once, under the word
 embedding's key (its gradient is all-reduced over the embedding group, so both copies are equal).
 
@@ -122,6 +130,9 @@ class _RankInfo:
     optimizer: int = 0  # index in the ChainedOptimizer (0 dense, 1 expert)
     group_idx: int = 0  # its `dp_group_idx` in that optimizer's keys
     prefix: str = ""  # 'chained_<i>.' on that optimizer's flat-bucket keys
+    # the ChainedOptimizer index of its flat buckets where it is not `optimizer` (the layer-wise distributed
+    # optimizer's: its scalar parameters' DistributedOptimizer is chained second)
+    bucket_chain: Optional[int] = None
     sources: dict = field(default_factory=dict)  # (chunk, local name) -> _Piece
     buffers: list[list[BufferLayout]] = field(default_factory=list)
     gbuf_base: list[int] = field(default_factory=list)
@@ -220,6 +231,9 @@ class TorchDistCheckpoint(CheckpointReader):
         self._optim_layout: Optional[versions.OptimizerSharding] = None  # what that sharding type means
         self._row = None  # the optimizer's core/optimizers.py row (None without optimizer state)
         self.optimizer_kind = self._detect_optimizer()
+        # LayerWiseDistributedOptimizer (--optimizer lion / muon with --use-distributed-optimizer): the emerging
+        # optimizer's matrices in model space under 'chained_0.', its scalar optimizer's flat buckets under 'chained_1.'
+        self._layer_wise = self.optimizer_kind != "none" and bool(self.args.get("use_layer_wise_distributed_optimizer"))
         self._flat_buckets = self._optim_space == "buckets"
         # fully_sharded_model_space state keys -> the TP-local fragment shape each flattened range indexes, and
         # -> {fragment index: its saved chunks' offsets in flattened order}
@@ -243,9 +257,10 @@ class TorchDistCheckpoint(CheckpointReader):
         layout = self.layout
         for pp_rank in range(layout.pp):
             for tp_rank in range(layout.tp):
+                chain = 1 if self._layer_wise else 0 if self._chained else None
                 self._ranks[("dense", tp_rank, pp_rank)] = self._rank_info(
-                    _RankInfo([], group_idx=layout.dense_mp_rank(tp_rank, pp_rank),
-                              prefix=names.chained_prefix(0 if self._chained else None)), tp_rank, pp_rank)
+                    _RankInfo([], group_idx=layout.dense_mp_rank(tp_rank, pp_rank), prefix=names.chained_prefix(chain),
+                              bucket_chain=chain if self._layer_wise else None), tp_rank, pp_rank)
             if not self._chained:
                 continue
             for ep_rank in range(layout.ep):
@@ -317,8 +332,9 @@ class TorchDistCheckpoint(CheckpointReader):
     @property
     def _model_space(self) -> bool:
         """Optimizer state saved per parameter: with the model key's shape and chunks, or (fully_sharded_model_space)
-        as flattened ranges of the model key's TP-local shards."""
-        return self.optimizer_kind in ("adam", "mixed_precision") or self._optim_space in ("model", "model_flat")
+        as flattened ranges of the model key's TP-local shards (the layer-wise distributed optimizer: its
+        emerging optimizer's matrices, `_in_model_space`)."""
+        return self._layer_wise or self.optimizer_kind in ("adam", "mixed_precision") or self._optim_space in ("model", "model_flat")
 
     def _detect_optimizer(self) -> str:
         opt_keys = [k for k in self._keys if k.startswith(names.OPTIMIZER_PREFIXES)]
@@ -336,7 +352,8 @@ class TorchDistCheckpoint(CheckpointReader):
         layout = versions.optimizer_sharding(sharding)
         # the optimizer's per-parameter state by name (core/optimizers.py; refused in one line if not mapped)
         self._row = optimizer_row(self.args, common_file, distributed=layout is not None or bool(
-            self.args.get("use_distributed_optimizer")))
+            self.args.get("use_distributed_optimizer")), layer_wise=None if sharding == "dp_reshardable" else
+            optimizers.layer_wise_sharding_refusal(sharding))
         if any(names.is_distributed_optimizer_key(k) for k in opt_keys) and layout is None:
             raise CheckpointFormatError(
                 f"{common_file}: distrib_optim_sharding_type={sharding!r} with flat-bucket optimizer keys; "
@@ -390,6 +407,11 @@ class TorchDistCheckpoint(CheckpointReader):
                 continue
             what, model_key = parsed
             self._check_dtype(key, (STATE_DTYPE,))
+            if self._layer_wise and not key.startswith(names.chained_prefix(0)):
+                raise CheckpointFormatError(
+                    f"{self._dcp_index}: {key} is model-space optimizer state outside the layer-wise optimizer's "
+                    f"{names.chained_prefix(0)}* (its matrices' optimizer); the checkpoint is not one megatron-core "
+                    f"0.19 writes, re-copy the iteration folder.")
             if not isinstance(self._keys.get(model_key), DcpTensorMeta):
                 raise CheckpointFormatError(f"{self._dcp_index}: optimizer state {key} belongs to no saved "
                                             f"model tensor {model_key!r}.")
@@ -403,15 +425,18 @@ class TorchDistCheckpoint(CheckpointReader):
                 raise CheckpointFormatError(f"{self._dcp_index}: {what} state of {model_key} is saved "
                                             f"twice ({out[model_key][what]}, {key}).")
             out[model_key][what] = key
-        main = {self._optim_layout.main_param} if self._optim_layout else set()
+        main = {self._optim_layout.main_param} if self._optim_layout and not self._layer_wise else set()
         rows = [optimizers.OPTIMIZERS[r] for r in optimizers.run_optimizers(self._row.name, self.args)]
+        if self._layer_wise:
+            rows = rows[:1]  # the scalar optimizer's state is in flat buckets
         for model_key, found in out.items():
-            if not any(set(r.states) | main <= set(found) for r in rows):
-                expected = " or ".join(str(sorted(set(r.states) | main)) for r in rows)
+            need = main | ({"fp32_param"} if self._layer_wise and self._keys[model_key].dtype != STATE_DTYPE else set())
+            if not any(set(r.states) | need <= set(found) for r in rows):
+                expected = " or ".join(str(sorted(set(r.states) | need)) for r in rows)
                 raise CheckpointFormatError(
                     f"{self._dcp_index}: optimizer state of {model_key} has {sorted(found)}, expected "
                     f"{expected}; the checkpoint is incomplete or not {self._row.name}'s state.")
-        if not out and self._optim_layout:
+        if not out and self._optim_layout and not self._layer_wise:
             raise CheckpointFormatError(f"{self._dcp_index}: distrib_optim_sharding_type="
                                         f"{self.distrib_optim_sharding!r} but no optimizer.state."
                                         f"{self._optim_layout.main_param}.* tensors are saved.")
@@ -422,7 +447,9 @@ class TorchDistCheckpoint(CheckpointReader):
         groups: list = []
         steps: set = set()
         common_file = self._common_file
-        for sub in self._optimizer_common_parts():
+        # the layer-wise distributed optimizer: its emerging optimizer's groups (the scalar optimizer's are the
+        # DistributedOptimizer's object, as for any dp_reshardable save)
+        for sub in self._optimizer_common_parts()[:1 if self._layer_wise else None]:
             inner = sub.get("optimizer", sub)  # Float16 optimizer and distributed optimizer nest it
             found = inner.get("param_groups") if isinstance(inner, dict) else None
             if not isinstance(found, list) or not all(isinstance(g, dict) for g in found):
@@ -613,9 +640,19 @@ class TorchDistCheckpoint(CheckpointReader):
             self._attach_buffers(info, tp_rank, pp_rank)
         elif self._optim_space == "gathered":
             self._attach_gathered(info, tp_rank, pp_rank)
-        elif self._model_space:
+        if self._model_space and (self._layer_wise or not self._flat_buckets):
             self._check_model_space_state(info, tp_rank, pp_rank)
         return info
+
+    def _in_model_space(self, local: str, shape) -> bool:
+        """Whether a parameter's optimizer state is in model space in a checkpoint whose distributed optimizer's is
+        in flat buckets: the layer-wise distributed optimizer's matrices (its emerging optimizer's, whole per DP
+        rank, saved like the weight)."""
+        return self._layer_wise and self.parameter_row(local, shape).name == self._row.name
+
+    @staticmethod
+    def _chain_of_buckets(info: _RankInfo) -> int:
+        return info.optimizer if info.bucket_chain is None else info.bucket_chain
 
     def _rank_numel(self, pp_rank: int) -> int:
         """Parameters of one global rank of stage `pp_rank`, all chunks, dense and its experts alike (what
@@ -649,7 +686,7 @@ class TorchDistCheckpoint(CheckpointReader):
             shared = shared_embedding_names(self.args, self.layout, pp_rank=pp_rank, vpp_chunk=chunk,
                                             names=[p.name for p in params])
             params = [BufferParam(p.name, p.shape, p.dtype, shared_embedding=p.name in shared, expert=p.expert)
-                      for p in params if not rulebook.is_buffer(p.name)]
+                      for p in params if not rulebook.is_buffer(p.name) and not self._in_model_space(p.name, p.shape)]
             out.append(build_chunk_buffers(params, config, experts=info.optimizer == 1) if params else [])
         return out
 
@@ -676,7 +713,7 @@ class TorchDistCheckpoint(CheckpointReader):
         return self._shifted.problem(self.reset_lost_optimizer_state) if self._shifted else None
 
     def _attach_buffers(self, info: _RankInfo, tp_rank: int, pp_rank: int) -> None:
-        mp, opt = info.group_idx, info.optimizer
+        mp, opt = info.group_idx, self._chain_of_buckets(info)
         where = self._describe_rank(info, tp_rank, pp_rank)
         gbuf = 0
         for chunk, buffers in enumerate(self._chunk_buffers(info, pp_rank)):
@@ -734,16 +771,17 @@ class TorchDistCheckpoint(CheckpointReader):
         shapes = {(chunk, p.name): p.shape for chunk, params in enumerate(info.params) for p in params}
         for (chunk, name), piece in info.sources.items():
             found = self._state_keys.get(piece.key, {})
-            if rulebook.is_buffer(name):
+            if rulebook.is_buffer(name) or (self._layer_wise and not self._in_model_space(name, shapes[(chunk, name)])):
                 if found:
-                    raise CheckpointFormatError(f"{self._dcp_index}: the buffer {piece.key} has optimizer "
-                                                f"state {sorted(found)}; the checkpoint is inconsistent.")
+                    raise CheckpointFormatError(f"{self._dcp_index}: {piece.key} has model-space optimizer state "
+                                                f"{sorted(found)}, but {'it is a buffer' if rulebook.is_buffer(name) else 'the layer-wise optimizer keeps its state in flat buckets'}; "
+                                                f"the checkpoint is inconsistent.")
                 continue
             if not found and not self._state_keys:
                 continue
             row = self.parameter_row(name, shapes[(chunk, name)])
             need = set(row.states)
-            if self._optim_layout:
+            if self._optim_layout and not self._layer_wise:
                 need.add(self._optim_layout.main_param)
             elif self._keys[piece.key].dtype in ("float16", "bfloat16"):
                 need.add("fp32_param")
@@ -826,7 +864,7 @@ class TorchDistCheckpoint(CheckpointReader):
         req = _Requests(piece=piece, want=want)
         if rulebook.is_buffer(ref.local_name):
             pass  # a persistent buffer: its value, no optimizer state
-        elif self._flat_buckets:
+        elif self._flat_buckets and not self._in_model_space(ref.local_name, ref.shape):
             for what, (key, start, numel) in self._flat_request(info, ref).items():
                 name = "fp32" if what == "param" else what
                 if name in want:
@@ -869,7 +907,8 @@ class TorchDistCheckpoint(CheckpointReader):
         out: dict = {}
         if piece.key in got and "param" in want:
             out["param"] = assemble(got[piece.key], piece)
-        if self._flat_buckets or self._optim_space == "gathered":
+        if (self._flat_buckets and not self._in_model_space(ref.local_name, ref.shape)) or (
+                self._optim_space == "gathered"):
             for name, key in req.flat.items():
                 out[name] = assemble(got[key], _Piece(key, 0, (), 0), ref.shape)
             for name, record in req.records.items():
@@ -1073,7 +1112,7 @@ class TorchDistCheckpoint(CheckpointReader):
             except KeyError:
                 continue
             gbuf = info.gbuf_base[ref.vpp_chunk] + i
-            keys = self._buckets[(info.optimizer, info.group_idx, gbuf, (str(buf.param_dtype), str(buf.grad_dtype)),
+            keys = self._buckets[(self._chain_of_buckets(info), info.group_idx, gbuf, (str(buf.param_dtype), str(buf.grad_dtype)),
                                   span.bucket)]
             start = buf.offset_in_bucket(span)
             return {what: (keys[what], start, math.prod(span.shape)) for what in ("param", "exp_avg", "exp_avg_sq")}
@@ -1082,7 +1121,10 @@ class TorchDistCheckpoint(CheckpointReader):
                                     f"match its args.")
 
     def common_state(self) -> dict:
-        if self._flat_buckets or self._optim_space == "gathered":
+        if self._layer_wise:  # [the emerging optimizer's groups, its scalar optimizer's]: the chain's order
+            groups = list(self._model_space_groups) + list(
+                self._optimizer_groups(self._ranks[("dense", 0, 0)]).param_groups)
+        elif self._flat_buckets or self._optim_space == "gathered":
             # the ChainedOptimizer's groups: the dense optimizer's, then the expert optimizer's
             groups = list(self._optimizer_groups(self._ranks[("dense", 0, 0)]).param_groups)
             if self._chained:

@@ -39,6 +39,11 @@ Entries (formats/torch_dist/reader.py documents them as the reader sees them):
   - "adam" (no distributed optimizer, any torch optimizer): `optimizer.state.<state>.<model key>` for each of the
     optimizer's states by its torch name (Adam: exp_avg, exp_avg_sq; SGD: momentum_buffer) (+ `fp32_param`
     for bf16/fp16 models); common.pt holds the param groups and `common_step`.
+  - "layer_wise" (Lion / Muon with --use-distributed-optimizer: megatron-core 0.19's layer-wise distributed
+    optimizer, args use_layer_wise_distributed_optimizer): the matrices' state in model space prefixed `chained_0.`
+    (`fp32_param` for 16-bit models, then the emerging optimizer's states), the scalar parameters' dp_reshardable
+    buckets of their own DDP buffers prefixed `chained_1.`; common.pt's optimizer {0: the matrices' groups, 1:
+    {'param_state_sharding_type': 'dp_reshardable'}} (what MUB19's own save holds, key for key).
   - None: weights only (args.no_save_optim), when the universal checkpoint has no Adam state.
 - `rng_state/shard_<pp>.<tp>_<PP>.<TP>`: a fresh deterministic state per (pp, tp) rank, as the legacy
   writer writes it (formats/megatron_state.py; `rng_state` "cuda" or "cpu"; "source": the stored states,
@@ -91,7 +96,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 from megatron_ucp.adapters.gpt import (
-    POST, PRE, expected_parameters, expert_location, experts_in_own_optimizer, is_buffer, is_expert, local_name,
+    POST, PRE, emerging_matrix, expected_parameters, expert_location, experts_in_own_optimizer, is_buffer, is_expert, local_name,
     parameters_for_rank, pattern_for, rule_for, torch_dist_key, torch_dist_lead_shape, tp_size_of)
 from megatron_ucp.core.layout import ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
@@ -118,6 +123,10 @@ from megatron_ucp.formats.universal_pieces import (Gap, Piece, Sources, box_nume
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
 _F32 = MODEL_DTYPES["float32"]
 _STATE_NAMES = {"fp32": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # universal -> bucket key
+# megatron-core 0.19's layer-wise distributed optimizer (Lion / Muon with --use-distributed-optimizer): a
+# ChainedOptimizer [LayerWiseDistributedOptimizer([the emerging optimizer]), the scalar parameters' DistributedOptimizer]:
+# the matrices' state in model space under 'chained_0.', the scalars' dp_reshardable buckets under 'chained_1.'
+LAYER_WISE = "layer_wise"
 
 
 class TorchDistWriteError(WriteError):
@@ -285,6 +294,13 @@ def optimizer_kind(ucp, target: WriteTarget, optimizer_format: Optional[str],
             raise TorchDistWriteError(f"{ucp.path}: holds no optimizer state, so there is no {optimizer_format} "
                                       f"state to write; drop --optimizer-format")
         return None
+    if target.use_distributed_optimizer and target.args.get("use_layer_wise_distributed_optimizer"):
+        if optimizer_format not in (None, "dp_reshardable"):
+            raise TorchDistWriteError(
+                f"--optimizer-format {optimizer_format}: megatron-ucp writes the layer-wise distributed optimizer "
+                f"(--optimizer {ucp.optimizer_type} with --use-distributed-optimizer) as dp_reshardable only (what "
+                f"megatron-core 0.19 saves by default, the measured one); drop --optimizer-format")
+        return LAYER_WISE
     if target.use_distributed_optimizer:
         return optimizer_format or default
     return "adam"
@@ -297,14 +313,15 @@ def plan_checkpoint(ucp, target: WriteTarget, optimizer_format: Optional[str] = 
     layout = target.layout
     config = replace(ucp.config, padded_vocab_size=target.padded_vocab_size)
     opt = optimizer_kind(ucp, target, optimizer_format, release.distrib_optim_default)
-    refusal = versions.load_refusal(release, opt) if opt in OPTIMIZER_FORMATS else None
+    refusal = versions.load_refusal(release, "dp_reshardable" if opt == LAYER_WISE else opt) if (
+        opt in (*OPTIMIZER_FORMATS, LAYER_WISE)) else None
     if refusal:
         raise TorchDistWriteError(refusal)
     shapes = dict(expected_parameters(config, layout))
     step = _single_step(ucp) if opt is not None else None
     groups = _rank_param_groups(ucp, config, target) if opt is not None else None
     owners = _Owners(layout, versions.torch_dist_files_per_rank(release, target.args))
-    if opt == "dp_reshardable":  # first: its items have fixed owners, the replicated ones balance around them
+    if opt in ("dp_reshardable", LAYER_WISE):  # first: their items have fixed owners, the replicated ones balance
         _plan_flat_buckets(ucp, config, target, shapes, step, groups, owners)
     _plan_model(ucp, config, layout, opt, shapes, owners)
     _plan_extra_states(config, layout, shapes, owners)
@@ -395,6 +412,11 @@ def _plan_model(ucp, config: GPTModelConfig, layout: ParallelLayout, opt: Option
         dtype = _model_dtype(ucp, name)
         global_shape = torch_dist_lead_shape(name, config) + tuple(shape)
         states = []  # (saved key, universal tensor); persistent buffers (MoE's expert_bias) have no optimizer state
+        if opt == LAYER_WISE and emerging_matrix(name, shape):  # the layer-wise optimizer's own: model space
+            prefix = chained_prefix(0)
+            if dtype != _F32:  # Float16OptimizerWithFloat16Params' main weight
+                states.append((model_space_state_key("fp32_param", key, prefix), "fp32"))
+            states += [(model_space_state_key(s, key, prefix), s) for s in ucp.parameters[name].tensors[1:]]
         if opt in ("fully_reshardable", "fully_sharded_model_space", "adam") and not is_buffer(name):
             if opt in OPTIMIZER_FORMATS:
                 main = versions.optimizer_sharding(opt).main_param
@@ -453,6 +475,8 @@ def _rank_buffers(ucp, config: GPTModelConfig, target: WriteTarget, pp_rank: int
     chunks = [parameters_for_rank(config, layout, pp_rank, chunk if layout.vpp else None, ep_rank=ep_rank)
               for chunk in range(layout.num_chunks)]
     params = rank_buffer_params(ucp, config, layout, pp_rank, ep_rank)
+    if target.args.get("use_layer_wise_distributed_optimizer"):  # the scalar parameters' own DDP buffers
+        params = [[p for p in chunk if not emerging_matrix(p.name, p.shape)] for chunk in params]
     return chunks, chunk_buffers(target, pp_rank, params, experts=experts)
 
 
@@ -463,14 +487,17 @@ def _plan_flat_buckets(ucp, config: GPTModelConfig, target: WriteTarget, shapes:
     `chained_<i>.`) the expert one over (etp, ep, pp) x expert-DP."""
     layout = target.layout
     chained = experts_in_own_optimizer(config, layout)
+    layer_wise = bool(target.args.get("use_layer_wise_distributed_optimizer"))
     for index in ((0, 1) if chained else (0,)):
         experts = index == 1
-        prefix = chained_prefix(index if chained else None)
+        prefix = chained_prefix(1 if layer_wise else index if chained else None)
         for pp_rank in range(layout.pp):
             for ep_rank in (range(layout.ep) if experts else (0,)):
                 chunks, buffers = _rank_buffers(ucp, config, target, pp_rank, ep_rank, experts)
                 canonical = {(c, local): name for c, chunk in enumerate(chunks) for local, _, name in chunk}
                 identities = groups.identities[index][:len(groups.members[index][(0, ep_rank, pp_rank)])]
+                if layer_wise:  # the scalar optimizer's groups
+                    identities = [i for i in identities if group_optimizer(i, ucp.optimizer_type) != ucp.optimizer_type]
                 for tp_rank in range(layout.expert_tp if experts else layout.tp):
                     if experts:
                         mp, dp_size = layout.expert_mp_rank(tp_rank, ep_rank, pp_rank), layout.expert_dp
@@ -596,9 +623,11 @@ def _emerging_common(ucp, target: WriteTarget, step, groups: TargetGroups, kind:
         if step:  # megatron-core saves the shared step only when non-zero
             inner["state"]["common_step"] = SavedTensor(struct.pack("<f", float(step)), "float32", ())
     if mixed:
-        raise TorchDistWriteError(f"{ucp.path}: {ucp.optimizer_type} state of a 16-bit model: megatron-ucp writes "
-                                  f"the emerging optimizers' chain for fp32 models only (no 16-bit fixture measured "
-                                  f"it); resume it with --universal-checkpoint")
+        raise TorchDistWriteError(f"{ucp.path}: {ucp.optimizer_type} state of a 16-bit model without the distributed "
+                                  f"optimizer: megatron-ucp writes that chain for fp32 models only (no 16-bit fixture "
+                                  f"measured it); add --use-distributed-optimizer (megatron-core 0.19's layer-wise "
+                                  f"distributed optimizer, how its 16-bit Lion / Muon runs train), or resume it with "
+                                  f"--universal-checkpoint")
     return inner
 
 
@@ -619,7 +648,12 @@ def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: Op
         chained = experts_in_own_optimizer(ucp.config, target.layout)
         mixed = any(_model_dtype(ucp, n) != _F32 for n in ucp.parameters)
         kinds = run_optimizers(ucp.optimizer_type, ucp.args)
-        if len(kinds) > 1:  # an emerging optimizer's ChainedOptimizer: {0: its own, 1: its scalar optimizer}
+        if opt == LAYER_WISE:  # {0: the layer-wise optimizer's Float16 wrapper (groups), 1: the DistributedOptimizer's}
+            identities = groups.identities[0][:len(groups.members[0][(0, 0, 0)])]
+            hyper = [group_hyper(ucp, i) for i in identities if group_optimizer(i, ucp.optimizer_type) == kinds[0]]
+            common["optimizer"] = {0: {"optimizer": {"param_groups": hyper}} if mixed else {"param_groups": hyper},
+                                   1: {"param_state_sharding_type": "dp_reshardable"}}
+        elif len(kinds) > 1:  # an emerging optimizer's ChainedOptimizer: {0: its own, 1: its scalar optimizer}
             common["optimizer"] = dict(enumerate(_emerging_common(ucp, target, step, groups, kind, mixed)
                                                  for kind in kinds))
         else:
@@ -633,7 +667,8 @@ def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: Op
             "state": EnumMember(GlobalRef(_RERUN + "RerunState"), 0), "current_iteration": ucp.iteration}
     flops = ucp.metadata.get("num_floating_point_operations_so_far")
     common["num_floating_point_operations_so_far"] = flops if flops is not None else 0
-    common["content_metadata"] = content_metadata(target.use_distributed_optimizer, opt)
+    common["content_metadata"] = content_metadata(target.use_distributed_optimizer,
+                                                  "dp_reshardable" if opt == LAYER_WISE else opt)
     return common
 
 
