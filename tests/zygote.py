@@ -9,15 +9,18 @@ What a rank sees is what torchrun gives it: its environment (the caller's, plus 
 WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GROUP_RANK), its working directory, sys.argv and
 `sys.path[0]` as `python SCRIPT ARGS...` sets them, the script run as `__main__`, stdout and stderr into the
 run's log; when one rank fails the others are stopped, as torchrun does. The server itself never touches
-torch's thread pools, a process group or CUDA (it only imports), so a fork inherits no threads and no
-state; it is started with the caller's environment, and a run whose environment differs from it in a
-variable read at start or import time (IMPORT_TIME_PREFIXES: e.g. another ATEN_CPU_CAPABILITY) is torchrun's. Set MEGATRON_UCP_TEST_TORCHRUN=1 to launch every run with torchrun instead.
+torch's thread pools, a process group or CUDA (it imports, and compiles Megatron-LM's fused kernels in one
+thread: _prewarm_fused_kernels), so a fork inherits no threads and no state; it is started with the caller's
+environment, and a run whose environment differs from it in a variable read at start or import time
+(IMPORT_TIME_PREFIXES: e.g. another ATEN_CPU_CAPABILITY) is torchrun's. Set MEGATRON_UCP_TEST_TORCHRUN=1 to launch
+every run with torchrun instead.
 
 Protocol: one JSON request per line on the server's stdin, one JSON reply per line on its stdout.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -28,6 +31,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
@@ -224,6 +228,72 @@ def _native_threads() -> List[str]:
     return names
 
 
+# Megatron-LM 0.19's warm-up of its torch.compile'd fused kernels (set_jit_fusion_options ->
+# initialize._warmup_jit_function), compiled once in the server for the precisions the suite trains in, both
+# activations (SwiGLU, GeLU), every dimension dynamic: what every rank would otherwise compile itself.
+# The sizes: none 0 or 1 (dynamo specializes those) and no two alike (it would guard on their equality).
+PREWARM_PRECISIONS = ((False, False), (True, False), (False, True))  # (bf16, fp16): fp32, bf16, fp16
+PREWARM_SIZES = dict(seq_length=24, micro_batch_size=3, hidden_size=40, ffn_hidden_size=56)
+
+
+def _prewarm_fused_kernels() -> None:
+    """Compile Megatron-LM's fused bias-SwiGLU / bias-GeLU / bias-dropout-add kernels here, so that a rank's
+    warm-up finds them compiled instead of compiling them (measured: 2-14 s a rank, 0.01 s prewarmed).
+
+    A rank's CPU generator, which initializes the MoE router and experts next, is drawn as a fresh compile
+    draws it (measured with torch 2.13, in one process and in forked ranks, at every size and precision the
+    suite uses): the warm-up draws its dummy inputs with torch.rand, then each call of the compiled dropout
+    draws its seeds (inductor_seeds: one randint over int64), whether the graph is fresh or cached, static or
+    dynamic. Only dynamo's fallback to eager past its recompile limit draws otherwise (eager dropout's own
+    draws: 49280 32-bit words where the compiled one draws 8340), which is why a rank's warm-up runs with
+    the limit raised by the graphs compiled here (_warmup_past_the_servers_graphs).
+
+    Compiled under an instance of cpu_shims' CUDA-to-CPU mode, which each rank's warm-up runs under: dynamo
+    guards on the types of the active torch function modes (and the warm-up's torch.rand(device="cuda") needs
+    it). Done only with one intra-op thread (OMP_NUM_THREADS=1, as the suite's runs set it): more would start
+    torch's OpenMP pool, which a fork must not copy; the ranks then compile as before. The server's generator,
+    Megatron-LM's global args and inductor's compile_threads are left as they were."""
+    if os.environ.get("OMP_NUM_THREADS") != "1":
+        return
+    import torch
+    from megatron.training import global_vars, initialize
+
+    from megatron_ucp.megatron_lm import cpu_shims
+
+    rng = torch.get_rng_state()
+    threads = torch._inductor.config.compile_threads
+    torch._inductor.config.compile_threads = 1  # compiled in this process: no pool of compile workers
+    try:
+        with cpu_shims._CUDAToCPUMode(), torch._dynamo.config.patch(assume_static_by_default=False):
+            for bf16, fp16 in PREWARM_PRECISIONS:
+                for swiglu in (True, False):
+                    global_vars.set_args(SimpleNamespace(
+                        bf16=bf16, fp16=fp16, swiglu=swiglu, tensor_model_parallel_size=1,
+                        context_parallel_size=1, sequence_parallel=False, **PREWARM_SIZES))
+                    initialize._warmup_jit_function(tp_size=1)
+    finally:
+        global_vars.set_args(None)  # a rank's set_global_variables asserts that none are set
+        torch._inductor.config.compile_threads = threads
+        torch.set_rng_state(rng)
+    initialize._warmup_jit_function = _warmup_past_the_servers_graphs(initialize._warmup_jit_function)
+
+
+def _warmup_past_the_servers_graphs(warmup):
+    """Megatron-LM's warm-up with dynamo's recompile limit raised by the graphs the server compiled for each
+    kernel (two per precision: the warm-up calls each kernel with and without input gradients). A rank whose
+    warm-up misses them (e.g. a micro-batch of 1) compiles its own as a fresh warm-up does, never past the
+    limit into eager dropout."""
+    import torch
+
+    @functools.wraps(warmup)
+    def _warmup_jit_function(*args, **kwargs):
+        limit = torch._dynamo.config.recompile_limit + 2 * len(PREWARM_PRECISIONS)
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            return warmup(*args, **kwargs)
+
+    return _warmup_jit_function
+
+
 def serve() -> None:
     for name in PRELOAD:
         __import__(name)
@@ -244,6 +314,7 @@ def serve() -> None:
         post_grad.lazy_init()
     except ImportError:
         pass
+    _prewarm_fused_kernels()
     from tqdm import tqdm  # the pattern tables show a progress bar, whose monitor thread a fork must not copy
 
     if tqdm.monitor is not None:
