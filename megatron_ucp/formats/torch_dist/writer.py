@@ -1009,6 +1009,9 @@ class DirectTorchDistWriter(CheckpointWriter):
         what = plan.optimizer  # 'adam': the torch optimizer's own state; another optimizer's named as such
         if what == "adam" and ucp.optimizer_type != "adam":
             what = f"{ucp.optimizer_type} ({', '.join(ucp.optimizer_state_keys)})"
+        elif what == LAYER_WISE:
+            what = (f"{ucp.optimizer_type} ({', '.join(ucp.optimizer_state_keys)}) under the layer-wise distributed "
+                    f"optimizer (dp_reshardable)")
         return [f"optimizer state: {what or 'none (weights only)'}",
                 f"as megatron-core {plan.release.name} saves it",
                 f"written directly: {items} items in {len(plan.files)} files, {self.workers} writer threads"]
