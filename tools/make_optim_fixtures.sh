@@ -18,15 +18,17 @@
 #   MUC19:       MUA19's run saved in legacy torch
 #   MUD19:       MUB19's run (layer-wise distributed optimizer, bf16) at TP1 PP2 DP2
 #   LIB19:       LIA19's run under the layer-wise distributed optimizer, bf16, TP2 DP2
+#   MUE19:       MUA19's run with an MoE layer (layer 1: 4 experts top-2, a shared expert; EP1, so the experts share
+#                the dense optimizers: with experts in their own, megatron-core chains four), TP1 DP2, torch_dist
 # (MUB19's run with --muon-scalar-optimizer lion cannot be made: megatron-core 0.19.2's DistributedOptimizer save of
 #  the Lion scalars reads Adam's per-parameter 'step', KeyError at the first save)
 # cpu_shims stands in for emerging-optimizers' triton kernels on CPU.
-#   tools/make_optim_fixtures.sh OUT_DIR [SGA19 SGB19 LIA19 MUA19 MUB19 MUC19 MUD19 LIB19]
+#   tools/make_optim_fixtures.sh OUT_DIR [SGA19 SGB19 LIA19 MUA19 MUB19 MUC19 MUD19 LIB19 MUE19]
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${1:?OUT_DIR}
 shift
-WHICH=${*:-SGA19 SGB19 LIA19 MUA19 MUB19 MUC19 MUD19 LIB19}
+WHICH=${*:-SGA19 SGB19 LIA19 MUA19 MUB19 MUC19 MUD19 LIB19 MUE19}
 PY=${PYTHON:-$REPO/.venv/bin/python}
 
 COMMON="--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
@@ -47,7 +49,8 @@ FLAGS[MUC19]="$MUON --tensor-model-parallel-size 2 --ckpt-format torch"
 FLAGS[MUB19]="$MUON --use-distributed-optimizer --bf16 --tensor-model-parallel-size 2 --ckpt-format torch_dist"
 FLAGS[MUD19]="$MUON --use-distributed-optimizer --bf16 --pipeline-model-parallel-size 2 --ckpt-format torch_dist"
 FLAGS[LIB19]="--optimizer lion --lr 1e-4 --min-lr 1e-5 --use-distributed-optimizer --bf16 --tensor-model-parallel-size 2 --ckpt-format torch_dist"
-NPROC[SGA19]=4; NPROC[MUD19]=4; NPROC[LIB19]=4; NPROC[SGB19]=4; NPROC[LIA19]=4; NPROC[MUA19]=4; NPROC[MUB19]=4; NPROC[MUC19]=4
+FLAGS[MUE19]="$MUON --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-layer-freq [0,1] --moe-aux-loss-coeff 1e-2 --moe-shared-expert-intermediate-size 32 --moe-token-dispatcher-type alltoall --ckpt-format torch_dist"
+NPROC[SGA19]=4; NPROC[MUD19]=4; NPROC[LIB19]=4; NPROC[MUE19]=2; NPROC[SGB19]=4; NPROC[LIA19]=4; NPROC[MUA19]=4; NPROC[MUB19]=4; NPROC[MUC19]=4
 NAME[SGA19]=SGA19_llama_tp2pp2dp1_sgd_torch_dist
 NAME[SGB19]=SGB19_llama_tp2pp2dp1_sgd_torch
 NAME[LIA19]=LIA19_llama_tp2dp2_lion_torch_dist
@@ -56,6 +59,7 @@ NAME[MUB19]=MUB19_llama_tp2dp2_muon_layerwise_bf16_torch_dist
 NAME[MUC19]=MUC19_llama_tp2dp2_muon_torch
 NAME[MUD19]=MUD19_llama_tp1pp2dp2_muon_layerwise_bf16_torch_dist
 NAME[LIB19]=LIB19_llama_tp2dp2_lion_layerwise_bf16_torch_dist
+NAME[MUE19]=MUE19_moe_tp1dp2_muon_torch_dist
 
 for f in $WHICH; do
   dir="$OUT/${NAME[$f]}"
