@@ -106,7 +106,7 @@ class Bench:
         self.log(f"preparing: {self.shape.num_parameters / 1e6:.1f} M parameters, 1 training iteration")
         run_measured("prepare-train", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                        "--nproc-per-node", "1", str(PRETRAIN), *flags, "--train-iters", "1",
-                                       "--save", str(src)], log_path=self.work / "logs" / "prepare-train.log",
+                                       "--save-interval", "1", "--save", str(src)], log_path=self.work / "logs" / "prepare-train.log",
                      cwd=REPO, env=self.env, timeout_s=self.args.timeout)
         run_measured("prepare-convert", [sys.executable, "-m", "megatron_ucp.cli", "to-universal", str(src), str(ucp),
                                          "--quiet"], log_path=self.work / "logs" / "prepare-convert.log", cwd=REPO,

@@ -56,11 +56,20 @@ def _without_checksums() -> None:
         def update(self, pos, data) -> None:
             pass
 
+        def missing(self) -> list:  # nothing is fed to it, so it cannot tell (the checksummed run checks)
+            return []
+
         def record(self) -> integrity.DigestRecord:
             return integrity.DigestRecord(integrity.ALGORITHM, self.block_size, self.size,
                                           ("0" * 32,) * len(self._digests), self.offset)
 
+    class NoFiniteDigests(NoDigests):  # the finiteness scan rides on the digests' pass: off with them
+        def __init__(self, size, regions, block_size=integrity.BLOCK_SIZE, *, offset=0, name="file"):
+            super().__init__(size, block_size, offset=offset, name=name)
+            self.non_finite = {}
+
     integrity.BlockHasher = NoDigests
+    integrity.FiniteBlockHasher = NoFiniteDigests
     tensorfile.write_placement = lambda files, fd, offset, placement, hasher=None: byteio.write_placement(
         files, fd, offset, placement)
 
@@ -124,7 +133,7 @@ class Bench:
         src = self.work / "ckpt"
         flags = model_flags(PRESETS[self.args.preset])
         self.log(f"training {self.args.preset} for one iteration at TP2PP2DP2 ...")
-        run_measured("train", torchrun("TP2PP2DP2", [*flags, "--train-iters", "1", "--save", str(src)]),
+        run_measured("train", torchrun("TP2PP2DP2", [*flags, "--train-iters", "1", "--save-interval", "1", "--save", str(src)]),
                      log_path=self.work / "logs" / "train.log", cwd=REPO, env=self.env, timeout_s=self.args.timeout)
         return src
 
