@@ -36,7 +36,8 @@ zeroed 2.0e-4, its TP halves exchanged 3.7e-4 (the output layer's Adam exp_avg h
 LIB19: direct at TP2 DP1 8.6e-8 of its uninterrupted run; at TP1 the direct resume equals Megatron-LM's own load of
 the from-universal write at TP1 (0.0).
 MUE19 (Muon with an MoE layer, TP1 DP2 EP1, fp32: the experts, the router and the shared expert are Muon's matrices):
-direct at TP1 PP2 and universal at TP1 DP1 1.0e-7 of its uninterrupted run; one expert's momentum zeroed 1.9e-5.
+direct at TP1 PP2, universal at TP1 DP1 and at DP2 EP2 (four chained optimizers) 1.0e-7 of its uninterrupted run;
+one expert's momentum zeroed 1.9e-5.
 Time: about 165 s (22 runs of 1-4 processes; 2 CPU cores).
 """
 
@@ -340,8 +341,7 @@ def test_layer_wise_lion_resumes_and_megatron_lms_own_load_of_its_write_is_the_d
 
 
 def test_muon_with_experts_resumes_and_its_control(runs):
-    """MUE19: Muon on an MoE run at EP1 (the experts in the dense optimizers; with experts in their own optimizer
-    megatron-core chains four, refused in one line): the routed experts, the router and the shared expert take Muon's
+    """MUE19: Muon on an MoE run at EP1 (the experts in the dense optimizers): the routed experts, the router and the shared expert take Muon's
     momentum, the norms and embeddings Adam's; the direct resume at TP1 PP2 and the universal one at TP1 DP1 continue
     the uninterrupted run; routed expert 0's fc1 momentum zeroed misses it by far."""
     from ucp_edits import edited_copy
@@ -366,3 +366,11 @@ def test_muon_with_experts_resumes_and_its_control(runs):
                       uninterrupted(MUE19))
     assert direct <= FP32_TOL and universal <= FP32_TOL, (direct, universal)  # measured 1.0e-7 each
     assert zeroed > 10 * FP32_TOL, zeroed  # measured 1.9e-5
+    # at EP2 the experts have their own optimizers (megatron-core chains four): the universal resume loads them
+    # (Muon's experts are whole matrices at any EP: the same run), a write for that layout is refused in one line
+    ep2 = rel_diff(runs.resume("moe_muon_universal_dp2ep2", MUE19, Layout(dp=2, ep=2), ucp, args), uninterrupted(MUE19))
+    assert ep2 <= FP32_TOL, ep2  # measured 1.0e-7
+    with pytest.raises(fu.FromUniversalError, match="chains four optimizers, which megatron-ucp does not write") as e:
+        fu.from_universal(ucp, runs.root / "moe_ep2_write", ckpt_format="torch_dist", data_parallel_size=2,
+                          expert_model_parallel_size=2, rng_state="cpu", progress=False)
+    assert "\n" not in str(e.value) and not (runs.root / "moe_ep2_write").exists()

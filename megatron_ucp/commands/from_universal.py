@@ -39,7 +39,8 @@ from typing import Optional, Union
 from tqdm import tqdm
 
 from megatron_ucp.adapters.gpt import (
-    expected_parameters, experts_per_ep_rank, is_buffer, megatron_padded_vocab, virtual_chunks)
+    expected_parameters, experts_in_own_optimizer, experts_per_ep_rank, is_buffer, megatron_padded_vocab,
+    virtual_chunks)
 from megatron_ucp.commands.common import add_publication_flags, add_target_layout_arguments
 from megatron_ucp.core.layout import LayoutError, ParallelLayout
 from megatron_ucp.core.patterns import PatternError
@@ -166,7 +167,11 @@ def plan_target(ucp: UniversalCheckpoint, layout: ParallelLayout, *, vpp_layers:
     if layout.vpp and mbs and gbs and (gbs // (mbs * layout.dp)) % layout.pp:
         raise FromUniversalError(f"{where}: the interleaved schedule needs the number of micro-batches "
                                  f"({gbs // (mbs * layout.dp)}) divisible by PP={layout.pp}; change DP or drop VPP")
-    layer_wise = use_distributed_optimizer and len(optimizers.run_optimizers(ucp.optimizer_type, ucp.args)) > 1
+    emerging = ucp.has_optimizer_state and len(optimizers.run_optimizers(ucp.optimizer_type, ucp.args)) > 1
+    if emerging and experts_in_own_optimizer(target_config, layout):
+        raise FromUniversalError(f"{where}: --optimizer {ucp.optimizer_type} "
+                                 f"{optimizers.EMERGING_WITH_EXPERTS_WRITE_REFUSAL}")
+    layer_wise = use_distributed_optimizer and optimizers.runs_layer_wise(ucp.args.get("optimizer"))
     if layer_wise and ucp.has_optimizer_state:  # megatron-core 0.19's layer-wise distributed optimizer
         why = optimizers.layer_wise_refusal(ucp.optimizer_type, ucp.args) or (
             optimizers.LAYER_WISE_LEGACY_REFUSAL if ckpt_format == "torch" else None)

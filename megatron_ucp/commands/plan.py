@@ -27,6 +27,7 @@ from megatron_ucp.adapters.gpt import (check_pipeline, expected_parameters, expe
                                       virtual_chunks)
 from megatron_ucp.commands.common import (
     add_target_layout_arguments, human_bytes, is_universal, open_any, text_table, universal_problems)
+from megatron_ucp.core.optimizers import runs_layer_wise
 from megatron_ucp.core.placement import PlacementError, resolve_vpp, split_options
 from megatron_ucp.core.layout import LayoutError, ParallelLayout
 from megatron_ucp.core.model_config import GPTModelConfig
@@ -101,9 +102,14 @@ class Source:
     shapes: dict
     patterns: dict  # canonical name -> the stored pattern (a universal checkpoint's) or the rulebook's
     model_dtypes: dict
-    has_moments: bool
+    states: dict  # canonical name -> how many optimizer-state tensors it holds besides fp32 (0 without state)
     args: dict
     problems: tuple[str, ...] = ()  # what makes the checkpoint unloadable whatever the layout
+
+    @property
+    def has_moments(self) -> bool:
+        """Optimizer state to load (Adam's moments, SGD's / Lion's / Muon's momentum: core/optimizers.py)."""
+        return any(self.states.values())
 
 
 def read_source(path, iteration: Optional[int] = None) -> Source:
@@ -113,7 +119,7 @@ def read_source(path, iteration: Optional[int] = None) -> Source:
         return Source(str(ckpt.path), "universal", ckpt.iteration, ckpt.config,
                       {n: p.shape for n, p in params.items()}, {n: p.pattern for n, p in params.items()},
                       {n: p.model_dtype for n, p in params.items()},
-                      _has_moments(params), dict(ckpt.args),
+                      {n: len(p.tensors) - 1 for n, p in params.items()}, dict(ckpt.args),
                       tuple(universal_problems(ckpt)))
     from megatron_ucp.convert import conversion_tasks
     from megatron_ucp.core.dtypes import dtype_name
@@ -121,12 +127,12 @@ def read_source(path, iteration: Optional[int] = None) -> Source:
     tasks = conversion_tasks(ckpt)  # the conversion would fail here if the source is not convertible
     return Source(str(ckpt.path), ckpt.format, ckpt.iteration, ckpt.config, {t.name: t.shape for t in tasks},
                   {t.name: t.pattern for t in tasks},
-                  {t.name: dtype_name(t.places[0][0].dtype) for t in tasks}, ckpt.optimizer_kind != "none",
+                  {t.name: dtype_name(t.places[0][0].dtype) for t in tasks},
+                  {t.name: 0 if ckpt.optimizer_kind == "none" or is_buffer(t.name) else
+                   len(ckpt.parameter_row(t.places[0][0].local_name, t.places[0][0].shape).states) for t in tasks},
                   dict(ckpt.args))
 
 
-def _has_moments(params) -> bool:
-    return all("exp_avg" in p.tensors for name, p in params.items() if not is_buffer(name))
 
 
 def check_target(source: Source, target: Target) -> tuple[list[str], list[str], Optional[ParallelLayout], int]:
@@ -249,8 +255,10 @@ def _stage_reads(source: Source, c: GPTModelConfig, layout: ParallelLayout, padd
     re-padded vocabulary tensor, read whole by every rank, and buffers (loader.load_universal_checkpoint)."""
     pp_rank, tp_rank, ep_rank, etp_rank = key
     stored_rows = source.config.padded_vocab_size
-    moments = 2 if source.has_moments else 0
-    gather = moments and use_distributed_optimizer
+    # the distributed optimizer's DP shards; megatron-core 0.19's layer-wise one (Lion / Muon) gives each matrix whole
+    # to one DP rank: counted as without it, every rank reading its slices' state (an upper bound)
+    layer_wise = use_distributed_optimizer and runs_layer_wise(source.args.get("optimizer"))
+    gather = source.has_moments and use_distributed_optimizer and not layer_wise
     stage = _StageReads([], dense_weight=[0] * layout.dp_cp, dense_opt=[0] * layout.dp_cp,
                         expert_weight=[0] * layout.expert_dp, expert_opt=[0] * layout.expert_dp)
     for chunk in range(layout.num_chunks):
@@ -268,15 +276,15 @@ def _stage_reads(source: Source, c: GPTModelConfig, layout: ParallelLayout, padd
             resized[local] = repad
             if not gather or repad or is_buffer(canonical):
                 stage.full_weight += read
-            if moments and not use_distributed_optimizer and not is_buffer(canonical):
-                stage.full_opt += moments * read
+            if not gather and not is_buffer(canonical):
+                stage.full_opt += source.states.get(canonical, 0) * read
         if gather:
             params = [e for e in entries if not is_buffer(e[2])]
             for experts, weight, opt in ((False, stage.dense_weight, stage.dense_opt),
                                          (True, stage.expert_weight, stage.expert_opt)):
                 mine = [e for e in params if in_expert_optimizer(e[2], c, layout) == experts]
                 if mine:
-                    _add_distopt_reads(source, layout, mine, splits, pp_rank, chunk, resized, weight, opt, moments,
+                    _add_distopt_reads(source, layout, mine, splits, pp_rank, chunk, resized, weight, opt,
                                        experts=experts)
     return stage
 
@@ -317,8 +325,7 @@ def rank_reads(source: Source, layout: ParallelLayout, padded: int,
 
 
 def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, splits: dict, pp_rank: int, chunk: int,
-                       resized: dict, weight_bytes: list, opt_bytes: list, moments: int, *,
-                       experts: bool = False) -> None:
+                       resized: dict, weight_bytes: list, opt_bytes: list, *, experts: bool = False) -> None:
     """Bytes read per DP x CP rank with the distributed optimizer: megatron-core gives DP x CP rank r the r-th equal part
     of every bucket of the chunk's DDP buffer (bucket_layout reproduces the buffer's index map; the expert
     buffers are split the same way over the expert-DP group); the rank reads the rows of each parameter's TP
@@ -346,6 +353,7 @@ def _add_distopt_reads(source: Source, layout: ParallelLayout, entries, splits: 
                     start, end = max(span.start, lo), min(span.end, hi)
                     if start >= end:
                         continue
+                    moments = source.states.get(canonicals[span.name], 0)
                     if resized[span.name]:
                         opt_bytes[dp_rank] += moments * full_bytes[span.name]
                     else:
@@ -367,8 +375,7 @@ def _torch_dtype(name: str):
 def make_plan(src, target: Target, iteration: Optional[int] = None) -> dict:
     source = read_source(src, iteration)
     problems, warnings, layout, padded = check_target(source, target)
-    stored_bytes = sum(math.prod(s) * 4 * (3 if source.has_moments and not is_buffer(n) else 1)
-                       for n, s in source.shapes.items())
+    stored_bytes = sum(math.prod(s) * 4 * (1 + source.states.get(n, 0)) for n, s in source.shapes.items())
     plan = {
         "source": {"path": source.path, "format": source.format, "iteration": source.iteration,
                    "optimizer_state": source.has_moments, "universal_bytes": stored_bytes,

@@ -99,6 +99,12 @@ LAYER_WISE_LEGACY_REFUSAL = (
     "(Megatron-LM's default), or " + _WEIGHTS_ALONE)
 
 
+def runs_layer_wise(name: Optional[str]) -> bool:
+    """Whether megatron-core 0.19 runs --optimizer `name` with --use-distributed-optimizer as its layer-wise
+    distributed optimizer (Megatron-LM 0.19's validate_args: every optimizer but adam and sgd)."""
+    return (name or "adam") not in ("adam", "sgd")
+
+
 def layer_wise_refusal(name: Optional[str], args) -> Optional[str]:
     """Why a run of --optimizer `name` under the layer-wise distributed optimizer has state megatron-ucp does not map,
     one line; None where it does (Muon or Lion with Adam for the scalar parameters). Lion scalars: megatron-core
@@ -125,6 +131,11 @@ def layer_wise_sharding_refusal(sharding) -> str:
 EMERGING_WITH_EXPERTS_REFUSAL = (
     "with experts in their own optimizer (EP > 1 or ETP != TP) megatron-core chains four optimizers, which "
     "megatron-ucp does not map yet; " + _WEIGHTS_ALONE)
+# the write side: --universal-checkpoint loads that chain (measured: MUE19's universal at EP2), nothing writes it yet
+EMERGING_WITH_EXPERTS_WRITE_REFUSAL = (
+    "with experts in their own optimizer at the target layout (EP > 1 or ETP != TP) megatron-core chains four "
+    "optimizers, which megatron-ucp does not write yet; resume at that layout with --universal-checkpoint (it loads "
+    "them), or write at EP1 with ETP = TP")
 
 
 def optimizer_states(name: str) -> OptimizerStates:

@@ -64,7 +64,7 @@ def target_args(metadata: Mapping[str, Any], layout: ParallelLayout, *, use_dist
                 padded_vocab_size: int, ckpt_format: str, vpp_layers: Optional[int]) -> dict:
     """The universal checkpoint's Megatron args with the target layout's values (JSON values)."""
     args = dict(metadata.get("args") or {})
-    emerging = len(optimizers.run_optimizers(args.get("optimizer") or "adam", args)) > 1
+    layer_wise = optimizers.runs_layer_wise(args.get("optimizer"))
     args.update(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -83,9 +83,9 @@ def target_args(metadata: Mapping[str, Any], layout: ParallelLayout, *, use_dist
         context_parallel_size=layout.cp,
         world_size=layout.world_size,
         sequence_parallel=bool(layout.sp),
-        use_distributed_optimizer=bool(use_distributed_optimizer) and not emerging,
+        use_distributed_optimizer=bool(use_distributed_optimizer) and not layer_wise,
         # megatron-core 0.19 runs Lion / Muon with --use-distributed-optimizer as its layer-wise distributed optimizer
-        use_layer_wise_distributed_optimizer=bool(use_distributed_optimizer) and emerging,
+        use_layer_wise_distributed_optimizer=bool(use_distributed_optimizer) and layer_wise,
         padded_vocab_size=int(padded_vocab_size),
         ckpt_format=ckpt_format,
         use_dist_ckpt=ckpt_format != "torch",

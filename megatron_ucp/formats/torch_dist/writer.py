@@ -611,12 +611,17 @@ def _optimizer_common(ucp, target: WriteTarget, opt: str, step, groups: TargetGr
     return out
 
 
+def _kind_hyper(ucp, groups: TargetGroups, kind: str) -> list:
+    """Rank 0's param groups of one optimizer of an emerging optimizer's chain (those of its kind)."""
+    identities = groups.identities[0][:len(groups.members[0][(0, 0, 0)])]
+    return [group_hyper(ucp, i) for i in identities if group_optimizer(i, ucp.optimizer_type) == kind]
+
+
 def _emerging_common(ucp, target: WriteTarget, step, groups: TargetGroups, kind: str, mixed: bool) -> dict:
     """One optimizer of an emerging optimizer's chain as megatron-core 0.19 keeps it in the common state: its
     param groups (those of its kind), and for Adam the shared step; the emerging optimizer itself keeps no 'state'
     (LIA19, MUA19)."""
-    identities = groups.identities[0][:len(groups.members[0][(0, 0, 0)])]
-    hyper = [group_hyper(ucp, i) for i in identities if group_optimizer(i, ucp.optimizer_type) == kind]
+    hyper = _kind_hyper(ucp, groups, kind)
     inner: dict = {"param_groups": hyper}
     if OPTIMIZERS[kind].step:
         inner = {"state": {}, "param_groups": hyper}
@@ -649,8 +654,7 @@ def _common_state(ucp, target: WriteTarget, opt: Optional[str], step, groups: Op
         mixed = any(_model_dtype(ucp, n) != _F32 for n in ucp.parameters)
         kinds = run_optimizers(ucp.optimizer_type, ucp.args)
         if opt == LAYER_WISE:  # {0: the layer-wise optimizer's Float16 wrapper (groups), 1: the DistributedOptimizer's}
-            identities = groups.identities[0][:len(groups.members[0][(0, 0, 0)])]
-            hyper = [group_hyper(ucp, i) for i in identities if group_optimizer(i, ucp.optimizer_type) == kinds[0]]
+            hyper = _kind_hyper(ucp, groups, kinds[0])
             common["optimizer"] = {0: {"optimizer": {"param_groups": hyper}} if mixed else {"param_groups": hyper},
                                    1: {"param_state_sharding_type": "dp_reshardable"}}
         elif len(kinds) > 1:  # an emerging optimizer's ChainedOptimizer: {0: its own, 1: its scalar optimizer}
